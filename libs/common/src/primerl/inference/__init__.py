@@ -1,0 +1,1 @@
+"""Generated from protos/ by protos/gen_python.py. Do not edit."""

@@ -1,0 +1,175 @@
+import datetime
+
+from google.protobuf import timestamp_pb2 as _timestamp_pb2
+from primerl.common.v1 import service_info_pb2 as _service_info_pb2
+from primerl.common.v1 import tensor_pb2 as _tensor_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class TrainingMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TRAINING_MODE_UNSPECIFIED: _ClassVar[TrainingMode]
+    TRAINING_MODE_RL: _ClassVar[TrainingMode]
+    TRAINING_MODE_SFT: _ClassVar[TrainingMode]
+TRAINING_MODE_UNSPECIFIED: TrainingMode
+TRAINING_MODE_RL: TrainingMode
+TRAINING_MODE_SFT: TrainingMode
+
+class GetServiceInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetServiceInfoResponse(_message.Message):
+    __slots__ = ("info",)
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    info: _service_info_pb2.ServiceInfo
+    def __init__(self, info: _Optional[_Union[_service_info_pb2.ServiceInfo, _Mapping]] = ...) -> None: ...
+
+class GetBatchSpecRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetBatchSpecResponse(_message.Message):
+    __slots__ = ("seq_len", "router_replay", "num_moe_layers", "num_experts_per_token", "num_experts", "vocab_size", "max_queued_batches", "next_step")
+    SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
+    ROUTER_REPLAY_FIELD_NUMBER: _ClassVar[int]
+    NUM_MOE_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_EXPERTS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    NUM_EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_QUEUED_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_STEP_FIELD_NUMBER: _ClassVar[int]
+    seq_len: int
+    router_replay: bool
+    num_moe_layers: int
+    num_experts_per_token: int
+    num_experts: int
+    vocab_size: int
+    max_queued_batches: int
+    next_step: int
+    def __init__(self, seq_len: _Optional[int] = ..., router_replay: _Optional[bool] = ..., num_moe_layers: _Optional[int] = ..., num_experts_per_token: _Optional[int] = ..., num_experts: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_queued_batches: _Optional[int] = ..., next_step: _Optional[int] = ...) -> None: ...
+
+class BatchBegin(_message.Message):
+    __slots__ = ("step", "num_micro_batches", "num_samples", "num_loss_tokens", "min_policy_version", "max_policy_version")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    NUM_MICRO_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    NUM_LOSS_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MIN_POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MAX_POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    num_micro_batches: int
+    num_samples: int
+    num_loss_tokens: int
+    min_policy_version: int
+    max_policy_version: int
+    def __init__(self, step: _Optional[int] = ..., num_micro_batches: _Optional[int] = ..., num_samples: _Optional[int] = ..., num_loss_tokens: _Optional[int] = ..., min_policy_version: _Optional[int] = ..., max_policy_version: _Optional[int] = ...) -> None: ...
+
+class MicroBatch(_message.Message):
+    __slots__ = ("input_ids", "position_ids", "loss_mask", "advantages", "inference_logprobs", "temperatures", "routed_experts", "policy_versions")
+    INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
+    POSITION_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOSS_MASK_FIELD_NUMBER: _ClassVar[int]
+    ADVANTAGES_FIELD_NUMBER: _ClassVar[int]
+    INFERENCE_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURES_FIELD_NUMBER: _ClassVar[int]
+    ROUTED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    input_ids: _tensor_pb2.Tensor
+    position_ids: _tensor_pb2.Tensor
+    loss_mask: _tensor_pb2.Tensor
+    advantages: _tensor_pb2.Tensor
+    inference_logprobs: _tensor_pb2.Tensor
+    temperatures: _tensor_pb2.Tensor
+    routed_experts: _tensor_pb2.Tensor
+    policy_versions: _tensor_pb2.Tensor
+    def __init__(self, input_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., position_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., loss_mask: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., advantages: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., inference_logprobs: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., temperatures: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., routed_experts: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., policy_versions: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
+
+class PushBatchRequest(_message.Message):
+    __slots__ = ("begin", "micro_batch")
+    BEGIN_FIELD_NUMBER: _ClassVar[int]
+    MICRO_BATCH_FIELD_NUMBER: _ClassVar[int]
+    begin: BatchBegin
+    micro_batch: MicroBatch
+    def __init__(self, begin: _Optional[_Union[BatchBegin, _Mapping]] = ..., micro_batch: _Optional[_Union[MicroBatch, _Mapping]] = ...) -> None: ...
+
+class PushBatchResponse(_message.Message):
+    __slots__ = ("step", "num_micro_batches", "num_queued_batches")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    NUM_MICRO_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    NUM_QUEUED_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    num_micro_batches: int
+    num_queued_batches: int
+    def __init__(self, step: _Optional[int] = ..., num_micro_batches: _Optional[int] = ..., num_queued_batches: _Optional[int] = ...) -> None: ...
+
+class StepMetrics(_message.Message):
+    __slots__ = ("step", "metrics", "finished_at", "policy_version")
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_AT_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    metrics: _containers.ScalarMap[str, float]
+    finished_at: _timestamp_pb2.Timestamp
+    policy_version: int
+    def __init__(self, step: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., finished_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., policy_version: _Optional[int] = ...) -> None: ...
+
+class GetStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetStatusResponse(_message.Message):
+    __slots__ = ("mode", "step", "published_policy_version", "num_queued_batches", "training", "last_step", "last_checkpoint_step")
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    PUBLISHED_POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    NUM_QUEUED_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    TRAINING_FIELD_NUMBER: _ClassVar[int]
+    LAST_STEP_FIELD_NUMBER: _ClassVar[int]
+    LAST_CHECKPOINT_STEP_FIELD_NUMBER: _ClassVar[int]
+    mode: TrainingMode
+    step: int
+    published_policy_version: int
+    num_queued_batches: int
+    training: bool
+    last_step: StepMetrics
+    last_checkpoint_step: int
+    def __init__(self, mode: _Optional[_Union[TrainingMode, str]] = ..., step: _Optional[int] = ..., published_policy_version: _Optional[int] = ..., num_queued_batches: _Optional[int] = ..., training: _Optional[bool] = ..., last_step: _Optional[_Union[StepMetrics, _Mapping]] = ..., last_checkpoint_step: _Optional[int] = ...) -> None: ...
+
+class WatchStepsRequest(_message.Message):
+    __slots__ = ("after_step",)
+    AFTER_STEP_FIELD_NUMBER: _ClassVar[int]
+    after_step: int
+    def __init__(self, after_step: _Optional[int] = ...) -> None: ...
+
+class WatchStepsResponse(_message.Message):
+    __slots__ = ("step",)
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    step: StepMetrics
+    def __init__(self, step: _Optional[_Union[StepMetrics, _Mapping]] = ...) -> None: ...
+
+class SaveCheckpointRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SaveCheckpointResponse(_message.Message):
+    __slots__ = ("step", "path")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    path: str
+    def __init__(self, step: _Optional[int] = ..., path: _Optional[str] = ...) -> None: ...

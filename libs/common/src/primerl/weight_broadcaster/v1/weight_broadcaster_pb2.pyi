@@ -1,0 +1,206 @@
+import datetime
+
+from google.protobuf import timestamp_pb2 as _timestamp_pb2
+from primerl.common.v1 import service_info_pb2 as _service_info_pb2
+from primerl.common.v1 import tensor_pb2 as _tensor_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class PublishKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PUBLISH_KIND_UNSPECIFIED: _ClassVar[PublishKind]
+    PUBLISH_KIND_FULL: _ClassVar[PublishKind]
+    PUBLISH_KIND_ADAPTER: _ClassVar[PublishKind]
+
+class Transport(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TRANSPORT_UNSPECIFIED: _ClassVar[Transport]
+    TRANSPORT_GRPC: _ClassVar[Transport]
+    TRANSPORT_SHARED_FS: _ClassVar[Transport]
+    TRANSPORT_NCCL: _ClassVar[Transport]
+
+class ReplicaState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    REPLICA_STATE_UNSPECIFIED: _ClassVar[ReplicaState]
+    REPLICA_STATE_CURRENT: _ClassVar[ReplicaState]
+    REPLICA_STATE_UPDATING: _ClassVar[ReplicaState]
+    REPLICA_STATE_BEHIND: _ClassVar[ReplicaState]
+    REPLICA_STATE_FAILED: _ClassVar[ReplicaState]
+PUBLISH_KIND_UNSPECIFIED: PublishKind
+PUBLISH_KIND_FULL: PublishKind
+PUBLISH_KIND_ADAPTER: PublishKind
+TRANSPORT_UNSPECIFIED: Transport
+TRANSPORT_GRPC: Transport
+TRANSPORT_SHARED_FS: Transport
+TRANSPORT_NCCL: Transport
+REPLICA_STATE_UNSPECIFIED: ReplicaState
+REPLICA_STATE_CURRENT: ReplicaState
+REPLICA_STATE_UPDATING: ReplicaState
+REPLICA_STATE_BEHIND: ReplicaState
+REPLICA_STATE_FAILED: ReplicaState
+
+class GetServiceInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetServiceInfoResponse(_message.Message):
+    __slots__ = ("info",)
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    info: _service_info_pb2.ServiceInfo
+    def __init__(self, info: _Optional[_Union[_service_info_pb2.ServiceInfo, _Mapping]] = ...) -> None: ...
+
+class PublishBegin(_message.Message):
+    __slots__ = ("policy_version", "kind", "num_tensors", "num_bytes", "trainer_step", "adapter_name", "adapter_rank", "adapter_alpha")
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    NUM_TENSORS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TRAINER_STEP_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_NAME_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_RANK_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_ALPHA_FIELD_NUMBER: _ClassVar[int]
+    policy_version: int
+    kind: PublishKind
+    num_tensors: int
+    num_bytes: int
+    trainer_step: int
+    adapter_name: str
+    adapter_rank: int
+    adapter_alpha: float
+    def __init__(self, policy_version: _Optional[int] = ..., kind: _Optional[_Union[PublishKind, str]] = ..., num_tensors: _Optional[int] = ..., num_bytes: _Optional[int] = ..., trainer_step: _Optional[int] = ..., adapter_name: _Optional[str] = ..., adapter_rank: _Optional[int] = ..., adapter_alpha: _Optional[float] = ...) -> None: ...
+
+class PublishWeightsRequest(_message.Message):
+    __slots__ = ("begin", "chunk")
+    BEGIN_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    begin: PublishBegin
+    chunk: _tensor_pb2.TensorChunk
+    def __init__(self, begin: _Optional[_Union[PublishBegin, _Mapping]] = ..., chunk: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ...) -> None: ...
+
+class PublishWeightsResponse(_message.Message):
+    __slots__ = ("policy_version", "num_tensors", "num_bytes", "num_changed_tensors")
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    NUM_TENSORS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_CHANGED_TENSORS_FIELD_NUMBER: _ClassVar[int]
+    policy_version: int
+    num_tensors: int
+    num_bytes: int
+    num_changed_tensors: int
+    def __init__(self, policy_version: _Optional[int] = ..., num_tensors: _Optional[int] = ..., num_bytes: _Optional[int] = ..., num_changed_tensors: _Optional[int] = ...) -> None: ...
+
+class RegisterReplicaRequest(_message.Message):
+    __slots__ = ("replica_id", "address", "format", "transport", "delta", "policy_version")
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    replica_id: str
+    address: str
+    format: _tensor_pb2.WeightFormat
+    transport: Transport
+    delta: bool
+    policy_version: int
+    def __init__(self, replica_id: _Optional[str] = ..., address: _Optional[str] = ..., format: _Optional[_Union[_tensor_pb2.WeightFormat, str]] = ..., transport: _Optional[_Union[Transport, str]] = ..., delta: _Optional[bool] = ..., policy_version: _Optional[int] = ...) -> None: ...
+
+class RegisterReplicaResponse(_message.Message):
+    __slots__ = ("replica", "latest_policy_version")
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    LATEST_POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    replica: ReplicaStatus
+    latest_policy_version: int
+    def __init__(self, replica: _Optional[_Union[ReplicaStatus, _Mapping]] = ..., latest_policy_version: _Optional[int] = ...) -> None: ...
+
+class DeregisterReplicaRequest(_message.Message):
+    __slots__ = ("replica_id",)
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    replica_id: str
+    def __init__(self, replica_id: _Optional[str] = ...) -> None: ...
+
+class DeregisterReplicaResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ReplicaStatus(_message.Message):
+    __slots__ = ("replica_id", "address", "state", "policy_version", "target_policy_version", "last_error", "num_consecutive_failures", "next_retry_at", "last_push_s", "num_bytes_sent_total", "format", "transport", "delta")
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TARGET_POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
+    NUM_CONSECUTIVE_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_RETRY_AT_FIELD_NUMBER: _ClassVar[int]
+    LAST_PUSH_S_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_SENT_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    replica_id: str
+    address: str
+    state: ReplicaState
+    policy_version: int
+    target_policy_version: int
+    last_error: str
+    num_consecutive_failures: int
+    next_retry_at: _timestamp_pb2.Timestamp
+    last_push_s: float
+    num_bytes_sent_total: int
+    format: _tensor_pb2.WeightFormat
+    transport: Transport
+    delta: bool
+    def __init__(self, replica_id: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[_Union[ReplicaState, str]] = ..., policy_version: _Optional[int] = ..., target_policy_version: _Optional[int] = ..., last_error: _Optional[str] = ..., num_consecutive_failures: _Optional[int] = ..., next_retry_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., last_push_s: _Optional[float] = ..., num_bytes_sent_total: _Optional[int] = ..., format: _Optional[_Union[_tensor_pb2.WeightFormat, str]] = ..., transport: _Optional[_Union[Transport, str]] = ..., delta: _Optional[bool] = ...) -> None: ...
+
+class GetStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetStatusResponse(_message.Message):
+    __slots__ = ("latest_policy_version", "replicas")
+    LATEST_POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    latest_policy_version: int
+    replicas: _containers.RepeatedCompositeFieldContainer[ReplicaStatus]
+    def __init__(self, latest_policy_version: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ...) -> None: ...
+
+class WaitForVersionRequest(_message.Message):
+    __slots__ = ("policy_version", "min_replicas", "timeout_ms")
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MIN_REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    policy_version: int
+    min_replicas: int
+    timeout_ms: int
+    def __init__(self, policy_version: _Optional[int] = ..., min_replicas: _Optional[int] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+
+class WaitForVersionResponse(_message.Message):
+    __slots__ = ("reached", "latest_policy_version", "num_replicas_at_version")
+    REACHED_FIELD_NUMBER: _ClassVar[int]
+    LATEST_POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    NUM_REPLICAS_AT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    reached: bool
+    latest_policy_version: int
+    num_replicas_at_version: int
+    def __init__(self, reached: _Optional[bool] = ..., latest_policy_version: _Optional[int] = ..., num_replicas_at_version: _Optional[int] = ...) -> None: ...
+
+class WatchReplicasRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WatchReplicasResponse(_message.Message):
+    __slots__ = ("replica", "removed", "latest_policy_version")
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    LATEST_POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    replica: ReplicaStatus
+    removed: bool
+    latest_policy_version: int
+    def __init__(self, replica: _Optional[_Union[ReplicaStatus, _Mapping]] = ..., removed: _Optional[bool] = ..., latest_policy_version: _Optional[int] = ...) -> None: ...
