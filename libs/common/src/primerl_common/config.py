@@ -1,0 +1,157 @@
+"""Service configuration: pydantic models loaded from, in order of precedence,
+the command line > environment (PRIMERL_<SERVICE>_*) > a TOML file > defaults.
+
+Unknown keys are errors wherever they come from, and every error names the
+field, so a typo in a config file never silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextvars
+import os
+import pathlib
+import tomllib
+from collections.abc import Sequence
+from typing import Any, ClassVar, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic_settings import (
+    BaseSettings,
+    CliSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+__all__ = [
+    "ConfigError",
+    "ObservabilityConfig",
+    "Section",
+    "ServerConfig",
+    "ServiceConfig",
+    "load_config",
+]
+
+_toml_path: contextvars.ContextVar[pathlib.Path | None] = contextvars.ContextVar("primerl_toml_path", default=None)
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be used; the message names each bad field."""
+
+
+class Section(BaseModel):
+    """Base of every nested config section: unknown keys are rejected."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class ServerConfig(Section):
+    host: str = "0.0.0.0"
+    port: int = Field(default=0, ge=0, le=65535, description="gRPC port; 0 picks a free one")
+    grace_s: float = Field(default=10.0, ge=0, description="on SIGTERM, how long in-flight calls may finish")
+    max_message_bytes: int = Field(default=64 * 1024 * 1024, gt=0)
+
+
+class ObservabilityConfig(Section):
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    log_json: bool = True
+    trace_exporter: Literal["none", "console", "otlp"] = "none"
+    otlp_endpoint: str | None = None
+    metrics_port: int | None = Field(default=None, ge=0, le=65535, description="Prometheus port; unset: off")
+
+
+class ServiceConfig(BaseSettings):
+    """Base of each service's config. Subclasses set `service_name` and
+    `model_config = service_settings("router")`."""
+
+    service_name: ClassVar[str] = ""
+    model_config = SettingsConfigDict(
+        extra="forbid", env_nested_delimiter="__", nested_model_default_partial_update=True
+    )
+
+    server: ServerConfig = ServerConfig()
+    observability: ObservabilityConfig = ObservabilityConfig()
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        sources = [init_settings, env_settings]
+        toml_path = _toml_path.get()
+        if toml_path is not None:
+            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=toml_path))
+        return tuple(sources)
+
+    @classmethod
+    def env_prefix(cls) -> str:
+        return f"PRIMERL_{cls.service_name.upper()}_"
+
+
+def service_settings(service_name: str, **overrides: Any) -> SettingsConfigDict:
+    """The settings config of a service's ServiceConfig subclass."""
+    return SettingsConfigDict(
+        extra="forbid",
+        env_prefix=f"PRIMERL_{service_name.upper()}_",
+        env_nested_delimiter="__",
+        nested_model_default_partial_update=True,
+        **overrides,
+    )
+
+
+def _describe(error: ValidationError, toml_path: pathlib.Path | None) -> str:
+    lines = []
+    for item in error.errors():
+        field = ".".join(str(part) for part in item["loc"]) or "<root>"
+        message = "unknown key" if item["type"] == "extra_forbidden" else item["msg"]
+        lines.append(f"  {field}: {message}")
+    where = f" (config file {toml_path})" if toml_path else ""
+    return f"invalid configuration{where}:\n" + "\n".join(lines)
+
+
+def _check_unknown_env(cls: type[ServiceConfig]) -> None:
+    prefix = cls.env_prefix()
+    known = {name.upper() for name in cls.model_fields}
+    for key in os.environ:
+        if key.startswith(prefix):
+            top = key[len(prefix) :].split("__", 1)[0]
+            if top not in known:
+                field = key[len(prefix) :].lower().replace("__", ".")
+                raise ConfigError(f"invalid configuration:\n  {field}: unknown key (from environment variable {key})")
+
+
+C = TypeVar("C", bound=ServiceConfig)
+
+
+def load_config(cls: type[C], argv: Sequence[str] | None = None, *, prog: str | None = None) -> C:
+    """Parses argv (`-c/--config FILE` plus one flag per field, e.g.
+    `--server.port 5000`) and builds the config. Raises ConfigError."""
+    parser = argparse.ArgumentParser(
+        prog=prog or f"primerl-{cls.service_name.replace('_', '-')}",
+        description=" ".join((cls.__doc__ or "").split()) or None,
+        epilog=f"Precedence: flags > environment ({cls.env_prefix()}<FIELD>, nested with __) > TOML file > defaults.",
+    )
+    parser.add_argument("-c", "--config", type=pathlib.Path, help="TOML config file")
+    cli_source = CliSettingsSource(cls, root_parser=parser, cli_implicit_flags=True)
+    parsed = parser.parse_args(list(argv) if argv is not None else None)
+    toml_path = parsed.config
+    if toml_path is not None:
+        if not toml_path.is_file():
+            raise ConfigError(f"config file {toml_path} does not exist")
+        try:
+            tomllib.loads(toml_path.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {toml_path} is not valid TOML: {exc}") from None
+    _check_unknown_env(cls)
+    token = _toml_path.set(toml_path)
+    try:
+        return cls(_cli_settings_source=cli_source(parsed_args=parsed))
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc, toml_path)) from None
+    finally:
+        _toml_path.reset(token)

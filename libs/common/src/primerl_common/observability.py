@@ -1,0 +1,436 @@
+"""Logs, traces and metrics of every primerl service, set up in one place.
+
+A service calls `setup_observability(...)` once at startup, passes `server_interceptors()`
+to `grpc.aio.server(interceptors=...)` and `client_interceptors()` to every channel it
+opens, and sets `policy_version_var` when it knows the policy version it serves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import dataclasses
+import datetime
+import inspect
+import json as _json
+import logging
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TextIO
+from wsgiref.simple_server import WSGIServer
+
+import grpc
+import grpc.aio
+import prometheus_client
+from opentelemetry import propagate, trace
+from opentelemetry.propagators.textmap import Getter
+from opentelemetry.sdk.resources import SERVICE_NAME, SERVICE_VERSION, Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SimpleSpanProcessor
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+
+__all__ = [
+    "ObservabilityHandles",
+    "client_interceptors",
+    "policy_version_var",
+    "server_interceptors",
+    "setup_logging",
+    "setup_observability",
+    "setup_tracing",
+    "start_metrics_server",
+]
+
+policy_version_var: contextvars.ContextVar[int | None] = contextvars.ContextVar("primerl_policy_version", default=None)
+
+_lock = threading.Lock()
+
+# ----------------------------------------------------------------------------- logging
+
+# Everything a LogRecord carries by itself; whatever else is on a record came from `extra=`.
+_RECORD_ATTRS = frozenset(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime", "taskName"}
+
+
+def _context_fields() -> dict[str, Any]:
+    fields: dict[str, Any] = {}
+    span_context = trace.get_current_span().get_span_context()
+    if span_context.is_valid:
+        fields["trace_id"] = trace.format_trace_id(span_context.trace_id)
+        fields["span_id"] = trace.format_span_id(span_context.span_id)
+    policy_version = policy_version_var.get()
+    if policy_version is not None:
+        fields["policy_version"] = policy_version
+    return fields
+
+
+class _JsonFormatter(logging.Formatter):
+    """One JSON object per line: what log shippers (Loki, Vector, fluent-bit) parse without rules."""
+
+    def __init__(self, *, service: str, version: str) -> None:
+        super().__init__()
+        self._service, self._version = service, version
+
+    def format(self, record: logging.LogRecord) -> str:
+        ts = datetime.datetime.fromtimestamp(record.created, tz=datetime.UTC)
+        entry: dict[str, Any] = {
+            "ts": ts.isoformat(timespec="milliseconds").replace("+00:00", "Z"),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+            "service": self._service,
+            "version": self._version,
+            **_context_fields(),
+        }
+        for key, value in vars(record).items():
+            if key not in _RECORD_ATTRS:
+                entry.setdefault(key, value)  # an extra never overrides the fields above
+        if record.exc_info:
+            entry["exc_info"] = self.formatException(record.exc_info)
+        if record.stack_info:
+            entry["stack_info"] = self.formatStack(record.stack_info)
+        return _json.dumps(entry, default=str, ensure_ascii=False)
+
+
+class _TextFormatter(logging.Formatter):
+    """For people at a terminal; the same context fields as the JSON lines, as a suffix."""
+
+    def __init__(self, *, service: str, version: str) -> None:
+        super().__init__("%(asctime)s %(levelname)-7s %(name)s: %(message)s")
+        self._prefix = f"service={service} version={version}"
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        context = " ".join(f"{key}={value}" for key, value in _context_fields().items())
+        return f"{super().formatMessage(record)} [{self._prefix}{' ' + context if context else ''}]"
+
+
+class _PrimerlHandler(logging.StreamHandler):
+    """Marks the handler we own, so a second setup replaces it and leaves other handlers alone."""
+
+
+def setup_logging(
+    *, service: str, version: str, level: str = "INFO", json: bool = True, stream: TextIO | None = None
+) -> None:
+    """Route the root logger to `stream` (stderr by default) as JSON lines or readable text."""
+    levels = logging.getLevelNamesMapping()
+    if level.upper() not in levels:
+        raise ValueError(f"unknown log level {level!r}; expected one of {sorted(levels)}")
+    handler = _PrimerlHandler(stream if stream is not None else sys.stderr)
+    formatter_cls = _JsonFormatter if json else _TextFormatter
+    handler.setFormatter(formatter_cls(service=service, version=version))
+    root = logging.getLogger()
+    with _lock:
+        for old in [h for h in root.handlers if isinstance(h, _PrimerlHandler)]:
+            root.removeHandler(old)
+        root.addHandler(handler)
+        root.setLevel(levels[level.upper()])
+
+
+# ----------------------------------------------------------------------------- tracing
+
+_TRACE_EXPORTERS = ("none", "console", "otlp")
+_tracer_provider: TracerProvider | None = None
+
+
+def _build_tracer_provider(*, service: str, version: str, exporter: str, otlp_endpoint: str | None) -> TracerProvider:
+    # Even with no exporter the SDK provider mints real trace ids, so logs still correlate.
+    provider = TracerProvider(resource=Resource.create({SERVICE_NAME: service, SERVICE_VERSION: version}))
+    if exporter == "console":
+        provider.add_span_processor(SimpleSpanProcessor(ConsoleSpanExporter()))
+    elif exporter == "otlp":
+        # Imported here: it pulls in a second gRPC stack that services without a collector never need.
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=otlp_endpoint)))
+    return provider
+
+
+def setup_tracing(
+    *, service: str, version: str, exporter: str = "none", otlp_endpoint: str | None = None
+) -> TracerProvider:
+    """Install the process-wide tracer provider; later calls return the first one (OTel allows one)."""
+    global _tracer_provider
+    if exporter not in _TRACE_EXPORTERS:
+        raise ValueError(f"unknown trace exporter {exporter!r}; expected one of {_TRACE_EXPORTERS}")
+    with _lock:
+        if _tracer_provider is None:
+            _tracer_provider = _build_tracer_provider(
+                service=service, version=version, exporter=exporter, otlp_endpoint=otlp_endpoint
+            )
+            trace.set_tracer_provider(_tracer_provider)
+        return _tracer_provider
+
+
+class _MetadataGetter(Getter):
+    """Reads W3C trace context from grpc.aio invocation metadata (a sequence of key/value pairs)."""
+
+    def get(self, carrier: Any, key: str) -> list[str] | None:
+        return [value for k, value in carrier if k == key] or None
+
+    def keys(self, carrier: Any) -> list[str]:
+        return [k for k, _ in carrier]
+
+
+_METADATA_GETTER = _MetadataGetter()
+
+
+def _activated(span: trace.Span):
+    # Status and exceptions are recorded by _CallObserver.finish, which knows the gRPC code.
+    return trace.use_span(span, end_on_exit=False, record_exception=False, set_status_on_exception=False)
+
+
+# ----------------------------------------------------------------------------- metrics
+
+
+@dataclasses.dataclass(frozen=True)
+class _ServerMetrics:
+    handled: Counter
+    handling_seconds: Histogram
+    in_flight: Gauge
+
+
+# Streams (generation, weight pushes) last far longer than the default buckets reach.
+_SECONDS_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+_metrics_by_registry: dict[CollectorRegistry, _ServerMetrics] = {}
+_metrics_servers: dict[tuple[str, int, CollectorRegistry], WSGIServer] = {}
+
+
+def _server_metrics(registry: CollectorRegistry) -> _ServerMetrics:
+    # A registry refuses a second metric of the same name, so each registry gets its set once.
+    with _lock:
+        if registry not in _metrics_by_registry:
+            labels = ("service", "method")
+            _metrics_by_registry[registry] = _ServerMetrics(
+                handled=Counter(
+                    "primerl_grpc_server_handled",
+                    "RPCs completed on the server, by status code.",
+                    (*labels, "code"),
+                    registry=registry,
+                ),
+                handling_seconds=Histogram(
+                    "primerl_grpc_server_handling_seconds",
+                    "Time from RPC start to its last message.",
+                    labels,
+                    buckets=_SECONDS_BUCKETS,
+                    registry=registry,
+                ),
+                in_flight=Gauge(
+                    "primerl_grpc_server_in_flight", "RPCs started and not yet completed.", labels, registry=registry
+                ),
+            )
+        return _metrics_by_registry[registry]
+
+
+def start_metrics_server(port: int, host: str = "0.0.0.0", *, registry: CollectorRegistry = REGISTRY) -> int:
+    """Serve Prometheus metrics over HTTP from a daemon thread; return the bound port (port 0 picks one).
+
+    Calling again with the same host, port and registry returns the running server's port.
+    """
+    with _lock:
+        key = (host, port, registry)
+        if key not in _metrics_servers:
+            server, _thread = prometheus_client.start_http_server(port, addr=host, registry=registry)
+            _metrics_servers[key] = server
+        return _metrics_servers[key].server_port
+
+
+def _stop_metrics_server(port: int) -> None:
+    with _lock:
+        for key, server in list(_metrics_servers.items()):
+            if server.server_port == port:
+                server.shutdown()
+                server.server_close()
+                del _metrics_servers[key]
+
+
+# ----------------------------------------------------------------------------- server interceptor
+
+
+def _status_code(context: grpc.aio.ServicerContext, exc: BaseException | None) -> grpc.StatusCode:
+    """The code grpc.aio sends for this call: what set_code/abort stored, else OK or UNKNOWN."""
+    code = context.code()  # None until set_code or abort
+    if exc is None:
+        return code or grpc.StatusCode.OK
+    if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
+        remaining = context.time_remaining()
+        expired = remaining is not None and remaining <= 0
+        return grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
+    # grpc.aio answers a raised exception with a code set before it (abort sets one), else UNKNOWN.
+    return code if code not in (None, grpc.StatusCode.OK) else grpc.StatusCode.UNKNOWN
+
+
+class _CallObserver:
+    """The span and the metrics of one server call: the only place either concern is written."""
+
+    def __init__(self, tracer: trace.Tracer, metrics: _ServerMetrics, details: grpc.HandlerCallDetails) -> None:
+        name = details.method.lstrip("/")  # "/pkg.Service/Method" -> semconv span name "pkg.Service/Method"
+        service, _, method = name.rpartition("/")
+        self._metrics, self._labels = metrics, (service, method)
+        parent = propagate.extract(details.invocation_metadata or (), getter=_METADATA_GETTER)
+        attributes = {"rpc.system": "grpc", "rpc.service": service, "rpc.method": method}
+        self.span = tracer.start_span(name, context=parent, kind=trace.SpanKind.SERVER, attributes=attributes)
+        metrics.in_flight.labels(*self._labels).inc()
+        self._start = time.perf_counter()
+
+    def finish(self, context: grpc.aio.ServicerContext, exc: BaseException | None) -> None:
+        code = _status_code(context, exc)
+        self.span.set_attribute("rpc.grpc.status_code", code.value[0])
+        if code is not grpc.StatusCode.OK:
+            self.span.set_status(trace.Status(trace.StatusCode.ERROR, code.name))
+        if isinstance(exc, Exception) and not isinstance(exc, grpc.aio.AbortError):
+            self.span.record_exception(exc)
+        self.span.end()
+        self._metrics.handled.labels(*self._labels, code.name).inc()
+        self._metrics.handling_seconds.labels(*self._labels).observe(time.perf_counter() - self._start)
+        self._metrics.in_flight.labels(*self._labels).dec()
+
+
+_Start = Callable[[], _CallObserver]
+
+
+def _wrap_coroutine(behavior: Callable, start: _Start) -> Callable:
+    """Unary responses, and streaming handlers that write through context.write and return None."""
+
+    async def observed(request_or_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
+        observer = start()
+        try:
+            with _activated(observer.span):
+                response = await behavior(request_or_iterator, context)
+        except BaseException as exc:
+            observer.finish(context, exc)
+            raise
+        observer.finish(context, None)
+        return response
+
+    return observed
+
+
+def _wrap_async_generator(behavior: Callable, start: _Start) -> Callable:
+    """Streaming responses from an async generator: the span and the timer cover the whole stream."""
+
+    async def observed(request_or_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
+        observer = start()
+        responses = behavior(request_or_iterator, context)
+        failure: BaseException | None = None
+        try:
+            while True:
+                # The span is current only while the handler runs; left attached across a yield, its
+                # token could be detached from another context when grpc closes the generator.
+                with _activated(observer.span):
+                    try:
+                        response = await anext(responses)
+                    except StopAsyncIteration:
+                        break
+                yield response
+        except BaseException as exc:
+            failure = exc
+            raise
+        finally:
+            await responses.aclose()  # runs the handler's own cleanup when the client went away
+            observer.finish(context, failure)
+
+    return observed
+
+
+def _wrap(behavior: Callable | None, start: _Start) -> Callable | None:
+    # grpc.aio inspects the handler to choose how to drive it, so the wrapper keeps its flavour.
+    if inspect.isasyncgenfunction(behavior):
+        return _wrap_async_generator(behavior, start)
+    if inspect.iscoroutinefunction(behavior):
+        return _wrap_coroutine(behavior, start)
+    # None, or a sync handler that grpc.aio runs in a thread pool (primerl services do not use
+    # those): wrapping one in a coroutine would change how grpc.aio feeds it requests.
+    return behavior
+
+
+class _ObservabilityServerInterceptor(grpc.aio.ServerInterceptor):
+    def __init__(self, tracer: trace.Tracer, metrics: _ServerMetrics) -> None:
+        self._tracer, self._metrics = tracer, metrics
+
+    async def intercept_service(self, continuation: Callable, handler_call_details: grpc.HandlerCallDetails) -> Any:
+        handler = await continuation(handler_call_details)
+        if handler is None:  # unknown method: grpc answers UNIMPLEMENTED itself
+            return None
+
+        def start() -> _CallObserver:
+            return _CallObserver(self._tracer, self._metrics, handler_call_details)
+
+        kinds = ("unary_unary", "unary_stream", "stream_unary", "stream_stream")
+        return handler._replace(**{kind: _wrap(getattr(handler, kind), start) for kind in kinds})
+
+
+def server_interceptors(
+    *, tracer_provider: trace.TracerProvider | None = None, registry: CollectorRegistry = REGISTRY
+) -> list[grpc.aio.ServerInterceptor]:
+    """Interceptors for grpc.aio.server: a SERVER span per call (parent taken from the metadata)
+    and the primerl_grpc_server_* metrics. Without a provider, the global one is used, also when
+    setup_tracing runs after this call."""
+    tracer = trace.get_tracer(__name__, tracer_provider=tracer_provider)
+    return [_ObservabilityServerInterceptor(tracer, _server_metrics(registry))]
+
+
+# ----------------------------------------------------------------------------- client interceptor
+
+
+class _TraceContextClientInterceptor(
+    grpc.aio.UnaryUnaryClientInterceptor,
+    grpc.aio.UnaryStreamClientInterceptor,
+    grpc.aio.StreamUnaryClientInterceptor,
+    grpc.aio.StreamStreamClientInterceptor,
+):
+    """Puts the current trace context (W3C traceparent) into each outgoing call's metadata."""
+
+    @staticmethod
+    def _with_trace_context(details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+        metadata = grpc.aio.Metadata(*(details.metadata or ()))  # a copy: the caller's stays as given
+        propagate.inject(metadata)
+        return details._replace(metadata=metadata)
+
+    async def intercept_unary_unary(self, continuation, client_call_details, request):
+        return await continuation(self._with_trace_context(client_call_details), request)
+
+    async def intercept_unary_stream(self, continuation, client_call_details, request):
+        return await continuation(self._with_trace_context(client_call_details), request)
+
+    async def intercept_stream_unary(self, continuation, client_call_details, request_iterator):
+        return await continuation(self._with_trace_context(client_call_details), request_iterator)
+
+    async def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
+        return await continuation(self._with_trace_context(client_call_details), request_iterator)
+
+
+def client_interceptors() -> list[grpc.aio.ClientInterceptor]:
+    """Interceptors for grpc.aio channels (all four RPC kinds) that propagate the trace context."""
+    return [_TraceContextClientInterceptor()]
+
+
+# ----------------------------------------------------------------------------- all three
+
+
+@dataclasses.dataclass(frozen=True)
+class ObservabilityHandles:
+    tracer_provider: TracerProvider
+    metrics_port: int | None  # None when no metrics server was asked for
+
+    def shutdown(self) -> None:
+        """Flush pending spans and stop the metrics server; for the end of the process."""
+        self.tracer_provider.shutdown()
+        if self.metrics_port is not None:
+            _stop_metrics_server(self.metrics_port)
+
+
+def setup_observability(
+    *,
+    service: str,
+    version: str,
+    log_level: str = "INFO",
+    log_json: bool = True,
+    trace_exporter: str = "none",
+    otlp_endpoint: str | None = None,
+    metrics_port: int | None = None,
+) -> ObservabilityHandles:
+    """Logging, tracing and (when metrics_port is not None) the metrics endpoint, in that order."""
+    setup_logging(service=service, version=version, level=log_level, json=log_json)
+    provider = setup_tracing(service=service, version=version, exporter=trace_exporter, otlp_endpoint=otlp_endpoint)
+    port = start_metrics_server(metrics_port) if metrics_port is not None else None
+    return ObservabilityHandles(tracer_provider=provider, metrics_port=port)

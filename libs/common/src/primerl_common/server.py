@@ -1,0 +1,201 @@
+"""The grpc.aio server bootstrap every primerl service runs.
+
+A service describes itself with a `ServiceDefinition` (its servicers, its
+capabilities, start and stop hooks); `GrpcService` serves it with health,
+reflection and the shared interceptors, and shuts down gracefully: on SIGTERM
+health turns NOT_SERVING, new calls are refused, in-flight calls get
+`server.grace_s` to finish, then the stop hooks run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import grpc
+from google.protobuf import timestamp_pb2
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from primerl.common.v1 import service_info_pb2
+from primerl_common import observability
+from primerl_common.config import ConfigError, ServiceConfig, load_config
+from primerl_common.errors import ErrorInterceptor
+
+__all__ = ["GrpcService", "ServiceDefinition", "channel_options", "run_main"]
+
+logger = logging.getLogger(__name__)
+
+Hook = Callable[[], Awaitable[None]]
+
+
+def channel_options(max_message_bytes: int) -> list[tuple[str, Any]]:
+    """Options shared by servers and channels: message limits sized for tensor
+    chunks and large flow-control windows (gRPC streams reach about half of a
+    raw socket only with both raised)."""
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.http2.lookahead_bytes", 16 * 1024 * 1024),
+        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
+
+
+@dataclass
+class ServiceDefinition:
+    """What one service serves. `servicers` pairs each generated
+    `add_XServicer_to_server` function with its servicer instance and the
+    service's descriptor (for health and reflection)."""
+
+    name: str
+    version: str
+    servicers: Sequence[tuple[Callable[[Any, grpc.aio.Server], None], Any, Any]]
+    capabilities: Sequence[str] = ()
+    attributes: dict[str, str] = field(default_factory=dict)
+    on_start: Sequence[Hook] = ()
+    # Run after the gRPC server stopped (in-flight calls are done): release engines, files, tasks.
+    on_stop: Sequence[Hook] = ()
+    # Run when draining starts, before the server stops accepting calls.
+    on_drain: Sequence[Hook] = ()
+    instance_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    started_at: timestamp_pb2.Timestamp = field(default_factory=lambda: _now())
+
+    @property
+    def service_names(self) -> list[str]:
+        return [descriptor.full_name for _, _, descriptor in self.servicers]
+
+    def info(self) -> service_info_pb2.ServiceInfo:
+        """The ServiceInfo each servicer's GetServiceInfo returns."""
+        return service_info_pb2.ServiceInfo(
+            service_name=self.name,
+            package_version=self.version,
+            api_versions=sorted({name.rsplit(".", 1)[0] for name in self.service_names}),
+            capabilities=list(self.capabilities),
+            attributes=self.attributes,
+            instance_id=self.instance_id,
+            started_at=self.started_at,
+        )
+
+
+def _now() -> timestamp_pb2.Timestamp:
+    stamp = timestamp_pb2.Timestamp()
+    stamp.GetCurrentTime()
+    return stamp
+
+
+class GrpcService:
+    """Serves a ServiceDefinition. Use `await start()`, then `await stop()`
+    (or `wait_for_termination()` with signal handlers installed by run_main)."""
+
+    def __init__(self, definition: ServiceDefinition, config: ServiceConfig) -> None:
+        self.definition = definition
+        self.config = config
+        self.health = health.aio.HealthServicer()
+        self._server: grpc.aio.Server | None = None
+        self._stopped = asyncio.Event()
+        self._stopping: asyncio.Task[None] | None = None
+        self.port = 0
+
+    async def start(self) -> int:
+        server_config = self.config.server
+        interceptors = [*observability.server_interceptors(self.definition.name), ErrorInterceptor()]
+        self._server = grpc.aio.server(
+            interceptors=interceptors, options=channel_options(server_config.max_message_bytes)
+        )
+        for add_to_server, servicer, _ in self.definition.servicers:
+            add_to_server(servicer, self._server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+        reflection.enable_server_reflection(
+            [*self.definition.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], self._server
+        )
+        self.port = self._server.add_insecure_port(f"{server_config.host}:{server_config.port}")
+        if self.port == 0:
+            raise OSError(f"cannot bind {server_config.host}:{server_config.port}")
+        for hook in self.definition.on_start:
+            await hook()
+        await self._server.start()
+        for name in ["", *self.definition.service_names]:
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        logger.info(
+            "serving %s %s on port %d",
+            self.definition.name,
+            self.definition.version,
+            self.port,
+            extra={"port": self.port, "instance_id": self.definition.instance_id},
+        )
+        return self.port
+
+    def request_stop(self) -> None:
+        """Starts a graceful stop from a signal handler (idempotent)."""
+        if self._stopping is None:
+            self._stopping = asyncio.get_running_loop().create_task(self.stop())
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        if self._server is None or self._stopped.is_set():
+            return
+        grace = self.config.server.grace_s if grace_s is None else grace_s
+        logger.info("draining %s: NOT_SERVING, in-flight calls get %.1fs", self.definition.name, grace)
+        await self.health.enter_graceful_shutdown()
+        for hook in self.definition.on_drain:
+            await hook()
+        await self._server.stop(grace)
+        for hook in self.definition.on_stop:
+            try:
+                await hook()
+            except Exception:
+                logger.exception("stop hook of %s failed", self.definition.name)
+        self._stopped.set()
+        logger.info("stopped %s", self.definition.name)
+
+    async def wait_for_termination(self) -> None:
+        await self._stopped.wait()
+
+
+C = TypeVar("C", bound=ServiceConfig)
+
+
+async def _serve(build: Callable[[C], Awaitable[ServiceDefinition]], config: C) -> None:
+    definition = await build(config)
+    service = GrpcService(definition, config)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, service.request_stop)
+    await service.start()
+    await service.wait_for_termination()
+
+
+def run_main(
+    config_cls: type[C],
+    build: Callable[[C], Awaitable[ServiceDefinition]],
+    *,
+    version: str,
+    argv: Sequence[str] | None = None,
+) -> int:
+    """The whole `primerl-<service>` entry point: config -> observability -> serve."""
+    try:
+        config = load_config(config_cls, argv)
+    except ConfigError as exc:
+        print(f"{config_cls.service_name}: {exc}", file=sys.stderr)
+        return 2
+    obs = config.observability
+    observability.setup_observability(
+        service=config_cls.service_name,
+        version=version,
+        log_level=obs.log_level,
+        log_json=obs.log_json,
+        trace_exporter=obs.trace_exporter,
+        otlp_endpoint=obs.otlp_endpoint,
+        metrics_port=obs.metrics_port,
+    )
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(_serve(build, config))
+    return 0

@@ -1,0 +1,238 @@
+"""Tensor codec: torch tensors <-> `primerl.common.v1` `Tensor` and `TensorChunk` messages.
+
+On the wire a tensor is a `TensorHeader` (name, dtype, shape, num_bytes) plus its raw bytes,
+row-major, contiguous and little-endian. Small tensors travel whole in one `Tensor` message;
+large ones as a stream of `TensorChunk`: a chunk with a header starts a tensor, and the data of
+that chunk and the following ones fills it until `num_bytes` have arrived.
+
+Copies: the sender makes one `bytes` per chunk (grpcio accepts nothing else); the receiver
+copies each chunk once into a buffer preallocated from the header. Tensors are moved to CPU.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator
+
+import numpy as np
+import torch
+
+from primerl.common.v1 import tensor_pb2
+
+__all__ = [
+    "DEFAULT_CHUNK_BYTES",
+    "TensorAssembler",
+    "assemble_tensors",
+    "assemble_tensors_async",
+    "dtype_from_proto",
+    "dtype_to_proto",
+    "iter_tensor_chunks",
+    "tensor_from_proto",
+    "tensor_to_proto",
+]
+
+# Keep the server's and client's max message length above this plus a few bytes of header.
+DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
+
+_TORCH_TO_PROTO: dict[torch.dtype, int] = {
+    torch.float32: tensor_pb2.DTYPE_FLOAT32,
+    torch.bfloat16: tensor_pb2.DTYPE_BFLOAT16,
+    torch.float16: tensor_pb2.DTYPE_FLOAT16,
+    torch.float8_e4m3fn: tensor_pb2.DTYPE_FLOAT8_E4M3FN,
+    torch.float8_e5m2: tensor_pb2.DTYPE_FLOAT8_E5M2,
+    torch.float64: tensor_pb2.DTYPE_FLOAT64,
+    torch.int8: tensor_pb2.DTYPE_INT8,
+    torch.uint8: tensor_pb2.DTYPE_UINT8,
+    torch.int16: tensor_pb2.DTYPE_INT16,
+    torch.uint16: tensor_pb2.DTYPE_UINT16,
+    torch.int32: tensor_pb2.DTYPE_INT32,
+    torch.uint32: tensor_pb2.DTYPE_UINT32,
+    torch.int64: tensor_pb2.DTYPE_INT64,
+    torch.uint64: tensor_pb2.DTYPE_UINT64,
+    torch.bool: tensor_pb2.DTYPE_BOOL,
+}
+_PROTO_TO_TORCH: dict[int, torch.dtype] = {v: k for k, v in _TORCH_TO_PROTO.items()}
+
+# The wire is little-endian; on a big-endian host every multi-byte element is byte-swapped.
+_NATIVE_LITTLE_ENDIAN = sys.byteorder == "little"
+
+
+def dtype_to_proto(dtype: torch.dtype) -> int:
+    """The `Dtype` enum value of a torch dtype; ValueError if it has none."""
+    try:
+        return _TORCH_TO_PROTO[dtype]
+    except KeyError:
+        raise ValueError(f"unsupported tensor dtype {dtype}") from None
+
+
+def dtype_from_proto(value: int) -> torch.dtype:
+    """The torch dtype of a `Dtype` enum value; ValueError if it is unknown or unspecified."""
+    try:
+        return _PROTO_TO_TORCH[value]
+    except KeyError:
+        name = tensor_pb2.Dtype.Name(value) if value in tensor_pb2.Dtype.values() else str(value)
+        raise ValueError(f"unsupported tensor dtype {name}") from None
+
+
+def _swap_bytes(flat: torch.Tensor, itemsize: int) -> torch.Tensor:
+    """Reverse the bytes of each element of a flat uint8 tensor (a copy)."""
+    return flat.view(-1, itemsize).flip(-1).reshape(-1)
+
+
+def _wire_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view (a copy only where needed) of `t`'s bytes in wire order."""
+    t = t.detach().cpu().contiguous()
+    # reshape(-1) first: a 0-d tensor cannot be viewed as a dtype of another size.
+    flat = t.reshape(-1).view(torch.uint8)
+    if not _NATIVE_LITTLE_ENDIAN and t.element_size() > 1:
+        flat = _swap_bytes(flat, t.element_size())
+    return flat
+
+
+def _make_header(name: str, t: torch.Tensor) -> tensor_pb2.TensorHeader:
+    return tensor_pb2.TensorHeader(
+        name=name, dtype=dtype_to_proto(t.dtype), shape=list(t.shape), num_bytes=t.numel() * t.element_size()
+    )
+
+
+def _parse_header(header: tensor_pb2.TensorHeader) -> tuple[torch.dtype, list[int]]:
+    """Validate a header; return its dtype and shape."""
+    try:
+        dtype = dtype_from_proto(header.dtype)
+    except ValueError as e:
+        raise ValueError(f"tensor {header.name!r}: {e}") from None
+    shape = list(header.shape)
+    if any(d < 0 for d in shape):
+        raise ValueError(f"tensor {header.name!r}: negative dimension in shape {shape}")
+    expected = math.prod(shape) * dtype.itemsize
+    if header.num_bytes != expected:
+        raise ValueError(
+            f"tensor {header.name!r}: num_bytes {header.num_bytes} != {expected} "
+            f"(shape {shape}, {dtype}, {dtype.itemsize} bytes per element)"
+        )
+    return dtype, shape
+
+
+def _buffer_to_tensor(buf: torch.Tensor, dtype: torch.dtype, shape: list[int], name: str) -> torch.Tensor:
+    """Reinterpret a filled flat uint8 buffer of wire bytes as the tensor it carries."""
+    if not _NATIVE_LITTLE_ENDIAN and dtype.itemsize > 1:
+        buf = _swap_bytes(buf, dtype.itemsize)
+    if dtype == torch.bool and bool((buf > 1).any()):
+        raise ValueError(f"tensor {name!r}: bool data holds bytes other than 0 and 1")
+    return buf.view(dtype).reshape(shape)
+
+
+def tensor_to_proto(t: torch.Tensor, name: str = "") -> tensor_pb2.Tensor:
+    """A whole tensor in one `Tensor` message (meant for small tensors)."""
+    return tensor_pb2.Tensor(header=_make_header(name, t), data=_wire_bytes(t).numpy().tobytes())
+
+
+def tensor_from_proto(msg: tensor_pb2.Tensor) -> torch.Tensor:
+    """The tensor a `Tensor` message carries, in fresh, writable CPU memory."""
+    dtype, shape = _parse_header(msg.header)
+    if len(msg.data) != msg.header.num_bytes:
+        raise ValueError(
+            f"tensor {msg.header.name!r}: {len(msg.data)} data bytes, header announced {msg.header.num_bytes}"
+        )
+    buf = torch.empty(len(msg.data), dtype=torch.uint8)
+    buf.numpy()[:] = np.frombuffer(msg.data, dtype=np.uint8)
+    return _buffer_to_tensor(buf, dtype, shape, msg.header.name)
+
+
+def iter_tensor_chunks(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], *, chunk_bytes: int = DEFAULT_CHUNK_BYTES
+) -> Iterator[tensor_pb2.TensorChunk]:
+    """Stream tensors as `TensorChunk` messages of at most `chunk_bytes` data each.
+
+    Each tensor's first chunk carries its header; an empty tensor is one chunk with no data.
+    Tensors are read lazily, chunk by chunk: do not modify one until the stream has moved past it.
+    """
+    if chunk_bytes <= 0:
+        raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+    for name, t in named_tensors:
+        header = _make_header(name, t)
+        flat = _wire_bytes(t).numpy()
+        if flat.size == 0:
+            yield tensor_pb2.TensorChunk(header=header)
+            continue
+        for start in range(0, flat.size, chunk_bytes):
+            data = flat[start : start + chunk_bytes].tobytes()
+            yield tensor_pb2.TensorChunk(header=header if start == 0 else None, data=data)
+
+
+class TensorAssembler:
+    """Rebuilds tensors from a stream of `TensorChunk` messages, fed one at a time.
+
+    The header's num_bytes are allocated up front and each chunk is copied once into its slice.
+    Call `finish()` when the stream ends to reject a truncated last tensor.
+    """
+
+    def __init__(self) -> None:
+        self._header: tensor_pb2.TensorHeader | None = None
+        self._dtype = torch.uint8
+        self._shape: list[int] = []
+        self._buf = torch.empty(0, dtype=torch.uint8)
+        self._num_received = 0
+
+    @property
+    def in_progress(self) -> bool:
+        """Whether a tensor has started and not yet received all its bytes."""
+        return self._header is not None
+
+    def feed(self, chunk: tensor_pb2.TensorChunk) -> tuple[str, torch.Tensor] | None:
+        """Consume one chunk; return `(name, tensor)` if it completed a tensor, else None."""
+        if chunk.HasField("header"):
+            if self._header is not None:
+                raise ValueError(
+                    f"tensor {self._header.name!r}: header of {chunk.header.name!r} arrived after only "
+                    f"{self._num_received} of {self._header.num_bytes} bytes"
+                )
+            self._dtype, self._shape = _parse_header(chunk.header)
+            self._header = tensor_pb2.TensorHeader()
+            self._header.CopyFrom(chunk.header)
+            self._buf = torch.empty(self._header.num_bytes, dtype=torch.uint8)
+            self._num_received = 0
+        elif self._header is None:
+            raise ValueError(f"chunk of {len(chunk.data)} data bytes arrived with no tensor started (no header)")
+
+        header = self._header
+        end = self._num_received + len(chunk.data)
+        if end > header.num_bytes:
+            raise ValueError(f"tensor {header.name!r}: {end} bytes received, header announced {header.num_bytes}")
+        self._buf.numpy()[self._num_received : end] = np.frombuffer(chunk.data, dtype=np.uint8)
+        self._num_received = end
+        if end < header.num_bytes:
+            return None
+        self._header = None
+        tensor = _buffer_to_tensor(self._buf, self._dtype, self._shape, header.name)
+        self._buf = torch.empty(0, dtype=torch.uint8)
+        return header.name, tensor
+
+    def finish(self) -> None:
+        """Check that the stream did not end in the middle of a tensor."""
+        if self._header is not None:
+            raise ValueError(
+                f"tensor {self._header.name!r}: stream ended after {self._num_received} "
+                f"of {self._header.num_bytes} bytes"
+            )
+
+
+def assemble_tensors(chunks: Iterable[tensor_pb2.TensorChunk]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield `(name, tensor)` as each tensor of a chunk stream completes; raise if it ends truncated."""
+    assembler = TensorAssembler()
+    for chunk in chunks:
+        if (item := assembler.feed(chunk)) is not None:
+            yield item
+    assembler.finish()
+
+
+async def assemble_tensors_async(
+    chunks: AsyncIterable[tensor_pb2.TensorChunk],
+) -> AsyncIterator[tuple[str, torch.Tensor]]:
+    """`assemble_tensors` over an async stream, such as a grpc.aio request or response stream."""
+    assembler = TensorAssembler()
+    async for chunk in chunks:
+        if (item := assembler.feed(chunk)) is not None:
+            yield item
+    assembler.finish()

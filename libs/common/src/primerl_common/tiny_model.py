@@ -1,0 +1,303 @@
+"""Tiny Qwen3 (dense) and Qwen3-MoE models for tests, made locally from a seed.
+
+The folder looks like a Hugging Face checkpoint of the real models (config.json in the
+hub's style, safetensors with the hub's tensor names, a tokenizer and its chat template),
+so the trainer, the weight broadcaster and vLLM load it through their ordinary paths;
+nothing is downloaded.
+
+The tokenizer is byte-level with no merges: token id == byte value for ids 0..255, so every
+ASCII character is one token and a small model can learn character-level tasks such as
+reversing a string.
+
+    primerl-make-tiny-model --kind moe --seed 0 --dtype bfloat16 --out /tmp/tiny-moe
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import pathlib
+import tempfile
+from dataclasses import dataclass
+from typing import Any, Literal
+
+__all__ = [
+    "CHAT_TEMPLATE",
+    "EOS_TOKEN",
+    "IM_START_TOKEN",
+    "PAD_TOKEN",
+    "SPECS",
+    "TinyModelSpec",
+    "build_tokenizer",
+    "main",
+    "make_tiny_model",
+    "save_tokenizer",
+]
+
+PAD_TOKEN = "<|endoftext|>"
+IM_START_TOKEN = "<|im_start|>"
+EOS_TOKEN = "<|im_end|>"
+# Ids 256, 257, 258 in this order, as in Qwen's vocabulary (151643..151645).
+SPECIAL_TOKENS = (PAD_TOKEN, IM_START_TOKEN, EOS_TOKEN)
+NUM_BYTE_TOKENS = 256
+# Bytes + specials, padded with reserved tokens to a multiple of 64 so that every id the
+# model can sample is decodable (an untrained model samples all of them).
+VOCAB_SIZE = 320
+
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+DType = Literal["float32", "bfloat16"]
+STAMP_FILE = "primerl_tiny_model.json"
+# Bump when the bytes written for the same arguments change, so old folders are remade.
+_FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class TinyModelSpec:
+    """Shapes of a tiny model; `num_experts == 0` means dense (Qwen3), else Qwen3-MoE."""
+
+    vocab_size: int = VOCAB_SIZE
+    hidden_size: int = 256
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    # vLLM's CPU attention supports head sizes 32..512 only.
+    head_dim: int = 64
+    intermediate_size: int = 512
+    max_position_embeddings: int = 2048
+    rope_theta: float = 1_000_000.0
+    rms_norm_eps: float = 1e-6
+    # 0.02 (Qwen's value) gives near-uniform next-token distributions (logit std ~0.3 over
+    # 320 tokens) and greedy outputs that repeat one token; 0.1 gives logit std ~1.6,
+    # entropy ~4.6 nats and outputs that depend on the context, so logprob and KV-cache
+    # tests can tell right from wrong.
+    initializer_range: float = 0.1
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def config_dict(self, dtype: DType) -> dict[str, Any]:
+        """config.json as the hub's Qwen3 checkpoints write it (read by transformers 4.56+
+        and 5.x alike)."""
+        config: dict[str, Any] = {
+            "architectures": ["Qwen3MoeForCausalLM" if self.is_moe else "Qwen3ForCausalLM"],
+            "model_type": "qwen3_moe" if self.is_moe else "qwen3",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "max_position_embeddings": self.max_position_embeddings,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": None,
+            "rms_norm_eps": self.rms_norm_eps,
+            "initializer_range": self.initializer_range,
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "use_sliding_window": False,
+            "sliding_window": None,
+            "tie_word_embeddings": True,
+            "use_cache": True,
+            "bos_token_id": SPECIAL_TOKENS.index(PAD_TOKEN) + NUM_BYTE_TOKENS,
+            "pad_token_id": SPECIAL_TOKENS.index(PAD_TOKEN) + NUM_BYTE_TOKENS,
+            "eos_token_id": SPECIAL_TOKENS.index(EOS_TOKEN) + NUM_BYTE_TOKENS,
+            "dtype": dtype,
+        }
+        if self.is_moe:
+            config |= {
+                "num_experts": self.num_experts,
+                "num_experts_per_tok": self.num_experts_per_tok,
+                "moe_intermediate_size": self.moe_intermediate_size,
+                "norm_topk_prob": True,
+                "decoder_sparse_step": 1,
+                "mlp_only_layers": [],
+                "output_router_logits": False,
+                "router_aux_loss_coef": 0.001,
+            }
+        return config
+
+
+SPECS: dict[str, TinyModelSpec] = {
+    "dense": TinyModelSpec(),
+    "moe": TinyModelSpec(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128),
+}
+
+
+def build_tokenizer(vocab_size: int = VOCAB_SIZE) -> Any:
+    """A byte-level BPE with no merges: id == byte value for 0..255, then the specials,
+    then `<|reserved_N|>` up to `vocab_size`. Returns a `tokenizers.Tokenizer`."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    num_fixed = NUM_BYTE_TOKENS + len(SPECIAL_TOKENS)
+    if vocab_size < num_fixed:
+        raise ValueError(f"vocab_size must be at least {num_fixed}, got {vocab_size}")
+    byte_to_char = _bytes_to_unicode()
+    vocab = {byte_to_char[b]: b for b in range(NUM_BYTE_TOKENS)}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    # No regex split: with no merges it would only cost time, the tokens are the same.
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    reserved = [f"<|reserved_{i}|>" for i in range(vocab_size - num_fixed)]
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in (*SPECIAL_TOKENS, *reserved)])
+    assert tokenizer.get_vocab_size() == vocab_size
+    return tokenizer
+
+
+def save_tokenizer(out_dir: str | os.PathLike[str], vocab_size: int = VOCAB_SIZE) -> None:
+    """Writes tokenizer.json and tokenizer_config.json (with the chat template)."""
+    out = pathlib.Path(out_dir)
+    build_tokenizer(vocab_size).save(str(out / "tokenizer.json"))
+    tokenizer_config = {
+        # The generic class loads tokenizer.json as written; a Qwen2Tokenizer would
+        # rebuild the pre-tokenizer with Qwen's own settings.
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": None,
+        "eos_token": EOS_TOKEN,
+        "pad_token": PAD_TOKEN,
+        "unk_token": None,
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "split_special_tokens": False,
+        "model_max_length": SPECS["dense"].max_position_embeddings,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    _write_json(out / "tokenizer_config.json", tokenizer_config)
+
+
+def make_tiny_model(
+    out_dir: str | os.PathLike[str],
+    *,
+    kind: Literal["dense", "moe"],
+    seed: int = 0,
+    dtype: DType = "float32",
+    spec: TinyModelSpec | None = None,
+) -> pathlib.Path:
+    """Writes a tiny model into `out_dir` and returns its path.
+
+    Idempotent: a folder whose stamp records the same arguments is returned untouched.
+    The weights are drawn in float32 from `seed` and then cast, so the bfloat16 model of a
+    seed is the float32 one rounded."""
+    if kind not in SPECS:
+        raise ValueError(f"kind must be one of {sorted(SPECS)}, got {kind!r}")
+    if dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
+    spec = SPECS[kind] if spec is None else spec
+    if spec.is_moe != (kind == "moe"):
+        raise ValueError(f"spec has num_experts={spec.num_experts}, which does not fit kind={kind!r}")
+
+    out = pathlib.Path(out_dir)
+    stamp = {
+        "format_version": _FORMAT_VERSION,
+        "kind": kind,
+        "seed": seed,
+        "dtype": dtype,
+        "spec": dataclasses.asdict(spec),
+    }
+    if _read_stamp(out) == stamp:
+        return out
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / STAMP_FILE).unlink(missing_ok=True)
+    # Built beside the target and moved in file by file, the stamp last: a crash or a
+    # concurrent maker never leaves a stamped folder with partial files.
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.") as tmp:
+        staging = pathlib.Path(tmp)
+        _save_weights(staging, spec, seed=seed, dtype=dtype)
+        _write_json(staging / "config.json", spec.config_dict(dtype))
+        _write_json(staging / "generation_config.json", _generation_config(spec))
+        save_tokenizer(staging, spec.vocab_size)
+        for path in sorted(staging.iterdir()):
+            os.replace(path, out / path.name)
+    _write_json(out / STAMP_FILE, stamp)
+    return out
+
+
+def _save_weights(out: pathlib.Path, spec: TinyModelSpec, *, seed: int, dtype: DType) -> None:
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config_dict = spec.config_dict("float32")
+    if spec.is_moe:
+        config, model_cls = Qwen3MoeConfig.from_dict(config_dict), Qwen3MoeForCausalLM
+    else:
+        config, model_cls = Qwen3Config.from_dict(config_dict), Qwen3ForCausalLM
+    # The model's own init draws from the global generator: fork it so that the caller's
+    # random state is left as it was.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        with torch.device("cpu"):
+            model = model_cls(config)
+    model.to(getattr(torch, dtype))
+    # save_pretrained writes the hub's tensor names (per-expert `experts.N.gate_proj`
+    # rather than transformers 5's fused in-memory experts); its config is replaced.
+    model.save_pretrained(out)
+    for generated in ("config.json", "generation_config.json"):
+        (out / generated).unlink(missing_ok=True)
+
+
+def _generation_config(spec: TinyModelSpec) -> dict[str, Any]:
+    # No sampling defaults: vLLM would apply them to every request that does not set them.
+    config = spec.config_dict("float32")
+    return {
+        "bos_token_id": config["bos_token_id"],
+        "pad_token_id": config["pad_token_id"],
+        "eos_token_id": [config["eos_token_id"], config["pad_token_id"]],
+    }
+
+
+def _read_stamp(out: pathlib.Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((out / STAMP_FILE).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def _write_json(path: pathlib.Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table, the one the ByteLevel pre-tokenizer
+    emits (kept here so the tokenizer does not depend on transformers)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="primerl-make-tiny-model",
+        description="Write a tiny random Qwen3 (dense) or Qwen3-MoE model with a byte-level "
+        "tokenizer into a folder, in Hugging Face format.",
+    )
+    parser.add_argument("--kind", choices=sorted(SPECS), required=True)
+    parser.add_argument("--seed", type=int, default=0, help="weight init seed (default: 0)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--out", required=True, type=pathlib.Path, help="folder to write")
+    args = parser.parse_args(argv)
+    path = make_tiny_model(args.out, kind=args.kind, seed=args.seed, dtype=args.dtype)
+    print(path)
+
+
+if __name__ == "__main__":
+    main()
