@@ -49,7 +49,10 @@ class Section(BaseModel):
 class ServerConfig(Section):
     host: str = "0.0.0.0"
     port: int = Field(default=0, ge=0, le=65535, description="gRPC port; 0 picks a free one")
-    grace_s: float = Field(default=10.0, ge=0, description="on SIGTERM, how long in-flight calls may finish")
+    drain_delay_s: float = Field(
+        default=0.5, ge=0, description="on SIGTERM, how long health says NOT_SERVING while new calls are still taken"
+    )
+    grace_s: float = Field(default=10.0, ge=0, description="then how long in-flight calls may finish")
     max_message_bytes: int = Field(default=64 * 1024 * 1024, gt=0)
 
 
@@ -137,7 +140,7 @@ def load_config(cls: type[C], argv: Sequence[str] | None = None, *, prog: str | 
         epilog=f"Precedence: flags > environment ({cls.env_prefix()}<FIELD>, nested with __) > TOML file > defaults.",
     )
     parser.add_argument("-c", "--config", type=pathlib.Path, help="TOML config file")
-    cli_source = CliSettingsSource(cls, root_parser=parser, cli_implicit_flags=True)
+    cli_source = CliSettingsSource(cls, root_parser=parser)
     parsed = parser.parse_args(list(argv) if argv is not None else None)
     toml_path = parsed.config
     if toml_path is not None:

@@ -4,7 +4,7 @@ server interceptor (errors, tracing, metrics) writes only what it adds."""
 from __future__ import annotations
 
 import inspect
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
@@ -48,9 +48,9 @@ def wrap_method_handler(handler: grpc.RpcMethodHandler, wrapper: CallWrapper) ->
 
         new_behavior: Callable[..., Any] = wrapped_stream
     else:
-
-        def wrapped_unary(request: Any, context: grpc.aio.ServicerContext) -> Awaitable[Any]:
-            return wrapper(behavior, request, context, False)
+        # grpc.aio awaits a behaviour only when it is a coroutine function.
+        async def wrapped_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            return await wrapper(behavior, request, context, False)
 
         new_behavior = wrapped_unary
     return factory(

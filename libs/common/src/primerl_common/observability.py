@@ -199,24 +199,17 @@ def _server_metrics(registry: CollectorRegistry) -> _ServerMetrics:
     # A registry refuses a second metric of the same name, so each registry gets its set once.
     with _lock:
         if registry not in _metrics_by_registry:
-            labels = ("service", "method")
+            labels = ("service", "method")  # service is the gRPC one, e.g. primerl.router.v1.RouterService
             _metrics_by_registry[registry] = _ServerMetrics(
-                handled=Counter(
-                    "primerl_grpc_server_handled",
-                    "RPCs completed on the server, by status code.",
-                    (*labels, "code"),
-                    registry=registry,
-                ),
+                handled=Counter("primerl_grpc_server_handled", "Completed RPCs.", (*labels, "code"), registry=registry),
                 handling_seconds=Histogram(
                     "primerl_grpc_server_handling_seconds",
-                    "Time from RPC start to its last message.",
+                    "RPC start to end (of the stream, for streams).",
                     labels,
                     buckets=_SECONDS_BUCKETS,
                     registry=registry,
                 ),
-                in_flight=Gauge(
-                    "primerl_grpc_server_in_flight", "RPCs started and not yet completed.", labels, registry=registry
-                ),
+                in_flight=Gauge("primerl_grpc_server_in_flight", "RPCs not yet completed.", labels, registry=registry),
             )
         return _metrics_by_registry[registry]
 
@@ -309,8 +302,8 @@ def _wrap_async_generator(behavior: Callable, start: _Start) -> Callable:
     """Streaming responses from an async generator: the span and the timer cover the whole stream."""
 
     async def observed(request_or_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
+        responses = behavior(request_or_iterator, context)  # runs nothing yet: it is a generator
         observer = start()
-        responses = behavior(request_or_iterator, context)
         failure: BaseException | None = None
         try:
             while True:
@@ -372,36 +365,44 @@ def server_interceptors(
 # ----------------------------------------------------------------------------- client interceptor
 
 
-class _TraceContextClientInterceptor(
-    grpc.aio.UnaryUnaryClientInterceptor,
-    grpc.aio.UnaryStreamClientInterceptor,
-    grpc.aio.StreamUnaryClientInterceptor,
-    grpc.aio.StreamStreamClientInterceptor,
-):
-    """Puts the current trace context (W3C traceparent) into each outgoing call's metadata."""
+def _with_trace_context(details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+    """The call's details with the current trace context (W3C traceparent) added to its metadata."""
+    metadata = grpc.aio.Metadata(*(details.metadata or ()))  # a copy: the caller's stays as given
+    propagate.inject(metadata)
+    return details._replace(metadata=metadata)
 
-    @staticmethod
-    def _with_trace_context(details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
-        metadata = grpc.aio.Metadata(*(details.metadata or ()))  # a copy: the caller's stays as given
-        propagate.inject(metadata)
-        return details._replace(metadata=metadata)
 
+class _UnaryUnaryTraceContext(grpc.aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(self, continuation, client_call_details, request):
-        return await continuation(self._with_trace_context(client_call_details), request)
+        return await continuation(_with_trace_context(client_call_details), request)
 
+
+class _UnaryStreamTraceContext(grpc.aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(self, continuation, client_call_details, request):
-        return await continuation(self._with_trace_context(client_call_details), request)
+        return await continuation(_with_trace_context(client_call_details), request)
 
+
+class _StreamUnaryTraceContext(grpc.aio.StreamUnaryClientInterceptor):
     async def intercept_stream_unary(self, continuation, client_call_details, request_iterator):
-        return await continuation(self._with_trace_context(client_call_details), request_iterator)
+        return await continuation(_with_trace_context(client_call_details), request_iterator)
 
+
+class _StreamStreamTraceContext(grpc.aio.StreamStreamClientInterceptor):
     async def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
-        return await continuation(self._with_trace_context(client_call_details), request_iterator)
+        return await continuation(_with_trace_context(client_call_details), request_iterator)
 
 
 def client_interceptors() -> list[grpc.aio.ClientInterceptor]:
-    """Interceptors for grpc.aio channels (all four RPC kinds) that propagate the trace context."""
-    return [_TraceContextClientInterceptor()]
+    """Interceptors for grpc.aio channels that propagate the trace context on all four RPC kinds.
+
+    One object per kind: grpc.aio files each interceptor under the first kind it implements only.
+    """
+    return [
+        _UnaryUnaryTraceContext(),
+        _UnaryStreamTraceContext(),
+        _StreamUnaryTraceContext(),
+        _StreamStreamTraceContext(),
+    ]
 
 
 # ----------------------------------------------------------------------------- all three

@@ -107,7 +107,7 @@ class GrpcService:
 
     async def start(self) -> int:
         server_config = self.config.server
-        interceptors = [*observability.server_interceptors(self.definition.name), ErrorInterceptor()]
+        interceptors = [*observability.server_interceptors(), ErrorInterceptor()]
         self._server = grpc.aio.server(
             interceptors=interceptors, options=channel_options(server_config.max_message_bytes)
         )
@@ -147,6 +147,9 @@ class GrpcService:
         await self.health.enter_graceful_shutdown()
         for hook in self.definition.on_drain:
             await hook()
+        # Health checkers and routers see NOT_SERVING and move traffic away
+        # before the server starts refusing new calls.
+        await asyncio.sleep(self.config.server.drain_delay_s if grace_s is None else 0)
         await self._server.stop(grace)
         for hook in self.definition.on_stop:
             try:

@@ -1,0 +1,127 @@
+import asyncio
+import pathlib
+import sys
+
+import grpc
+import pytest
+from google.rpc import error_details_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from primerl.trainer.v1 import trainer_pb2, trainer_pb2_grpc
+from primerl_common.client import make_channel
+from primerl_common.errors import error_details, field_violations
+from primerl_common.server import GrpcService
+from primerl_common.testing import ServiceProcess, free_port
+
+from .servers import ProbeConfig, build_probe
+
+HERE = pathlib.Path(__file__).parent
+
+
+@pytest.fixture
+async def probe():
+    config = ProbeConfig(server={"host": "127.0.0.1", "port": 0, "grace_s": 5}, slow_call_s=0.5)
+    service = GrpcService(await build_probe(config), config)
+    port = await service.start()
+    async with make_channel(f"127.0.0.1:{port}") as channel:
+        yield service, channel
+    await service.stop(0)
+
+
+async def test_health_info_and_reflection(probe):
+    service, channel = probe
+    health = health_pb2_grpc.HealthStub(channel)
+    for name in ["", "primerl.trainer.v1.TrainerService"]:
+        reply = await health.Check(health_pb2.HealthCheckRequest(service=name))
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    info = (await trainer_pb2_grpc.TrainerServiceStub(channel).GetServiceInfo(trainer_pb2.GetServiceInfoRequest())).info
+    assert info.service_name == "probe"
+    assert info.package_version == "9.9.9"
+    assert list(info.api_versions) == ["primerl.trainer.v1"]
+    assert list(info.capabilities) == ["probe.slow"]
+    assert info.instance_id and info.started_at.seconds > 0
+
+    reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
+    replies = reflection.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+    names = {svc.name async for reply in replies for svc in reply.list_services_response.service}
+    assert {"primerl.trainer.v1.TrainerService", "grpc.health.v1.Health"} <= names
+
+
+async def test_domain_errors_map_to_status_with_details(probe):
+    _, channel = probe
+    stub = trainer_pb2_grpc.TrainerServiceStub(channel)
+
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.GetStatus(trainer_pb2.GetStatusRequest())
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details() == "micro_batch.advantages: must be finite, got nan"
+    assert field_violations(info.value) == {"micro_batch.advantages": "must be finite, got nan"}
+
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.GetStatus(trainer_pb2.GetStatusRequest(), metadata=(("fail", "precondition"),))
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    [precondition] = [d for d in error_details(info.value) if isinstance(d, error_details_pb2.PreconditionFailure)]
+    assert precondition.violations[0].subject == "policy_version"
+
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.PushBatch(iter([trainer_pb2.PushBatchRequest(begin=trainer_pb2.BatchBegin(step=1))]))
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    [retry] = [d for d in error_details(info.value) if isinstance(d, error_details_pb2.RetryInfo)]
+    assert retry.retry_delay.ToNanoseconds() == 1_500_000_000
+
+
+async def test_unexpected_error_is_internal_without_trace(probe):
+    _, channel = probe
+    stub = trainer_pb2_grpc.TrainerServiceStub(channel)
+    received = []
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        async for reply in stub.WatchSteps(trainer_pb2.WatchStepsRequest()):
+            received.append(reply.step.step)
+    assert received == [0, 1, 2]  # what was streamed before the failure arrives
+    assert info.value.code() == grpc.StatusCode.INTERNAL
+    assert "secret" not in info.value.details() and "Traceback" not in info.value.details()
+    # The service keeps serving.
+    reply = await stub.GetServiceInfo(trainer_pb2.GetServiceInfoRequest())
+    assert reply.info.service_name == "probe"
+
+
+async def test_unimplemented_rpc(probe):
+    _, channel = probe
+    stub = trainer_pb2_grpc.TrainerServiceStub(channel)
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.GetBatchSpec(trainer_pb2.GetBatchSpecRequest())
+    assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert "GetBatchSpec" in info.value.details()
+    # The service keeps serving.
+    assert (await stub.GetServiceInfo(trainer_pb2.GetServiceInfoRequest())).info.package_version == "9.9.9"
+
+
+async def test_in_process_stop_lets_inflight_call_finish(probe):
+    service, channel = probe
+    stub = trainer_pb2_grpc.TrainerServiceStub(channel)
+    call = asyncio.ensure_future(stub.SaveCheckpoint(trainer_pb2.SaveCheckpointRequest()))
+    await asyncio.sleep(0.1)
+    await service.stop(grace_s=5)
+    assert (await call).path == "/done"
+
+
+async def test_sigterm_drains_inflight_call_then_exits_cleanly():
+    port = free_port()
+    args = [sys.executable, str(HERE / "servers.py"), "--server.host", "127.0.0.1", "--server.port", str(port)]
+    args += ["--server.drain_delay_s", "1", "--slow_call_s", "2", "--observability.log_json", "false"]
+    async with ServiceProcess(args, port=port) as service:
+        async with make_channel(service.address) as channel:
+            stub = trainer_pb2_grpc.TrainerServiceStub(channel)
+            health = health_pb2_grpc.HealthStub(channel)
+            call = asyncio.ensure_future(stub.SaveCheckpoint(trainer_pb2.SaveCheckpointRequest(), timeout=20))
+            await asyncio.sleep(0.5)  # the call is running in the server
+            service.terminate()
+            await asyncio.sleep(0.3)
+            status = await health.Check(health_pb2.HealthCheckRequest(), timeout=5)
+            assert status.status == health_pb2.HealthCheckResponse.NOT_SERVING
+            assert (await call).path == "/done"  # the in-flight call completed
+        assert await service.wait(20) == 0
+        output = service.output()
+    assert "stopped probe" in output, output
+    assert "Traceback" not in output, output

@@ -1,0 +1,86 @@
+"""Each service binary, as a user starts it: --help, health, GetServiceInfo,
+an RPC it does not implement yet, and a clean exit on SIGTERM."""
+
+import importlib
+import importlib.metadata
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from primerl_common.client import make_channel
+from primerl_common.testing import ServiceProcess, free_port
+
+# service -> (proto service, an RPC the skeleton does not implement yet, its request)
+SERVICES = {
+    "orchestrator": ("OrchestratorService", "GetRunStatus", "GetRunStatusRequest"),
+    "trainer": ("TrainerService", "GetStatus", "GetStatusRequest"),
+    "inference": ("InferenceService", "GetLoad", "GetLoadRequest"),
+    "router": ("RouterService", "ListReplicas", "ListReplicasRequest"),
+    "weight_broadcaster": ("WeightBroadcasterService", "GetStatus", "GetStatusRequest"),
+    "kvstore": ("KvStoreService", "GetStats", "GetStatsRequest"),
+}
+
+
+def binary(service: str) -> str:
+    # Console scripts sit beside the interpreter in a venv, also when it is not on PATH.
+    search = os.pathsep.join([str(pathlib.Path(sys.executable).parent), os.environ.get("PATH", "")])
+    path = shutil.which(f"primerl-{service.replace('_', '-')}", path=search)
+    assert path, f"console script of {service} is not installed"
+    return path
+
+
+def modules(service: str):
+    pb2 = importlib.import_module(f"primerl.{service}.v1.{service}_pb2")
+    pb2_grpc = importlib.import_module(f"primerl.{service}.v1.{service}_pb2_grpc")
+    return pb2, pb2_grpc
+
+
+@pytest.mark.parametrize("service", SERVICES)
+def test_help(service):
+    result = subprocess.run([binary(service), "--help"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "--server.port" in result.stdout and "--config" in result.stdout
+
+
+@pytest.mark.parametrize("service", SERVICES)
+def test_unknown_config_key_fails_naming_it(service, tmp_path):
+    config = tmp_path / "bad.toml"
+    config.write_text("[server]\nportt = 1\n")
+    result = subprocess.run([binary(service), "-c", str(config)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert "server.portt: unknown key" in result.stderr
+
+
+@pytest.mark.parametrize("service", SERVICES)
+async def test_serves_health_info_and_stops_on_sigterm(service):
+    proto_service, unimplemented, request_name = SERVICES[service]
+    pb2, pb2_grpc = modules(service)
+    port = free_port()
+    args = [binary(service), "--server.host", "127.0.0.1", "--server.port", str(port), "--server.drain_delay_s", "0"]
+    async with ServiceProcess(args, port=port) as process:
+        async with make_channel(process.address) as channel:
+            health = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=f"primerl.{service}.v1.{proto_service}")
+            )
+            assert health.status == health_pb2.HealthCheckResponse.SERVING
+
+            stub = getattr(pb2_grpc, f"{proto_service}Stub")(channel)
+            info = (await stub.GetServiceInfo(pb2.GetServiceInfoRequest())).info
+            assert info.service_name == service
+            assert info.package_version == importlib.metadata.version(f"primerl-{service.replace('_', '-')}")
+            assert f"primerl.{service}.v1" in info.api_versions
+
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                await getattr(stub, unimplemented)(getattr(pb2, request_name)())
+            assert error.value.code() == grpc.StatusCode.UNIMPLEMENTED
+            # Still serving after the refused call.
+            assert (await stub.GetServiceInfo(pb2.GetServiceInfoRequest())).info.service_name == service
+        process.terminate()
+        assert await process.wait(30) == 0, process.output()
+        assert "Traceback" not in process.output()
