@@ -72,7 +72,7 @@ def test_unknown_top_level_section_is_named(tmp_path):
 
 def test_unknown_env_key_is_named(monkeypatch):
     monkeypatch.setenv("PRIMERL_EXAMPLE_REPLICA", "x")
-    with pytest.raises(ConfigError, match="replica: unknown key .*PRIMERL_EXAMPLE_REPLICA"):
+    with pytest.raises(ConfigError, match=r"replica: unknown key .*PRIMERL_EXAMPLE_REPLICA"):
         load_config(ExampleConfig, [])
 
 

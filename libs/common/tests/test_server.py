@@ -30,7 +30,7 @@ async def probe():
 
 
 async def test_health_info_and_reflection(probe):
-    service, channel = probe
+    _, channel = probe
     health = health_pb2_grpc.HealthStub(channel)
     for name in ["", "primerl.trainer.v1.TrainerService"]:
         reply = await health.Check(health_pb2.HealthCheckRequest(service=name))

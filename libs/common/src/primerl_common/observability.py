@@ -319,8 +319,10 @@ def _wrap_async_generator(behavior: Callable, start: _Start) -> Callable:
             failure = exc
             raise
         finally:
-            await responses.aclose()  # runs the handler's own cleanup when the client went away
-            observer.finish(context, failure)
+            try:
+                await responses.aclose()  # runs the handler's own cleanup when the client went away
+            finally:
+                observer.finish(context, failure)
 
     return observed
 

