@@ -301,8 +301,12 @@ def test_vllm_generates_and_matches_transformers(engine) -> None:
         assert logprobs == pytest.approx(reference_logprobs, abs=1e-3)
     else:
         # Greedy paths may part at a near tie in bfloat16, so compare on vLLM's tokens.
-        reference_logprobs = _teacher_forced_logprobs(model, prompt_ids, tokens)
-        assert logprobs == pytest.approx(reference_logprobs, abs=0.25)
+        # Rounding alone moves a token by up to ~0.4 nats where the MoE router's top-2 is
+        # a near tie (measured: the same between transformers in bfloat16 and float32);
+        # a wrong weight or layout moves them by whole nats.
+        reference = torch.tensor(_teacher_forced_logprobs(model, prompt_ids, tokens))
+        difference = (torch.tensor(logprobs) - reference).abs()
+        assert difference.mean() < 0.1 and difference.max() < 1.0
 
 
 def test_vllm_renders_the_chat_template(engine) -> None:

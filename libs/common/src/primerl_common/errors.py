@@ -30,6 +30,7 @@ __all__ = [
     "ResourceExhausted",
     "ServiceError",
     "Unavailable",
+    "Unimplemented",
     "error_details",
     "field_violations",
 ]
@@ -127,6 +128,12 @@ class AlreadyExists(ServiceError):
     code = grpc.StatusCode.ALREADY_EXISTS
 
 
+class Unimplemented(ServiceError):
+    """An RPC of the contract this server does not implement (yet)."""
+
+    code = grpc.StatusCode.UNIMPLEMENTED
+
+
 def _status_for(exc: BaseException, method: str) -> grpc.Status:
     if isinstance(exc, ServiceError):
         return exc.to_status()
@@ -145,32 +152,6 @@ def _passes_through(exc: BaseException) -> bool:
     return isinstance(exc, (grpc.aio.AbortError, asyncio.CancelledError, GeneratorExit, KeyboardInterrupt))
 
 
-def _error_mapping(method: str) -> Callable[..., Any]:
-    async def unary(behavior: Callable[..., Any], request: Any, context: grpc.aio.ServicerContext) -> Any:
-        try:
-            return await behavior(request, context)
-        except BaseException as exc:
-            if _passes_through(exc):
-                raise
-            await context.abort_with_status(_status_for(exc, method))
-
-    async def streaming(
-        behavior: Callable[..., Any], request: Any, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[Any]:
-        try:
-            async for item in behavior(request, context):
-                yield item
-        except BaseException as exc:
-            if _passes_through(exc):
-                raise
-            await context.abort_with_status(_status_for(exc, method))
-
-    def wrapper(behavior: Callable[..., Any], request: Any, context: grpc.aio.ServicerContext, stream: bool) -> Any:
-        return (streaming if stream else unary)(behavior, request, context)
-
-    return wrapper
-
-
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
     async def intercept_service(
         self,
@@ -180,7 +161,32 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None:
             return None
-        return wrap_method_handler(handler, _error_mapping(handler_call_details.method))
+        method = handler_call_details.method
+
+        def coroutine(behavior: Callable[..., Any]) -> Callable[..., Any]:
+            async def mapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                try:
+                    return await behavior(request, context)
+                except BaseException as exc:
+                    if _passes_through(exc):
+                        raise
+                    await context.abort_with_status(_status_for(exc, method))
+
+            return mapped
+
+        def async_generator(behavior: Callable[..., Any]) -> Callable[..., Any]:
+            async def mapped(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+                try:
+                    async for response in behavior(request, context):
+                        yield response
+                except BaseException as exc:
+                    if _passes_through(exc):
+                        raise
+                    await context.abort_with_status(_status_for(exc, method))
+
+            return mapped
+
+        return wrap_method_handler(handler, coroutine=coroutine, async_generator=async_generator)
 
 
 def error_details(error: grpc.RpcError) -> list[Any]:

@@ -11,7 +11,6 @@ import asyncio
 import contextvars
 import dataclasses
 import datetime
-import inspect
 import json as _json
 import logging
 import sys
@@ -30,6 +29,8 @@ from opentelemetry.sdk.resources import SERVICE_NAME, SERVICE_VERSION, Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SimpleSpanProcessor
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+
+from primerl_common.grpc_handlers import wrap_method_handler
 
 __all__ = [
     "ObservabilityHandles",
@@ -139,7 +140,13 @@ def _build_tracer_provider(*, service: str, version: str, exporter: str, otlp_en
         provider.add_span_processor(SimpleSpanProcessor(ConsoleSpanExporter()))
     elif exporter == "otlp":
         # Imported here: it pulls in a second gRPC stack that services without a collector never need.
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+        try:
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+        except ImportError:
+            raise ValueError(
+                "observability.trace_exporter = 'otlp' needs opentelemetry-exporter-otlp-proto-grpc "
+                "(pip install 'primerl-common[otlp]')"
+            ) from None
 
         provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=otlp_endpoint)))
     return provider
@@ -327,17 +334,6 @@ def _wrap_async_generator(behavior: Callable, start: _Start) -> Callable:
     return observed
 
 
-def _wrap(behavior: Callable | None, start: _Start) -> Callable | None:
-    # grpc.aio inspects the handler to choose how to drive it, so the wrapper keeps its flavour.
-    if inspect.isasyncgenfunction(behavior):
-        return _wrap_async_generator(behavior, start)
-    if inspect.iscoroutinefunction(behavior):
-        return _wrap_coroutine(behavior, start)
-    # None, or a sync handler that grpc.aio runs in a thread pool (primerl services do not use
-    # those): wrapping one in a coroutine would change how grpc.aio feeds it requests.
-    return behavior
-
-
 class _ObservabilityServerInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, tracer: trace.Tracer, metrics: _ServerMetrics) -> None:
         self._tracer, self._metrics = tracer, metrics
@@ -350,8 +346,11 @@ class _ObservabilityServerInterceptor(grpc.aio.ServerInterceptor):
         def start() -> _CallObserver:
             return _CallObserver(self._tracer, self._metrics, handler_call_details)
 
-        kinds = ("unary_unary", "unary_stream", "stream_unary", "stream_stream")
-        return handler._replace(**{kind: _wrap(getattr(handler, kind), start) for kind in kinds})
+        return wrap_method_handler(
+            handler,
+            coroutine=lambda behavior: _wrap_coroutine(behavior, start),
+            async_generator=lambda behavior: _wrap_async_generator(behavior, start),
+        )
 
 
 def server_interceptors(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
 import signal
 import sys
@@ -27,7 +28,7 @@ from grpc_reflection.v1alpha import reflection
 from primerl.common.v1 import service_info_pb2
 from primerl_common import observability
 from primerl_common.config import ConfigError, ServiceConfig, load_config
-from primerl_common.errors import ErrorInterceptor
+from primerl_common.errors import ErrorInterceptor, Unimplemented
 
 __all__ = ["GrpcService", "ServiceDefinition", "channel_options", "run_main"]
 
@@ -92,6 +93,23 @@ def _now() -> timestamp_pb2.Timestamp:
     return stamp
 
 
+def _answer_unimplemented(servicer: Any, descriptor: Any, definition: ServiceDefinition) -> None:
+    """Methods the servicer leaves to the generated base class (a sync method
+    that raises NotImplementedError, which grpc logs as a crash) answer
+    UNIMPLEMENTED through the error mapping instead."""
+    for method in descriptor.methods:
+        if inspect.iscoroutinefunction(getattr(servicer, method.name)):
+            continue
+        if inspect.isasyncgenfunction(getattr(servicer, method.name)):
+            continue
+        message = f"{descriptor.full_name}/{method.name} is not implemented by {definition.name} {definition.version}"
+
+        async def unimplemented(request: Any, context: grpc.aio.ServicerContext, message: str = message) -> None:
+            raise Unimplemented(message)
+
+        setattr(servicer, method.name, unimplemented)
+
+
 class GrpcService:
     """Serves a ServiceDefinition. Use `await start()`, then `await stop()`
     (or `wait_for_termination()` with signal handlers installed by run_main)."""
@@ -111,7 +129,8 @@ class GrpcService:
         self._server = grpc.aio.server(
             interceptors=interceptors, options=channel_options(server_config.max_message_bytes)
         )
-        for add_to_server, servicer, _ in self.definition.servicers:
+        for add_to_server, servicer, descriptor in self.definition.servicers:
+            _answer_unimplemented(servicer, descriptor, self.definition)
             add_to_server(servicer, self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         reflection.enable_server_reflection(
