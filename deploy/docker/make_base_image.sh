@@ -19,8 +19,9 @@ DOCKER="${DOCKER:-docker}"
 WORK_DIR="${REPO_ROOT}/.cache/docker-base"
 ROOTFS="${WORK_DIR}/rootfs"
 # What Python needs to create a venv and run pip over TLS; passwd for useradd,
-# tzdata for zoneinfo. minbase brings only Essential packages and apt.
-PACKAGES="python3,python3-venv,ca-certificates,passwd,tzdata"
+# tzdata for zoneinfo, libnuma1 for vLLM's CPU kernels (the inference Dockerfile
+# installs it itself on bases that lack it). minbase brings only Essential packages and apt.
+PACKAGES="python3,python3-venv,ca-certificates,passwd,tzdata,libnuma1"
 
 force=0
 [[ "${1:-}" == "--force" ]] && force=1

@@ -254,7 +254,7 @@ def wheel_key(path: Path) -> tuple[str, Version]:
 
 
 def sync_wheels(out: Path, locks: dict[str, dict[str, str]]) -> None:
-    """Makes out/<layer>/ hold exactly the locked wheels (moving wheels between
+    """Makes out/<layer>/ hold exactly the locked wheels (copying wheels between
     layers, downloading or building the missing ones, deleting the rest)."""
     available: dict[tuple[str, Version], Path] = {}
     for wheel in out.glob("*/*.whl"):
@@ -265,16 +265,16 @@ def sync_wheels(out: Path, locks: dict[str, dict[str, str]]) -> None:
         layer_dir.mkdir(parents=True, exist_ok=True)
         missing = []
         for name, version in sorted(pins.items()):
-            key = (name, Version(version))
-            found = available.get(key)
+            found = available.get((name, Version(version)))
             if found is None:
                 missing.append(f"{name}=={version}")
             elif found.parent != layer_dir:
-                available[key] = found.rename(layer_dir / found.name)
+                # Several service layers may need the same wheel: each gets a copy.
+                shutil.copy2(found, layer_dir / found.name)
         if missing:
             log(f"{layer}: fetching {len(missing)} wheel(s)")
             with tempfile.TemporaryDirectory(prefix="primerl-wheels-", dir=out) as tmp:
-                run_pip("wheel", "--no-deps", "--wheel-dir", tmp, *torch_index_args(), *missing)
+                run_pip("wheel", "--no-deps", "--quiet", "--wheel-dir", tmp, *torch_index_args(), *missing)
                 for wheel in Path(tmp).glob("*.whl"):
                     available[wheel_key(wheel)] = wheel.rename(layer_dir / wheel.name)
         requirements = "".join(f"{name}=={pins[name]}\n" for name in sorted(pins))
@@ -314,7 +314,7 @@ def build_local_wheels(out: Path, projects: list[Project]) -> None:
             source = copy_project(project.path, Path(tmp))
             built = Path(tmp) / "dist"
             run_pip(
-                python, "wheel", "--no-deps", "--quiet", "--wheel-dir", str(built), str(source),
+                "wheel", "--no-deps", "--quiet", "--wheel-dir", str(built), str(source),
                 env={"SOURCE_DATE_EPOCH": SOURCE_DATE_EPOCH},
             )  # fmt: skip
             (new_wheel,) = built.glob("*.whl")

@@ -6,9 +6,9 @@ import gc
 import json
 import math
 import os
-import string
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
@@ -17,6 +17,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from primerl_common.tiny_model import (
     CHAT_TEMPLATE,
+    EOS_TOKEN_ID,
+    IM_START_TOKEN_ID,
+    PAD_TOKEN_ID,
     SPECS,
     STAMP_FILE,
     VOCAB_SIZE,
@@ -24,6 +27,9 @@ from primerl_common.tiny_model import (
     main,
     make_tiny_model,
 )
+
+if TYPE_CHECKING:
+    from vllm import LLM
 
 KINDS = ("dense", "moe")
 NUM_NEW_TOKENS = 16
@@ -73,29 +79,30 @@ def _teacher_forced_logprobs(model: torch.nn.Module, prompt_ids: list[int], toke
 
 def test_tokenizer_each_ascii_character_is_its_byte(model_root: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(_model_dir(model_root, "dense"))
-    text = string.printable  # every printable ASCII character, whitespace included
+    text = "".join(map(chr, range(128)))  # all of ASCII, control characters included
 
     ids = tokenizer.encode(text, add_special_tokens=False)
 
-    assert ids == [ord(c) for c in text]
+    assert ids == list(range(128))
     assert tokenizer.decode(ids) == text
+    assert tokenizer.encode("\u00e9", add_special_tokens=False) == [0xC3, 0xA9]  # UTF-8 bytes
 
 
 def test_tokenizer_round_trips_non_ascii_and_specials(model_root: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(_model_dir(model_root, "dense"))
-    text = "naïve café – 你好 🙂 <|im_start|>x<|im_end|>"
+    text = "naïve café \u2013 你好 🙂 <|im_start|>x<|im_end|>"
 
     ids = tokenizer.encode(text, add_special_tokens=False)
 
     assert tokenizer.decode(ids) == text
-    assert ids.count(tokenizer.convert_tokens_to_ids("<|im_start|>")) == 1
+    assert ids.count(IM_START_TOKEN_ID) == 1
     assert len(tokenizer) == VOCAB_SIZE == SPECS["dense"].vocab_size
-    assert (tokenizer.pad_token, tokenizer.pad_token_id) == ("<|endoftext|>", 256)
-    assert tokenizer.convert_tokens_to_ids("<|im_start|>") == 257
-    assert (tokenizer.eos_token, tokenizer.eos_token_id) == ("<|im_end|>", 258)
+    assert (tokenizer.pad_token, tokenizer.pad_token_id) == ("<|endoftext|>", PAD_TOKEN_ID)
+    assert tokenizer.convert_tokens_to_ids("<|im_start|>") == IM_START_TOKEN_ID
+    assert (tokenizer.eos_token, tokenizer.eos_token_id) == ("<|im_end|>", EOS_TOKEN_ID)
     assert tokenizer.bos_token is None
     # An untrained model samples every id, so every id must decode.
-    assert tokenizer.decode([VOCAB_SIZE - 1]) == f"<|reserved_{VOCAB_SIZE - 259 - 1}|>"
+    assert tokenizer.decode([VOCAB_SIZE - 1]) == f"<|reserved_{VOCAB_SIZE - 1 - (EOS_TOKEN_ID + 1)}|>"
 
 
 def test_chat_template_renders_qwen_format(model_root: Path) -> None:
@@ -170,6 +177,7 @@ def test_files_use_hub_names_and_shapes(model_root: Path) -> None:
     assert expert.shape == (spec.moe_intermediate_size, spec.hidden_size)
     assert weights["model.layers.0.mlp.gate.weight"].shape == (spec.num_experts, spec.hidden_size)
     assert "lm_head.weight" not in weights  # tied to the embedding
+    assert all(p.stat().st_mode & 0o444 == 0o444 for p in moe_dir.iterdir())  # readable by all
 
 
 def test_make_is_idempotent_and_remakes_on_other_arguments(tmp_path: Path) -> None:
@@ -213,8 +221,9 @@ def test_transformers_loads_and_generates(model_root: Path, kind: str) -> None:
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     prompt_ids = _prompt_ids(model_dir)
 
+    # eos_token_id=None: never stop early, so the lengths compare.
     generated = model.generate(
-        torch.tensor([prompt_ids]), max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=256
+        torch.tensor([prompt_ids]), max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=PAD_TOKEN_ID
     )[0, len(prompt_ids) :].tolist()
 
     assert type(model).__name__ == ("Qwen3MoeForCausalLM" if kind == "moe" else "Qwen3ForCausalLM")
@@ -244,7 +253,7 @@ def test_random_model_is_not_degenerate(model_root: Path, kind: str) -> None:
 
 
 @contextlib.contextmanager
-def _in_process_llm(model_dir: Path, dtype: str) -> Iterator["vllm.LLM"]:  # type: ignore[name-defined]  # noqa: F821
+def _in_process_llm(model_dir: Path, dtype: str) -> Iterator["LLM"]:
     from vllm import LLM
 
     # vLLM's CPU platform rewrites process state for its workers: LD_PRELOAD (tcmalloc,
@@ -273,18 +282,19 @@ def _in_process_llm(model_dir: Path, dtype: str) -> Iterator["vllm.LLM"]:  # typ
 ENGINES = [(kind, dtype) for dtype in ("float32", "bfloat16") for kind in KINDS]
 
 
+# Module scope: one engine at a time, each shut down before the next starts.
 @pytest.fixture(scope="module", params=ENGINES, ids=["-".join(p) for p in ENGINES])
-def engine(request: pytest.FixtureRequest, model_root: Path) -> Iterator[tuple[str, str, Path, "vllm.LLM"]]:  # type: ignore[name-defined]  # noqa: F821
+def engine(request: pytest.FixtureRequest, model_root: Path) -> Iterator[tuple[str, Path, "LLM"]]:
     kind, dtype = request.param
     model_dir = _model_dir(model_root, kind, dtype)
     with _in_process_llm(model_dir, dtype) as llm:
-        yield kind, dtype, model_dir, llm
+        yield dtype, model_dir, llm
 
 
-def test_vllm_generates_and_matches_transformers(engine) -> None:
+def test_vllm_generates_and_matches_transformers(engine: tuple[str, Path, "LLM"]) -> None:
     from vllm import SamplingParams
 
-    kind, dtype, model_dir, llm = engine
+    dtype, model_dir, llm = engine
     prompt_ids = _prompt_ids(model_dir)
     params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True, logprobs=0)
 
@@ -309,12 +319,12 @@ def test_vllm_generates_and_matches_transformers(engine) -> None:
         assert difference.mean() < 0.1 and difference.max() < 1.0
 
 
-def test_vllm_renders_the_chat_template(engine) -> None:
+def test_vllm_renders_the_chat_template(engine: tuple[str, Path, "LLM"]) -> None:
     from vllm import SamplingParams
 
-    _, _, model_dir, llm = engine
+    _, model_dir, llm = engine
 
     (output,) = llm.chat(MESSAGES, SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
 
     assert list(output.prompt_token_ids) == _prompt_ids(model_dir)
-    assert llm.get_tokenizer().eos_token_id == 258
+    assert llm.get_tokenizer().eos_token_id == EOS_TOKEN_ID

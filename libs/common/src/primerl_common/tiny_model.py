@@ -21,14 +21,23 @@ import os
 import pathlib
 import tempfile
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    import tokenizers
 
 __all__ = [
     "CHAT_TEMPLATE",
     "EOS_TOKEN",
+    "EOS_TOKEN_ID",
     "IM_START_TOKEN",
+    "IM_START_TOKEN_ID",
     "PAD_TOKEN",
+    "PAD_TOKEN_ID",
     "SPECS",
+    "STAMP_FILE",
+    "VOCAB_SIZE",
+    "DType",
     "TinyModelSpec",
     "build_tokenizer",
     "main",
@@ -36,12 +45,13 @@ __all__ = [
     "save_tokenizer",
 ]
 
+NUM_BYTE_TOKENS = 256
 PAD_TOKEN = "<|endoftext|>"
 IM_START_TOKEN = "<|im_start|>"
 EOS_TOKEN = "<|im_end|>"
-# Ids 256, 257, 258 in this order, as in Qwen's vocabulary (151643..151645).
+# Right after the bytes, in Qwen's order (151643..151645 there).
 SPECIAL_TOKENS = (PAD_TOKEN, IM_START_TOKEN, EOS_TOKEN)
-NUM_BYTE_TOKENS = 256
+PAD_TOKEN_ID, IM_START_TOKEN_ID, EOS_TOKEN_ID = range(NUM_BYTE_TOKENS, NUM_BYTE_TOKENS + len(SPECIAL_TOKENS))
 # Bytes + specials, padded with reserved tokens to a multiple of 64 so that every id the
 # model can sample is decodable (an untrained model samples all of them).
 VOCAB_SIZE = 320
@@ -55,6 +65,12 @@ CHAT_TEMPLATE = (
 
 DType = Literal["float32", "bfloat16"]
 STAMP_FILE = "primerl_tiny_model.json"
+# No sampling defaults: vLLM would apply them to every request that does not set them.
+_GENERATION_CONFIG = {
+    "bos_token_id": PAD_TOKEN_ID,
+    "pad_token_id": PAD_TOKEN_ID,
+    "eos_token_id": [EOS_TOKEN_ID, PAD_TOKEN_ID],
+}
 # Bump when the bytes written for the same arguments change, so old folders are remade.
 _FORMAT_VERSION = 1
 
@@ -112,9 +128,10 @@ class TinyModelSpec:
             "sliding_window": None,
             "tie_word_embeddings": True,
             "use_cache": True,
-            "bos_token_id": SPECIAL_TOKENS.index(PAD_TOKEN) + NUM_BYTE_TOKENS,
-            "pad_token_id": SPECIAL_TOKENS.index(PAD_TOKEN) + NUM_BYTE_TOKENS,
-            "eos_token_id": SPECIAL_TOKENS.index(EOS_TOKEN) + NUM_BYTE_TOKENS,
+            # Qwen's configs name <|endoftext|> as bos too; the tokenizer adds no bos.
+            "bos_token_id": PAD_TOKEN_ID,
+            "pad_token_id": PAD_TOKEN_ID,
+            "eos_token_id": EOS_TOKEN_ID,
             "dtype": dtype,
         }
         if self.is_moe:
@@ -137,9 +154,9 @@ SPECS: dict[str, TinyModelSpec] = {
 }
 
 
-def build_tokenizer(vocab_size: int = VOCAB_SIZE) -> Any:
+def build_tokenizer(vocab_size: int = VOCAB_SIZE) -> tokenizers.Tokenizer:
     """A byte-level BPE with no merges: id == byte value for 0..255, then the specials,
-    then `<|reserved_N|>` up to `vocab_size`. Returns a `tokenizers.Tokenizer`."""
+    then `<|reserved_N|>` up to `vocab_size`."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
     num_fixed = NUM_BYTE_TOKENS + len(SPECIAL_TOKENS)
@@ -157,7 +174,9 @@ def build_tokenizer(vocab_size: int = VOCAB_SIZE) -> Any:
     return tokenizer
 
 
-def save_tokenizer(out_dir: str | os.PathLike[str], vocab_size: int = VOCAB_SIZE) -> None:
+def save_tokenizer(
+    out_dir: str | os.PathLike[str], *, vocab_size: int = VOCAB_SIZE, model_max_length: int = 2048
+) -> None:
     """Writes tokenizer.json and tokenizer_config.json (with the chat template)."""
     out = pathlib.Path(out_dir)
     build_tokenizer(vocab_size).save(str(out / "tokenizer.json"))
@@ -173,7 +192,7 @@ def save_tokenizer(out_dir: str | os.PathLike[str], vocab_size: int = VOCAB_SIZE
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
         "split_special_tokens": False,
-        "model_max_length": SPECS["dense"].max_position_embeddings,
+        "model_max_length": model_max_length,
         "chat_template": CHAT_TEMPLATE,
     }
     _write_json(out / "tokenizer_config.json", tokenizer_config)
@@ -219,9 +238,12 @@ def make_tiny_model(
         staging = pathlib.Path(tmp)
         _save_weights(staging, spec, seed=seed, dtype=dtype)
         _write_json(staging / "config.json", spec.config_dict(dtype))
-        _write_json(staging / "generation_config.json", _generation_config(spec))
-        save_tokenizer(staging, spec.vocab_size)
+        _write_json(staging / "generation_config.json", _GENERATION_CONFIG)
+        save_tokenizer(staging, vocab_size=spec.vocab_size, model_max_length=spec.max_position_embeddings)
         for path in sorted(staging.iterdir()):
+            # save_pretrained writes through a private (0600) temp file; services that
+            # run as another user (containers) must be able to read the model.
+            path.chmod(0o644)
             os.replace(path, out / path.name)
     _write_json(out / STAMP_FILE, stamp)
     return out
@@ -238,6 +260,7 @@ def _save_weights(out: pathlib.Path, spec: TinyModelSpec, *, seed: int, dtype: D
         config, model_cls = Qwen3Config.from_dict(config_dict), Qwen3ForCausalLM
     # The model's own init draws from the global generator: fork it so that the caller's
     # random state is left as it was.
+    # On the CPU whatever the caller's default device: the draw differs per device.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         with torch.device("cpu"):
@@ -248,16 +271,6 @@ def _save_weights(out: pathlib.Path, spec: TinyModelSpec, *, seed: int, dtype: D
     model.save_pretrained(out)
     for generated in ("config.json", "generation_config.json"):
         (out / generated).unlink(missing_ok=True)
-
-
-def _generation_config(spec: TinyModelSpec) -> dict[str, Any]:
-    # No sampling defaults: vLLM would apply them to every request that does not set them.
-    config = spec.config_dict("float32")
-    return {
-        "bos_token_id": config["bos_token_id"],
-        "pad_token_id": config["pad_token_id"],
-        "eos_token_id": [config["eos_token_id"], config["pad_token_id"]],
-    }
 
 
 def _read_stamp(out: pathlib.Path) -> dict[str, Any] | None:
