@@ -1,6 +1,8 @@
 """Each service binary, as a user starts it: --help, health, GetServiceInfo,
-an RPC it does not implement yet, and a clean exit on SIGTERM."""
+an RPC it does not implement yet, and a clean exit on SIGTERM that lets a call
+in flight complete."""
 
+import asyncio
 import importlib
 import importlib.metadata
 import os
@@ -12,6 +14,7 @@ import sys
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from primerl_common.client import make_channel
 from primerl_common.testing import ServiceProcess, free_port
@@ -62,7 +65,7 @@ async def test_serves_health_info_and_stops_on_sigterm(service):
     proto_service, unimplemented, request_name = SERVICES[service]
     pb2, pb2_grpc = modules(service)
     port = free_port()
-    args = [binary(service), "--server.host", "127.0.0.1", "--server.port", str(port), "--server.drain_delay_s", "0"]
+    args = [binary(service), "--server.host", "127.0.0.1", "--server.port", str(port), "--server.drain_delay_s", "0.2"]
     async with ServiceProcess(args, port=port) as process:
         async with make_channel(process.address) as channel:
             health = await health_pb2_grpc.HealthStub(channel).Check(
@@ -81,6 +84,24 @@ async def test_serves_health_info_and_stops_on_sigterm(service):
             assert error.value.code() == grpc.StatusCode.UNIMPLEMENTED
             # Still serving after the refused call.
             assert (await stub.GetServiceInfo(pb2.GetServiceInfoRequest())).info.service_name == service
-        process.terminate()
+
+            # A call in flight when SIGTERM arrives completes: a reflection stream
+            # stays open across the signal and is still answered while draining.
+            requests: asyncio.Queue = asyncio.Queue()
+
+            async def request_stream():
+                while (request := await requests.get()) is not None:
+                    yield request
+
+            reflection = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(request_stream())
+            await requests.put(reflection_pb2.ServerReflectionRequest(list_services=""))
+            await reflection.read()
+            process.terminate()
+            await asyncio.sleep(0.5)
+            await requests.put(reflection_pb2.ServerReflectionRequest(list_services=""))
+            reply = await reflection.read()
+            assert f"primerl.{service}.v1.{proto_service}" in {s.name for s in reply.list_services_response.service}
+            await requests.put(None)
+            assert await reflection.code() == grpc.StatusCode.OK
         assert await process.wait(30) == 0, process.output()
         assert "Traceback" not in process.output()
