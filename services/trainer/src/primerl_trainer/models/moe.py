@@ -1,0 +1,163 @@
+"""Mixture-of-experts building blocks: a token-choice top-k router that can replay given
+expert indices (R3), and routed experts run as grouped matrix products.
+
+Shape letters: T tokens, D model dim, F expert hidden dim, E experts, K experts per token,
+N = T * K routed token copies.
+"""
+
+from typing import Literal, get_args
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ExpertsImpl = Literal["auto", "grouped_mm", "loop"]
+EXPERTS_IMPLS: tuple[str, ...] = get_args(ExpertsImpl)
+
+
+class TokenChoiceTopKRouter(nn.Module):
+    """Softmax over the experts, top-k, optional renormalisation of the k scores (Qwen3-MoE's
+    `norm_topk_prob`)."""
+
+    def __init__(self, *, dim: int, num_experts: int, top_k: int, norm_topk_prob: bool) -> None:
+        super().__init__()
+        self.gate = nn.Linear(dim, num_experts, bias=False)
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.norm_topk_prob = norm_topk_prob
+
+    def forward(
+        self, x_TD: torch.Tensor, replayed_experts_TK: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (scores [T, K] in x's dtype, expert ids [T, K] int64).
+
+        With `replayed_experts_TK` (int64, validated by the caller) those experts are used
+        instead of the top-k, and the scores are the softmax gathered at them: the gate
+        still gets gradients through the scores of the experts that inference chose."""
+        probs_TE = F.softmax(self.gate(x_TD), dim=-1, dtype=torch.float32)
+        if replayed_experts_TK is None:
+            scores_TK, expert_ids_TK = torch.topk(probs_TE, self.top_k, dim=-1)
+        else:
+            expert_ids_TK = replayed_experts_TK
+            scores_TK = probs_TE.gather(-1, expert_ids_TK)
+        if self.norm_topk_prob:
+            scores_TK = scores_TK / scores_TK.sum(dim=-1, keepdim=True)
+        return scores_TK.to(x_TD.dtype), expert_ids_TK
+
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts stored stacked: w13 [E, 2F, D] (gate rows then up rows, vLLM's and
+    transformers' fused layout) and w2 [E, D, F]."""
+
+    def __init__(self, *, dim: int, hidden_dim: int, num_experts: int, experts_impl: ExpertsImpl = "auto") -> None:
+        super().__init__()
+        if experts_impl not in EXPERTS_IMPLS:
+            raise ValueError(f"experts_impl must be one of {EXPERTS_IMPLS}, got {experts_impl!r}")
+        self.num_experts = num_experts
+        self.experts_impl = experts_impl
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * hidden_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+
+    def forward(self, x_ND: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+        """x_ND sorted by expert; offsets_E [E] int32: the end of each expert's rows."""
+        if self._use_grouped_mm(x_ND):
+            gate_up = torch._grouped_mm(x_ND, self.w13.transpose(-2, -1), offs=offsets_E)
+            gate, up = gate_up.chunk(2, dim=-1)
+            return torch._grouped_mm(F.silu(gate) * up, self.w2.transpose(-2, -1), offs=offsets_E)
+        # Reference path: one matmul pair per expert, with a device sync for the sizes.
+        sizes = torch.diff(offsets_E, prepend=offsets_E.new_zeros(1)).tolist()
+        outs = []
+        for expert, x in enumerate(torch.split(x_ND, sizes)):
+            gate, up = F.linear(x, self.w13[expert]).chunk(2, dim=-1)
+            outs.append(F.linear(F.silu(gate) * up, self.w2[expert]))
+        return torch.cat(outs)
+
+    def _use_grouped_mm(self, x: torch.Tensor) -> bool:
+        if self.experts_impl != "auto":
+            return self.experts_impl == "grouped_mm"
+        return grouped_mm_supported(x.device, x.dtype)
+
+
+# Traced as a constant by torch.compile: the answer depends only on the device and dtype,
+# which the compiled graph guards on anyway.
+@torch.compiler.assume_constant_result
+def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether "auto" runs the experts through torch._grouped_mm: on the CPU (torch 2.11 and
+    2.13 take float32 and bf16), and on CUDA for bf16 on compute capability 9.0+, where its
+    CUTLASS kernels are. CUDA float32 (parity runs) keeps the per-expert loop."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if device.type == "cpu":
+        return True
+    return device.type == "cuda" and dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+class MoE(nn.Module):
+    """Router + routed experts. Tokens are permuted so that each expert's rows are contiguous,
+    run through the grouped experts, put back in token order and mixed by their scores."""
+
+    def __init__(
+        self,
+        *,
+        dim: int,
+        hidden_dim: int,
+        num_experts: int,
+        top_k: int,
+        norm_topk_prob: bool,
+        experts_impl: ExpertsImpl = "auto",
+    ) -> None:
+        super().__init__()
+        self.router = TokenChoiceTopKRouter(
+            dim=dim, num_experts=num_experts, top_k=top_k, norm_topk_prob=norm_topk_prob
+        )
+        self.experts = GroupedExperts(
+            dim=dim, hidden_dim=hidden_dim, num_experts=num_experts, experts_impl=experts_impl
+        )
+
+    def forward(
+        self, x: torch.Tensor, replayed_experts_TK: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [..., D] -> (out like x, expert ids [T, K], tokens per expert [E])."""
+        x_TD = x.reshape(-1, x.shape[-1])
+        num_tokens, top_k = x_TD.shape[0], self.router.top_k
+        scores_TK, expert_ids_TK = self.router(x_TD, replayed_experts_TK)
+
+        # A stable sort groups the N token copies by expert; searchsorted on the sorted ids
+        # gives each expert's end offset. Neither syncs with the host nor needs atomics,
+        # so the path is deterministic and compiles without graph breaks.
+        sorted_ids_N, order_N = torch.sort(expert_ids_TK.reshape(-1), stable=True)
+        boundaries_E = torch.arange(1, self.experts.num_experts + 1, device=x.device, dtype=sorted_ids_N.dtype)
+        offsets_E = torch.searchsorted(sorted_ids_N, boundaries_E, out_int32=True)
+
+        routed_ND = self.experts(x_TD[order_N // top_k], offsets_E)
+        # Back to (token, k) order, then the score-weighted sum over k as one batched
+        # product (accumulated in float32 inside the matmul).
+        out_TKD = routed_ND[torch.argsort(order_N)].view(num_tokens, top_k, -1)
+        out_TD = torch.bmm(scores_TK.unsqueeze(1), out_TKD).squeeze(1)
+        tokens_per_expert_E = torch.diff(offsets_E, prepend=offsets_E.new_zeros(1)).long()
+        return out_TD.view_as(x), expert_ids_TK, tokens_per_expert_E
+
+
+def check_routed_experts(
+    routed_experts: torch.Tensor, *, num_tokens: int, num_moe_layers: int, top_k: int, num_experts: int
+) -> torch.Tensor:
+    """Validates replayed expert indices [num_tokens, num_moe_layers, top_k] (uint8, uint16
+    or any integer dtype, as inference sends them) and returns them as int64.
+
+    The range check reads the values back to the host: one sync per forward, which is the
+    price of a ValueError instead of a device-side indexing fault."""
+    expected = (num_tokens, num_moe_layers, top_k)
+    if tuple(routed_experts.shape) != expected:
+        raise ValueError(
+            f"routed_experts must have shape [num_tokens, num_moe_layers, top_k] = {list(expected)}, "
+            f"got {list(routed_experts.shape)}"
+        )
+    if routed_experts.dtype.is_floating_point or routed_experts.dtype.is_complex or routed_experts.dtype == torch.bool:
+        raise ValueError(f"routed_experts must hold integer expert indices, got dtype {routed_experts.dtype}")
+    routed_experts = routed_experts.to(torch.int64)
+    if routed_experts.numel() and (routed_experts.min() < 0 or routed_experts.max() >= num_experts):
+        raise ValueError(
+            f"routed_experts holds expert indices outside [0, {num_experts}): "
+            f"min {routed_experts.min().item()}, max {routed_experts.max().item()}"
+        )
+    return routed_experts

@@ -1,0 +1,167 @@
+"""Qwen3 (dense): a pre-norm decoder with grouped-query attention, RMSNorm on each head's
+queries and keys, rotary positions and SwiGLU feed-forward blocks.
+
+Own parameter names (torchtitan's); state_dict_adapter.py maps them to and from Hugging
+Face's. Inputs are [B, T] token ids, batched or packed ([1, T] with position ids restarting
+at each sample); see common/attention.py for how packed samples are kept apart.
+"""
+
+from dataclasses import dataclass
+from typing import Any, Self
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from primerl_trainer.models.common.attention import AttentionBackend, AttentionMask, attention, build_attention_mask
+from primerl_trainer.models.common.feed_forward import FeedForward
+from primerl_trainer.models.common.norms import RMSNorm
+from primerl_trainer.models.common.outputs import CausalLMOutput
+from primerl_trainer.models.common.rope import apply_rope, rope_cos_sin
+
+
+@dataclass(frozen=True, kw_only=True)
+class Qwen3ModelArgs:
+    vocab_size: int
+    dim: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_dim: int
+    norm_eps: float
+    rope_theta: float
+    tie_word_embeddings: bool
+
+    @classmethod
+    def from_hf_config(cls, config: dict[str, Any]) -> Self:
+        """From a Hugging Face config.json; features this implementation lacks are refused
+        rather than silently ignored."""
+        check_supported_hf_config(config)
+        return cls(**common_args_from_hf_config(config))
+
+
+class Attention(nn.Module):
+    def __init__(self, args: Qwen3ModelArgs) -> None:
+        super().__init__()
+        if args.num_heads % args.num_kv_heads:
+            raise ValueError(f"num_heads ({args.num_heads}) must be a multiple of num_kv_heads ({args.num_kv_heads})")
+        self.head_dim = args.head_dim
+        self.wq = nn.Linear(args.dim, args.num_heads * args.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.num_kv_heads * args.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.num_kv_heads * args.head_dim, bias=False)
+        self.wo = nn.Linear(args.num_heads * args.head_dim, args.dim, bias=False)
+        self.q_norm = RMSNorm(args.head_dim, eps=args.norm_eps)
+        self.k_norm = RMSNorm(args.head_dim, eps=args.norm_eps)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: AttentionMask) -> torch.Tensor:
+        batch_size, seq_len, _ = x.shape
+        q = self.q_norm(self.wq(x).view(batch_size, seq_len, -1, self.head_dim))
+        k = self.k_norm(self.wk(x).view(batch_size, seq_len, -1, self.head_dim))
+        v = self.wv(x).view(batch_size, seq_len, -1, self.head_dim)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        return self.wo(attention(q, k, v, mask).reshape(batch_size, seq_len, -1))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: Qwen3ModelArgs) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
+        self.feed_forward = FeedForward(dim=args.dim, hidden_dim=args.hidden_dim)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: AttentionMask) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), rope, mask)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Qwen3Model(nn.Module):
+    def __init__(self, args: Qwen3ModelArgs, *, attn_backend: AttentionBackend = "sdpa") -> None:
+        super().__init__()
+        self.args = args
+        self.attn_backend = attn_backend
+        # No padding_idx: transformers freezes the pad token's embedding row with it, and
+        # Qwen's pad token (<|endoftext|>) is one the policy samples and must learn.
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        # A ModuleDict keyed by layer number keeps parameter names stable when a pipeline
+        # stage drops layers (torchtitan's convention).
+        self.layers = nn.ModuleDict({str(i): self.build_block(i) for i in range(args.num_layers)})
+        self.norm = RMSNorm(args.dim, eps=args.norm_eps)
+        # A tied head reads the embedding's weight rather than sharing the Parameter: a
+        # shared Parameter is split in two by meta-device loading (to_empty, assign=True),
+        # and the state dict then has the single copy that Hugging Face saves.
+        self.lm_head = None if args.tie_word_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
+
+    def build_block(self, layer_id: int) -> nn.Module:
+        return TransformerBlock(self.args)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        *,
+        routed_experts: torch.Tensor | None = None,
+    ) -> CausalLMOutput:
+        """input_ids [B, T]; position_ids [B, T] or None for 0..T-1 in every row."""
+        if routed_experts is not None:
+            raise ValueError("routed_experts is only accepted by mixture-of-experts models")
+        h, rope, mask = self.embed(input_ids, position_ids)
+        for block in self.layers.values():
+            h = block(h, rope, mask)
+        return CausalLMOutput(logits=self.output(h))
+
+    def output(self, h: torch.Tensor) -> torch.Tensor:
+        """Final norm and vocabulary projection."""
+        h = self.norm(h)
+        return F.linear(h, self.tok_embeddings.weight) if self.lm_head is None else self.lm_head(h)
+
+    def embed(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor | None
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor], AttentionMask]:
+        """Token embeddings plus what every layer shares: RoPE's cos/sin and the mask."""
+        if input_ids.ndim != 2:
+            raise ValueError(f"input_ids must be [batch, seq_len], got shape {list(input_ids.shape)}")
+        if position_ids is not None and position_ids.shape != input_ids.shape:
+            raise ValueError(
+                f"position_ids must have the shape of input_ids {list(input_ids.shape)}, got {list(position_ids.shape)}"
+            )
+        batch_size, seq_len = input_ids.shape
+        h = self.tok_embeddings(input_ids)
+        mask = build_attention_mask(
+            position_ids, backend=self.attn_backend, batch_size=batch_size, seq_len=seq_len, device=h.device
+        )
+        if position_ids is None:
+            position_ids = torch.arange(seq_len, device=h.device).expand(batch_size, seq_len)
+        rope = rope_cos_sin(position_ids, head_dim=self.args.head_dim, theta=self.args.rope_theta, dtype=h.dtype)
+        return h, rope, mask
+
+
+def common_args_from_hf_config(config: dict[str, Any]) -> dict[str, Any]:
+    num_heads = config["num_attention_heads"]
+    return {
+        "vocab_size": config["vocab_size"],
+        "dim": config["hidden_size"],
+        "num_layers": config["num_hidden_layers"],
+        "num_heads": num_heads,
+        "num_kv_heads": config.get("num_key_value_heads") or num_heads,
+        "head_dim": config.get("head_dim") or config["hidden_size"] // num_heads,
+        "hidden_dim": config["intermediate_size"],
+        "norm_eps": config["rms_norm_eps"],
+        # transformers 5 writes rope_parameters, the hub's files rope_theta.
+        "rope_theta": (config.get("rope_parameters") or {}).get("rope_theta", config.get("rope_theta", 10_000.0)),
+        "tie_word_embeddings": config.get("tie_word_embeddings", False),
+    }
+
+
+def check_supported_hf_config(config: dict[str, Any]) -> None:
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    unsupported = {
+        "attention_bias": bool(config.get("attention_bias")),
+        "use_sliding_window": bool(config.get("use_sliding_window")),
+        f"rope type {rope_type!r}": rope_type != "default",
+    }
+    if any(unsupported.values()):
+        names = [name for name, present in unsupported.items() if present]
+        raise ValueError(f"config uses features the own Qwen3 implementation lacks: {names}; use impl='hf'")

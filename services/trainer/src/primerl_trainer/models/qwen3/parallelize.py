@@ -1,0 +1,37 @@
+"""Applies activation checkpointing, compile and FSDP2 to a Qwen3 model, in that order
+(torchtitan's): checkpointing wraps the plain block, compile sees the wrapped block, FSDP
+shards what compile traced."""
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from primerl_trainer.distributed import apply_activation_checkpointing, apply_compile, apply_fsdp
+from primerl_trainer.models.qwen3.model import Qwen3Model
+
+
+def parallelize_qwen3(
+    model: Qwen3Model,
+    *,
+    dp_mesh: DeviceMesh | None = None,
+    param_dtype: torch.dtype | None = torch.bfloat16,
+    reduce_dtype: torch.dtype | None = torch.float32,
+    activation_checkpointing: bool = False,
+    compile: bool = False,
+    reshard_after_forward: bool = True,
+    cpu_offload: bool = False,
+) -> Qwen3Model:
+    """In place; returns the model. Without `dp_mesh` no FSDP is applied."""
+    if activation_checkpointing:
+        apply_activation_checkpointing(model.layers)
+    if compile:
+        apply_compile(model.layers)
+    if dp_mesh is not None:
+        apply_fsdp(
+            model,
+            mesh=dp_mesh,
+            param_dtype=param_dtype,
+            reduce_dtype=reduce_dtype,
+            reshard_after_forward=reshard_after_forward,
+            cpu_offload=cpu_offload,
+        )
+    return model

@@ -1,0 +1,1 @@
+"""Qwen3-MoE: model, Hugging Face state-dict adapter, parallelize function."""

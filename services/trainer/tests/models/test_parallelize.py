@@ -1,0 +1,56 @@
+"""The parallelize functions on one CPU rank (gloo): FSDP2 + activation checkpointing leave
+the forward, the gradients and the exported names as they were."""
+
+import json
+import pathlib
+
+import pytest
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+
+from primerl_trainer.models import export_hf_state_dict, load_model, model_spec_of, read_hf_state_dict
+
+from .conftest import random_ids
+
+
+@pytest.fixture
+def mesh():
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    yield init_device_mesh("cpu", (1,))
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def moe_untied_path(moe_path: pathlib.Path, tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    """The tiny MoE with a head of its own (as Qwen3-30B-A3B has)."""
+    path = tmp_path_factory.mktemp("moe-untied")
+    config = json.loads((moe_path / "config.json").read_text()) | {"tie_word_embeddings": False}
+    (path / "config.json").write_text(json.dumps(config))
+    tensors = read_hf_state_dict(moe_path)
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].flip(0).contiguous()
+    save_file(tensors, path / "model.safetensors")
+    return path
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe", "moe_untied"])
+def test_fsdp_and_activation_checkpointing_keep_forward_and_gradients(
+    request: pytest.FixtureRequest, mesh, kind: str
+) -> None:
+    path: pathlib.Path = request.getfixturevalue(f"{kind}_path")
+    reference, model = load_model(path), load_model(path)
+    model_spec_of(model).parallelize_fn(model, dp_mesh=mesh, param_dtype=None, activation_checkpointing=True)
+    input_ids = random_ids(2, 12)
+    expected, actual = reference(input_ids).logits, model(input_ids).logits
+    assert torch.equal(actual, expected)
+    expected.pow(2).mean().backward()
+    actual.pow(2).mean().backward()
+    grads = {name: p.grad for name, p in reference.named_parameters()}
+    for name, param in model.named_parameters():
+        name = name.replace("_checkpoint_wrapped_module.", "")
+        assert torch.allclose(param.grad.full_tensor(), grads[name], atol=1e-6), name
+
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    assert export_hf_state_dict(model, full).keys() == read_hf_state_dict(path).keys()
