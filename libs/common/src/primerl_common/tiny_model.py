@@ -72,7 +72,7 @@ _GENERATION_CONFIG = {
     "eos_token_id": [EOS_TOKEN_ID, PAD_TOKEN_ID],
 }
 # Bump when the bytes written for the same arguments change, so old folders are remade.
-_FORMAT_VERSION = 1
+_FORMAT_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -265,6 +265,11 @@ def _save_weights(out: pathlib.Path, spec: TinyModelSpec, *, seed: int, dtype: D
         torch.manual_seed(seed)
         with torch.device("cpu"):
             model = model_cls(config)
+            # transformers zero-fills the pad token's embedding row, but the policy
+            # samples <|endoftext|> and the trainer has no padding index: a zero row
+            # sends ~1000x gradients through RMSNorm. Draw it like the others.
+            embedding = model.get_input_embeddings().weight
+            embedding.data[PAD_TOKEN_ID].normal_(0.0, config.initializer_range)
     model.to(getattr(torch, dtype))
     # save_pretrained writes the hub's tensor names (per-expert `experts.N.gate_proj`
     # rather than transformers 5's fused in-memory experts); its config is replaced.

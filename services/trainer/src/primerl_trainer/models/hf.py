@@ -22,12 +22,18 @@ class HFCausalLM(nn.Module):
         position_ids: torch.Tensor | None = None,
         *,
         routed_experts: torch.Tensor | None = None,
+        compute_logits: bool = True,
     ) -> CausalLMOutput:
         if routed_experts is not None:
             raise ValueError("routed_experts (router replay) needs the own implementation (impl='custom' or 'auto')")
+        if not compute_logits:
+            raise ValueError("compute_logits=False (hidden states for a fused loss) needs the own implementation")
+        # Without use_cache=False transformers builds a KV cache and skips the
+        # packed-sequence mask, so packed samples would attend to each other.
         if not self.num_experts:
-            return CausalLMOutput(logits=self.hf_model(input_ids=input_ids, position_ids=position_ids).logits)
-        out = self.hf_model(input_ids=input_ids, position_ids=position_ids, output_router_logits=True)
+            out = self.hf_model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+            return CausalLMOutput(logits=out.logits)
+        out = self.hf_model(input_ids=input_ids, position_ids=position_ids, output_router_logits=True, use_cache=False)
         # Softmax keeps the order, so the top-k of the logits is the router's choice.
         top_k = self.hf_model.config.num_experts_per_tok
         expert_ids = [logits.topk(top_k, dim=-1).indices for logits in out.router_logits]

@@ -128,14 +128,85 @@ class MoE(nn.Module):
         sorted_ids_N, order_N = torch.sort(expert_ids_TK.reshape(-1), stable=True)
         boundaries_E = torch.arange(1, self.experts.num_experts + 1, device=x.device, dtype=sorted_ids_N.dtype)
         offsets_E = torch.searchsorted(sorted_ids_N, boundaries_E, out_int32=True)
+        # inverse_N[copy] = the row of (token, k) copy `copy` in expert order.
+        inverse_N = torch.empty_like(order_N).scatter_(0, order_N, torch.arange(order_N.numel(), device=x.device))
 
-        routed_ND = self.experts(x_TD[order_N // top_k], offsets_E)
-        # Back to (token, k) order, then the score-weighted sum over k as one batched
-        # product (accumulated in float32 inside the matmul).
-        out_TKD = routed_ND[torch.argsort(order_N)].view(num_tokens, top_k, -1)
-        out_TD = torch.bmm(scores_TK.unsqueeze(1), out_TKD).squeeze(1)
+        routed_ND = self.experts(_DispatchToExperts.apply(x_TD, order_N, inverse_N, top_k), offsets_E)
+        out_TD = _CombineFromExperts.apply(routed_ND, scores_TK, order_N, inverse_N)
         tokens_per_expert_E = torch.diff(offsets_E, prepend=offsets_E.new_zeros(1)).long()
         return out_TD.view_as(x), expert_ids_TK, tokens_per_expert_E
+
+
+# The two permutations between token order and expert order, with backwards written as
+# gathers: autograd's own backward of an index is a scatter-add (a sort or atomics per call),
+# although every row here has a known source.
+
+
+class _DispatchToExperts(torch.autograd.Function):
+    """x_TD [T, D] -> x_ND [N, D]: row n is token order_N[n] // K. The backward sums each
+    token's K copies, gathered through inverse_N, in float32."""
+
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx,
+        x_TD: torch.Tensor,
+        order_N: torch.Tensor,
+        inverse_N: torch.Tensor,
+        top_k: int,
+    ) -> torch.Tensor:
+        ctx.save_for_backward(inverse_N)
+        ctx.top_k = top_k
+        return x_TD[order_N // top_k]
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad_ND: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        (inverse_N,) = ctx.saved_tensors
+        grad_TKD = grad_ND[inverse_N].view(-1, ctx.top_k, grad_ND.shape[-1])
+        return grad_TKD.sum(dim=1, dtype=_accumulation_dtype(grad_ND)).to(grad_ND.dtype), None, None, None
+
+
+class _CombineFromExperts(torch.autograd.Function):
+    """routed_ND [N, D] in expert order, scores_TK [T, K] -> out_TD [T, D], the sum over k of
+    scores[t, k] * routed[inverse_N[t * K + k]], accumulated in float32 (as a bmm would)."""
+
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx,
+        routed_ND: torch.Tensor,
+        scores_TK: torch.Tensor,
+        order_N: torch.Tensor,
+        inverse_N: torch.Tensor,
+    ) -> torch.Tensor:
+        ctx.save_for_backward(routed_ND, scores_TK, order_N, inverse_N)
+        return _combine(routed_ND, scores_TK, inverse_N)
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad_TD: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        routed_ND, scores_TK, order_N, inverse_N = ctx.saved_tensors
+        num_tokens, top_k = scores_TK.shape
+        dtype = _accumulation_dtype(routed_ND)
+        grad_routed_ND = None
+        if ctx.needs_input_grad[0]:
+            # Row n of expert order is copy order_N[n] of token order_N[n] // K.
+            copy_scores_N = scores_TK.reshape(-1)[order_N].to(dtype)
+            grad_routed_ND = (grad_TD[order_N // top_k].to(dtype) * copy_scores_N[:, None]).to(routed_ND.dtype)
+        grad_scores_TK = None
+        if ctx.needs_input_grad[1]:
+            routed_TKD = routed_ND[inverse_N].view(num_tokens, top_k, -1).to(dtype)
+            grad_scores_TK = (routed_TKD * grad_TD.to(dtype)[:, None, :]).sum(dim=-1).to(scores_TK.dtype)
+        return grad_routed_ND, grad_scores_TK, None, None
+
+
+def _combine(routed_ND: torch.Tensor, scores_TK: torch.Tensor, inverse_N: torch.Tensor) -> torch.Tensor:
+    num_tokens, top_k = scores_TK.shape
+    dtype = _accumulation_dtype(routed_ND)
+    routed_TKD = routed_ND[inverse_N].view(num_tokens, top_k, -1).to(dtype)
+    return (routed_TKD * scores_TK.to(dtype)[:, :, None]).sum(dim=1).to(routed_ND.dtype)
+
+
+def _accumulation_dtype(x: torch.Tensor) -> torch.dtype:
+    """float32 for half precisions, else x's own (float64 stays float64)."""
+    return torch.promote_types(x.dtype, torch.float32)
 
 
 def check_routed_experts(

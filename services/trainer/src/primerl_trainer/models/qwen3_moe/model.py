@@ -97,9 +97,11 @@ class Qwen3MoeModel(Qwen3Model):
         position_ids: torch.Tensor | None = None,
         *,
         routed_experts: torch.Tensor | None = None,
+        compute_logits: bool = True,
     ) -> CausalLMOutput:
         """input_ids [B, T]; position_ids [B, T] or None; routed_experts
-        [B*T, num_moe_layers, top_k] to replay inference's routing (R3)."""
+        [B*T, num_moe_layers, top_k] to replay inference's routing (R3);
+        `compute_logits=False` returns the final-normed hidden states instead of the logits."""
         if routed_experts is not None:
             routed_experts = check_routed_experts(
                 routed_experts,
@@ -120,8 +122,9 @@ class Qwen3MoeModel(Qwen3Model):
             h, expert_ids_TK, tokens_per_expert_E = block(h, rope, mask, replayed)
             expert_ids.append(expert_ids_TK)
             tokens_per_expert.append(tokens_per_expert_E)
-        return CausalLMOutput(
-            logits=self.output(h),
+        return self.output(
+            h,
+            compute_logits=compute_logits,
             routed_experts=torch.stack(expert_ids, dim=1),
             tokens_per_expert=torch.stack(tokens_per_expert),
         )

@@ -1,0 +1,248 @@
+"""Micro-batches: decoded from `primerl.trainer.v1.MicroBatch` and checked before any training.
+
+A micro-batch is samples packed back to back into one sequence of T <= seq_len tokens; every
+tensor has one entry per token (alignment: see losses.py), position_ids restart at 0 at each
+sample's first token. A batch (one optimizer step) is validated whole before any of it is
+trained on, so a bad micro-batch never leaves a half-taken step behind; errors are
+`InvalidArgument` naming the field ("micro_batch.advantages").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from primerl.trainer.v1 import trainer_pb2
+from primerl_common.errors import InvalidArgument
+from primerl_common.tensors import tensor_from_proto
+
+__all__ = [
+    "BatchSpec",
+    "MicroBatch",
+    "TrainingMode",
+    "micro_batch_from_proto",
+    "shard_micro_batches",
+    "validate_batch",
+    "validate_micro_batch",
+]
+
+TrainingMode = Literal["rl", "sft"]
+
+_INDEX_DTYPES = (torch.int32, torch.int64)
+_EXPERT_DTYPES = (torch.uint8, torch.uint16)
+
+
+@dataclass(frozen=True)
+class BatchSpec:
+    """What the trainer accepts (the answer to GetBatchSpec)."""
+
+    seq_len: int
+    vocab_size: int
+    router_replay: bool = False
+    num_moe_layers: int = 0
+    num_experts_per_token: int = 0
+    num_experts: int = 0
+
+    def __post_init__(self) -> None:
+        if self.seq_len <= 0 or self.vocab_size <= 0:
+            raise ValueError(f"seq_len and vocab_size must be positive, got {self.seq_len} and {self.vocab_size}")
+        if self.router_replay and min(self.num_moe_layers, self.num_experts_per_token, self.num_experts) <= 0:
+            raise ValueError("router replay needs positive num_moe_layers, num_experts_per_token and num_experts")
+
+
+# eq=False: field-wise == on tensors has no single truth value.
+@dataclass(frozen=True, eq=False)
+class MicroBatch:
+    """One packed sequence of T tokens, on the CPU until the train step moves it."""
+
+    input_ids: torch.Tensor  # int64 [T]
+    position_ids: torch.Tensor  # int64 [T]
+    loss_mask: torch.Tensor  # bool [T]
+    temperatures: torch.Tensor  # float32 [T]
+    advantages: torch.Tensor | None = None  # float32 [T], RL only
+    inference_logprobs: torch.Tensor | None = None  # float32 [T], RL only
+    routed_experts: torch.Tensor | None = None  # uint8/uint16 [T, moe layers, top_k], with router replay
+    policy_versions: torch.Tensor | None = None  # int64 [T]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.numel()
+
+    @property
+    def num_loss_tokens(self) -> int:
+        return int(self.loss_mask.sum())
+
+
+def micro_batch_from_proto(
+    msg: trainer_pb2.MicroBatch, spec: BatchSpec, *, mode: TrainingMode, index: int = 0
+) -> MicroBatch:
+    """Decode and validate one micro-batch of a PushBatch stream (`index`: its place in the batch).
+
+    Token ids and positions may come as int32 (widened to int64). Routed experts are decoded
+    only when the spec replays them.
+    """
+    present = {field.name for field, _ in msg.ListFields()}
+
+    def decode(name: str, dtypes: tuple[torch.dtype, ...], *, required: bool) -> torch.Tensor | None:
+        if name not in present:
+            if required:
+                raise _invalid(index, name, "is required")
+            return None
+        try:
+            tensor = tensor_from_proto(getattr(msg, name))
+        except ValueError as e:
+            raise _invalid(index, name, str(e)) from None
+        if tensor.dtype not in dtypes:
+            raise _invalid(index, name, f"has dtype {tensor.dtype}, expected {' or '.join(map(str, dtypes))}")
+        return tensor
+
+    rl = mode == "rl"
+    input_ids = decode("input_ids", _INDEX_DTYPES, required=True)
+    position_ids = decode("position_ids", _INDEX_DTYPES, required=True)
+    loss_mask = decode("loss_mask", (torch.bool,), required=True)
+    temperatures = decode("temperatures", (torch.float32,), required=rl)
+    assert input_ids is not None and position_ids is not None and loss_mask is not None
+    micro_batch = MicroBatch(
+        input_ids=input_ids.long(),
+        position_ids=position_ids.long(),
+        loss_mask=loss_mask,
+        # SFT trains at temperature 1 unless told otherwise.
+        temperatures=torch.ones(input_ids.shape, dtype=torch.float32) if temperatures is None else temperatures,
+        advantages=decode("advantages", (torch.float32,), required=rl),
+        inference_logprobs=decode("inference_logprobs", (torch.float32,), required=rl),
+        routed_experts=decode("routed_experts", _EXPERT_DTYPES, required=True) if spec.router_replay else None,
+        policy_versions=decode("policy_versions", (torch.int64,), required=False),
+    )
+    validate_micro_batch(micro_batch, spec, mode=mode, index=index)
+    return micro_batch
+
+
+def validate_micro_batch(micro_batch: MicroBatch, spec: BatchSpec, *, mode: TrainingMode, index: int = 0) -> None:
+    """Raise `InvalidArgument` naming the first bad field of a micro-batch, if any."""
+    input_ids = micro_batch.input_ids
+    if input_ids.dim() != 1 or not 0 < input_ids.numel() <= spec.seq_len:
+        raise _invalid(
+            index, "input_ids", f"has shape {list(input_ids.shape)}, expected [T] with 0 < T <= seq_len {spec.seq_len}"
+        )
+    num_tokens = input_ids.numel()
+
+    def check_tokenwise(name: str, dtypes: tuple[torch.dtype, ...], *, required: bool) -> torch.Tensor | None:
+        tensor = getattr(micro_batch, name)
+        if tensor is None:
+            if required:
+                raise _invalid(index, name, "is required")
+            return None
+        if tensor.dtype not in dtypes:
+            raise _invalid(index, name, f"has dtype {tensor.dtype}, expected {' or '.join(map(str, dtypes))}")
+        if tensor.shape != (num_tokens,):
+            raise _invalid(index, name, f"has shape {list(tensor.shape)}, expected [{num_tokens}] like input_ids")
+        return tensor
+
+    rl = mode == "rl"
+    check_tokenwise("input_ids", (torch.int64,), required=True)
+    position_ids = check_tokenwise("position_ids", (torch.int64,), required=True)
+    loss_mask = check_tokenwise("loss_mask", (torch.bool,), required=True)
+    temperatures = check_tokenwise("temperatures", (torch.float32,), required=True)
+    advantages = check_tokenwise("advantages", (torch.float32,), required=rl)
+    inference_logprobs = check_tokenwise("inference_logprobs", (torch.float32,), required=rl)
+    policy_versions = check_tokenwise("policy_versions", (torch.int64,), required=False)
+    assert position_ids is not None and loss_mask is not None and temperatures is not None
+
+    if (bad := _first(~((input_ids >= 0) & (input_ids < spec.vocab_size)))) is not None:
+        raise _invalid(index, "input_ids", f"token {bad} is {int(input_ids[bad])}, outside [0, {spec.vocab_size})")
+    previous = torch.cat([position_ids.new_full((1,), -1), position_ids[:-1]])
+    if (bad := _first((position_ids != 0) & (position_ids != previous + 1))) is not None:
+        raise _invalid(
+            index,
+            "position_ids",
+            f"token {bad} has position {int(position_ids[bad])} after {int(previous[bad])}: positions start at 0 "
+            "at each sample and count up by one",
+        )
+    if (bad := _first(loss_mask & (position_ids == 0))) is not None:
+        raise _invalid(index, "loss_mask", f"token {bad} starts a sample: nothing before it predicts it")
+    if (bad := _first(~(torch.isfinite(temperatures) & (temperatures > 0)))) is not None:
+        raise _invalid(index, "temperatures", f"token {bad} has temperature {float(temperatures[bad])}, not > 0")
+    if rl:
+        assert advantages is not None and inference_logprobs is not None
+        for name, values in (("advantages", advantages), ("inference_logprobs", inference_logprobs)):
+            if (bad := _first(~torch.isfinite(values))) is not None:
+                raise _invalid(index, name, f"token {bad} is {float(values[bad])}")
+    if policy_versions is not None and (bad := _first(policy_versions < 0)) is not None:
+        raise _invalid(index, "policy_versions", f"token {bad} has negative version {int(policy_versions[bad])}")
+    if spec.router_replay:
+        _validate_routed_experts(micro_batch.routed_experts, spec, num_tokens=num_tokens, index=index)
+
+
+def validate_batch(
+    micro_batches: Sequence[MicroBatch],
+    spec: BatchSpec,
+    *,
+    mode: TrainingMode,
+    num_loss_tokens: int | None = None,
+) -> int:
+    """Validate a whole batch; return its loss-token count (the loss normaliser).
+
+    `num_loss_tokens`: the count the sender announced (BatchBegin), checked when given.
+    """
+    if not micro_batches:
+        raise InvalidArgument("a batch needs at least one micro-batch", field="begin.num_micro_batches")
+    for index, micro_batch in enumerate(micro_batches):
+        validate_micro_batch(micro_batch, spec, mode=mode, index=index)
+    total = sum(micro_batch.num_loss_tokens for micro_batch in micro_batches)
+    if num_loss_tokens is not None and num_loss_tokens != total:
+        raise InvalidArgument(
+            f"announced {num_loss_tokens} loss tokens, the micro-batches' loss_mask holds {total}",
+            field="begin.num_loss_tokens",
+        )
+    if total == 0:
+        raise InvalidArgument("no token of the batch counts in the loss", field="micro_batch.loss_mask")
+    return total
+
+
+def shard_micro_batches(micro_batches: Sequence[MicroBatch], *, rank: int, world_size: int) -> list[MicroBatch]:
+    """This data-parallel rank's micro-batches: every `world_size`-th one from `rank`.
+
+    Every rank gets the same number, ceil(M / world_size): FSDP's collectives need each rank to
+    run as many forward and backward passes as the others. A rank short of one repeats the first
+    micro-batch with an all-False loss mask, which adds nothing to the loss or the gradient.
+    """
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} outside [0, {world_size})")
+    assert micro_batches, "an empty batch is rejected by validate_batch"
+    share = list(micro_batches[rank::world_size])
+    num_per_rank = math.ceil(len(micro_batches) / world_size)
+    filler = dataclasses.replace(micro_batches[0], loss_mask=torch.zeros_like(micro_batches[0].loss_mask))
+    return share + [filler] * (num_per_rank - len(share))
+
+
+def _validate_routed_experts(
+    routed_experts: torch.Tensor | None, spec: BatchSpec, *, num_tokens: int, index: int
+) -> None:
+    if routed_experts is None:
+        raise _invalid(index, "routed_experts", "is required: the trainer replays routed experts")
+    expected = (num_tokens, spec.num_moe_layers, spec.num_experts_per_token)
+    if routed_experts.shape != expected:
+        raise _invalid(index, "routed_experts", f"has shape {list(routed_experts.shape)}, expected {list(expected)}")
+    if routed_experts.dtype not in _EXPERT_DTYPES:
+        raise _invalid(index, "routed_experts", f"has dtype {routed_experts.dtype}, expected uint8 or uint16")
+    # uint16 has no comparison kernels on every device; the indices fit in int32.
+    experts = routed_experts.to(torch.int32)
+    if (bad := _first((experts >= spec.num_experts).any(dim=(1, 2)))) is not None:
+        raise _invalid(
+            index, "routed_experts", f"token {bad} names expert {int(experts[bad].max())} of {spec.num_experts}"
+        )
+
+
+def _first(flags: torch.Tensor) -> int | None:
+    """Index of the first True of a 1-D bool tensor, or None."""
+    hits = flags.nonzero()
+    return int(hits[0, 0]) if hits.numel() else None
+
+
+def _invalid(index: int, name: str, message: str) -> InvalidArgument:
+    return InvalidArgument(f"micro-batch {index}: {message}", field=f"micro_batch.{name}")

@@ -1,0 +1,48 @@
+"""Run by test_data_parallel.py under torchrun: trains the tiny model sharded with FSDP2 (its
+registry's parallelize function; gloo on the CPU, NCCL on GPUs) on the batches the test saved,
+checkpoints with DCP, and has rank 0 save the metrics and the full weights for the test to
+compare with one process.
+
+    torchrun --standalone --nproc-per-node 2 fsdp_worker.py MODEL_DIR BATCHES_FILE OUT_DIR
+"""
+
+import pathlib
+import sys
+
+import torch
+import torch.distributed as dist
+from tiny_training import DP_OPTIMIZER, DP_SCHEDULE, batch_spec, load_tiny_model, micro_batches_from_dicts
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+
+from primerl_trainer.checkpoint import Checkpointer
+from primerl_trainer.models import model_spec_of
+from primerl_trainer.optim import build_lr_scheduler, build_optimizer
+from primerl_trainer.process_group import init_distributed
+from primerl_trainer.train import Trainer
+
+
+def main(model_dir: pathlib.Path, batches_file: pathlib.Path, out_dir: pathlib.Path) -> None:
+    device = init_distributed()
+    model = load_tiny_model(model_dir).to(device)
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    # float32 compute, as the one-process reference.
+    model_spec_of(model).parallelize_fn(model, dp_mesh=mesh, param_dtype=torch.float32)
+    optimizer = build_optimizer(model, DP_OPTIMIZER)
+    trainer = Trainer(
+        model, optimizer, build_lr_scheduler(optimizer, DP_SCHEDULE), spec=batch_spec(model), device=device
+    )
+    checkpointer = Checkpointer(out_dir / "checkpoints", interval=2)
+    metrics = []
+    for batch in torch.load(batches_file):
+        metrics.append(trainer.train_step(micro_batches_from_dicts(batch)))
+        checkpointer.maybe_save(trainer)
+    # Collective: every rank takes part in gathering the full weights.
+    weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_rank() == 0:
+        torch.save({"metrics": metrics, "weights": weights, "world_size": dist.get_world_size()}, out_dir / "result.pt")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(*(pathlib.Path(arg) for arg in sys.argv[1:]))

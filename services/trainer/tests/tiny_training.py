@@ -1,0 +1,134 @@
+"""The tiny model and synthetic packed batches for the trainer's tests (imported by them and by
+the torchrun worker script)."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import pathlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from primerl_common.tiny_model import make_tiny_model
+from primerl_trainer.batch import BatchSpec, MicroBatch
+from primerl_trainer.models import load_model
+from primerl_trainer.optim import LRScheduleConfig, OptimizerConfig
+
+if TYPE_CHECKING:
+    import pytest
+
+SEQ_LEN = 128
+NUM_BYTE_TOKENS = 256
+# The data-parallel test's settings, shared by its torchrun workers and its one-process reference.
+DP_OPTIMIZER = OptimizerConfig(lr=1e-3, weight_decay=0.01)
+DP_SCHEDULE = LRScheduleConfig(decay="cosine", warmup_steps=1, total_steps=4, min_lr_ratio=0.1)
+
+
+def load_tiny_model(model_dir: pathlib.Path) -> torch.nn.Module:
+    """The trainer's own Qwen3 implementation (the registry's "auto"), in float32."""
+    return load_model(model_dir, impl="auto", dtype=torch.float32)
+
+
+def batch_spec(model: torch.nn.Module) -> BatchSpec:
+    return BatchSpec(seq_len=SEQ_LEN, vocab_size=model.args.vocab_size)
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One rollout: prompt tokens, then the completion the policy sampled (the loss tokens)."""
+
+    prompt: torch.Tensor
+    completion: torch.Tensor
+    advantage: float
+    temperature: float
+    inference_logprobs: torch.Tensor  # of the completion tokens
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        return torch.cat([self.prompt, self.completion])
+
+
+def make_samples(model: torch.nn.Module, *, seed: int, num_samples: int, logprob_noise: float = 0.1) -> list[Sample]:
+    """Random byte-token prompts and completions; the inference logprobs are the model's own (each
+    sample scored alone, at its temperature) plus Gaussian noise, as an engine's would differ.
+
+    Bytes only: the tiny model's <|endoftext|> embedding row is zero (transformers' init zeroes the
+    padding row), and an RMSNorm of a zero vector has a gradient of 1/sqrt(eps), a thousand times
+    the others', which would drown every comparison in rounding."""
+    generator = torch.Generator().manual_seed(seed)
+    samples = []
+    for _ in range(num_samples):
+        prompt_len, completion_len = (int(n) for n in torch.randint(2, 9, (2,), generator=generator))
+        prompt = torch.randint(0, NUM_BYTE_TOKENS, (prompt_len,), generator=generator)
+        completion = torch.randint(0, NUM_BYTE_TOKENS, (completion_len,), generator=generator)
+        temperature = [1.0, 0.7][int(torch.randint(0, 2, (), generator=generator))]
+        ids = torch.cat([prompt, completion])
+        logprobs = reference_logprobs(model, ids, temperature)[prompt_len:]
+        noise = logprob_noise * torch.randn(completion_len, generator=generator)
+        samples.append(
+            Sample(
+                prompt=prompt,
+                completion=completion,
+                advantage=float(torch.randn((), generator=generator)),
+                temperature=temperature,
+                inference_logprobs=(logprobs + noise).clamp(max=0.0),
+            )
+        )
+    return samples
+
+
+@torch.no_grad()
+def reference_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, temperature: float) -> torch.Tensor:
+    """logprob of each token of one unpacked sample given the ones before it; 0 for the first."""
+    logits = model(input_ids[None], torch.arange(len(input_ids))[None]).logits[0].double()
+    logprobs = (logits[:-1] / temperature).log_softmax(-1).gather(1, input_ids[1:, None])[:, 0]
+    return torch.cat([logprobs.new_zeros(1), logprobs]).float()
+
+
+def pack(samples: list[Sample]) -> MicroBatch:
+    """Samples back to back in one micro-batch, as the orchestrator packs them."""
+    input_ids, positions, loss_mask, advantages, inference_logprobs, temperatures = [], [], [], [], [], []
+    for sample in samples:
+        num_prompt, num_completion = len(sample.prompt), len(sample.completion)
+        num_tokens = num_prompt + num_completion
+        input_ids.append(sample.input_ids)
+        positions.append(torch.arange(num_tokens))
+        loss_mask.append(torch.arange(num_tokens) >= num_prompt)
+        advantages.append(torch.cat([torch.zeros(num_prompt), torch.full((num_completion,), sample.advantage)]))
+        inference_logprobs.append(torch.cat([torch.zeros(num_prompt), sample.inference_logprobs]))
+        temperatures.append(torch.full((num_tokens,), sample.temperature))
+    return MicroBatch(
+        input_ids=torch.cat(input_ids),
+        position_ids=torch.cat(positions),
+        loss_mask=torch.cat(loss_mask),
+        temperatures=torch.cat(temperatures).float(),
+        advantages=torch.cat(advantages).float(),
+        inference_logprobs=torch.cat(inference_logprobs).float(),
+    )
+
+
+def pack_into(samples: list[Sample], num_micro_batches: int) -> list[MicroBatch]:
+    """Split samples into `num_micro_batches` contiguous groups, each packed."""
+    bounds = torch.linspace(0, len(samples), num_micro_batches + 1).round().long().tolist()
+    return [pack(samples[start:end]) for start, end in itertools.pairwise(bounds)]
+
+
+def micro_batches_to_dicts(micro_batches: list[MicroBatch]) -> list[dict[str, torch.Tensor | None]]:
+    """Plain tensors that torch.save / torch.load(weights_only=True) carry to another process."""
+    return [dataclasses.asdict(micro_batch) for micro_batch in micro_batches]
+
+
+def micro_batches_from_dicts(items: list[dict[str, torch.Tensor | None]]) -> list[MicroBatch]:
+    return [MicroBatch(**item) for item in items]
+
+
+def parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A detached copy of every parameter, by name."""
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    """The tiny dense float32 model, made once per test session (make_tiny_model is idempotent)."""
+    return make_tiny_model(tmp_path_factory.getbasetemp() / "trainer-tiny-dense", kind="dense", dtype="float32")
