@@ -48,7 +48,9 @@ def test_token_weights_temperatures_and_a_scaled_loss() -> None:
     hidden, weight, targets = _inputs(9, 6, 40, torch.float64, seed=1)
     token_weights = torch.rand(9, dtype=torch.float64)
     temperatures = torch.rand(9, dtype=torch.float64) + 0.5
-    out = linear_cross_entropy(hidden, weight, targets, token_weights=token_weights, temperatures=temperatures, chunk_size=4)
+    out = linear_cross_entropy(
+        hidden, weight, targets, token_weights=token_weights, temperatures=temperatures, chunk_size=4
+    )
     (3 * out.loss).backward()
     grads = hidden.grad.clone(), weight.grad.clone()
     hidden.grad = weight.grad = None

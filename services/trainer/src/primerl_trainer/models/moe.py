@@ -119,7 +119,7 @@ class MoE(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [..., D] -> (out like x, expert ids [T, K], tokens per expert [E])."""
         x_TD = x.reshape(-1, x.shape[-1])
-        num_tokens, top_k = x_TD.shape[0], self.router.top_k
+        top_k = self.router.top_k
         scores_TK, expert_ids_TK = self.router(x_TD, replayed_experts_TK)
 
         # A stable sort groups the N token copies by expert; searchsorted on the sorted ids
