@@ -14,8 +14,10 @@ import torch.distributed as dist
 from tiny_training import DP_OPTIMIZER, DP_SCHEDULE, batch_spec, load_tiny_model, micro_batches_from_dicts
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
 
 from primerl_trainer.checkpoint import Checkpointer
+from primerl_trainer.export import gather_state_dict, gather_to_rank0
 from primerl_trainer.models import model_spec_of
 from primerl_trainer.optim import build_lr_scheduler, build_optimizer
 from primerl_trainer.process_group import init_distributed
@@ -39,8 +41,20 @@ def main(model_dir: pathlib.Path, batches_file: pathlib.Path, out_dir: pathlib.P
         checkpointer.maybe_save(trainer)
     # Collective: every rank takes part in gathering the full weights.
     weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if dist.get_rank() == 0:
-        torch.save({"metrics": metrics, "weights": weights, "world_size": dist.get_world_size()}, out_dir / "result.pt")
+    # What a publish gathers, tensor by tensor to rank 0 only.
+    is_rank0 = dist.get_rank() == 0
+    published = dict(gather_state_dict(model, kind="full", is_destination=is_rank0))
+    assert is_rank0 or not published
+    # Uneven shards on dim 0 and 1, an empty one included (a dim of 1 over 2 ranks).
+    generator = torch.Generator().manual_seed(0)
+    plain = [torch.randn(shape, generator=generator) for shape in ((5, 3), (3, 7, 2), (1, 4), (2, 1))]
+    sharded = [distribute_tensor(t, mesh, [Shard(dim)]) for t in plain for dim in (0, 1)]
+    gathered = [gather_to_rank0(t, is_destination=is_rank0) for t in sharded]
+    if is_rank0:
+        for t, got in zip([t for t in plain for _ in (0, 1)], gathered, strict=True):
+            assert torch.equal(got.cpu(), t), (t.shape, got.shape)
+        result = {"metrics": metrics, "weights": weights, "published": published, "world_size": dist.get_world_size()}
+        torch.save(result, out_dir / "result.pt")
     dist.destroy_process_group()
 
 

@@ -237,3 +237,19 @@ def test_shards_round_robin_and_pads_short_ranks_with_loss_free_copies() -> None
     assert [s[0].num_loss_tokens for s in shards] == [5, 0, 0]
     with pytest.raises(ValueError, match="rank 2"):
         shard_micro_batches(micro_batches, rank=2, world_size=2)
+
+
+def test_routed_experts_arrive_for_every_layer_and_the_moe_layers_are_replayed() -> None:
+    spec = dataclasses.replace(REPLAY_SPEC, num_hidden_layers=4, moe_layers=(1, 3))
+    wire = torch.randint(0, 8, (8, 4, 2), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    # Columns of dense layers hold whatever the engine left there (vLLM: zeros); never checked.
+    wire[:, 0] = 255
+    decoded = micro_batch_from_proto(_to_proto(_micro_batch(routed_experts=wire)), spec, mode="rl")
+    assert torch.equal(decoded.routed_experts, wire[:, [1, 3]])
+    # The MoE layers alone are not the wire format.
+    with pytest.raises(InvalidArgument) as excinfo:
+        micro_batch_from_proto(_to_proto(_micro_batch(routed_experts=wire[:, [1, 3]])), spec, mode="rl")
+    assert excinfo.value.field == "micro_batch.routed_experts"
+    assert "num_hidden_layers 4" in excinfo.value.message
+    with pytest.raises(ValueError, match="moe_layers"):
+        dataclasses.replace(REPLAY_SPEC, num_hidden_layers=4, moe_layers=(1, 4))

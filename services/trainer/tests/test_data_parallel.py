@@ -80,6 +80,10 @@ def test_fsdp_on_two_ranks_matches_one_process(
         for key in METRICS:
             assert got[key] == pytest.approx(wanted[key], rel=1e-5, abs=1e-5), key
     _assert_same_weights(result["weights"], expected_weights)
+    # A publish's gather (shard by shard to rank 0) gives the same full tensors.
+    assert result["published"].keys() == result["weights"].keys()
+    for name, weight in result["weights"].items():
+        assert torch.equal(result["published"][name].cpu(), weight.cpu()), name
 
     # The two ranks' sharded checkpoint of step 2, resumed in one process: same weights, and the
     # optimizer and schedule state carry the third step as in the uninterrupted reference.

@@ -39,7 +39,13 @@ _EXPERT_DTYPES = (torch.uint8, torch.uint16)
 
 @dataclass(frozen=True)
 class BatchSpec:
-    """What the trainer accepts (the answer to GetBatchSpec)."""
+    """What the trainer accepts (the answer to GetBatchSpec).
+
+    Routed experts arrive as [T, num_hidden_layers, top_k], the layer axis indexed by layer
+    number over every decoder layer (vLLM's convention); `moe_layers` are the layers whose
+    columns are replayed, in order. Left unset, `num_hidden_layers` is `num_moe_layers` and
+    `moe_layers` all of them (a model whose every layer is a mixture of experts).
+    """
 
     seq_len: int
     vocab_size: int
@@ -47,12 +53,26 @@ class BatchSpec:
     num_moe_layers: int = 0
     num_experts_per_token: int = 0
     num_experts: int = 0
+    num_hidden_layers: int | None = None
+    moe_layers: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.seq_len <= 0 or self.vocab_size <= 0:
             raise ValueError(f"seq_len and vocab_size must be positive, got {self.seq_len} and {self.vocab_size}")
         if self.router_replay and min(self.num_moe_layers, self.num_experts_per_token, self.num_experts) <= 0:
             raise ValueError("router replay needs positive num_moe_layers, num_experts_per_token and num_experts")
+        if self.num_hidden_layers is None:
+            object.__setattr__(self, "num_hidden_layers", self.num_moe_layers)
+        if self.moe_layers is None:
+            object.__setattr__(self, "moe_layers", tuple(range(self.num_moe_layers)))
+        assert self.num_hidden_layers is not None and self.moe_layers is not None
+        if len(self.moe_layers) != self.num_moe_layers or not all(
+            0 <= layer < self.num_hidden_layers for layer in self.moe_layers
+        ):
+            raise ValueError(
+                f"moe_layers {list(self.moe_layers)} must be {self.num_moe_layers} layer numbers "
+                f"below num_hidden_layers {self.num_hidden_layers}"
+            )
 
 
 # eq=False: field-wise == on tensors has no single truth value.
@@ -84,7 +104,8 @@ def micro_batch_from_proto(
     """Decode and validate one micro-batch of a PushBatch stream (`index`: its place in the batch).
 
     Token ids and positions may come as int32 (widened to int64). Routed experts are decoded
-    only when the spec replays them.
+    only when the spec replays them: [T, num_hidden_layers, top_k] on the wire, the MoE layers'
+    columns [T, num_moe_layers, top_k] in the micro-batch.
     """
     present = {field.name for field, _ in msg.ListFields()}
 
@@ -115,7 +136,9 @@ def micro_batch_from_proto(
         temperatures=torch.ones(input_ids.shape, dtype=torch.float32) if temperatures is None else temperatures,
         advantages=decode("advantages", (torch.float32,), required=rl),
         inference_logprobs=decode("inference_logprobs", (torch.float32,), required=rl),
-        routed_experts=decode("routed_experts", _EXPERT_DTYPES, required=True) if spec.router_replay else None,
+        routed_experts=_moe_columns(decode("routed_experts", _EXPERT_DTYPES, required=True), spec, index=index)
+        if spec.router_replay
+        else None,
         policy_versions=decode("policy_versions", (torch.int64,), required=False),
     )
     validate_micro_batch(micro_batch, spec, mode=mode, index=index)
@@ -218,6 +241,21 @@ def shard_micro_batches(micro_batches: Sequence[MicroBatch], *, rank: int, world
     num_per_rank = math.ceil(len(micro_batches) / world_size)
     filler = dataclasses.replace(micro_batches[0], loss_mask=torch.zeros_like(micro_batches[0].loss_mask))
     return share + [filler] * (num_per_rank - len(share))
+
+
+def _moe_columns(routed_experts: torch.Tensor | None, spec: BatchSpec, *, index: int) -> torch.Tensor:
+    """The replayed layers' columns of routed experts as the wire carries them (all layers)."""
+    assert routed_experts is not None and spec.moe_layers is not None
+    if routed_experts.dim() != 3 or routed_experts.shape[1:] != (spec.num_hidden_layers, spec.num_experts_per_token):
+        raise _invalid(
+            index,
+            "routed_experts",
+            f"has shape {list(routed_experts.shape)}, expected [T, num_hidden_layers {spec.num_hidden_layers}, "
+            f"top_k {spec.num_experts_per_token}]",
+        )
+    if spec.moe_layers == tuple(range(spec.num_hidden_layers)):
+        return routed_experts
+    return routed_experts[:, list(spec.moe_layers)].contiguous()
 
 
 def _validate_routed_experts(

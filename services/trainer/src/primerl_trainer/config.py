@@ -1,6 +1,89 @@
 """Configuration of the trainer (flags > PRIMERL_TRAINER_* > TOML > defaults)."""
 
-from primerl_common.config import ServerConfig, ServiceConfig, service_settings
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from primerl_common.config import Section, ServerConfig, ServiceConfig, service_settings
+from primerl_trainer.batch import TrainingMode
+from primerl_trainer.losses import RLLossConfig
+from primerl_trainer.models import AttentionBackend, ExpertsImpl, Impl
+from primerl_trainer.optim import LRScheduleConfig, OptimizerConfig
+from primerl_trainer.process_group import DeviceType
+
+__all__ = [
+    "CheckpointConfig",
+    "DTypeName",
+    "LoRAConfig",
+    "ModelConfig",
+    "PublishConfig",
+    "SFTConfig",
+    "TrainerConfig",
+]
+
+DTypeName = Literal["float32", "bfloat16"]
+
+
+class ModelConfig(Section):
+    path: str = Field(description="Hugging Face model folder (config.json, safetensors, tokenizer)")
+    impl: Impl = Field(default="auto", description="auto: own implementation where one exists, else transformers'")
+    dtype: DTypeName = Field(default="float32", description="weights and optimizer state (the master copy)")
+    compute_dtype: DTypeName = Field(default="bfloat16", description="dtype the layers compute in (FSDP's)")
+    attn_backend: AttentionBackend = Field(default="sdpa", description="sdpa (everywhere) or flex (GPU, packed)")
+    experts_impl: ExpertsImpl = "auto"
+    activation_checkpointing: bool = False
+    compile: bool = False
+
+
+class CheckpointConfig(Section):
+    dir: str | None = Field(default=None, description="DCP checkpoint folder (shared by all ranks); unset: none")
+    interval: int = Field(default=0, ge=0, description="save every N optimizer steps; 0: only on request and stop")
+    keep_last: int | None = Field(default=None, gt=0, description="delete all but the newest N checkpoints")
+    resume: bool = Field(default=True, description="start from the latest checkpoint in dir")
+    save_on_stop: bool = Field(default=True, description="save the last step on a graceful stop")
+
+
+class PublishConfig(Section):
+    weight_broadcaster: str | None = Field(
+        default=None, description="host:port of the weight broadcaster; unset: nothing is published"
+    )
+    kind: Literal["full", "adapter"] = Field(
+        default="full", description="full: all weights (LoRA merged in); adapter: the LoRA adapter alone"
+    )
+    adapter_name: str = "primerl"
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        default="auto", description="dtype of the published tensors; auto: the checkpoint's (config.json)"
+    )
+    timeout_s: float = Field(default=600.0, gt=0, description="deadline of one publish")
+    chunk_bytes: int = Field(default=4 * 1024 * 1024, gt=0)
+    initial_backoff_s: float = Field(default=1.0, gt=0, description="first retry delay after a failed publish")
+    max_backoff_s: float = Field(default=60.0, gt=0)
+
+
+class LoRAConfig(Section):
+    enabled: bool = False
+    rank: int = Field(default=16, gt=0)
+    alpha: float = Field(default=32.0, gt=0, description="the update is scaled by alpha / rank")
+    target_modules: list[str] = Field(
+        default=["q", "k", "v", "o", "gate", "up", "down"],
+        description="q, k, v, o, gate, up, down (dense MLP), experts (every routed expert's gate, up and down); "
+        "HF names such as q_proj work too; unknown names are ignored with a warning",
+    )
+
+
+class SFTConfig(Section):
+    dataset: str | None = Field(
+        default=None,
+        description='JSONL file of {"messages": [...]} (chat template, loss on assistant turns) or '
+        '{"prompt": str, "completion": str}; set: the trainer trains on it instead of PushBatch',
+    )
+    batch_size: int = Field(default=8, gt=0, description="samples per optimizer step")
+    epochs: int = Field(default=1, gt=0)
+    max_steps: int | None = Field(default=None, gt=0, description="stop after this many steps")
+    shuffle: bool = True
+    seed: int = 0
 
 
 class TrainerConfig(ServiceConfig):
@@ -12,3 +95,25 @@ class TrainerConfig(ServiceConfig):
     model_config = service_settings("trainer")
 
     server: ServerConfig = ServerConfig(port=50052)
+    model: ModelConfig
+    mode: TrainingMode = Field(default="rl", description="rl: PushBatch with advantages; sft: cross-entropy")
+    device: DeviceType = Field(default="auto", description="auto: CUDA when present, else the CPU")
+    seq_len: int = Field(default=4096, gt=0, description="most tokens per micro-batch")
+    router_replay: bool = Field(default=False, description="replay the experts inference routed to (MoE)")
+    max_queued_batches: int = Field(default=4, gt=0, description="PushBatch answers RESOURCE_EXHAUSTED beyond")
+    metrics_history: int = Field(default=1000, gt=0, description="finished steps WatchSteps can replay")
+    loss: RLLossConfig = RLLossConfig()
+    optimizer: OptimizerConfig = OptimizerConfig()
+    schedule: LRScheduleConfig = LRScheduleConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    publish: PublishConfig = PublishConfig()
+    lora: LoRAConfig = LoRAConfig()
+    sft: SFTConfig = SFTConfig()
+
+    @model_validator(mode="after")
+    def _check_combinations(self) -> TrainerConfig:
+        if self.publish.kind == "adapter" and not self.lora.enabled:
+            raise ValueError("publish.kind 'adapter' needs lora.enabled")
+        if self.sft.dataset is not None and self.mode != "sft":
+            raise ValueError("sft.dataset needs mode 'sft'")
+        return self

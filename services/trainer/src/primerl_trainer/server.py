@@ -1,15 +1,78 @@
-"""Builds the trainer's ServiceDefinition from its config."""
+"""Builds the trainer's ServiceDefinition from its config (rank 0; the other ranks follow it)."""
+
+from __future__ import annotations
+
+import asyncio
 
 from primerl.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from primerl_common.server import ServiceDefinition
 from primerl_trainer import __version__
 from primerl_trainer.config import TrainerConfig
+from primerl_trainer.runtime import TrainingRuntime, build_runtime, shutdown_runtime
+from primerl_trainer.service import TrainingService
 from primerl_trainer.servicer import TrainerServicer
+from primerl_trainer.sft_data import SFTDataset, load_sft_samples
+
+__all__ = ["build"]
 
 
 async def build(config: TrainerConfig) -> ServiceDefinition:
-    definition = ServiceDefinition(name="trainer", version=__version__, servicers=[])
-    servicer = TrainerServicer(definition)
+    # Before the model: a bad dataset line fails the start at once.
+    sft_dataset = _sft_dataset(config)
+    runtime = build_runtime(config)
+    service = TrainingService(runtime, sft_dataset=sft_dataset)
+
+    async def stop() -> None:
+        await service.stop()
+        await asyncio.to_thread(shutdown_runtime, runtime)
+
+    definition = ServiceDefinition(
+        name="trainer",
+        version=__version__,
+        servicers=[],
+        capabilities=_capabilities(runtime),
+        attributes={
+            "model": config.model.path,
+            "mode": config.mode,
+            "device": str(runtime.device),
+            "world_size": str(runtime.world_size),
+        },
+        on_start=[service.start],
+        on_drain=[service.drain],
+        on_stop=[stop],
+    )
+    servicer = TrainerServicer(definition, service)
     descriptor = trainer_pb2.DESCRIPTOR.services_by_name["TrainerService"]
     definition.servicers = [(trainer_pb2_grpc.add_TrainerServiceServicer_to_server, servicer, descriptor)]
     return definition
+
+
+def _sft_dataset(config: TrainerConfig) -> SFTDataset | None:
+    sft = config.sft
+    if sft.dataset is None:
+        return None
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(config.model.path)
+    samples = load_sft_samples(sft.dataset, tokenizer, seq_len=config.seq_len)
+    return SFTDataset(
+        samples,
+        seq_len=config.seq_len,
+        batch_size=sft.batch_size,
+        epochs=sft.epochs,
+        max_steps=sft.max_steps,
+        shuffle=sft.shuffle,
+        seed=sft.seed,
+    )
+
+
+def _capabilities(runtime: TrainingRuntime) -> list[str]:
+    config = runtime.config
+    capabilities = [f"trainer.mode.{config.mode}"]
+    if runtime.spec.router_replay:
+        capabilities.append("trainer.router_replay")
+    if config.lora.enabled:
+        capabilities.append("trainer.lora")
+    if config.publish.weight_broadcaster is not None:
+        capabilities.append(f"trainer.publish.{config.publish.kind}")
+    return capabilities

@@ -36,7 +36,7 @@ class GetBatchSpecRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetBatchSpecResponse(_message.Message):
-    __slots__ = ("seq_len", "router_replay", "num_moe_layers", "num_experts_per_token", "num_experts", "vocab_size", "max_queued_batches", "next_step")
+    __slots__ = ("seq_len", "router_replay", "num_moe_layers", "num_experts_per_token", "num_experts", "vocab_size", "max_queued_batches", "next_step", "num_hidden_layers", "mode")
     SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
     ROUTER_REPLAY_FIELD_NUMBER: _ClassVar[int]
     NUM_MOE_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +45,8 @@ class GetBatchSpecResponse(_message.Message):
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_QUEUED_BATCHES_FIELD_NUMBER: _ClassVar[int]
     NEXT_STEP_FIELD_NUMBER: _ClassVar[int]
+    NUM_HIDDEN_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
     seq_len: int
     router_replay: bool
     num_moe_layers: int
@@ -53,7 +55,9 @@ class GetBatchSpecResponse(_message.Message):
     vocab_size: int
     max_queued_batches: int
     next_step: int
-    def __init__(self, seq_len: _Optional[int] = ..., router_replay: _Optional[bool] = ..., num_moe_layers: _Optional[int] = ..., num_experts_per_token: _Optional[int] = ..., num_experts: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_queued_batches: _Optional[int] = ..., next_step: _Optional[int] = ...) -> None: ...
+    num_hidden_layers: int
+    mode: TrainingMode
+    def __init__(self, seq_len: _Optional[int] = ..., router_replay: _Optional[bool] = ..., num_moe_layers: _Optional[int] = ..., num_experts_per_token: _Optional[int] = ..., num_experts: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_queued_batches: _Optional[int] = ..., next_step: _Optional[int] = ..., num_hidden_layers: _Optional[int] = ..., mode: _Optional[_Union[TrainingMode, str]] = ...) -> None: ...
 
 class BatchBegin(_message.Message):
     __slots__ = ("step", "num_micro_batches", "num_samples", "num_loss_tokens", "min_policy_version", "max_policy_version")
@@ -133,7 +137,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("mode", "step", "published_policy_version", "num_queued_batches", "training", "last_step", "last_checkpoint_step")
+    __slots__ = ("mode", "step", "published_policy_version", "num_queued_batches", "training", "last_step", "last_checkpoint_step", "last_publish_error")
     MODE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     PUBLISHED_POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -141,6 +145,7 @@ class GetStatusResponse(_message.Message):
     TRAINING_FIELD_NUMBER: _ClassVar[int]
     LAST_STEP_FIELD_NUMBER: _ClassVar[int]
     LAST_CHECKPOINT_STEP_FIELD_NUMBER: _ClassVar[int]
+    LAST_PUBLISH_ERROR_FIELD_NUMBER: _ClassVar[int]
     mode: TrainingMode
     step: int
     published_policy_version: int
@@ -148,7 +153,8 @@ class GetStatusResponse(_message.Message):
     training: bool
     last_step: StepMetrics
     last_checkpoint_step: int
-    def __init__(self, mode: _Optional[_Union[TrainingMode, str]] = ..., step: _Optional[int] = ..., published_policy_version: _Optional[int] = ..., num_queued_batches: _Optional[int] = ..., training: _Optional[bool] = ..., last_step: _Optional[_Union[StepMetrics, _Mapping]] = ..., last_checkpoint_step: _Optional[int] = ...) -> None: ...
+    last_publish_error: str
+    def __init__(self, mode: _Optional[_Union[TrainingMode, str]] = ..., step: _Optional[int] = ..., published_policy_version: _Optional[int] = ..., num_queued_batches: _Optional[int] = ..., training: _Optional[bool] = ..., last_step: _Optional[_Union[StepMetrics, _Mapping]] = ..., last_checkpoint_step: _Optional[int] = ..., last_publish_error: _Optional[str] = ...) -> None: ...
 
 class WatchStepsRequest(_message.Message):
     __slots__ = ("after_step",)

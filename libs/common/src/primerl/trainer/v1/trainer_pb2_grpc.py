@@ -29,6 +29,10 @@ class TrainerServiceStub:
     """Trains the policy on batches the orchestrator streams in. After optimizer
     step n the trainer publishes policy version n (version 0 is the initial
     weights) to the weight broadcaster, and checkpoints every N steps.
+
+    Steps count from 1: the batch for step n is trained by the n-th optimizer
+    step and gives policy version n. A restarted trainer resumes at its latest
+    checkpoint; GetBatchSpec's next_step says which batch it expects.
     """
 
     def __init__(self, channel):
@@ -73,6 +77,10 @@ class TrainerServiceServicer:
     """Trains the policy on batches the orchestrator streams in. After optimizer
     step n the trainer publishes policy version n (version 0 is the initial
     weights) to the weight broadcaster, and checkpoints every N steps.
+
+    Steps count from 1: the batch for step n is trained by the n-th optimizer
+    step and gives policy version n. A restarted trainer resumes at its latest
+    checkpoint; GetBatchSpec's next_step says which batch it expects.
     """
 
     def GetServiceInfo(self, request, context):
@@ -93,7 +101,11 @@ class TrainerServiceServicer:
         """One batch = one optimizer step: `begin`, then its micro-batches. The batch
         is validated whole before it is queued; RESOURCE_EXHAUSTED when the queue
         is full (nothing is queued, retry later), INVALID_ARGUMENT naming the field
-        for a malformed micro-batch (nothing is queued).
+        for a malformed micro-batch (nothing is queued), FAILED_PRECONDITION when
+        begin.step is not the next expected step (reason STEP_ALREADY_TRAINED or
+        STEP_ALREADY_QUEUED for a step pushed before, STEP_OUT_OF_ORDER for one
+        ahead), or when the trainer feeds itself from an SFT dataset. A queued
+        batch does not survive a restart: push again from GetBatchSpec.next_step.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -113,7 +125,9 @@ class TrainerServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def SaveCheckpoint(self, request, context):
-        """Writes a checkpoint of the current step now.
+        """Writes a checkpoint of the current step now (after the step in progress,
+        before queued batches). FAILED_PRECONDITION without a checkpoint folder or
+        before the first optimizer step.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -164,6 +178,10 @@ class TrainerService:
     """Trains the policy on batches the orchestrator streams in. After optimizer
     step n the trainer publishes policy version n (version 0 is the initial
     weights) to the weight broadcaster, and checkpoints every N steps.
+
+    Steps count from 1: the batch for step n is trained by the n-th optimizer
+    step and gives policy version n. A restarted trainer resumes at its latest
+    checkpoint; GetBatchSpec's next_step says which batch it expects.
     """
 
     @staticmethod

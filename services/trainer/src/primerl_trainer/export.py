@@ -1,0 +1,145 @@
+"""The weights a publish sends: the sharded model's tensors gathered one at a time, LoRA merged
+in or kept alone, under Hugging Face's (or PEFT's) names, in the published dtype.
+
+Memory: no rank ever holds a full copy of the model. Each state-dict entry is gathered on its
+own, to the destination rank only (the others send their shard and hold nothing more), turned
+into its exported tensors and handed on before the next one is gathered; an adapted weight waits
+for its two LoRA tensors, which follow it in the state dict.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+
+from primerl_trainer.lora import is_lora_key, lora_adapter_tensors, merge_lora
+from primerl_trainer.models import HFCausalLM, model_spec_of
+
+__all__ = [
+    "PublishKind",
+    "exported_tensors",
+    "gather_state_dict",
+    "gather_to_rank0",
+    "hf_converter",
+    "meta_state_dict",
+    "plan_export",
+]
+
+PublishKind = Literal["full", "adapter"]
+NamedTensors = Iterable[tuple[str, torch.Tensor]]
+
+
+def hf_converter(model: nn.Module) -> Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
+    """Own state-dict entries -> the same tensors under the checkpoint's (hub) names; works on
+    any subset of the entries, one at a time included."""
+    if isinstance(model, HFCausalLM):
+        return model.hf_state_dict
+    return model_spec_of(model).state_dict_adapter_cls(model.args).to_hf
+
+
+def _wanted(kind: PublishKind) -> Callable[[str], bool]:
+    return is_lora_key if kind == "adapter" else (lambda key: True)
+
+
+def gather_state_dict(
+    model: nn.Module, *, kind: PublishKind, is_destination: bool
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The model's state-dict entries a publish of `kind` needs, each gathered whole in turn.
+
+    Collective: every rank iterates to the end; only the destination gets the tensors (the
+    generator yields nothing elsewhere)."""
+    wanted = _wanted(kind)
+    for key, value in model.state_dict().items():
+        if not wanted(key):
+            continue
+        full = gather_to_rank0(value.detach(), is_destination=is_destination)
+        if is_destination:
+            assert full is not None
+            yield key, full
+        del full
+
+
+def gather_to_rank0(tensor: torch.Tensor, *, is_destination: bool) -> torch.Tensor | None:
+    """The whole of a (possibly sharded) tensor on rank 0, None elsewhere. Collective for a DTensor.
+
+    FSDP2 shards a parameter on one dim in torch.chunk's pieces (the last ones may be short or
+    empty); each rank pads its piece to the full chunk size and rank 0 gathers them."""
+    if not isinstance(tensor, DTensor):
+        return tensor if is_destination else None
+    (placement,) = tensor.placements if tensor.device_mesh.ndim == 1 else (None,)
+    if type(placement) is not Shard:  # another layout (replicated, strided, 2-D mesh): gather it everywhere
+        full = tensor.full_tensor()
+        return full if is_destination else None
+    dim, size, world_size = placement.dim, tensor.shape[placement.dim], tensor.device_mesh.size()
+    chunk = -(-size // world_size)
+    local = tensor.to_local()
+    if size == 0:
+        return local if is_destination else None
+    padded_shape = (*local.shape[:dim], chunk, *local.shape[dim + 1 :])
+    if local.shape[dim] == chunk:
+        padded = local.contiguous()
+    else:
+        padded = local.new_zeros(padded_shape)
+        padded.narrow(dim, 0, local.shape[dim]).copy_(local)
+    group = tensor.device_mesh.get_group()
+    if not is_destination:
+        dist.gather(padded, None, group=group, group_dst=0)
+        return None
+    if dim == 0:
+        # Gathered straight into the result: the pieces are contiguous rows of it.
+        out = local.new_empty((world_size * chunk, *local.shape[1:]))
+        dist.gather(padded, list(out.split(chunk)), group=group, group_dst=0)
+        return out[:size]
+    pieces = [torch.empty_like(padded) for _ in range(world_size)]
+    dist.gather(padded, pieces, group=group, group_dst=0)
+    return torch.cat(pieces, dim=dim).narrow(dim, 0, size)
+
+
+def meta_state_dict(model: nn.Module, *, kind: PublishKind) -> Iterator[tuple[str, torch.Tensor]]:
+    """`gather_state_dict`'s entries as meta tensors (shapes and dtypes, no data, no collective)."""
+    wanted = _wanted(kind)
+    for key, value in model.state_dict().items():
+        if wanted(key):
+            yield key, torch.empty(value.shape, dtype=value.dtype, device="meta")
+
+
+def exported_tensors(
+    model: nn.Module,
+    source: NamedTensors,
+    *,
+    kind: PublishKind,
+    dtype: torch.dtype,
+    lora_scale: float | None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) to publish, from `source`'s own state-dict entries (gathered or meta)."""
+    to_hf = hf_converter(model)
+    if kind == "adapter":
+        base_shapes = {
+            key.removesuffix(".original").replace(".parametrizations.", "."): (value.shape, value.dtype)
+            for key, value in model.state_dict().items()
+            if key.endswith(".original")
+        }
+        for name, tensor in lora_adapter_tensors(source, base_shapes=base_shapes, to_hf=to_hf):
+            yield name, tensor.to(dtype)
+        return
+    weights = merge_lora(source, scale=lora_scale) if lora_scale is not None else source
+    for own_name, tensor in weights:
+        for name, exported in to_hf({own_name: tensor}).items():
+            yield name, exported.to(dtype)
+
+
+def plan_export(
+    model: nn.Module, *, kind: PublishKind, dtype: torch.dtype, lora_scale: float | None
+) -> tuple[int, int]:
+    """(number of tensors, bytes) a publish sends: what PublishBegin announces."""
+    num_tensors = num_bytes = 0
+    source = meta_state_dict(model, kind=kind)
+    for _, tensor in exported_tensors(model, source, kind=kind, dtype=dtype, lora_scale=lora_scale):
+        num_tensors += 1
+        num_bytes += tensor.numel() * tensor.element_size()
+    return num_tensors, num_bytes

@@ -1,0 +1,190 @@
+"""Start-up of one trainer rank: process group, model (LoRA, FSDP2), optimizer, schedule,
+Trainer, latest checkpoint. Every rank runs it, in the same order (it is collective)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from primerl_trainer.batch import BatchSpec
+from primerl_trainer.checkpoint import Checkpointer
+from primerl_trainer.commands import CommandChannel
+from primerl_trainer.config import TrainerConfig
+from primerl_trainer.export import PublishKind, plan_export
+from primerl_trainer.lora import apply_lora
+from primerl_trainer.models import HFCausalLM, load_model, model_spec_of, read_hf_config
+from primerl_trainer.optim import build_lr_scheduler, build_optimizer
+from primerl_trainer.process_group import init_distributed
+from primerl_trainer.train import Trainer
+
+__all__ = ["TrainingRuntime", "build_runtime", "shutdown_runtime"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainingRuntime:
+    config: TrainerConfig
+    device: torch.device
+    trainer: Trainer
+    spec: BatchSpec
+    channel: CommandChannel
+    checkpointer: Checkpointer | None
+    # Step of the checkpoint the run resumed from (None: a fresh start).
+    restored_step: int | None
+    publish_kind: PublishKind
+    publish_dtype: torch.dtype
+    lora_scale: float | None
+    # What one publish sends (PublishBegin's counts).
+    num_published_tensors: int
+    num_published_bytes: int
+
+    @property
+    def rank(self) -> int:
+        return self.channel.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.channel.world_size
+
+
+def build_runtime(config: TrainerConfig) -> TrainingRuntime:
+    """Everything a rank trains with. Without torchrun the process is a group of one."""
+    if dist.is_initialized():
+        raise RuntimeError("a torch.distributed process group exists already: one trainer per process")
+    device = init_distributed(config.device)
+    try:
+        return _build(config, device)
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+
+
+def shutdown_runtime(runtime: TrainingRuntime) -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _build(config: TrainerConfig, device: torch.device) -> TrainingRuntime:
+    channel = CommandChannel()
+    model_config = config.model
+    hf_config = read_hf_config(model_config.path)
+    dtype = getattr(torch, model_config.dtype)
+    # Loaded on the CPU: fully_shard moves each block to the device as it shards it, so a GPU
+    # never holds more than its shards plus one block.
+    model = load_model(
+        model_config.path,
+        impl=model_config.impl,
+        dtype=dtype,
+        device="cpu",
+        attn_backend=model_config.attn_backend,
+        experts_impl=model_config.experts_impl,
+    )
+    lora_scale = None
+    if config.lora.enabled:
+        apply_lora(model, config.lora)
+        lora_scale = config.lora.alpha / config.lora.rank
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    _parallelize(model, mesh, config)
+
+    optimizer = build_optimizer(model, config.optimizer)
+    spec = _batch_spec(model, hf_config, config)
+    trainer = Trainer(
+        model,
+        optimizer,
+        build_lr_scheduler(optimizer, config.schedule),
+        spec=spec,
+        device=device,
+        mode=config.mode,
+        loss_config=config.loss,
+        max_grad_norm=config.optimizer.max_grad_norm,
+    )
+    checkpointer = restored_step = None
+    if config.checkpoint.dir is not None:
+        checkpointer = Checkpointer(
+            config.checkpoint.dir, interval=config.checkpoint.interval, keep_last=config.checkpoint.keep_last
+        )
+        if config.checkpoint.resume:
+            restored_step = checkpointer.load_latest(trainer)
+
+    publish_dtype = _publish_dtype(config, hf_config)
+    num_tensors, num_bytes = plan_export(model, kind=config.publish.kind, dtype=publish_dtype, lora_scale=lora_scale)
+    num_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    logger.info(
+        "trainer rank %d/%d ready on %s at step %d",
+        channel.rank,
+        channel.world_size,
+        device,
+        trainer.step,
+        extra={"model": model_config.path, "trainable_parameters": num_trainable, "mode": config.mode},
+    )
+    return TrainingRuntime(
+        config=config,
+        device=device,
+        trainer=trainer,
+        spec=spec,
+        channel=channel,
+        checkpointer=checkpointer,
+        restored_step=restored_step,
+        publish_kind=config.publish.kind,
+        publish_dtype=publish_dtype,
+        lora_scale=lora_scale,
+        num_published_tensors=num_tensors,
+        num_published_bytes=num_bytes,
+    )
+
+
+def _parallelize(model: nn.Module, mesh: DeviceMesh, config: TrainerConfig) -> None:
+    """FSDP2 over every rank (one rank included: the same code path, and mixed precision)."""
+    compute_dtype = getattr(torch, config.model.compute_dtype)
+    if isinstance(model, HFCausalLM):
+        if config.model.activation_checkpointing or config.model.compile:
+            raise ValueError("activation_checkpointing and compile need the own model implementation")
+        policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+        for layer in getattr(getattr(model.hf_model, "model", None), "layers", []):
+            fully_shard(layer, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+        return
+    model_spec_of(model).parallelize_fn(
+        model,
+        dp_mesh=mesh,
+        param_dtype=compute_dtype,
+        reduce_dtype=torch.float32,
+        activation_checkpointing=config.model.activation_checkpointing,
+        compile=config.model.compile,
+    )
+
+
+def _batch_spec(model: nn.Module, hf_config: dict, config: TrainerConfig) -> BatchSpec:
+    num_hidden_layers = hf_config["num_hidden_layers"]
+    vocab_size = hf_config["vocab_size"]
+    args = getattr(model, "args", None)
+    moe_layers = tuple(getattr(args, "moe_layers", ()))
+    if config.router_replay and not moe_layers:
+        raise ValueError("router_replay needs a mixture-of-experts model with the own implementation")
+    return BatchSpec(
+        seq_len=config.seq_len,
+        vocab_size=vocab_size,
+        router_replay=config.router_replay,
+        num_moe_layers=len(moe_layers),
+        num_experts_per_token=getattr(args, "top_k", 0) if moe_layers else 0,
+        num_experts=getattr(args, "num_experts", 0) if moe_layers else 0,
+        num_hidden_layers=num_hidden_layers,
+        moe_layers=moe_layers,
+    )
+
+
+def _publish_dtype(config: TrainerConfig, hf_config: dict) -> torch.dtype:
+    name = config.publish.dtype
+    if name == "auto":
+        name = hf_config.get("dtype") or hf_config.get("torch_dtype") or "bfloat16"
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"config.json names an unknown dtype {name!r}")
+    return dtype

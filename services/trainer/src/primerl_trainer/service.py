@@ -1,0 +1,261 @@
+"""The trainer as the gRPC side sees it (rank 0): which batches it takes, its status, the steps
+it finished. Runs on the event loop; the training itself runs in TrainingLoop's thread.
+
+Steps are taken strictly in order. A batch is admitted only for the next step: that is the
+trainer's completed steps, plus the one in progress and those queued, plus one. Its header is
+checked as it arrives (so a wrong step or a full queue is refused before its micro-batches are
+read) and again when the whole batch has been read and validated, just before it is queued:
+a batch is either queued whole or not at all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from primerl_common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
+from primerl_trainer.batch import BatchSpec, MicroBatch, TrainingMode, validate_batch
+from primerl_trainer.loop import QueuedBatch, StepRecord, TrainingLoop
+from primerl_trainer.runtime import TrainingRuntime
+from primerl_trainer.sft_data import SFTDataset
+
+__all__ = ["BatchHeader", "IncomingBatch", "QueueInfo", "TrainerStatus", "TrainingService"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BatchHeader:
+    step: int
+    num_micro_batches: int
+    num_samples: int = 0
+    # 0: not announced.
+    num_loss_tokens: int = 0
+    min_policy_version: int = 0
+    max_policy_version: int = 0
+
+
+@dataclass(frozen=True)
+class QueueInfo:
+    """GetBatchSpec's answer beyond the BatchSpec."""
+
+    mode: TrainingMode
+    max_queued_batches: int
+    next_step: int
+
+
+@dataclass(frozen=True)
+class TrainerStatus:
+    mode: TrainingMode
+    step: int
+    published_policy_version: int
+    num_queued_batches: int
+    training: bool
+    last_step: StepRecord | None
+    last_checkpoint_step: int
+    last_publish_error: str
+
+
+class IncomingBatch:
+    """A batch being read from a PushBatch stream, admitted by its header."""
+
+    def __init__(self, header: BatchHeader) -> None:
+        self.header = header
+        self.micro_batches: list[MicroBatch] = []
+
+    def add(self, micro_batch: MicroBatch) -> None:
+        if len(self.micro_batches) >= self.header.num_micro_batches:
+            raise InvalidArgument(
+                f"more micro-batches than the {self.header.num_micro_batches} announced",
+                field="begin.num_micro_batches",
+            )
+        self.micro_batches.append(micro_batch)
+
+    @property
+    def next_index(self) -> int:
+        return len(self.micro_batches)
+
+
+class TrainingService:
+    def __init__(self, runtime: TrainingRuntime, *, sft_dataset: SFTDataset | None = None) -> None:
+        config = runtime.config
+        self.runtime = runtime
+        self.spec: BatchSpec = runtime.spec
+        self.mode: TrainingMode = config.mode
+        self.max_queued_batches = config.max_queued_batches
+        self._self_fed = sft_dataset is not None
+        self._loop = TrainingLoop(runtime, on_step=self._step_finished_threadsafe, sft_dataset=sft_dataset)
+        self._history: collections.deque[StepRecord] = collections.deque(maxlen=config.metrics_history)
+        # Set (and replaced) whenever a step finishes or the service drains.
+        self._wakeup = asyncio.Event()
+        self._event_loop: asyncio.AbstractEventLoop | None = None
+        self._next_step = runtime.trainer.step + 1
+        self._accepting = True
+        self._closed = False
+
+    # Lifecycle (ServiceDefinition hooks).
+
+    async def start(self) -> None:
+        self._event_loop = asyncio.get_running_loop()
+        self._loop.start()
+
+    async def drain(self) -> None:
+        """No new batches; WatchSteps streams end."""
+        self._accepting = False
+        self._closed = True
+        self._wake_watchers()
+
+    async def stop(self) -> None:
+        self._accepting = False
+        await asyncio.to_thread(self._loop.stop)
+
+    # PushBatch.
+
+    def begin_batch(self, header: BatchHeader) -> IncomingBatch:
+        """Admit a batch by its header, before its micro-batches are read."""
+        self._check_admission(header)
+        if header.num_micro_batches <= 0:
+            raise InvalidArgument("a batch needs at least one micro-batch", field="begin.num_micro_batches")
+        return IncomingBatch(header)
+
+    def commit_batch(self, batch: IncomingBatch) -> tuple[int, int]:
+        """Validate the whole batch and queue it; returns (step, queued batches)."""
+        header = batch.header
+        if len(batch.micro_batches) != header.num_micro_batches:
+            raise InvalidArgument(
+                f"{len(batch.micro_batches)} micro-batches arrived, {header.num_micro_batches} were announced",
+                field="begin.num_micro_batches",
+            )
+        num_loss_tokens = validate_batch(
+            batch.micro_batches, self.spec, mode=self.mode, num_loss_tokens=header.num_loss_tokens or None
+        )
+        if header.num_samples:
+            num_samples = sum(int((mb.position_ids == 0).sum()) for mb in batch.micro_batches)
+            if num_samples != header.num_samples:
+                raise InvalidArgument(
+                    f"announced {header.num_samples} samples, the micro-batches' position_ids start {num_samples}",
+                    field="begin.num_samples",
+                )
+        if header.min_policy_version > header.max_policy_version:
+            raise InvalidArgument(
+                f"min_policy_version {header.min_policy_version} > max_policy_version {header.max_policy_version}",
+                field="begin.min_policy_version",
+            )
+        # Again: another stream may have queued this step, or the loop may have failed, meanwhile.
+        self._check_admission(header)
+        queued = QueuedBatch(
+            step=header.step,
+            micro_batches=batch.micro_batches,
+            num_loss_tokens=num_loss_tokens,
+            num_samples=header.num_samples,
+            min_policy_version=header.min_policy_version,
+            max_policy_version=header.max_policy_version,
+        )
+        num_queued = self._loop.submit(queued)
+        self._next_step += 1
+        logger.info(
+            "queued the batch of step %d",
+            header.step,
+            extra={"step": header.step, "num_micro_batches": len(batch.micro_batches), "num_queued": num_queued},
+        )
+        return header.step, num_queued
+
+    def _check_admission(self, header: BatchHeader) -> None:
+        if not self._accepting:
+            raise Unavailable("the trainer is shutting down", retry_after_s=1.0)
+        if self._loop.failure is not None:
+            raise Unavailable(
+                f"training stopped on an internal error after step {self._loop.completed_step}; restart the trainer "
+                "(see its log)"
+            )
+        if self._self_fed:
+            raise FailedPrecondition(
+                "the trainer trains on its SFT dataset (sft.dataset) and takes no pushed batches",
+                reason="SELF_FED",
+                subject="sft.dataset",
+            )
+        expected = self._next_step
+        if header.step < expected:
+            completed = self._loop.completed_step
+            trained = header.step <= completed
+            raise FailedPrecondition(
+                f"the batch of step {header.step} was pushed before and is "
+                f"{'trained' if trained else 'queued'} (trained steps: {completed}, next expected step {expected}); "
+                "refused so that no step is trained twice",
+                reason="STEP_ALREADY_TRAINED" if trained else "STEP_ALREADY_QUEUED",
+                subject="begin.step",
+                metadata={"next_step": str(expected)},
+            )
+        if header.step > expected:
+            raise FailedPrecondition(
+                f"expected the batch of step {expected}, got step {header.step}: steps are trained in order",
+                reason="STEP_OUT_OF_ORDER",
+                subject="begin.step",
+                metadata={"next_step": str(expected)},
+            )
+        if self._loop.num_queued >= self.max_queued_batches:
+            raise ResourceExhausted(
+                f"{self._loop.num_queued} batches are queued, the most the trainer holds (max_queued_batches); "
+                "nothing was queued, push again later",
+                retry_after_s=1.0,
+            )
+
+    # Queries.
+
+    def queue_info(self) -> QueueInfo:
+        return QueueInfo(self.mode, self.max_queued_batches, self._next_step)
+
+    def status(self) -> TrainerStatus:
+        loop = self._loop
+        return TrainerStatus(
+            mode=self.mode,
+            step=loop.completed_step,
+            published_policy_version=loop.published_version,
+            num_queued_batches=loop.num_queued,
+            training=loop.training,
+            last_step=self._history[-1] if self._history else None,
+            last_checkpoint_step=loop.last_checkpoint_step,
+            last_publish_error=loop.last_publish_error,
+        )
+
+    async def save_checkpoint(self) -> tuple[int, str]:
+        if self.runtime.checkpointer is None:
+            raise FailedPrecondition("no checkpoint folder is configured (checkpoint.dir)", subject="checkpoint.dir")
+        if self._loop.failure is not None:
+            raise Unavailable("training stopped on an internal error; restart the trainer (see its log)")
+        return await asyncio.wrap_future(self._loop.save_checkpoint())
+
+    async def watch_steps(self, after_step: int) -> AsyncIterator[StepRecord]:
+        """The finished steps after `after_step` the history still holds, then each new one,
+        until the service drains."""
+        next_step = after_step + 1
+        while True:
+            records = [record for record in self._history if record.step >= next_step]
+            for record in records:
+                yield record
+                next_step = record.step + 1
+            if records:
+                continue
+            if self._closed:
+                return
+            await self._wakeup.wait()
+
+    # From the training thread.
+
+    def _step_finished_threadsafe(self, record: StepRecord) -> None:
+        assert self._event_loop is not None
+        # RuntimeError: the event loop is closed, nobody is watching any more.
+        with contextlib.suppress(RuntimeError):
+            self._event_loop.call_soon_threadsafe(self._step_finished, record)
+
+    def _step_finished(self, record: StepRecord) -> None:
+        self._history.append(record)
+        self._wake_watchers()
+
+    def _wake_watchers(self) -> None:
+        self._wakeup.set()
+        self._wakeup = asyncio.Event()
