@@ -12,6 +12,7 @@
 #   PYTHON etc. see build_wheelhouse.sh
 # Steps: base image (if missing), wheelhouse (only what is missing or outdated),
 # then one `docker build` per service, from the repository root; prints timings.
+# A failed image does not stop the others; the exit status is 1 if any failed.
 set -euo pipefail
 
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -58,34 +59,43 @@ total_start=$(now)
 step_start=$(now)
 if [[ "$BASE_IMAGE" == primerl-base:* ]]; then
   BASE_IMAGE="$BASE_IMAGE" DOCKER="$DOCKER" deploy/docker/make_base_image.sh
-  timings+=("base image       $(elapsed "$step_start")s")
+  timings+=("$(printf '%-34s %ss' "base image" "$(elapsed "$step_start")")")
 fi
 
 step_start=$(now)
 deploy/docker/build_wheelhouse.sh
-timings+=("wheelhouse       $(elapsed "$step_start")s")
+timings+=("$(printf '%-34s %ss' "wheelhouse" "$(elapsed "$step_start")")")
 
 version_of() {
   python3 -c 'import sys, tomllib; print(tomllib.load(open(sys.argv[1], "rb"))["project"]["version"])' \
     "services/$1/pyproject.toml"
 }
 
+failed=()
 for svc in "${services[@]}"; do
   image="primerl-${svc//_/-}"
   version="$(version_of "$svc")"
   echo "==> building $image:$version (services/$svc/Dockerfile, base $BASE_IMAGE)"
   step_start=$(now)
-  "$DOCKER" build "${EXTRA_ARGS[@]}" \
+  status=""
+  if ! "$DOCKER" build --force-rm "${EXTRA_ARGS[@]}" \
     --file "services/$svc/Dockerfile" \
     --build-arg "BASE_IMAGE=$BASE_IMAGE" \
     --build-arg "VERSION=$version" \
     --tag "$image:$version" --tag "$image:latest" \
-    .
-  timings+=("$(printf '%-16s %ss' "$image" "$(elapsed "$step_start")")")
+    .; then
+    status=" FAILED"
+    failed+=("$svc")
+  fi
+  timings+=("$(printf '%-34s %ss%s' "$image:$version" "$(elapsed "$step_start")" "$status")")
 done
 
 echo
 echo "timings:"
 printf '  %s\n' "${timings[@]}"
-printf '  %-16s %ss\n' "total" "$(elapsed "$total_start")"
-"$DOCKER" image ls --filter "reference=primerl-*" --format 'table {{.Repository}}:{{.Tag}}\t{{.ID}}\t{{.Size}}'
+printf '  %-34s %ss\n' "total" "$(elapsed "$total_start")"
+"$DOCKER" image ls --filter "reference=primerl-*:latest" --format 'table {{.Repository}}:{{.Tag}}\t{{.ID}}\t{{.Size}}'
+if [[ ${#failed[@]} -gt 0 ]]; then
+  echo "build_images.sh: failed: ${failed[*]}" >&2
+  exit 1
+fi
