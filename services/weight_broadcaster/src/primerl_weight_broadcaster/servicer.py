@@ -1,18 +1,181 @@
 """primerl.weight_broadcaster.v1.WeightBroadcasterService: proto <-> domain translation only."""
 
-import grpc
+from __future__ import annotations
 
-from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2, weight_broadcaster_pb2_grpc
+import asyncio
+import logging
+from collections.abc import AsyncIterable, AsyncIterator
+
+import grpc
+import torch
+
+from primerl.common.v1 import tensor_pb2
+from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2 as pb2
+from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2_grpc
+from primerl_common.errors import FailedPrecondition, InvalidArgument, NotFound
+from primerl_common.observability import policy_version_var
 from primerl_common.server import ServiceDefinition
+from primerl_common.tensors import TensorAssembler
+from primerl_weight_broadcaster.replicas import Replica, ReplicaSet
+from primerl_weight_broadcaster.store import WeightStore
+
+__all__ = ["CAPABILITIES", "WeightBroadcasterServicer"]
+
+logger = logging.getLogger(__name__)
+
+CAPABILITIES = ("publish.full", "format.hf", "transport.grpc", "delta")
+_FORMATS = {tensor_pb2.WEIGHT_FORMAT_UNSPECIFIED, tensor_pb2.WEIGHT_FORMAT_HF}
+_TRANSPORTS = {pb2.TRANSPORT_UNSPECIFIED, pb2.TRANSPORT_GRPC}
 
 
 class WeightBroadcasterServicer(weight_broadcaster_pb2_grpc.WeightBroadcasterServiceServicer):
-    """RPCs not overridden here answer UNIMPLEMENTED."""
-
-    def __init__(self, definition: ServiceDefinition) -> None:
+    def __init__(self, definition: ServiceDefinition, store: WeightStore, replicas: ReplicaSet) -> None:
         self._definition = definition
+        self._store = store
+        self._replicas = replicas
+        # One publish at a time: versions are checked and stored in order.
+        self._publishing = asyncio.Lock()
 
     async def GetServiceInfo(
-        self, request: weight_broadcaster_pb2.GetServiceInfoRequest, context: grpc.aio.ServicerContext
-    ) -> weight_broadcaster_pb2.GetServiceInfoResponse:
-        return weight_broadcaster_pb2.GetServiceInfoResponse(info=self._definition.info())
+        self, request: pb2.GetServiceInfoRequest, context: grpc.aio.ServicerContext
+    ) -> pb2.GetServiceInfoResponse:
+        return pb2.GetServiceInfoResponse(info=self._definition.info())
+
+    async def PublishWeights(
+        self, request_iterator: AsyncIterable[pb2.PublishWeightsRequest], context: grpc.aio.ServicerContext
+    ) -> pb2.PublishWeightsResponse:
+        requests = aiter(request_iterator)
+        first = await anext(requests, None)
+        if first is None or not first.HasField("begin"):
+            raise InvalidArgument("the first message must be `begin`", field="begin")
+        begin = first.begin
+        policy_version_var.set(begin.policy_version)
+        if begin.kind not in (pb2.PUBLISH_KIND_UNSPECIFIED, pb2.PUBLISH_KIND_FULL):
+            raise InvalidArgument("only PUBLISH_KIND_FULL is supported", field="begin.kind")
+        # Refuse a stale version before receiving its bytes (checked again when storing).
+        self._store.check_version(begin.policy_version)
+        tensors = await _receive(requests, begin)
+        async with self._publishing:
+            published = self._store.publish(begin.policy_version, tensors)
+        self._replicas.published()
+        logger.info(
+            "policy version %d published: %d tensors (%d changed), %.1f MiB",
+            published.policy_version,
+            len(tensors),
+            published.num_changed_tensors,
+            published.num_bytes / 2**20,
+        )
+        return pb2.PublishWeightsResponse(
+            policy_version=published.policy_version,
+            num_tensors=len(tensors),
+            num_bytes=published.num_bytes,
+            num_changed_tensors=published.num_changed_tensors,
+        )
+
+    async def RegisterReplica(
+        self, request: pb2.RegisterReplicaRequest, context: grpc.aio.ServicerContext
+    ) -> pb2.RegisterReplicaResponse:
+        if not request.replica_id:
+            raise InvalidArgument("must be set", field="replica_id")
+        if not request.address:
+            raise InvalidArgument("must be set (host:port of the replica's inference.v1 server)", field="address")
+        if request.format not in _FORMATS:
+            raise InvalidArgument(
+                f"{tensor_pb2.WeightFormat.Name(request.format)} is not supported; supported: WEIGHT_FORMAT_HF",
+                field="format",
+            )
+        if request.transport not in _TRANSPORTS:
+            raise InvalidArgument(
+                f"{pb2.Transport.Name(request.transport)} is not supported; supported: TRANSPORT_GRPC",
+                field="transport",
+            )
+        replica = Replica(
+            replica_id=request.replica_id,
+            address=request.address,
+            delta=request.delta,
+            policy_version=request.policy_version,
+        )
+        await self._replicas.register(replica)
+        logger.info("replica %s registered at %s", replica.replica_id, replica.address)
+        return pb2.RegisterReplicaResponse(
+            replica=replica.to_proto(), latest_policy_version=self._store.latest_policy_version
+        )
+
+    async def DeregisterReplica(
+        self, request: pb2.DeregisterReplicaRequest, context: grpc.aio.ServicerContext
+    ) -> pb2.DeregisterReplicaResponse:
+        if not await self._replicas.deregister(request.replica_id):
+            raise NotFound(f"no replica {request.replica_id!r} is registered")
+        logger.info("replica %s deregistered", request.replica_id)
+        return pb2.DeregisterReplicaResponse()
+
+    async def GetStatus(
+        self, request: pb2.GetStatusRequest, context: grpc.aio.ServicerContext
+    ) -> pb2.GetStatusResponse:
+        return pb2.GetStatusResponse(
+            latest_policy_version=self._store.latest_policy_version,
+            replicas=[replica.to_proto() for replica in self._replicas.replicas()],
+        )
+
+    async def WaitForVersion(
+        self, request: pb2.WaitForVersionRequest, context: grpc.aio.ServicerContext
+    ) -> pb2.WaitForVersionResponse:
+        version, min_replicas = request.policy_version, request.min_replicas
+        timeout_s = request.timeout_ms / 1000 if request.timeout_ms else context.time_remaining()
+
+        def reached() -> bool:
+            return self._store.latest_policy_version >= version and (
+                min_replicas == 0 or self._replicas.num_at_version(version) >= min_replicas
+            )
+
+        # Answer a little before the call's own deadline, so the client gets the state reached.
+        if timeout_s is not None and not request.timeout_ms:
+            timeout_s = max(timeout_s - 0.05, 0.0)
+        ok = await self._replicas.wait_until(reached, timeout_s)
+        return pb2.WaitForVersionResponse(
+            reached=ok,
+            latest_policy_version=self._store.latest_policy_version,
+            num_replicas_at_version=self._replicas.num_at_version(version),
+        )
+
+    async def WatchReplicas(
+        self, request: pb2.WatchReplicasRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb2.WatchReplicasResponse]:
+        queue: asyncio.Queue[pb2.WatchReplicasResponse] = asyncio.Queue()
+        stop = self._replicas.listen(queue.put_nowait)
+        try:
+            latest = self._store.latest_policy_version
+            for replica in self._replicas.replicas():
+                yield pb2.WatchReplicasResponse(replica=replica.to_proto(), latest_policy_version=latest)
+            while True:
+                yield await queue.get()
+        finally:
+            stop()
+
+
+async def _receive(
+    requests: AsyncIterator[pb2.PublishWeightsRequest], begin: pb2.PublishBegin
+) -> dict[str, torch.Tensor]:
+    """The tensors of a publish stream, checked against the counts `begin` announced."""
+    assembler = TensorAssembler()
+    tensors: dict[str, torch.Tensor] = {}
+    try:
+        async for request in requests:
+            if not request.HasField("chunk"):
+                raise InvalidArgument("only chunks may follow `begin`", field="begin")
+            if (item := assembler.feed(request.chunk)) is not None:
+                name, tensor = item
+                if name in tensors:
+                    raise InvalidArgument(f"tensor {name!r} sent twice", field="chunk.header.name")
+                tensors[name] = tensor
+        assembler.finish()
+    except ValueError as exc:
+        raise InvalidArgument(str(exc), field="chunk") from None
+    num_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    if begin.num_tensors and len(tensors) != begin.num_tensors:
+        raise InvalidArgument(f"{len(tensors)} tensors arrived, begin announced {begin.num_tensors}", field="begin")
+    if begin.num_bytes and num_bytes != begin.num_bytes:
+        raise InvalidArgument(f"{num_bytes} bytes arrived, begin announced {begin.num_bytes}", field="begin")
+    if not tensors:
+        raise FailedPrecondition("a publish must carry at least one tensor", subject="chunk")
+    return tensors

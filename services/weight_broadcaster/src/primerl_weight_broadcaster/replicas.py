@@ -1,0 +1,279 @@
+"""Registered inference replicas and the task that keeps each one on the latest version.
+
+One asyncio task per replica: it probes the replica (GetServiceInfo for its instance id and
+capabilities, GetLoad for the version it serves), pushes the latest version over
+inference.v1 UpdateWeights when the replica is behind, and retries a failed push with
+exponential backoff. Replicas never wait on each other. A replica that restarts comes back
+on its checkpoint's version; the periodic probe sees it behind (or a new instance id) and
+pushes the latest version again without anyone asking.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+
+from primerl.common.v1 import tensor_pb2
+from primerl.inference.v1 import inference_pb2, inference_pb2_grpc
+from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2 as pb2
+from primerl_common.client import make_channel
+from primerl_common.tensors import iter_tensor_chunks
+from primerl_weight_broadcaster.store import PublishedVersion, WeightStore
+
+__all__ = ["CAPABILITY_REPLICA_DELTA", "PushSettings", "Replica", "ReplicaSet"]
+
+logger = logging.getLogger(__name__)
+
+# What an inference replica lists in its capabilities when it accepts delta updates.
+CAPABILITY_REPLICA_DELTA = "weights.delta"
+
+
+@dataclasses.dataclass(frozen=True)
+class PushSettings:
+    retry_initial_s: float = 0.5
+    retry_max_s: float = 30.0
+    probe_interval_s: float = 2.0
+    probe_timeout_s: float = 5.0
+    push_timeout_s: float = 600.0
+
+
+@dataclasses.dataclass
+class Replica:
+    replica_id: str
+    address: str
+    delta: bool
+    state: int = pb2.REPLICA_STATE_BEHIND
+    policy_version: int = -1
+    target_policy_version: int = -1
+    last_error: str = ""
+    num_consecutive_failures: int = 0
+    next_retry_at: float = 0.0  # wall clock; 0 when no retry is planned
+    last_push_s: float = 0.0
+    num_bytes_sent_total: int = 0
+    num_tensors_sent_last: int = 0
+    instance_id: str = ""
+    capabilities: frozenset[str] = frozenset()
+    # (instance id, version) of the last push: a delta is sent only on top of weights this
+    # broadcaster pushed to this very process, never on top of a checkpoint it did not write.
+    pushed: tuple[str, int] | None = None
+
+    def to_proto(self) -> pb2.ReplicaStatus:
+        status = pb2.ReplicaStatus(
+            replica_id=self.replica_id,
+            address=self.address,
+            state=self.state,
+            policy_version=self.policy_version,
+            target_policy_version=self.target_policy_version,
+            last_error=self.last_error,
+            num_consecutive_failures=self.num_consecutive_failures,
+            last_push_s=self.last_push_s,
+            num_bytes_sent_total=self.num_bytes_sent_total,
+            format=tensor_pb2.WEIGHT_FORMAT_HF,
+            transport=pb2.TRANSPORT_GRPC,
+            delta=self.delta,
+        )
+        if self.next_retry_at:
+            status.next_retry_at.FromNanoseconds(int(self.next_retry_at * 1e9))
+        return status
+
+
+class _Worker:
+    """The task keeping one replica current."""
+
+    def __init__(self, replica: Replica, replicas: ReplicaSet) -> None:
+        self.replica = replica
+        self._replicas = replicas
+        self._settings = replicas.settings
+        self._channel = make_channel(replica.address, max_attempts=1)
+        self._stub = inference_pb2_grpc.InferenceServiceStub(self._channel)
+        self.wake = asyncio.Event()
+        self.task = asyncio.create_task(self._run(), name=f"replica-{replica.replica_id}")
+
+    async def close(self) -> None:
+        self.task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.task
+        await self._channel.close()
+
+    async def _sleep(self, seconds: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.wake.wait(), timeout=seconds)
+        self.wake.clear()
+
+    async def _run(self) -> None:
+        replica = self.replica
+        while True:
+            latest = self._replicas.store.latest
+            try:
+                await self._probe()
+                if latest is None or replica.policy_version >= latest.policy_version:
+                    # Nothing published yet counts as current: there is nothing newer to serve.
+                    self._set(
+                        state=pb2.REPLICA_STATE_CURRENT, last_error="", num_consecutive_failures=0, next_retry_at=0.0
+                    )
+                    await self._sleep(self._settings.probe_interval_s)
+                    continue
+                await self._push(latest)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                failures = replica.num_consecutive_failures + 1
+                backoff = min(self._settings.retry_initial_s * 2 ** (failures - 1), self._settings.retry_max_s)
+                message = f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.aio.AioRpcError) else repr(exc)
+                logger.warning(
+                    "replica %s: %s (failure %d, retry in %.1fs)", replica.replica_id, message, failures, backoff
+                )
+                self._set(
+                    state=pb2.REPLICA_STATE_FAILED,
+                    last_error=message,
+                    num_consecutive_failures=failures,
+                    next_retry_at=time.time() + backoff,
+                )
+                await self._sleep(backoff)
+
+    async def _probe(self) -> None:
+        timeout = self._settings.probe_timeout_s
+        info = (await self._stub.GetServiceInfo(inference_pb2.GetServiceInfoRequest(), timeout=timeout)).info
+        load = (await self._stub.GetLoad(inference_pb2.GetLoadRequest(), timeout=timeout)).load
+        replica = self.replica
+        if info.instance_id != replica.instance_id:
+            if replica.instance_id:
+                logger.info("replica %s restarted (instance %s)", replica.replica_id, info.instance_id)
+            replica.instance_id = info.instance_id
+            replica.capabilities = frozenset(info.capabilities)
+        if load.policy_version != replica.policy_version:
+            self._set(policy_version=load.policy_version)
+
+    async def _push(self, latest: PublishedVersion) -> None:
+        replica = self.replica
+        delta = (
+            replica.delta
+            and CAPABILITY_REPLICA_DELTA in replica.capabilities
+            and replica.pushed == (replica.instance_id, replica.policy_version)
+        )
+        tensors = latest.tensors_since(replica.policy_version if delta else None)
+        delta = delta and len(tensors) < len(latest.tensors)
+        num_bytes = sum(t.numel() * t.element_size() for _, t in tensors)
+        self._set(state=pb2.REPLICA_STATE_UPDATING, target_policy_version=latest.policy_version)
+        begin = inference_pb2.WeightUpdateBegin(
+            policy_version=latest.policy_version,
+            format=tensor_pb2.WEIGHT_FORMAT_HF,
+            num_tensors=len(tensors),
+            num_bytes=num_bytes,
+            delta=delta,
+            base_policy_version=replica.policy_version if delta else 0,
+        )
+
+        async def requests() -> AsyncIterator[inference_pb2.UpdateWeightsRequest]:
+            yield inference_pb2.UpdateWeightsRequest(begin=begin)
+            for chunk in iter_tensor_chunks(tensors):
+                yield inference_pb2.UpdateWeightsRequest(chunk=chunk)
+
+        started = time.monotonic()
+        reply = await self._stub.UpdateWeights(requests(), timeout=self._settings.push_timeout_s)
+        logger.info(
+            "replica %s: pushed policy version %d (%d tensors, %s)",
+            replica.replica_id,
+            reply.policy_version,
+            len(tensors),
+            "delta" if delta else "full",
+        )
+        self._set(
+            state=pb2.REPLICA_STATE_CURRENT,
+            policy_version=latest.policy_version,
+            last_error="",
+            num_consecutive_failures=0,
+            next_retry_at=0.0,
+            last_push_s=time.monotonic() - started,
+            num_bytes_sent_total=replica.num_bytes_sent_total + num_bytes,
+            num_tensors_sent_last=len(tensors),
+        )
+        replica.pushed = (replica.instance_id, latest.policy_version)
+
+    def _set(self, **changes: object) -> None:
+        if all(getattr(self.replica, key) == value for key, value in changes.items()):
+            return
+        for key, value in changes.items():
+            setattr(self.replica, key, value)
+        self._replicas.changed(self.replica)
+
+
+class ReplicaSet:
+    """Every registered replica, and the listeners of their changes."""
+
+    def __init__(self, store: WeightStore, settings: PushSettings) -> None:
+        self.store = store
+        self.settings = settings
+        self._workers: dict[str, _Worker] = {}
+        # Set and replaced on every publish and replica change (WaitForVersion waits on it).
+        self._changed = asyncio.Event()
+        self._listeners: set[Callable[[pb2.WatchReplicasResponse], None]] = set()
+
+    def replicas(self) -> list[Replica]:
+        return [worker.replica for worker in self._workers.values()]
+
+    def num_at_version(self, policy_version: int) -> int:
+        return sum(1 for r in self.replicas() if r.policy_version >= policy_version)
+
+    async def register(self, replica: Replica) -> Replica:
+        """Adds a replica (replacing one registered under the same id) and starts its task."""
+        old = self._workers.pop(replica.replica_id, None)
+        if old is not None:
+            await old.close()
+        self._workers[replica.replica_id] = _Worker(replica, self)
+        self.changed(replica)
+        return replica
+
+    async def deregister(self, replica_id: str) -> bool:
+        worker = self._workers.pop(replica_id, None)
+        if worker is None:
+            return False
+        await worker.close()
+        self._emit(pb2.WatchReplicasResponse(replica=worker.replica.to_proto(), removed=True))
+        self._notify()
+        return True
+
+    def published(self) -> None:
+        """A new version is stored: wake every replica's task."""
+        for worker in self._workers.values():
+            worker.wake.set()
+        self._notify()
+
+    def changed(self, replica: Replica) -> None:
+        self._emit(pb2.WatchReplicasResponse(replica=replica.to_proto()))
+        self._notify()
+
+    def listen(self, listener: Callable[[pb2.WatchReplicasResponse], None]) -> Callable[[], None]:
+        """Calls `listener` with every change; returns the function that stops it."""
+        self._listeners.add(listener)
+        return lambda: self._listeners.discard(listener)
+
+    def _emit(self, event: pb2.WatchReplicasResponse) -> None:
+        event.latest_policy_version = self.store.latest_policy_version
+        for listener in list(self._listeners):
+            listener(event)
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def wait_until(self, predicate: Callable[[], bool], timeout_s: float | None) -> bool:
+        """Waits until `predicate()` holds after some change; False if `timeout_s` passed first."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                while not predicate():
+                    await self._changed.wait()
+        except TimeoutError:
+            return predicate()
+        return True
+
+    async def close(self) -> None:
+        for worker in list(self._workers.values()):
+            await worker.close()
+        self._workers.clear()
