@@ -1,6 +1,84 @@
-"""Configuration of the inference (flags > PRIMERL_INFERENCE_* > TOML > defaults)."""
+"""Configuration of the inference service (flags > PRIMERL_INFERENCE_* > TOML > defaults)."""
 
-from primerl_common.config import ServerConfig, ServiceConfig, service_settings
+from __future__ import annotations
+
+import pathlib
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from primerl_common.config import Section, ServerConfig, ServiceConfig, service_settings
+
+RoleName = Literal["both", "prefill", "decode"]
+EngineDtype = Literal["auto", "float32", "bfloat16", "float16"]
+
+
+class EngineConfig(Section):
+    """The one vLLM engine of this process."""
+
+    model: pathlib.Path = Field(description="local Hugging Face model folder (config.json + safetensors)")
+    dtype: EngineDtype = Field(
+        default="auto",
+        description="weights and activations; auto: vLLM's choice (the checkpoint's, but float32 ones in 16 bits)",
+    )
+    max_model_len: int | None = Field(
+        default=None, ge=2, description="prompt + completion tokens per request; unset: the model's maximum"
+    )
+    max_num_seqs: int = Field(default=64, ge=1, description="requests decoded together in one step")
+    enable_prefix_caching: bool = True
+    kv_cache_gib: float | None = Field(
+        default=None,
+        gt=0,
+        description="KV cache size; unset: vLLM's default (GPU: gpu_memory_utilization, CPU: most of the RAM). "
+        "On CPU the environment variable VLLM_CPU_KVCACHE_SPACE (GiB), when set, takes precedence",
+    )
+    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1, description="GPU only, when kv_cache_gib is unset")
+    enforce_eager: bool = Field(default=False, description="no torch.compile / CUDA graphs (faster start on CPU)")
+    seed: int = Field(default=0, description="engine seed for requests without their own")
+    capture_routed_experts: bool = Field(
+        default=True,
+        description="MoE models: capture the experts each token is routed to, for requests that ask for them",
+    )
+    enable_lora: bool = False
+    max_lora_rank: int = Field(default=16, ge=1)
+    max_loras: int = Field(default=4, ge=1, description="adapters usable in one batch")
+
+    @field_validator("model")
+    @classmethod
+    def _model_is_a_local_checkpoint(cls, model: pathlib.Path) -> pathlib.Path:
+        if not (model / "config.json").is_file():
+            raise ValueError(f"{model} is not a model folder (no config.json)")
+        if not any(model.glob("*.safetensors")):
+            raise ValueError(f"{model} holds no *.safetensors file")
+        return model
+
+
+class ReplicaConfig(Section):
+    """How this replica presents itself to routers."""
+
+    id: str = Field(default="", description="replica id in responses and load reports; empty: the host name")
+    # Advisory until KV transfer lands: requests that ask for a prefill/decode hand-off are refused.
+    role: RoleName = "both"
+    initial_policy_version: int = Field(default=0, ge=0, description="policy version of the weights in engine.model")
+
+
+class WeightsConfig(Section):
+    staging_dir: pathlib.Path | None = Field(
+        default=None,
+        description="where an incoming weight update is staged for the engine process to map; "
+        "empty: /dev/shm when present (memory, no disk writes), else the temp folder",
+    )
+
+    @field_validator("staging_dir")
+    @classmethod
+    def _staging_dir_exists(cls, staging_dir: pathlib.Path | None) -> pathlib.Path | None:
+        if staging_dir is not None and not staging_dir.is_dir():
+            raise ValueError(f"{staging_dir} is not a folder")
+        return staging_dir
+
+
+class LoadReportConfig(Section):
+    watch_interval_ms: int = Field(default=1000, ge=10, description="WatchLoad interval when the client sets none")
 
 
 class InferenceConfig(ServiceConfig):
@@ -12,3 +90,7 @@ class InferenceConfig(ServiceConfig):
     model_config = service_settings("inference")
 
     server: ServerConfig = ServerConfig(port=50053)
+    engine: EngineConfig
+    replica: ReplicaConfig = ReplicaConfig()
+    weights: WeightsConfig = WeightsConfig()
+    load_report: LoadReportConfig = LoadReportConfig()

@@ -1,15 +1,47 @@
-"""Builds the inference's ServiceDefinition from its config."""
+"""Builds the inference service's ServiceDefinition from its config: starts the vLLM engine
+first, so the server answers only once the engine can serve."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 from primerl.inference.v1 import inference_pb2, inference_pb2_grpc
 from primerl_common.server import ServiceDefinition
 from primerl_inference import __version__
 from primerl_inference.config import InferenceConfig
-from primerl_inference.servicer import InferenceServicer
+
+if TYPE_CHECKING:
+    from primerl_inference.engine import InferenceEngine
 
 
 async def build(config: InferenceConfig) -> ServiceDefinition:
-    definition = ServiceDefinition(name="inference", version=__version__, servicers=[])
-    servicer = InferenceServicer(definition)
+    # Importing vLLM takes seconds: deferred to here so that --help and configuration errors
+    # answer without it.
+    from primerl_inference.engine import InferenceEngine
+
+    return service_definition(await InferenceEngine.start(config), config)
+
+
+def service_definition(engine: InferenceEngine, config: InferenceConfig) -> ServiceDefinition:
+    """The service around a started engine; stopping the service shuts the engine down."""
+    from primerl_inference.servicer import InferenceServicer
+
+    async def drain() -> None:
+        engine.start_draining()
+
+    async def stop() -> None:
+        engine.shutdown()
+
+    definition = ServiceDefinition(
+        name="inference",
+        version=__version__,
+        servicers=[],
+        capabilities=engine.capabilities,
+        attributes=engine.attributes,
+        on_drain=[drain],
+        on_stop=[stop],
+    )
+    servicer = InferenceServicer(definition, engine, watch_interval_ms=config.load_report.watch_interval_ms)
     descriptor = inference_pb2.DESCRIPTOR.services_by_name["InferenceService"]
     definition.servicers = [(inference_pb2_grpc.add_InferenceServiceServicer_to_server, servicer, descriptor)]
     return definition

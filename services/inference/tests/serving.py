@@ -1,0 +1,247 @@
+"""Helpers of the inference tests: tiny models, a real service on port 0, weight update
+streams, and an in-process vLLM engine as the reference a fresh start gives."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import os
+import pathlib
+import shutil
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import grpc
+import torch
+from safetensors.torch import load_file, save_file
+
+from primerl.common.v1 import generation_pb2, tensor_pb2
+from primerl.inference.v1 import inference_pb2, inference_pb2_grpc
+from primerl_common.client import make_channel
+from primerl_common.server import GrpcService
+from primerl_common.tensors import iter_tensor_chunks
+from primerl_common.tiny_model import make_tiny_model
+from primerl_inference.config import InferenceConfig
+from primerl_inference.server import build
+
+# Small enough to start fast and fit beside other engines on a shared 2-core box.
+ENGINE_SETTINGS: dict[str, Any] = {"enforce_eager": True, "max_model_len": 512, "max_num_seqs": 8}
+# Largest logprob difference between an updated engine and a fresh one (the issue's bounds;
+# bfloat16 rounding alone can move a logprob by ~1e-2 between kernels).
+TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2}
+
+
+def tiny_model(root: pathlib.Path, kind: str, dtype: str = "float32") -> pathlib.Path:
+    return make_tiny_model(root / f"{kind}-{dtype}", kind=kind, dtype=dtype)  # type: ignore[arg-type]
+
+
+def checkpoint(model_dir: pathlib.Path) -> dict[str, torch.Tensor]:
+    return load_file(model_dir / "model.safetensors")
+
+
+def perturbed_model(model_dir: pathlib.Path, out_dir: pathlib.Path, *, seed: int) -> dict[str, torch.Tensor]:
+    """A copy of `model_dir` with noise added to every tensor (written once); its tensors."""
+    if not (out_dir / "model.safetensors").is_file():
+        generator = torch.Generator().manual_seed(seed)
+        tensors = {
+            name: (t.float() + 0.02 * torch.randn(t.shape, generator=generator)).to(t.dtype)
+            for name, t in checkpoint(model_dir).items()
+        }
+        shutil.copytree(model_dir, out_dir, dirs_exist_ok=True)
+        save_file(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
+    return checkpoint(out_dir)
+
+
+@contextlib.contextmanager
+def restored_process_state() -> Iterator[None]:
+    """Starting a vLLM engine rewrites process state: os.environ (LD_PRELOAD with tcmalloc and
+    libgomp, inherited by every later subprocess) and, in-process, torch's thread count and
+    torch.set_num_threads. Put them back for the tests that follow."""
+    environ, num_threads, set_num_threads = dict(os.environ), torch.get_num_threads(), torch.set_num_threads
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(environ)
+        torch.set_num_threads = set_num_threads
+        torch.set_num_threads(num_threads)
+
+
+@dataclasses.dataclass
+class Served:
+    service: GrpcService
+    stub: inference_pb2_grpc.InferenceServiceStub
+
+
+@contextlib.asynccontextmanager
+async def running_service(**engine: Any) -> AsyncIterator[Served]:
+    """The inference service in this process on a free port, and a stub talking to it."""
+    config = InferenceConfig(engine={**ENGINE_SETTINGS, **engine}, server={"host": "127.0.0.1", "port": 0})
+    with restored_process_state():
+        definition = await build(config)
+    service = GrpcService(definition, config)
+    port = await service.start()
+    try:
+        async with make_channel(f"127.0.0.1:{port}") as channel:
+            yield Served(service, inference_pb2_grpc.InferenceServiceStub(channel))
+    finally:
+        await service.stop(grace_s=0)
+
+
+@contextlib.contextmanager
+def reference_engine(model_dir: pathlib.Path, dtype: str, **engine: Any) -> Iterator[Any]:
+    """A fresh vLLM engine on `model_dir`, in this process (it starts in seconds), set up as
+    the service sets up its own."""
+    from vllm import LLM
+
+    settings = {**ENGINE_SETTINGS, **engine}
+    with restored_process_state():
+        llm = LLM(
+            model=str(model_dir),
+            dtype=dtype,
+            logprobs_mode="processed_logprobs",
+            distributed_executor_backend="uni",
+            **settings,
+        )
+        try:
+            yield llm
+        finally:
+            llm.llm_engine.engine_core.shutdown()
+            del llm
+            gc.collect()
+
+
+def reference_logprobs(llm: Any, prompts: list[list[int]], *, num_tokens: int, seed: int) -> list[list[float]]:
+    """Per prompt: its prompt logprobs (after the first token), then those of `num_tokens`
+    tokens sampled at temperature 1 with `seed`, as `sample` below reports them."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(
+        temperature=1.0, max_tokens=num_tokens, ignore_eos=True, seed=seed, logprobs=0, prompt_logprobs=0
+    )
+    results = []
+    for output in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False):
+        steps = zip(output.prompt_logprobs[1:], output.prompt_token_ids[1:], strict=True)
+        prompt = [step[t].logprob for step, t in steps]
+        completion = output.outputs[0]
+        sampled = [step[t].logprob for step, t in zip(completion.logprobs, completion.token_ids, strict=True)]
+        results.append(prompt + sampled)
+    return results
+
+
+async def sample(
+    stub: inference_pb2_grpc.InferenceServiceStub, prompts: list[list[int]], *, num_tokens: int, seed: int
+) -> list[list[float]]:
+    """`reference_logprobs` through the service."""
+    results = []
+    for prompt in prompts:
+        final = await final_output(
+            stub,
+            generation_pb2.GenerationInput(
+                prompt_token_ids=prompt,
+                sampling=generation_pb2.SamplingParams(
+                    temperature=1.0, max_tokens=num_tokens, ignore_eos=True, seed=seed
+                ),
+                stream=generation_pb2.StreamOptions(final_only=True),
+                return_prompt_logprobs=True,
+            ),
+        )
+        results.append(list(final.prompt_logprobs[1:]) + list(final.logprobs))
+    return results
+
+
+async def assert_update_matches_a_fresh_engine(
+    stub: inference_pb2_grpc.InferenceServiceStub,
+    model_dir: pathlib.Path,
+    dtype: str,
+    scratch_dir: pathlib.Path,
+    *,
+    tolerance: float,
+    **engine: Any,
+) -> None:
+    """After UpdateWeights with perturbed weights the service computes what an engine
+    started on them computes (`engine`: its settings beyond ENGINE_SETTINGS), and updating
+    back to the original weights restores the original logprobs."""
+    prompts = [list(range(40, 72)), [(5 * i) % 200 + 30 for i in range(24)]]
+    num_tokens, seed = 4, 3
+    perturbed = perturbed_model(model_dir, scratch_dir, seed=1)
+    version = await policy_version(stub)
+
+    original = await sample(stub, prompts, num_tokens=num_tokens, seed=seed)
+    first = await update_weights(stub, perturbed)
+    updated = await sample(stub, prompts, num_tokens=num_tokens, seed=seed)
+    second = await update_weights(stub, checkpoint(model_dir))
+    restored = await sample(stub, prompts, num_tokens=num_tokens, seed=seed)
+    with reference_engine(scratch_dir, dtype, **engine) as llm:
+        fresh = reference_logprobs(llm, prompts, num_tokens=num_tokens, seed=seed)
+
+    def max_difference(a: list[list[float]], b: list[list[float]]) -> float:
+        return max(abs(x - y) for row_a, row_b in zip(a, b, strict=True) for x, y in zip(row_a, row_b, strict=True))
+
+    assert (first.policy_version, second.policy_version) == (version + 1, version + 2)
+    assert first.num_tensors == len(perturbed) and first.pause_s <= first.total_s
+    assert max_difference(updated, original) > 0.5  # the update took effect
+    assert max_difference(updated, fresh) <= tolerance
+    assert max_difference(restored, original) <= tolerance
+
+
+async def generate(
+    stub: inference_pb2_grpc.InferenceServiceStub, input: generation_pb2.GenerationInput
+) -> list[generation_pb2.GenerationOutput]:
+    return [response.output async for response in stub.Generate(inference_pb2.GenerateRequest(input=input))]
+
+
+async def final_output(
+    stub: inference_pb2_grpc.InferenceServiceStub, input: generation_pb2.GenerationInput
+) -> generation_pb2.GenerationOutput:
+    outputs = await generate(stub, input)
+    assert outputs[-1].finished
+    return outputs[-1]
+
+
+def update_stream(
+    tensors: dict[str, torch.Tensor],
+    policy_version: int,
+    *,
+    num_tensors: int | None = None,
+    num_bytes: int | None = None,
+    weight_format: int = tensor_pb2.WEIGHT_FORMAT_HF,
+    delta: bool = False,
+) -> Iterator[inference_pb2.UpdateWeightsRequest]:
+    """An UpdateWeights request stream: `begin`, then the tensors in 256 KiB chunks."""
+    begin = inference_pb2.WeightUpdateBegin(
+        policy_version=policy_version,
+        format=weight_format,
+        num_tensors=len(tensors) if num_tensors is None else num_tensors,
+        num_bytes=sum(t.numel() * t.element_size() for t in tensors.values()) if num_bytes is None else num_bytes,
+        delta=delta,
+    )
+    yield inference_pb2.UpdateWeightsRequest(begin=begin)
+    for chunk in iter_tensor_chunks(tensors.items(), chunk_bytes=256 * 1024):
+        yield inference_pb2.UpdateWeightsRequest(chunk=chunk)
+
+
+async def policy_version(stub: inference_pb2_grpc.InferenceServiceStub) -> int:
+    return (await stub.GetLoad(inference_pb2.GetLoadRequest())).load.policy_version
+
+
+async def update_weights(
+    stub: inference_pb2_grpc.InferenceServiceStub, tensors: dict[str, torch.Tensor], version: int | None = None
+) -> inference_pb2.UpdateWeightsResponse:
+    """A full update to `version` (default: the next one)."""
+    version = await policy_version(stub) + 1 if version is None else version
+    return await stub.UpdateWeights(update_stream(tensors, version))
+
+
+async def status_of(call: Any) -> grpc.StatusCode:
+    """The status code a call (awaitable, or a response stream) fails with."""
+    try:
+        if hasattr(call, "__aiter__"):
+            async for _ in call:
+                pass
+        else:
+            await call
+    except grpc.aio.AioRpcError as error:
+        return error.code()
+    raise AssertionError("the call succeeded")

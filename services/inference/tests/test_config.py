@@ -1,0 +1,61 @@
+"""InferenceConfig: required model folder, validated ranges, precedence as every service."""
+
+import pathlib
+
+import pytest
+
+from primerl_common.config import ConfigError, load_config
+from primerl_common.tiny_model import make_tiny_model
+from primerl_inference.config import InferenceConfig
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    return make_tiny_model(tmp_path_factory.mktemp("config") / "dense", kind="dense")
+
+
+def test_defaults_and_flags(model_dir: pathlib.Path) -> None:
+    config = load_config(InferenceConfig, ["--engine.model", str(model_dir), "--replica.role", "decode"])
+
+    assert config.engine.model == model_dir
+    assert config.server.port == 50053
+    assert config.replica.role == "decode"
+    assert config.replica.initial_policy_version == 0
+    assert not config.engine.enable_lora
+
+
+def test_toml_and_environment(model_dir: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    toml = tmp_path / "inference.toml"
+    toml.write_text(f'[engine]\nmodel = "{model_dir}"\nmax_model_len = 1024\nkv_cache_gib = 2\n')
+    monkeypatch.setenv("PRIMERL_INFERENCE_ENGINE__MAX_NUM_SEQS", "3")
+
+    config = load_config(InferenceConfig, ["-c", str(toml)])
+
+    assert (config.engine.max_model_len, config.engine.kv_cache_gib, config.engine.max_num_seqs) == (1024, 2, 3)
+
+
+def test_example_config_is_valid(model_dir: pathlib.Path) -> None:
+    example = pathlib.Path(__file__).parents[1] / "config.example.toml"
+
+    config = load_config(InferenceConfig, ["-c", str(example), "--engine.model", str(model_dir)])
+
+    assert config.server.port == 50053
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ([], "engine: Field required"),
+        (["--engine.model", "/nonexistent"], "engine.model: Value error, /nonexistent is not a model folder"),
+        (["--replica.role", "leader"], "replica.role: Input should be 'both', 'prefill' or 'decode'"),
+        (["--engine.kv_cache_gib", "0"], "engine.kv_cache_gib: Input should be greater than 0"),
+        (["--engine.dtype", "int8"], "engine.dtype: Input should be"),
+        (["--weights.staging_dir", "/nonexistent"], "weights.staging_dir: Value error, /nonexistent is not a folder"),
+    ],
+)
+def test_bad_values_name_the_field(model_dir: pathlib.Path, args: list[str], message: str) -> None:
+    if args and args[0] != "--engine.model":
+        args = ["--engine.model", str(model_dir), *args]
+
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_config(InferenceConfig, args)

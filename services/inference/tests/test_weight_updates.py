@@ -1,0 +1,75 @@
+"""UpdateWeights against a fresh engine, for the MoE tiny model in float32 and bfloat16 and
+the dense one in bfloat16 (dense float32 is checked in test_servicer.py, on its engine): after
+an update the service computes what an engine started on those weights computes, and
+restoring the original weights restores the original logprobs. On CPU this covers the two
+layouts vLLM's own reload leaves stale (see worker_extension.py): prepacked MoE experts, and
+the GEMM handle of lm_head, tied to the embedding.
+
+On the same engines: routed experts are returned for MoE models and refused for dense ones."""
+
+import pathlib
+
+import grpc
+import numpy as np
+import pytest
+import pytest_asyncio
+
+from primerl.common.v1 import generation_pb2
+from primerl.inference.v1 import inference_pb2
+from primerl_common.tensors import tensor_from_proto
+from primerl_common.tiny_model import SPECS
+
+from .serving import (
+    TOLERANCE,
+    assert_update_matches_a_fresh_engine,
+    final_output,
+    running_service,
+    status_of,
+    tiny_model,
+)
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+MODELS = [("moe", "float32"), ("dense", "bfloat16"), ("moe", "bfloat16")]
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session", params=MODELS, ids=["-".join(m) for m in MODELS])
+async def model(request: pytest.FixtureRequest, model_root: pathlib.Path):
+    kind, dtype = request.param
+    model_dir = tiny_model(model_root, kind, dtype)
+    async with running_service(model=model_dir, dtype=dtype) as served:
+        yield kind, dtype, model_dir, served.stub
+
+
+async def test_an_update_computes_what_a_fresh_engine_computes_and_restoring_restores(
+    model, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    kind, dtype, model_dir, stub = model
+    scratch_dir = tmp_path_factory.mktemp("perturbed") / f"{kind}-{dtype}"
+
+    await assert_update_matches_a_fresh_engine(stub, model_dir, dtype, scratch_dir, tolerance=TOLERANCE[dtype])
+
+
+async def test_routed_experts_come_with_moe_models_only(model) -> None:
+    kind, _, _, stub = model
+    prompt = list(range(50, 70))
+    request = generation_pb2.GenerationInput(
+        prompt_token_ids=prompt,
+        sampling=generation_pb2.SamplingParams(max_tokens=5, seed=0, ignore_eos=True),
+        return_routed_experts=True,
+    )
+    capabilities = (await stub.GetServiceInfo(inference_pb2.GetServiceInfoRequest())).info.capabilities
+
+    if kind == "dense":
+        assert "generate.routed_experts" not in capabilities
+        status = await status_of(stub.Generate(inference_pb2.GenerateRequest(input=request)))
+        assert status == grpc.StatusCode.FAILED_PRECONDITION
+        return
+    routed = tensor_from_proto((await final_output(stub, request)).routed_experts).numpy()
+    spec = SPECS["moe"]
+
+    assert "generate.routed_experts" in capabilities
+    assert routed.dtype == np.uint8
+    assert routed.shape == (len(prompt) + 5, spec.num_hidden_layers, spec.num_experts_per_tok)
+    assert routed.max() < spec.num_experts
+    assert all(len(set(row)) == spec.num_experts_per_tok for row in routed.reshape(-1, spec.num_experts_per_tok))
