@@ -1,15 +1,42 @@
 """Builds the router's ServiceDefinition from its config."""
 
+from __future__ import annotations
+
+import grpc
+
 from primerl.router.v1 import router_pb2, router_pb2_grpc
 from primerl_common.server import ServiceDefinition
 from primerl_router import __version__
 from primerl_router.config import RouterConfig
+from primerl_router.fleet import Fleet
+from primerl_router.forwarding import Forwarder
 from primerl_router.servicer import RouterServicer
+
+__all__ = ["build"]
+
+_SERVICE = router_pb2.DESCRIPTOR.services_by_name["RouterService"]
+
+
+def _add_router_service(servicer: RouterServicer, server: grpc.aio.Server) -> None:
+    router_pb2_grpc.add_RouterServiceServicer_to_server(servicer, server)
+    # Generate again, with no (de)serializers: bytes in, bytes out. A later
+    # registration of a method replaces the earlier one.
+    server.add_registered_method_handlers(
+        _SERVICE.full_name, {"Generate": grpc.unary_stream_rpc_method_handler(servicer.Generate)}
+    )
 
 
 async def build(config: RouterConfig) -> ServiceDefinition:
-    definition = ServiceDefinition(name="router", version=__version__, servicers=[])
-    servicer = RouterServicer(definition)
-    descriptor = router_pb2.DESCRIPTOR.services_by_name["RouterService"]
-    definition.servicers = [(router_pb2_grpc.add_RouterServiceServicer_to_server, servicer, descriptor)]
+    fleet = Fleet(config)
+    definition = ServiceDefinition(
+        name="router",
+        version=__version__,
+        servicers=[],
+        capabilities=[f"router.policy.{config.policy.name}", "router.generate.passthrough"],
+        attributes={"policy": config.policy.name},
+        on_start=[fleet.start],
+        on_stop=[fleet.stop],
+    )
+    servicer = RouterServicer(definition, fleet, Forwarder(fleet, config.routing))
+    definition.servicers = [(_add_router_service, servicer, _SERVICE)]
     return definition

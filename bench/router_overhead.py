@@ -1,0 +1,344 @@
+"""What the router adds to a Generate call: latency and throughput straight to
+the replicas versus through `primerl-router`, at several concurrencies in one
+run, and tokens/s of long streams both ways.
+
+The replicas answer instantly: real gRPC servers (grpc.aio, health included)
+that stream pre-encoded GenerateResponse bytes, honouring the request's
+max_tokens and StreamOptions.every_n_tokens, so the router is what is measured.
+The router runs pinned to one core, the load generator and the replicas to the
+other (needs 2 cores). glibc's malloc thresholds are raised in every process
+(DESIGN.md). CPU time per call is read from /proc for the router and for the
+other core's processes: at high concurrency the router keeps up with direct
+calls only while its CPU per call stays below the other core's.
+
+Last line: RESULT added_p50_ms_c1=<a> added_p99_ms_c64=<b> throughput_ratio_c64=<c> stream_tokens_ratio=<d>
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import os
+import pathlib
+import shutil
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from primerl.common.v1 import generation_pb2
+from primerl.inference.v1 import inference_pb2
+from primerl.router.v1 import router_pb2
+from primerl_common.client import wait_for_serving
+from primerl_common.server import channel_options
+from primerl_common.testing import ServiceProcess, free_port
+
+INFERENCE_SERVICE = "primerl.inference.v1.InferenceService"
+INFERENCE_GENERATE = f"/{INFERENCE_SERVICE}/Generate"
+ROUTER_GENERATE = "/primerl.router.v1.RouterService/Generate"
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(128 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
+ROUTER_CORE, LOAD_CORE = 0, 1
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+HERE = pathlib.Path(__file__).resolve()
+
+
+# ----------------------------------------------------------------------------- instant replicas
+
+
+class InstantReplica:
+    """inference.v1 Generate answered from pre-encoded messages."""
+
+    def __init__(self, replica_id: str) -> None:
+        self.replica_id = replica_id
+        self._streams: dict[tuple[int, int], list[bytes]] = {}
+
+    def _stream(self, max_tokens: int, every_n: int) -> list[bytes]:
+        key = (max_tokens, every_n)
+        if key not in self._streams:
+            messages = []
+            for offset in range(0, max_tokens, every_n):
+                count = min(every_n, max_tokens - offset)
+                finished = offset + count == max_tokens
+                output = generation_pb2.GenerationOutput(
+                    request_id="bench",
+                    offset=offset,
+                    token_ids=[(offset + i) % 256 for i in range(count)],
+                    logprobs=[-0.25] * count,
+                    policy_versions=[0] * count,
+                    finished=finished,
+                    finish_reason=generation_pb2.FINISH_REASON_LENGTH if finished else 0,
+                    replica_id=self.replica_id,
+                )
+                messages.append(inference_pb2.GenerateResponse(output=output).SerializeToString())
+            self._streams[key] = messages
+        return self._streams[key]
+
+    async def generate(self, request: bytes, context: grpc.aio.ServicerContext) -> None:
+        generation = inference_pb2.GenerateRequest.FromString(request).input
+        max_tokens = generation.sampling.max_tokens or 16
+        every_n = max_tokens if generation.stream.final_only else (generation.stream.every_n_tokens or 1)
+        for message in self._stream(max_tokens, every_n):
+            await context.write(message)
+
+
+async def serve_replicas(ports: list[int]) -> None:
+    servers = []
+    for index, port in enumerate(ports):
+        server = grpc.aio.server(options=channel_options(64 << 20))
+        replica = InstantReplica(f"instant-{index}")
+        server.add_registered_method_handlers(
+            INFERENCE_SERVICE, {"Generate": grpc.unary_stream_rpc_method_handler(replica.generate)}
+        )
+        health_servicer = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        for name in ("", INFERENCE_SERVICE):
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        servers.append(server)
+    await asyncio.gather(*(server.wait_for_termination() for server in servers))
+
+
+# ----------------------------------------------------------------------------- load generation
+
+
+@dataclass
+class Run:
+    calls_per_s: float
+    p50_ms: float
+    p99_ms: float
+    tokens_per_s: float
+    num_calls: int
+
+
+def request_bytes(*, max_tokens: int, every_n: int, prompt_len: int) -> list[bytes]:
+    """A few distinct requests (session keys), as an RL client sends them."""
+    requests = []
+    for _ in range(64):
+        generation = generation_pb2.GenerationInput(
+            request_id=uuid.uuid4().hex,
+            prompt_token_ids=list(range(prompt_len)),
+            sampling=generation_pb2.SamplingParams(max_tokens=max_tokens, temperature=1.0),
+            stream=generation_pb2.StreamOptions(every_n_tokens=every_n),
+        )
+        routing = router_pb2.RoutingHints(session_key=uuid.uuid4().hex)
+        requests.append(router_pb2.GenerateRequest(input=generation, routing=routing).SerializeToString())
+    return requests
+
+
+async def drive(
+    methods: list, requests: list[bytes], *, concurrency: int, duration_s: float, warmup_s: float, tokens: int
+) -> Run:
+    latencies: list[float] = []
+    recording = False
+    stop_at = time.perf_counter() + warmup_s + duration_s
+    turn = itertools.count()
+
+    async def worker() -> None:
+        while time.perf_counter() < stop_at:
+            index = next(turn)
+            method = methods[index % len(methods)]
+            started = time.perf_counter()
+            async for _ in method(requests[index % len(requests)]):
+                pass
+            if recording:
+                latencies.append(time.perf_counter() - started)
+
+    async def measure() -> float:
+        nonlocal recording
+        await asyncio.sleep(warmup_s)
+        recording = True
+        began = time.perf_counter()
+        await asyncio.sleep(duration_s)
+        recording = False
+        return time.perf_counter() - began
+
+    window, *_ = await asyncio.gather(measure(), *(worker() for _ in range(concurrency)))
+    latencies.sort()
+    num = len(latencies)
+    return Run(
+        calls_per_s=num / window,
+        p50_ms=latencies[num // 2] * 1e3,
+        p99_ms=latencies[min(num - 1, int(num * 0.99))] * 1e3,
+        tokens_per_s=num * tokens / window,
+        num_calls=num,
+    )
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU time of the processes, all their threads included."""
+    total = 0
+    for pid in pids:
+        fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])
+    return total / CLOCK_TICKS
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def write_router_config(path: pathlib.Path, replica_ports: list[int], policy: str) -> None:
+    replicas = "\n".join(
+        f'[[replicas]]\nreplica_id = "instant-{index}"\naddress = "127.0.0.1:{port}"\n'
+        for index, port in enumerate(replica_ports)
+    )
+    path.write_text(
+        f'[policy]\nname = "{policy}"\n\n[observability]\nlog_level = "WARNING"\n\n{replicas}'
+        "[routing]\nno_replica_wait_s = 1.0\n"
+    )
+
+
+async def bench(args: argparse.Namespace) -> None:
+    replica_ports = [free_port() for _ in range(args.replicas)]
+    router_port = free_port()
+    env = {**os.environ, **MALLOC_ENV}
+    taskset = shutil.which("taskset")
+    assert taskset, "needs taskset (util-linux)"
+    replicas = ServiceProcess(
+        [taskset, "-c", str(LOAD_CORE), sys.executable, str(HERE), "--serve-replicas", *map(str, replica_ports)],
+        port=replica_ports[0],
+        env=env,
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        config = pathlib.Path(tmp) / "router.toml"
+        write_router_config(config, replica_ports, args.policy)
+        router = ServiceProcess(
+            [
+                taskset,
+                "-c",
+                str(ROUTER_CORE),
+                sys.executable,
+                "-m",
+                "primerl_router",
+                "-c",
+                str(config),
+                "--server.host",
+                "127.0.0.1",
+                "--server.port",
+                str(router_port),
+            ],
+            port=router_port,
+            env=env,
+        )
+        async with replicas, router:
+            for port in replica_ports[1:]:
+                await wait_for_serving(f"127.0.0.1:{port}")
+            await run_all(args, replica_ports, router, replicas, router_port)
+
+
+async def run_all(
+    args: argparse.Namespace,
+    replica_ports: list[int],
+    router: ServiceProcess,
+    replicas: ServiceProcess,
+    router_port: int,
+) -> None:
+    options = channel_options(64 << 20)
+    direct_channels = [grpc.aio.insecure_channel(f"127.0.0.1:{p}", options=options) for p in replica_ports]
+    router_channel = grpc.aio.insecure_channel(f"127.0.0.1:{router_port}", options=options)
+    direct = [channel.unary_stream(INFERENCE_GENERATE, _registered_method=True) for channel in direct_channels]
+    routed = [router_channel.unary_stream(ROUTER_GENERATE, _registered_method=True)]
+    assert router.process is not None and replicas.process is not None
+    # CPU time of each side: the router's core, and the load generator plus the replicas on the other.
+    router_pids = [router.process.pid]
+    load_pids = [os.getpid(), replicas.process.pid]
+
+    short = request_bytes(max_tokens=args.short_tokens, every_n=args.short_every_n, prompt_len=args.prompt_len)
+    print(f"load average before: {os.getloadavg()[0]:.2f}   cores: {os.cpu_count()}   policy: {args.policy}")
+    print(
+        f"short calls: prompt {args.prompt_len} tokens, {args.short_tokens} tokens back in messages of "
+        f"{args.short_every_n}; {args.duration_s:.0f} s per point after {args.warmup_s:.0f} s warm-up"
+    )
+    print(
+        f"{'path':>8} {'conc':>5} {'calls/s':>9} {'p50 ms':>8} {'p99 ms':>8} "
+        f"{'router CPU ms/call':>19} {'load core CPU ms/call':>22}"
+    )
+    results: dict[tuple[str, int], Run] = {}
+    for concurrency in args.concurrency:
+        for path, methods in (("direct", direct), ("router", routed)):
+            router_before, load_before = cpu_seconds(router_pids), cpu_seconds(load_pids)
+            run = await drive(
+                methods,
+                short,
+                concurrency=concurrency,
+                duration_s=args.duration_s,
+                warmup_s=args.warmup_s,
+                tokens=args.short_tokens,
+            )
+            results[(path, concurrency)] = run
+            # Warm-up calls ran too: CPU time is spread over every call of the point.
+            num_calls = run.calls_per_s * (args.duration_s + args.warmup_s)
+            router_ms = (cpu_seconds(router_pids) - router_before) * 1e3 / num_calls
+            load_ms = (cpu_seconds(load_pids) - load_before) * 1e3 / num_calls
+            router_cpu = f"{router_ms:.3f}" if path == "router" else ""
+            print(
+                f"{path:>8} {concurrency:>5} {run.calls_per_s:>9.0f} {run.p50_ms:>8.2f} {run.p99_ms:>8.2f} "
+                f"{router_cpu:>19} {load_ms:>22.3f}"
+            )
+
+    long = request_bytes(max_tokens=args.stream_tokens, every_n=args.stream_every_n, prompt_len=args.prompt_len)
+    print(
+        f"long streams: {args.stream_concurrency} at a time, {args.stream_tokens} tokens each in messages of "
+        f"{args.stream_every_n}"
+    )
+    streams = {}
+    for path, methods in (("direct", direct), ("router", routed)):
+        streams[path] = await drive(
+            methods,
+            long,
+            concurrency=args.stream_concurrency,
+            duration_s=args.duration_s,
+            warmup_s=args.warmup_s,
+            tokens=args.stream_tokens,
+        )
+        print(f"{path:>8} {streams[path].tokens_per_s:>12.0f} tokens/s")
+    print(f"load average after: {os.getloadavg()[0]:.2f}")
+
+    for channel in [*direct_channels, router_channel]:
+        await channel.close()
+    added_p50_c1 = results[("router", 1)].p50_ms - results[("direct", 1)].p50_ms
+    added_p99_c64 = results[("router", 64)].p99_ms - results[("direct", 64)].p99_ms
+    ratio_c64 = results[("router", 64)].calls_per_s / results[("direct", 64)].calls_per_s
+    stream_ratio = streams["router"].tokens_per_s / streams["direct"].tokens_per_s
+    print(
+        f"RESULT added_p50_ms_c1={added_p50_c1:.3f} added_p99_ms_c64={added_p99_c64:.3f} "
+        f"throughput_ratio_c64={ratio_c64:.3f} stream_tokens_ratio={stream_ratio:.3f}"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--serve-replicas", nargs="+", type=int, metavar="PORT", help=argparse.SUPPRESS)
+    parser.add_argument("--replicas", type=int, default=2)
+    parser.add_argument("--policy", default="consistent_hash")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 64, 256])
+    parser.add_argument("--duration-s", type=float, default=6.0)
+    parser.add_argument("--warmup-s", type=float, default=1.0)
+    parser.add_argument("--prompt-len", type=int, default=256)
+    parser.add_argument("--short-tokens", type=int, default=16)
+    parser.add_argument("--short-every-n", type=int, default=8, help="tokens per message of the short streams")
+    parser.add_argument("--stream-tokens", type=int, default=4096)
+    parser.add_argument("--stream-every-n", type=int, default=16, help="tokens per message of the long streams")
+    parser.add_argument("--stream-concurrency", type=int, default=8)
+    args = parser.parse_args()
+    if not {1, 64} <= set(args.concurrency):
+        parser.error("--concurrency must include 1 and 64 (the RESULT line compares them)")
+    if args.serve_replicas:
+        asyncio.run(serve_replicas(args.serve_replicas))
+        return
+    if any(os.environ.get(key) != value for key, value in MALLOC_ENV.items()):
+        # glibc reads the thresholds at start-up: run again with them set.
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **MALLOC_ENV})
+    if len(os.sched_getaffinity(0)) < 2 or os.cpu_count() < 2:
+        sys.exit("needs 2 cores: the router on one, load generator and replicas on the other")
+    os.sched_setaffinity(0, {LOAD_CORE})
+    asyncio.run(bench(args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,233 @@
+"""One inference replica as the router sees it: identity, health, circuit,
+load, policy version and update state, drain, and its requests in flight.
+
+Plain state and rules, no gRPC: the health checker, the load watcher and the
+weight-broadcaster follower feed it, policies read it, and the forwarding path
+counts requests on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+
+from primerl.common.v1 import generation_pb2
+from primerl_router.circuit import CircuitBreaker, CircuitState
+from primerl_router.config import CircuitBreakerConfig, HealthConfig
+from primerl_router.metrics import ReplicaMetrics
+from primerl_router.request import RouteRequest
+
+__all__ = ["ROLE_BOTH", "UNKNOWN_VERSION", "Health", "HealthTracker", "Replica"]
+
+logger = logging.getLogger(__name__)
+
+UNKNOWN_VERSION = -1
+ROLE_BOTH = generation_pb2.REPLICA_ROLE_BOTH
+_DEFAULT_HEALTH = HealthConfig()
+_DEFAULT_CIRCUIT = CircuitBreakerConfig()
+
+
+class Health(enum.Enum):
+    UNKNOWN = "unknown"  # not checked yet: eligible, so a new replica takes traffic at once
+    HEALTHY = "healthy"
+    DEGRADED = "degraded"  # failing checks, not yet past the threshold: still eligible
+    UNHEALTHY = "unhealthy"
+
+
+class HealthTracker:
+    """Health from consecutive check outcomes, with hysteresis: one failed
+    check degrades, `unhealthy_threshold` in a row make it unhealthy, and an
+    unhealthy replica needs `healthy_threshold` passes in a row to come back."""
+
+    def __init__(self, *, unhealthy_threshold: int, healthy_threshold: int) -> None:
+        self._unhealthy_threshold = unhealthy_threshold
+        self._healthy_threshold = healthy_threshold
+        self.state = Health.UNKNOWN
+        self.num_consecutive_failures = 0
+        self._num_consecutive_passes = 0
+
+    def record(self, passed: bool) -> bool:
+        """Feeds one check's outcome; returns whether the state changed."""
+        before = self.state
+        if passed:
+            self.num_consecutive_failures = 0
+            self._num_consecutive_passes += 1
+            if self.state is not Health.UNHEALTHY or self._num_consecutive_passes >= self._healthy_threshold:
+                self.state = Health.HEALTHY
+        else:
+            self._num_consecutive_passes = 0
+            self.num_consecutive_failures += 1
+            if self.num_consecutive_failures >= self._unhealthy_threshold:
+                self.state = Health.UNHEALTHY
+            elif self.state is not Health.UNHEALTHY:
+                self.state = Health.DEGRADED
+        return self.state is not before
+
+
+class Replica:
+    def __init__(
+        self,
+        replica_id: str,
+        address: str,
+        *,
+        role: int = ROLE_BOTH,
+        labels: dict[str, str] | None = None,
+        health: HealthConfig = _DEFAULT_HEALTH,
+        circuit: CircuitBreakerConfig = _DEFAULT_CIRCUIT,
+    ) -> None:
+        self.replica_id = replica_id
+        self.address = address
+        self.role = role
+        self.labels = dict(labels or {})
+        self.health = HealthTracker(
+            unhealthy_threshold=health.unhealthy_threshold, healthy_threshold=health.healthy_threshold
+        )
+        self.circuit = CircuitBreaker(failure_threshold=circuit.failure_threshold, open_s=circuit.open_s)
+        self.metrics = ReplicaMetrics(replica_id)
+        # Set through the router, not by the replica: no new requests, running ones finish.
+        self.draining = False
+        # Last load report, and how many requests this router sent since (the report lags).
+        self.load: generation_pb2.LoadReport | None = None
+        self.num_started_since_report = 0
+        self.policy_version = UNKNOWN_VERSION
+        # Update state from the replica's own load report and from the weight broadcaster.
+        self.load_updating = False
+        self.broadcaster_updating = False
+        self.num_in_flight = 0
+        self.num_requests_total = 0
+        self.num_errors_total = 0
+        self.last_seen = 0.0  # wall-clock time of the last passed check or load report
+        self._idle: asyncio.Event | None = None
+
+    def __repr__(self) -> str:
+        return f"Replica({self.replica_id!r}, {self.address!r})"
+
+    # ------------------------------------------------------------------ eligibility
+
+    @property
+    def updating(self) -> bool:
+        return self.load_updating or self.broadcaster_updating
+
+    @property
+    def self_draining(self) -> bool:
+        """The replica itself said it is draining (it is shutting down)."""
+        return self.load is not None and self.load.draining
+
+    @property
+    def outstanding(self) -> int:
+        """Estimated requests queued or running on the replica: the last
+        report plus what this router sent since, and never less than what this
+        router has in flight there (with no report, that is all it knows)."""
+        if self.load is None:
+            return self.num_in_flight
+        reported = self.load.num_waiting + self.load.num_running + self.num_started_since_report
+        return max(reported, self.num_in_flight)
+
+    def accepts(self, request: RouteRequest) -> bool:
+        """Whether a new request may be sent here now (updating is judged by the pool)."""
+        return (
+            not self.draining
+            and self.role == (request.role or ROLE_BOTH)
+            and self.health.state is not Health.UNHEALTHY
+            and (request.min_policy_version <= 0 or self.policy_version >= request.min_policy_version)
+            and not self.self_draining
+            and self.circuit.available()
+        )
+
+    def rejection(self, request: RouteRequest) -> str:
+        """Why `accepts` said no, for error messages."""
+        if self.draining or self.self_draining:
+            return "draining"
+        if self.role != (request.role or ROLE_BOTH):
+            return f"role {generation_pb2.ReplicaRole.Name(self.role)}"
+        if self.health.state is Health.UNHEALTHY:
+            return "unhealthy"
+        if request.min_policy_version > 0 and self.policy_version < request.min_policy_version:
+            return f"policy version {self.policy_version}"
+        if not self.circuit.available():
+            return "circuit open"
+        return "eligible"
+
+    # ------------------------------------------------------------------ requests
+
+    def on_request_start(self) -> None:
+        self.num_in_flight += 1
+        self.num_started_since_report += 1
+        self.num_requests_total += 1
+        self.circuit.on_attempt()
+        if self._idle is not None:
+            self._idle.clear()
+        self.metrics.in_flight.inc()
+        self.metrics.requests.inc()
+
+    def on_request_end(self, *, error: str | None = None, replica_fault: bool = False) -> None:
+        """`error`: the gRPC code name the request ended with, if not OK;
+        `replica_fault`: whether that error says the replica is broken (it
+        counts toward the circuit; a client's cancel or bad argument does not)."""
+        self.num_in_flight -= 1
+        circuit_before = self.circuit.state
+        if error is not None:
+            self.num_errors_total += 1
+            self.metrics.error(error)
+        if replica_fault:
+            self.circuit.on_failure()
+        elif error is not None:
+            self.circuit.on_neutral()
+        else:
+            self.circuit.on_success()
+        if self.num_in_flight == 0 and self._idle is not None:
+            self._idle.set()
+        self.metrics.in_flight.dec()
+        if self.circuit.state is not circuit_before:
+            self.metrics.circuit_open.set(self.circuit.state is not CircuitState.CLOSED)
+            log = logger.warning if self.circuit.state is CircuitState.OPEN else logger.info
+            log(
+                "replica %s: circuit %s (last error %s)",
+                self.replica_id,
+                self.circuit.state.value,
+                error or "none",
+                extra={"replica_id": self.replica_id},
+            )
+
+    async def wait_idle(self) -> None:
+        """Returns once no request of this router is in flight here."""
+        if self.num_in_flight == 0:
+            return
+        if self._idle is None:
+            self._idle = asyncio.Event()
+        await self._idle.wait()
+
+    # ------------------------------------------------------------------ reports
+
+    def record_health_check(self, passed: bool) -> bool:
+        changed = self.health.record(passed)
+        if passed:
+            self.last_seen = time.time()
+        self.metrics.healthy.set(self.health.state is not Health.UNHEALTHY)
+        return changed
+
+    def apply_load(self, load: generation_pb2.LoadReport) -> None:
+        self.load = load
+        self.num_started_since_report = 0
+        self.policy_version = load.policy_version
+        self.load_updating = load.updating_weights or load.paused
+        self.last_seen = time.time()
+        self.metrics.apply_load(load)
+        self.metrics.updating.set(self.updating)
+
+    def forget_load(self) -> None:
+        """The load stream is gone: what it said (version included) may be stale."""
+        self.load = None
+        self.num_started_since_report = 0
+        self.policy_version = UNKNOWN_VERSION
+        self.load_updating = False
+        self.metrics.policy_version.set(UNKNOWN_VERSION)
+        self.metrics.updating.set(self.updating)
+
+    def apply_broadcaster_state(self, *, policy_version: int, updating: bool) -> None:
+        self.policy_version = policy_version
+        self.broadcaster_updating = updating
+        self.metrics.policy_version.set(policy_version)
+        self.metrics.updating.set(self.updating)

@@ -1,0 +1,78 @@
+import asyncio
+
+import pytest
+
+from primerl.common.v1 import generation_pb2
+from primerl_common.errors import FailedPrecondition, NotFound, Unavailable
+from primerl_router.policies import make_policy
+from primerl_router.pool import ReplicaPool
+from primerl_router.replica import Replica
+from primerl_router.request import RouteRequest
+
+
+def make_pool(count: int, *, policy: str = "round_robin", avoid_updating: bool = True) -> ReplicaPool:
+    pool = ReplicaPool(make_policy(policy, {}), avoid_updating=avoid_updating)
+    for index in range(count):
+        replica = Replica(f"r{index}", f"127.0.0.1:{9000 + index}")
+        replica.apply_load(generation_pb2.LoadReport(policy_version=1))
+        pool.add(replica)
+    return pool
+
+
+def test_picks_only_eligible_replicas_and_honours_exclusions():
+    pool = make_pool(3)
+    pool.get("r0").draining = True
+    pool.get("r1").apply_load(generation_pb2.LoadReport(policy_version=0))
+    picks = {pool.try_pick(RouteRequest(min_policy_version=1)).replica_id for _ in range(5)}
+    assert picks == {"r2"}
+    assert pool.try_pick(RouteRequest(min_policy_version=1), [pool.get("r2")]) is None
+
+
+def test_updating_replicas_are_avoided_while_others_can_serve():
+    pool = make_pool(2)
+    pool.get("r0").apply_broadcaster_state(policy_version=1, updating=True)
+    assert {pool.try_pick(RouteRequest()).replica_id for _ in range(4)} == {"r1"}
+    pool.get("r1").draining = True
+    assert pool.try_pick(RouteRequest()).replica_id == "r0"  # the only one left: better late than never
+
+    relaxed = make_pool(2, avoid_updating=False)
+    relaxed.get("r0").apply_broadcaster_state(policy_version=1, updating=True)
+    assert {relaxed.try_pick(RouteRequest()).replica_id for _ in range(4)} == {"r0", "r1"}
+
+
+async def test_pick_waits_for_a_replica_to_reach_the_version():
+    pool = make_pool(1)
+    request = RouteRequest(min_policy_version=2)
+
+    async def update_later():
+        await asyncio.sleep(0.05)
+        pool.get("r0").apply_load(generation_pb2.LoadReport(policy_version=2))
+        pool.notify()
+
+    updater = asyncio.create_task(update_later())
+    replica = await asyncio.wait_for(pool.pick(request, wait_s=2), 1)
+    assert replica.replica_id == "r0" and replica.policy_version == 2
+    await updater
+
+
+async def test_no_replica_errors_say_why():
+    pool = make_pool(2)
+    with pytest.raises(FailedPrecondition, match=r"policy version >= 5 .*r0: policy version 1"):
+        await pool.pick(RouteRequest(min_policy_version=5), wait_s=0.05)
+    for replica in pool:
+        replica.draining = True
+    with pytest.raises(Unavailable, match="r0: draining, r1: draining"):
+        await pool.pick(RouteRequest(), wait_s=0)
+    with pytest.raises(Unavailable, match="none"):
+        await make_pool(0).pick(RouteRequest())
+
+
+def test_membership_reaches_the_policy_and_unknown_ids_are_not_found():
+    pool = make_pool(2, policy="consistent_hash")
+    request = RouteRequest(session_key=b"episode")
+    owner = pool.try_pick(request)
+    pool.remove(owner.replica_id)
+    assert owner.replica_id not in pool and len(pool) == 1
+    assert pool.try_pick(request) is not owner
+    with pytest.raises(NotFound):
+        pool.get(owner.replica_id)
