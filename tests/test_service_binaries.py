@@ -18,16 +18,49 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from primerl_common.client import make_channel
 from primerl_common.testing import ServiceProcess, free_port
+from primerl_common.tiny_model import make_tiny_model
 
-# service -> (proto service, an RPC the skeleton does not implement yet, its request)
+# service -> (proto service, an RPC the skeleton does not implement yet, its request);
+# None where the service implements every RPC of its contract.
 SERVICES = {
-    "orchestrator": ("OrchestratorService", "GetRunStatus", "GetRunStatusRequest"),
-    "trainer": ("TrainerService", "GetStatus", "GetStatusRequest"),
-    "inference": ("InferenceService", "GetLoad", "GetLoadRequest"),
-    "router": ("RouterService", "ListReplicas", "ListReplicasRequest"),
-    "weight_broadcaster": ("WeightBroadcasterService", "GetStatus", "GetStatusRequest"),
+    "orchestrator": ("OrchestratorService", None, None),
+    "trainer": ("TrainerService", None, None),
+    "inference": ("InferenceService", None, None),
+    "router": ("RouterService", None, None),
+    "weight_broadcaster": ("WeightBroadcasterService", None, None),
     "kvstore": ("KvStoreService", "GetStats", "GetStatsRequest"),
 }
+
+# service -> an implemented RPC answered without any other service, and its request.
+IMPLEMENTED = {
+    "orchestrator": ("GetRunStatus", "GetRunStatusRequest"),
+    "trainer": ("GetStatus", "GetStatusRequest"),
+    "inference": ("GetLoad", "GetLoadRequest"),
+    "router": ("ListReplicas", "ListReplicasRequest"),
+    "weight_broadcaster": ("GetStatus", "GetStatusRequest"),
+}
+
+
+def start_flags(service: str, tmp_path: pathlib.Path) -> list[str]:
+    """What a service needs besides its port to start: the trainer trains a (tiny) model, the
+    inference serves one (float32 and eager: quick to start on CPU)."""
+    if service == "inference":
+        model = make_tiny_model(tmp_path / "tiny-dense", kind="dense")
+        return ["--engine.model", str(model), "--engine.dtype", "float32", "--engine.enforce_eager", "true"]
+    if service == "trainer":
+        model = make_tiny_model(tmp_path / "tiny-dense", kind="dense")
+        return ["--model.path", str(model), "--model.dtype", "float32", "--model.compute_dtype", "float32"]
+    if service == "orchestrator":
+        # The model's tokenizer and one external environment; no peer listens at the
+        # addresses, so it serves while it waits for the trainer.
+        model = make_tiny_model(tmp_path / "tiny-dense", kind="dense")
+        router, trainer = (f"127.0.0.1:{free_port()}" for _ in range(2))
+        environments = '[{"name": "guess"}]'
+        return [
+            *("--model.path", str(model), "--environments", environments),
+            *("--peers.router", router, "--peers.trainer", trainer),
+        ]
+    return []
 
 
 def binary(service: str) -> str:
@@ -61,11 +94,12 @@ def test_unknown_config_key_fails_naming_it(service, tmp_path):
 
 
 @pytest.mark.parametrize("service", SERVICES)
-async def test_serves_health_info_and_stops_on_sigterm(service):
+async def test_serves_health_info_and_stops_on_sigterm(service, tmp_path):
     proto_service, unimplemented, request_name = SERVICES[service]
     pb2, pb2_grpc = modules(service)
     port = free_port()
     args = [binary(service), "--server.host", "127.0.0.1", "--server.port", str(port), "--server.drain_delay_s", "0.2"]
+    args += start_flags(service, tmp_path)
     async with ServiceProcess(args, port=port) as process:
         async with make_channel(process.address) as channel:
             health = await health_pb2_grpc.HealthStub(channel).Check(
@@ -79,11 +113,15 @@ async def test_serves_health_info_and_stops_on_sigterm(service):
             assert info.package_version == importlib.metadata.version(f"primerl-{service.replace('_', '-')}")
             assert f"primerl.{service}.v1" in info.api_versions
 
-            with pytest.raises(grpc.aio.AioRpcError) as error:
-                await getattr(stub, unimplemented)(getattr(pb2, request_name)())
-            assert error.value.code() == grpc.StatusCode.UNIMPLEMENTED
-            # Still serving after the refused call.
-            assert (await stub.GetServiceInfo(pb2.GetServiceInfoRequest())).info.service_name == service
+            if unimplemented is not None:
+                with pytest.raises(grpc.aio.AioRpcError) as error:
+                    await getattr(stub, unimplemented)(getattr(pb2, request_name)())
+                assert error.value.code() == grpc.StatusCode.UNIMPLEMENTED
+                # Still serving after the refused call.
+                assert (await stub.GetServiceInfo(pb2.GetServiceInfoRequest())).info.service_name == service
+            if service in IMPLEMENTED:
+                method, request = IMPLEMENTED[service]
+                await getattr(stub, method)(getattr(pb2, request)())
 
             # A call in flight when SIGTERM arrives completes: a reflection stream
             # stays open across the signal and is still answered while draining.

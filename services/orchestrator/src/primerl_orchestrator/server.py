@@ -1,15 +1,70 @@
 """Builds the orchestrator's ServiceDefinition from its config."""
 
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
 from primerl.orchestrator.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 from primerl_common.server import ServiceDefinition
 from primerl_orchestrator import __version__
 from primerl_orchestrator.config import OrchestratorConfig
+from primerl_orchestrator.generation import RouterGeneration
+from primerl_orchestrator.loop import BatchLoop
+from primerl_orchestrator.rendering import PromptRenderer
+from primerl_orchestrator.run import Run
 from primerl_orchestrator.servicer import OrchestratorServicer
+from primerl_orchestrator.trainer_client import TrainerFeed
+from primerl_orchestrator.versions import BroadcasterVersions, TrainerVersions, VersionSource
+
+__all__ = ["build"]
 
 
 async def build(config: OrchestratorConfig) -> ServiceDefinition:
-    definition = ServiceDefinition(name="orchestrator", version=__version__, servicers=[])
-    servicer = OrchestratorServicer(definition)
+    peers = config.peers
+    renderer = PromptRenderer(config.model.path, max_model_len=config.model.max_model_len)
+    generation = RouterGeneration(peers.router, timeout_s=peers.generate_timeout_s)
+    trainer = TrainerFeed(peers.trainer)
+    versions: VersionSource
+    if peers.weight_broadcaster is not None:
+        versions = BroadcasterVersions(peers.weight_broadcaster, min_replicas=peers.min_replicas)
+    else:
+        versions = TrainerVersions(trainer, poll_interval_s=peers.poll_interval_s)
+    run = Run(config, renderer, generation)
+    loop = BatchLoop(config, run, trainer, versions)
+    running: list[asyncio.Task[None]] = []
+
+    async def start() -> None:
+        running.append(asyncio.create_task(loop.run()))
+
+    async def drain() -> None:
+        run.drain()
+
+    async def stop() -> None:
+        for task in running:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await generation.close()
+        await versions.close()
+        await trainer.close()
+
+    definition = ServiceDefinition(
+        name="orchestrator",
+        version=__version__,
+        servicers=[],
+        capabilities=["orchestrator.environments.external", "orchestrator.environments.builtin"],
+        attributes={
+            "environments": ",".join(env.name for env in config.environments),
+            "router": peers.router,
+            "trainer": peers.trainer,
+            "max_steps": str(config.run.max_steps),
+        },
+        on_start=[start],
+        on_drain=[drain],
+        on_stop=[stop],
+    )
+    servicer = OrchestratorServicer(definition, run)
     descriptor = orchestrator_pb2.DESCRIPTOR.services_by_name["OrchestratorService"]
     definition.servicers = [(orchestrator_pb2_grpc.add_OrchestratorServiceServicer_to_server, servicer, descriptor)]
     return definition

@@ -1,18 +1,150 @@
 """primerl.orchestrator.v1.OrchestratorService: proto <-> domain translation only."""
 
+from __future__ import annotations
+
 import grpc
+from google.protobuf import json_format, struct_pb2
 
 from primerl.orchestrator.v1 import orchestrator_pb2, orchestrator_pb2_grpc
+from primerl_common.errors import InvalidArgument
 from primerl_common.server import ServiceDefinition
+from primerl_orchestrator.environments import Task
+from primerl_orchestrator.episodes import Episode
+from primerl_orchestrator.run import Run, RunState
+
+__all__ = ["OrchestratorServicer"]
+
+_STATES = {
+    RunState.STARTING: orchestrator_pb2.RUN_STATE_STARTING,
+    RunState.RUNNING: orchestrator_pb2.RUN_STATE_RUNNING,
+    RunState.PAUSED: orchestrator_pb2.RUN_STATE_PAUSED,
+    RunState.FINISHED: orchestrator_pb2.RUN_STATE_FINISHED,
+    RunState.FAILED: orchestrator_pb2.RUN_STATE_FAILED,
+}
 
 
 class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
-    """RPCs not overridden here answer UNIMPLEMENTED."""
-
-    def __init__(self, definition: ServiceDefinition) -> None:
+    def __init__(self, definition: ServiceDefinition, run: Run) -> None:
         self._definition = definition
+        self._run = run
 
     async def GetServiceInfo(
         self, request: orchestrator_pb2.GetServiceInfoRequest, context: grpc.aio.ServicerContext
     ) -> orchestrator_pb2.GetServiceInfoResponse:
         return orchestrator_pb2.GetServiceInfoResponse(info=self._definition.info())
+
+    async def ListEnvironments(
+        self, request: orchestrator_pb2.ListEnvironmentsRequest, context: grpc.aio.ServicerContext
+    ) -> orchestrator_pb2.ListEnvironmentsResponse:
+        return orchestrator_pb2.ListEnvironmentsResponse(
+            environments=[
+                orchestrator_pb2.EnvironmentInfo(
+                    name=env.name,
+                    builtin=env.config.builtin,
+                    group_size=env.config.group_size,
+                    weight=env.config.weight,
+                )
+                for env in self._run.environments.values()
+            ]
+        )
+
+    async def NextEpisode(
+        self, request: orchestrator_pb2.NextEpisodeRequest, context: grpc.aio.ServicerContext
+    ) -> orchestrator_pb2.NextEpisodeResponse:
+        episode = await self._run.next_episode(request.environment)
+        return orchestrator_pb2.NextEpisodeResponse(episode=_episode_to_proto(episode))
+
+    async def StartEpisode(
+        self, request: orchestrator_pb2.StartEpisodeRequest, context: grpc.aio.ServicerContext
+    ) -> orchestrator_pb2.StartEpisodeResponse:
+        task = Task(task_id=request.task.task_id, data=json_format.MessageToDict(request.task.data))
+        episodes = await self._run.start_episodes(request.environment, task, request.num_episodes)
+        return orchestrator_pb2.StartEpisodeResponse(episodes=[_episode_to_proto(e) for e in episodes])
+
+    async def Generate(
+        self, request: orchestrator_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> orchestrator_pb2.GenerateResponse:
+        prompt = request.WhichOneof("prompt")
+        if prompt is None:
+            raise InvalidArgument("set messages or tokens", field="prompt")
+        sampling = request.sampling if request.HasField("sampling") else None
+        if prompt == "messages":
+            messages = [(m.role, m.content) for m in request.messages.messages]
+            result = await self._run.generate(request.episode_id, messages=messages, sampling=sampling)
+        else:
+            result = await self._run.generate(request.episode_id, token_ids=request.tokens.token_ids, sampling=sampling)
+        return orchestrator_pb2.GenerateResponse(
+            text=result.text,
+            token_ids=result.token_ids,
+            finish_reason=result.finish_reason,
+            num_prompt_tokens=result.num_prompt_tokens,
+            turn=result.turn,
+            truncated=result.truncated,
+            first_policy_version=result.first_policy_version,
+            last_policy_version=result.last_policy_version,
+        )
+
+    async def FinishEpisode(
+        self, request: orchestrator_pb2.FinishEpisodeRequest, context: grpc.aio.ServicerContext
+    ) -> orchestrator_pb2.FinishEpisodeResponse:
+        result = self._run.finish_episode(
+            request.episode_id, reward=request.reward, metrics=dict(request.metrics), discard=request.discard
+        )
+        return orchestrator_pb2.FinishEpisodeResponse(
+            group_complete=result.group_complete, num_samples=result.num_samples
+        )
+
+    async def GetRunStatus(
+        self, request: orchestrator_pb2.GetRunStatusRequest, context: grpc.aio.ServicerContext
+    ) -> orchestrator_pb2.GetRunStatusResponse:
+        status = self._run.status()
+        return orchestrator_pb2.GetRunStatusResponse(
+            state=_STATES[status.state],
+            step=status.step,
+            max_steps=status.max_steps,
+            policy_version=status.policy_version,
+            max_async_level=status.max_async_level,
+            max_off_policy_steps=status.max_off_policy_steps,
+            num_dropped_off_policy_total=status.dropped_off_policy_total,
+            off_policy_steps_mean=status.off_policy_steps_mean,
+            off_policy_steps_max=status.off_policy_steps_max,
+            environments=[
+                orchestrator_pb2.EnvironmentStats(
+                    name=env.name,
+                    num_episodes_started=env.episodes_started,
+                    num_episodes_finished=env.episodes_finished,
+                    num_episodes_running=env.episodes_running,
+                    reward_mean=env.reward_mean,
+                    reward_std=env.reward_std,
+                    num_dropped_off_policy=env.dropped_off_policy,
+                    num_errors=env.errors,
+                )
+                for env in status.environments
+            ],
+            error=status.error,
+        )
+
+    async def PauseRun(
+        self, request: orchestrator_pb2.PauseRunRequest, context: grpc.aio.ServicerContext
+    ) -> orchestrator_pb2.PauseRunResponse:
+        return orchestrator_pb2.PauseRunResponse(state=_STATES[self._run.pause()])
+
+    async def ResumeRun(
+        self, request: orchestrator_pb2.ResumeRunRequest, context: grpc.aio.ServicerContext
+    ) -> orchestrator_pb2.ResumeRunResponse:
+        return orchestrator_pb2.ResumeRunResponse(state=_STATES[self._run.resume()])
+
+
+def _episode_to_proto(episode: Episode) -> orchestrator_pb2.Episode:
+    group = episode.group
+    data = struct_pb2.Struct()
+    data.update(group.task.data)
+    return orchestrator_pb2.Episode(
+        episode_id=episode.episode_id,
+        group_id=group.group_id,
+        environment=group.environment,
+        task=orchestrator_pb2.Task(task_id=group.task.task_id, data=data),
+        group_size=len(group.episodes),
+        index_in_group=episode.index_in_group,
+        policy_version=episode.start_version,
+    )

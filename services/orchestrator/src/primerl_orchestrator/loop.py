@@ -1,0 +1,209 @@
+"""The loop that turns rollouts into trainer steps.
+
+Startup: the trainer's batch spec (waiting for the trainer), the checkpoint, the policy
+versions, the built-in players. Then, per step: wait for enough recent rollouts, pack them,
+checkpoint, push, write the step's metrics. The trainer's next expected step is the truth
+about which steps exist: the loop starts there and follows it if the trainer ever expects
+another one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import os
+import time
+from typing import Any
+
+from safetensors.torch import save_file
+
+from primerl_orchestrator.checkpoint import load_state, save_state
+from primerl_orchestrator.config import OrchestratorConfig
+from primerl_orchestrator.episodes import Rollout
+from primerl_orchestrator.metrics import MetricsLog, mean_std
+from primerl_orchestrator.packing import PackedBatch, TrainingSample, pack
+from primerl_orchestrator.players import play_builtin
+from primerl_orchestrator.run import Run
+from primerl_orchestrator.staleness import off_policy_steps
+from primerl_orchestrator.trainer_client import StepMismatch, TrainerFeed
+from primerl_orchestrator.versions import VersionSource
+
+__all__ = ["BatchLoop"]
+
+logger = logging.getLogger(__name__)
+
+_SWEEP_INTERVAL_S = 1.0
+
+
+class BatchLoop:
+    def __init__(self, config: OrchestratorConfig, run: Run, trainer: TrainerFeed, versions: VersionSource) -> None:
+        self._config = config
+        self._run = run
+        self._trainer = trainer
+        self._versions = versions
+        output = config.output
+        self._metrics_log = MetricsLog(output.metrics_jsonl) if output.metrics_jsonl is not None else None
+        self._background: list[asyncio.Task[None]] = []
+
+    async def run(self) -> None:
+        """The whole run; a failure is reported through the run's status, never raised."""
+        try:
+            await self._feed_trainer()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            logger.exception("the run failed")
+            self._run.fail(f"{type(exc).__name__}: {exc}")
+        finally:
+            for task in self._background:
+                task.cancel()
+            for task in self._background:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+
+    async def _feed_trainer(self) -> None:
+        run, config = self._run, self._config
+        spec = await self._trainer.batch_spec()
+        step = spec.next_step
+        checkpoint_dir = config.output.checkpoint_dir
+        state = load_state(checkpoint_dir) if checkpoint_dir is not None else None
+        if state is not None:
+            run.restore(state)
+            logger.info(
+                "resumed from the checkpoint of step %d; the trainer expects step %d",
+                state.step,
+                step,
+                extra={"step": step},
+            )
+        run.begin(spec, next_step=step, versions_served=self._versions.served)
+        self._spawn(self._versions.follow(run.set_policy_version))
+        self._spawn(self._sweep())
+        for name, env in run.environments.items():
+            if env.builtin is not None:
+                for _ in range(config.run.max_concurrent_episodes):
+                    self._spawn(play_builtin(run, name, env.builtin))
+
+        last_step_at = time.monotonic()
+        while step <= config.run.max_steps:
+            rollouts = await run.next_batch(step)
+            samples = [TrainingSample(sample, r.advantage) for r in rollouts for sample in r.samples]
+            packed = pack(samples, seq_len=spec.seq_len, with_routed_experts=spec.router_replay)
+            if packed.num_loss_tokens == 0:
+                logger.warning("the batch of step %d has no loss token left after truncation; collecting again", step)
+                run.dispatcher.update(next_step=step)
+                continue
+            pushed = await self._push(step, packed)
+            if pushed is None:
+                break
+            step = pushed
+            now = time.monotonic()
+            self._record(step, rollouts, packed, elapsed_s=now - last_step_at)
+            last_step_at = now
+            step += 1
+        run.finish()
+        logger.info("the run is finished: %d steps", config.run.max_steps)
+
+    async def _push(self, step: int, packed: PackedBatch) -> int | None:
+        """Pushes the batch as `step`, or as the step the trainer expects; returns that step
+        (None: the trainer expects a step past max_steps, the run is over)."""
+        while True:
+            self._checkpoint(step)
+            if self._config.output.batches_dir is not None:
+                self._dump(step, packed)
+            try:
+                await self._trainer.push(step, packed)
+                return step
+            except StepMismatch as mismatch:
+                if mismatch.expected_step > self._config.run.max_steps:
+                    logger.warning("%s, past max_steps: the run is over", mismatch)
+                    return None
+                logger.warning("%s; this batch becomes step %d", mismatch, mismatch.expected_step)
+                step = mismatch.expected_step
+                self._run.dispatcher.update(next_step=step + 1)
+
+    def _checkpoint(self, step: int) -> None:
+        directory = self._config.output.checkpoint_dir
+        if directory is not None:
+            save_state(directory, self._run.checkpoint_state(step))
+
+    def _dump(self, step: int, packed: PackedBatch) -> None:
+        directory = self._config.output.batches_dir
+        assert directory is not None
+        directory.mkdir(parents=True, exist_ok=True)
+        tensors = {
+            f"micro_batch_{index}.{name}": tensor.contiguous()
+            for index, micro_batch in enumerate(packed.micro_batches)
+            for name, tensor in micro_batch.named_tensors().items()
+        }
+        metadata = {
+            "step": str(step),
+            "num_samples": str(packed.num_samples),
+            "num_loss_tokens": str(packed.num_loss_tokens),
+        }
+        # Written aside and renamed: a reader never sees half a file.
+        path = directory / f"step_{step:06d}.safetensors"
+        partial = path.with_name(f".{path.name}.partial")
+        save_file(tensors, partial, metadata=metadata)
+        os.replace(partial, path)
+
+    def _record(self, step: int, rollouts: list[Rollout], packed: PackedBatch, *, elapsed_s: float) -> None:
+        run = self._run
+        distances = [off_policy_steps(step, r.oldest_version) for r in rollouts]
+        run.last_pushed_step = step
+        run.off_policy_steps_mean = math.fsum(distances) / len(distances)
+        run.off_policy_steps_max = max(distances)
+        policy_version = run.dispatcher.policy_version or 0
+        per_env = run.counters.close_step(
+            step=step,
+            policy_version=policy_version,
+            off_policy_max=run.off_policy_steps_max,
+            num_samples=packed.num_samples,
+            num_tokens=packed.num_tokens,
+        )
+        if self._metrics_log is None:
+            return
+        reward_mean, reward_std = mean_std([r.reward for r in rollouts])
+        turns = sum(env["turns"] for env in per_env.values())
+        record: dict[str, Any] = {
+            "step": step,
+            "time": time.time(),
+            "step_time_s": elapsed_s,
+            "policy_version": policy_version,
+            "num_rollouts": len(rollouts),
+            "num_samples": packed.num_samples,
+            "num_micro_batches": len(packed.micro_batches),
+            "num_tokens": packed.num_tokens,
+            "num_loss_tokens": packed.num_loss_tokens,
+            "num_samples_truncated": packed.num_truncated,
+            "num_samples_dropped_empty": packed.num_dropped_empty,
+            "min_policy_version": packed.min_policy_version,
+            "max_policy_version": packed.max_policy_version,
+            "off_policy_steps_mean": run.off_policy_steps_mean,
+            "off_policy_steps_max": run.off_policy_steps_max,
+            "batch_reward_mean": reward_mean,
+            "batch_reward_std": reward_std,
+            "num_dropped_off_policy": sum(env["dropped_off_policy"] for env in per_env.values()),
+            "num_errors": sum(env["errors"] + env["timed_out"] for env in per_env.values()),
+            "samples_per_s": packed.num_samples / elapsed_s,
+            "tokens_per_s": sum(env["completion_tokens"] for env in per_env.values()) / elapsed_s,
+            "truncated_fraction": sum(env["turns_length_limited"] for env in per_env.values()) / max(turns, 1),
+            "environments": per_env,
+        }
+        self._metrics_log.write(record)
+
+    async def _sweep(self) -> None:
+        while True:
+            await asyncio.sleep(_SWEEP_INTERVAL_S)
+            self._run.sweep()
+
+    def _spawn(self, coroutine: Any) -> None:
+        task = asyncio.create_task(coroutine)
+        task.add_done_callback(_log_failure)
+        self._background.append(task)
+
+
+def _log_failure(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        logger.error("a background task of the run failed", exc_info=task.exception())

@@ -1,0 +1,475 @@
+"""The run as environments see it: episodes handed out, model turns, rewards, the groups that
+become rollouts ready for a batch, and the run's state and status.
+
+Every call checks the episode's state first (episodes.py) so that a bad call from an
+environment is refused with a clear status and nothing else changes; the run goes on.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import enum
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from primerl.common.v1 import generation_pb2
+from primerl_common.errors import FailedPrecondition, InvalidArgument, NotFound, ServiceError, Unavailable
+from primerl_orchestrator.checkpoint import OrchestratorState
+from primerl_orchestrator.config import OrchestratorConfig
+from primerl_orchestrator.environments import Task
+from primerl_orchestrator.environments.runtime import EnvironmentRuntime
+from primerl_orchestrator.episodes import Episode, EpisodeBook, EpisodeState, Group, Rollout
+from primerl_orchestrator.generation import GenerationError, GenerationRequest, RouterGeneration
+from primerl_orchestrator.metrics import RunCounters
+from primerl_orchestrator.ready import ReadyRollouts
+from primerl_orchestrator.rendering import PromptRenderer
+from primerl_orchestrator.samples import Turn
+from primerl_orchestrator.scheduler import Dispatcher
+from primerl_orchestrator.staleness import is_stale
+from primerl_orchestrator.trainer_client import BatchSpec
+from primerl_orchestrator.turns import sampling_params, turn_error
+
+__all__ = ["EnvironmentStatus", "FinishResult", "Run", "RunState", "RunStatus", "TurnResult"]
+
+logger = logging.getLogger(__name__)
+
+
+class RunState(enum.Enum):
+    STARTING = "starting"
+    RUNNING = "running"
+    PAUSED = "paused"
+    FINISHED = "finished"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class TurnResult:
+    text: str
+    token_ids: list[int]
+    finish_reason: int  # generation_pb2.FinishReason
+    num_prompt_tokens: int
+    turn: int
+    truncated: bool
+    first_policy_version: int
+    last_policy_version: int
+
+
+@dataclass(frozen=True)
+class FinishResult:
+    group_complete: bool
+    num_samples: int
+
+
+@dataclass(frozen=True)
+class EnvironmentStatus:
+    name: str
+    episodes_started: int
+    episodes_finished: int
+    episodes_running: int
+    # Over the episodes finished before the last step.
+    reward_mean: float
+    reward_std: float
+    dropped_off_policy: int
+    # Failed turns and episodes, and timed-out episodes.
+    errors: int
+
+
+@dataclass(frozen=True)
+class RunStatus:
+    state: RunState
+    # The last step whose batch went to the trainer.
+    step: int
+    max_steps: int
+    policy_version: int
+    max_async_level: int
+    max_off_policy_steps: int
+    dropped_off_policy_total: int
+    off_policy_steps_mean: float
+    off_policy_steps_max: int
+    environments: list[EnvironmentStatus]
+    error: str
+
+
+class Run:
+    def __init__(
+        self,
+        config: OrchestratorConfig,
+        renderer: PromptRenderer,
+        generation: RouterGeneration,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        run = config.run
+        self.environments = {env.name: EnvironmentRuntime(env, seed=run.seed) for env in config.environments}
+        self.counters = RunCounters(self.environments)
+        self.dispatcher = Dispatcher(
+            weights={env.name: env.weight for env in config.environments},
+            batch_size=run.batch_size,
+            max_async_level=run.max_async_level,
+            max_concurrent_episodes=run.max_concurrent_episodes,
+            max_steps=run.max_steps,
+        )
+        self._renderer = renderer
+        self._generation = generation
+        self._clock = clock
+        self._book = EpisodeBook()
+        self._running: collections.Counter[str] = collections.Counter()
+        self._ready = ReadyRollouts(
+            advantage=config.advantage,
+            max_off_policy_steps=run.max_off_policy_steps,
+            counters=self.counters,
+            on_change=lambda num_ready: self.dispatcher.update(num_ready=num_ready),
+        )
+        self.spec: BatchSpec | None = None
+        self._versions_served = False
+        self._paused = False
+        self._finished = False
+        self.error = ""
+        # The last step whose batch went to the trainer, and its off-policy distances.
+        self.last_pushed_step = 0
+        self.off_policy_steps_mean = 0.0
+        self.off_policy_steps_max = 0
+
+    # ------------------------------------------------------------------ lifecycle (the batch loop)
+
+    def begin(self, spec: BatchSpec, *, next_step: int, versions_served: bool) -> None:
+        self.spec = spec
+        self._versions_served = versions_served
+        self.last_pushed_step = next_step - 1
+        self.dispatcher.update(next_step=next_step, open=not self._paused)
+
+    def set_policy_version(self, version: int) -> None:
+        logger.info("policy version %d is the latest", version, extra={"policy_version": version})
+        self.dispatcher.update(policy_version=version)
+
+    def finish(self) -> None:
+        self._finished = True
+        self.dispatcher.close(
+            FailedPrecondition("the run is finished: every step's batch went to the trainer", reason="RUN_FINISHED")
+        )
+
+    def drain(self) -> None:
+        """No new episodes: the service is shutting down."""
+        self.dispatcher.close(Unavailable("the orchestrator is shutting down", reason="DRAINING"))
+
+    def fail(self, error: str) -> None:
+        self.error = error
+        self.dispatcher.close(FailedPrecondition(f"the run failed: {error}", reason="RUN_FAILED"))
+
+    @property
+    def state(self) -> RunState:
+        if self.error:
+            return RunState.FAILED
+        if self._finished:
+            return RunState.FINISHED
+        if self.spec is None:
+            return RunState.STARTING
+        return RunState.PAUSED if self._paused else RunState.RUNNING
+
+    def pause(self) -> RunState:
+        self._check_not_over()
+        self._paused = True
+        self.dispatcher.update(open=False)
+        return self.state
+
+    def resume(self) -> RunState:
+        self._check_not_over()
+        self._paused = False
+        self.dispatcher.update(open=self.spec is not None)
+        return self.state
+
+    def status(self) -> RunStatus:
+        environments = []
+        for name in self.environments:
+            totals = self.counters.totals[name]
+            reward_mean, reward_std = self.counters.last_rewards[name]
+            environments.append(
+                EnvironmentStatus(
+                    name=name,
+                    episodes_started=totals.episodes_started,
+                    episodes_finished=totals.episodes_finished,
+                    episodes_running=self._running[name],
+                    reward_mean=reward_mean,
+                    reward_std=reward_std,
+                    dropped_off_policy=totals.dropped_off_policy,
+                    errors=totals.errors + totals.timed_out,
+                )
+            )
+        run = self.config.run
+        return RunStatus(
+            state=self.state,
+            step=self.last_pushed_step,
+            max_steps=run.max_steps,
+            policy_version=-1 if self.dispatcher.policy_version is None else self.dispatcher.policy_version,
+            max_async_level=run.max_async_level,
+            max_off_policy_steps=run.max_off_policy_steps,
+            dropped_off_policy_total=sum(env.dropped_off_policy for env in environments),
+            off_policy_steps_mean=self.off_policy_steps_mean,
+            off_policy_steps_max=self.off_policy_steps_max,
+            environments=environments,
+            error=self.error,
+        )
+
+    def checkpoint_state(self, step: int) -> OrchestratorState:
+        return OrchestratorState(
+            step=step,
+            task_positions={name: env.next_task_index for name, env in self.environments.items()},
+            episodes_started=dict(self.dispatcher.num_started),
+            counters=self.counters.state(),
+        )
+
+    def restore(self, state: OrchestratorState) -> None:
+        """Data positions, shares and counters of a checkpoint (environments since removed
+        from the config are ignored)."""
+        for name, position in state.task_positions.items():
+            if name in self.environments:
+                self.environments[name].next_task_index = position
+        for name, started in state.episodes_started.items():
+            if name in self.dispatcher.num_started:
+                self.dispatcher.num_started[name] = started
+        self.counters.restore(state.counters)
+
+    def _check_not_over(self) -> None:
+        if self.state in (RunState.FINISHED, RunState.FAILED):
+            raise FailedPrecondition(f"the run is {self.state.value}", reason=f"RUN_{self.state.name}")
+
+    # ------------------------------------------------------------------ episodes
+
+    def environment(self, name: str) -> EnvironmentRuntime:
+        try:
+            return self.environments[name]
+        except KeyError:
+            raise NotFound(f"no environment {name!r}; configured: {', '.join(self.environments)}") from None
+
+    async def next_episode(self, name: str, *, builtin_player: bool = False) -> Episode:
+        """The next episode of the environment's task stream (waits while dispatch is held)."""
+        env = self.environment(name)
+        if env.builtin is not None and not builtin_player:
+            raise FailedPrecondition(
+                f"environment {name!r} is built in: the orchestrator plays it", reason="BUILTIN_ENVIRONMENT"
+            )
+        if env.tasks is None:
+            raise FailedPrecondition(
+                f"environment {name!r} has no task stream (tasks_file): start episodes with StartEpisode",
+                reason="NO_TASK_STREAM",
+            )
+        group_size = env.config.group_size
+        episode = await self.dispatcher.next_episode(
+            name, group_size, lambda step: self._new_group(env, env.next_task(), group_size, step)
+        )
+        self._started(episode)
+        return episode
+
+    async def start_episodes(self, name: str, task: Task, num_episodes: int) -> list[Episode]:
+        """A group of episodes for a task the environment brings (waits while dispatch is held)."""
+        env = self.environment(name)
+        if env.builtin is not None:
+            raise FailedPrecondition(
+                f"environment {name!r} is built in: the orchestrator plays it", reason="BUILTIN_ENVIRONMENT"
+            )
+        if not task.task_id:
+            raise InvalidArgument("a task needs an id", field="task.task_id")
+        size = num_episodes or env.config.group_size
+        limit = self.config.run.max_concurrent_episodes
+        if size > limit:
+            raise InvalidArgument(f"{size} episodes exceed max_concurrent_episodes {limit}", field="num_episodes")
+        group = await self.dispatcher.start_group(name, size, lambda step: self._new_group(env, task, size, step))
+        for episode in group.episodes:
+            self._started(episode)
+        return group.episodes
+
+    def _new_group(self, env: EnvironmentRuntime, task: Task, size: int, target_step: int) -> Group:
+        version = self.dispatcher.policy_version
+        assert version is not None, "groups start once a policy version is known"
+        return self._book.new_group(
+            env.name, task, size=size, policy_version=version, target_step=target_step, now=self._clock()
+        )
+
+    def _started(self, episode: Episode) -> None:
+        self.counters.count(episode.environment, "episodes_started")
+        self._running[episode.environment] += 1
+        self.counters.set_running(episode.environment, self._running[episode.environment])
+
+    # ------------------------------------------------------------------ turns
+
+    async def generate(
+        self,
+        episode_id: str,
+        *,
+        messages: Sequence[tuple[str, str]] | None = None,
+        token_ids: Sequence[int] | None = None,
+        sampling: generation_pb2.SamplingParams | None = None,
+    ) -> TurnResult:
+        episode = self._book.get(episode_id)
+        episode.check_can_play()
+        assert self.spec is not None, "episodes exist once the trainer's spec is known"
+        if messages is not None:
+            field = "messages"
+            prompt = self._renderer.render_messages(messages, field=field)
+        else:
+            field = "tokens"
+            prompt = self._renderer.check_tokens(token_ids or [], vocab_size=self.spec.vocab_size)
+        room = self._renderer.check_fits(len(prompt), field=field)
+        params = sampling_params(self.environments[episode.environment].config.sampling, sampling, room=room)
+        self._check_on_policy(episode)
+
+        turn_index = episode.num_turns
+        min_version = max(0, episode.group.target_step - self.config.run.max_async_level)
+        request = GenerationRequest(
+            request_id=f"{episode_id}-{turn_index}",
+            episode_id=episode_id,
+            prompt_token_ids=prompt,
+            sampling=params,
+            cache_salt=str(episode.start_version),
+            min_policy_version=min_version if self._versions_served else 0,
+            return_routed_experts=self.spec.router_replay,
+        )
+        episode.turn_in_progress = True
+        try:
+            result = await self._generation.generate(request)
+        except GenerationError as exc:
+            self.counters.count(episode.environment, "errors")
+            raise turn_error(exc, field) from None
+        finally:
+            episode.turn_in_progress = False
+        # Dropped (timed out, or off-policy) while the turn ran.
+        episode.check_not_ended()
+        if result.routed_experts is not None:
+            self._check_routed_experts(result.routed_experts.shape[1:], episode)
+        turn = Turn(
+            prompt, result.token_ids, result.logprobs, result.policy_versions, params.temperature, result.routed_experts
+        )
+        continued = episode.tokens.add_turn(turn)
+        episode.num_turns += 1
+
+        env = episode.environment
+        num_tokens = len(result.token_ids)
+        truncated = (
+            result.finish_reason == generation_pb2.FINISH_REASON_LENGTH
+            and len(prompt) + num_tokens >= self._renderer.max_model_len
+        )
+        self.counters.count(env, "turns")
+        self.counters.count(env, "completion_tokens", num_tokens)
+        if result.finish_reason == generation_pb2.FINISH_REASON_LENGTH:
+            self.counters.count(env, "turns_length_limited")
+        if truncated:
+            self.counters.count(env, "turns_truncated_by_context")
+        if turn_index > 0 and not continued:
+            self.counters.count(env, "new_samples_after_first")
+        return TurnResult(
+            text=self._renderer.decode(result.token_ids),
+            token_ids=result.token_ids,
+            finish_reason=result.finish_reason,
+            num_prompt_tokens=len(prompt),
+            turn=turn_index,
+            truncated=truncated,
+            first_policy_version=result.policy_versions[0],
+            last_policy_version=result.policy_versions[-1],
+        )
+
+    def _check_on_policy(self, episode: Episode) -> None:
+        """Drops an episode whose tokens are already too old for the step being collected:
+        it could only land in that step or a later one."""
+        oldest = episode.tokens.oldest_version
+        step = self.dispatcher.next_step
+        max_off = self.config.run.max_off_policy_steps
+        if oldest is not None and is_stale(step, oldest, max_off_policy_steps=max_off):
+            self._drop(
+                episode,
+                f"its oldest token is from policy version {oldest}, more than max_off_policy_steps {max_off} "
+                f"behind step {step}",
+                counter="dropped_off_policy",
+            )
+            episode.check_not_ended()
+
+    def _check_routed_experts(self, shape: Sequence[int], episode: Episode) -> None:
+        assert self.spec is not None
+        expected = (self.spec.num_hidden_layers, self.spec.num_experts_per_token)
+        if tuple(shape) != expected:
+            self.counters.count(episode.environment, "errors")
+            raise FailedPrecondition(
+                f"inference returned routed experts of [layers, top_k] {list(shape)}; the trainer replays "
+                f"{list(expected)}: they serve different models",
+                reason="ROUTED_EXPERTS_MISMATCH",
+            )
+
+    # ------------------------------------------------------------------ the end of an episode
+
+    def finish_episode(
+        self, episode_id: str, *, reward: float, metrics: dict[str, float], discard: bool
+    ) -> FinishResult:
+        episode = self._book.get(episode_id)
+        if not math.isfinite(reward):
+            raise InvalidArgument(f"{reward} is not a finite number", field="reward")
+        for key, value in metrics.items():
+            if not math.isfinite(value):
+                raise InvalidArgument(f"{value} is not a finite number", field=f"metrics[{key}]")
+        episode.check_can_finish()
+        env = episode.environment
+        previous = episode.state
+        if discard:
+            episode.state = EpisodeState.DISCARDED
+            self.counters.count(env, "episodes_discarded")
+            num_samples = 0
+        else:
+            episode.state = EpisodeState.FINISHED
+            episode.reward = reward
+            self.counters.count(env, "episodes_finished")
+            self.counters.finished(env, reward, metrics)
+            num_samples = len(episode.tokens.samples)
+        self._ended(episode, previous)
+        return FinishResult(group_complete=episode.group.complete, num_samples=num_samples)
+
+    def sweep(self) -> None:
+        """Drops episodes past run.episode_timeout_s, and those gone too far off-policy."""
+        now = self._clock()
+        timeout_s = self.config.run.episode_timeout_s
+        for episode in self._book.live():
+            if episode.state.ended:
+                continue
+            if now - episode.created_at > timeout_s:
+                self._drop(episode, f"not finished within {timeout_s:.0f}s", counter="timed_out")
+            elif not episode.turn_in_progress:
+                # Dropped: its environment hears so on its next call.
+                with contextlib.suppress(ServiceError):
+                    self._check_on_policy(episode)
+
+    def _drop(self, episode: Episode, reason: str, *, counter: str) -> None:
+        if episode.state.ended:
+            return
+        # Per episode at debug level: the counters carry the totals.
+        logger.debug("dropped episode %s: %s", episode.episode_id, reason, extra={"environment": episode.environment})
+        previous = episode.state
+        episode.state = EpisodeState.DROPPED
+        episode.drop_reason = reason
+        self.counters.count(episode.environment, counter)
+        self._ended(episode, previous)
+
+    def _ended(self, episode: Episode, previous: EpisodeState) -> None:
+        self.dispatcher.episode_ended()
+        env = episode.environment
+        if previous == EpisodeState.RUNNING:
+            self._running[env] -= 1
+            self.counters.set_running(env, self._running[env])
+        group = episode.group
+        if group.complete:
+            self._complete(group)
+
+    def _complete(self, group: Group) -> None:
+        self._book.retire(group)
+        self._ready.add(group)
+
+    # ------------------------------------------------------------------ batches
+
+    async def next_batch(self, step: int) -> list[Rollout]:
+        """Rollouts for the batch of `step`, once enough of them are recent enough."""
+        while (taken := self._ready.take(step, self.config.run.batch_size)) is None:
+            await self.dispatcher.wait_for_change()
+        # From here the dispatcher collects for the next step.
+        self.dispatcher.update(next_step=step + 1)
+        return taken
