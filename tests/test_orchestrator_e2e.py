@@ -1,0 +1,578 @@
+"""The orchestrator with the real services it drives: primerl-inference (vLLM on CPU, a
+tiny Qwen3-MoE) behind primerl-router, primerl-trainer replaying the routed experts, and
+primerl-weight-broadcaster pushing each version the trainer publishes to the replica (which
+the router follows). Every test reads the trainer's next expected step first, so the tests
+share one trainer in any order.
+
+The model is the tiny MoE after a few SFT steps on the guessing game (cached), so that its
+answers are text that the chat template renders back to the same tokens; a random model
+samples bytes that do not survive decoding, which rightly starts a new sample each turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import itertools
+import json
+import math
+import os
+import pathlib
+import random
+import shutil
+import signal
+import sys
+import tempfile
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import pytest
+import torch
+from google.rpc import error_details_pb2
+from safetensors.torch import load_file
+
+from primerl.common.v1 import generation_pb2
+from primerl.orchestrator.v1 import orchestrator_pb2, orchestrator_pb2_grpc
+from primerl.router.v1 import router_pb2, router_pb2_grpc
+from primerl.trainer.v1 import trainer_pb2, trainer_pb2_grpc
+from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2, weight_broadcaster_pb2_grpc
+from primerl_common.client import make_channel
+from primerl_common.errors import error_details
+from primerl_common.tensors import tensor_from_proto
+from primerl_common.testing import ServiceProcess, free_port
+from primerl_common.tiny_model import make_tiny_model
+
+pytestmark = pytest.mark.slow
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+EXAMPLE = REPO / "examples" / "custom_env" / "guessing_game.py"
+CACHE = pathlib.Path(os.environ.get("PRIMERL_TEST_CACHE", pathlib.Path(tempfile.gettempdir()) / "primerl-test-cache"))
+MAX_MODEL_LEN = 512
+SEQ_LEN = 1024
+# Bump to remake the cached model.
+_RECIPE = "guess-sft-v1"
+
+
+def binary(name: str) -> str:
+    return str(pathlib.Path(sys.executable).parent / name)
+
+
+def service_args(name: str, port: int, *flags: str) -> list[str]:
+    common = [f"--server.port={port}", "--server.host=127.0.0.1", "--server.drain_delay_s=0"]
+    return [binary(name), *common, "--observability.log_json=false", *flags]
+
+
+# ---------------------------------------------------------------------------- the model
+
+
+def guessing_model(root: pathlib.Path) -> pathlib.Path:
+    """The tiny MoE taught to answer the guessing game with one digit and the end of turn."""
+    sys.path.insert(0, str(EXAMPLE.parent))
+    import guessing_game
+
+    digest = hashlib.sha256((_RECIPE + guessing_game.SYSTEM_PROMPT).encode()).hexdigest()[:12]
+    out = root / f"tiny-moe-{digest}"
+    if (out / "model.safetensors").is_file():
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    base = make_tiny_model(root / "tiny-moe-float32", kind="moe", dtype="float32")
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    rng = random.Random(0)
+
+    def conversation() -> tuple[list[int], list[bool]]:
+        secret = rng.randint(1, 9)
+        messages = [
+            {"role": "system", "content": guessing_game.SYSTEM_PROMPT.format(low=1, high=9)},
+            {"role": "user", "content": "Your first guess?"},
+        ]
+        ids: list[int] = []
+        mask: list[bool] = []
+        for _ in range(rng.randint(1, 3)):
+            prompt = tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True, return_dict=True
+            )
+            appended = prompt["input_ids"][len(ids) :]
+            guess = rng.randint(1, 9)
+            answer = [*tokenizer.encode(str(guess), add_special_tokens=False), tokenizer.eos_token_id]
+            ids += appended + answer
+            mask += [False] * len(appended) + [True] * len(answer)
+            messages += [
+                {"role": "assistant", "content": str(guess)},
+                {"role": "user", "content": guessing_game.feedback(guess, secret)},
+            ]
+        return ids, mask
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # several threads spin against each other on a shared 2-core box
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+            for _ in range(14):
+                batch = [conversation() for _ in range(8)]
+                width = max(len(ids) for ids, _ in batch)
+                ids = torch.tensor([ids + [0] * (width - len(ids)) for ids, _ in batch])
+                mask = torch.tensor([mask + [False] * (width - len(mask)) for _, mask in batch])
+                logits = model(input_ids=ids).logits[:, :-1]
+                loss = torch.nn.functional.cross_entropy(logits[mask[:, 1:]], ids[:, 1:][mask[:, 1:]])
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+        staging = pathlib.Path(tempfile.mkdtemp(dir=root, prefix=".guess-"))
+        shutil.copytree(base, staging, dirs_exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=root) as saved:
+            model.save_pretrained(saved)
+            assert set(load_file(f"{saved}/model.safetensors")) == set(load_file(base / "model.safetensors"))
+            shutil.copy(f"{saved}/model.safetensors", staging / "model.safetensors")
+        os.replace(staging, out)
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
+# ---------------------------------------------------------------------------- the stack
+
+
+@dataclass
+class Stack:
+    model: pathlib.Path
+    router: str
+    trainer: str
+    trainer_process: ServiceProcess
+    weight_broadcaster: str
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory):
+    CACHE.mkdir(parents=True, exist_ok=True)
+    model = guessing_model(CACHE)
+    root = tmp_path_factory.mktemp("stack")
+    inference_port, router_port, trainer_port, broadcaster_port = (free_port() for _ in range(4))
+    inference, broadcaster = f"127.0.0.1:{inference_port}", f"127.0.0.1:{broadcaster_port}"
+    router_config = root / "router.toml"
+    router_config.write_text(
+        f'[[replicas]]\nreplica_id = "inference-0"\naddress = "{inference}"\n'
+        f'[versions]\nweight_broadcaster_address = "{broadcaster}"\n'
+        "[health]\ninterval_s = 0.5\n[load]\nreport_interval_ms = 100\n[routing]\nno_replica_wait_s = 60.0\n"
+    )
+    processes = [
+        ServiceProcess(
+            service_args(
+                "primerl-inference",
+                inference_port,
+                f"--engine.model={model}",
+                "--engine.dtype=float32",
+                "--engine.enforce_eager=true",
+                f"--engine.max_model_len={MAX_MODEL_LEN}",
+                "--engine.max_num_seqs=16",
+                "--replica.id=inference-0",
+            ),
+            port=inference_port,
+        ),
+        ServiceProcess(
+            service_args("primerl-weight-broadcaster", broadcaster_port, "--push.probe_interval_s=0.5"),
+            port=broadcaster_port,
+        ),
+        ServiceProcess(service_args("primerl-router", router_port, "-c", str(router_config)), port=router_port),
+        ServiceProcess(
+            service_args(
+                "primerl-trainer",
+                trainer_port,
+                f"--model.path={model}",
+                "--model.dtype=float32",
+                "--model.compute_dtype=float32",
+                f"--seq_len={SEQ_LEN}",
+                "--router_replay=true",
+                "--max_queued_batches=2",
+                f"--publish.weight_broadcaster={broadcaster}",
+            ),
+            port=trainer_port,
+        ),
+    ]
+
+    async def start() -> None:
+        await asyncio.gather(*(process.start(timeout_s=240) for process in processes))
+        async with make_channel(broadcaster) as channel:
+            await weight_broadcaster_pb2_grpc.WeightBroadcasterServiceStub(channel).RegisterReplica(
+                weight_broadcaster_pb2.RegisterReplicaRequest(replica_id="inference-0", address=inference)
+            )
+
+    try:
+        asyncio.run(start())
+        yield Stack(
+            model=model,
+            router=f"127.0.0.1:{router_port}",
+            trainer=f"127.0.0.1:{trainer_port}",
+            trainer_process=processes[3],
+            weight_broadcaster=broadcaster,
+        )
+    finally:
+
+        async def stop() -> None:
+            await asyncio.gather(*(process.__aexit__(None, None, None) for process in processes))
+
+        asyncio.run(stop())
+
+
+def orchestrator_config(
+    stack: Stack,
+    path: pathlib.Path,
+    *,
+    environments: str,
+    run: dict[str, Any],
+    versions_from_broadcaster: bool = True,
+    **output: Any,
+) -> pathlib.Path:
+    """Without versions_from_broadcaster the orchestrator takes the trainer's completed steps."""
+    lines = [
+        "[peers]",
+        f'router = "{stack.router}"',
+        f'trainer = "{stack.trainer}"',
+        "poll_interval_s = 0.2",
+        *([f'weight_broadcaster = "{stack.weight_broadcaster}"'] if versions_from_broadcaster else []),
+        "[model]",
+        f'path = "{stack.model}"',
+        f"max_model_len = {MAX_MODEL_LEN}",
+        "[run]",
+        *(f"{key} = {value}" for key, value in run.items()),
+        "[output]",
+        *(f'{key} = "{value}"' for key, value in output.items()),
+        environments,
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@asynccontextmanager
+async def orchestrator(
+    config: pathlib.Path,
+) -> AsyncIterator[tuple[ServiceProcess, orchestrator_pb2_grpc.OrchestratorServiceStub]]:
+    port = free_port()
+    process = ServiceProcess(service_args("primerl-orchestrator", port, "-c", str(config)), port=port)
+    async with process, make_channel(process.address, max_attempts=1) as channel:
+        yield process, orchestrator_pb2_grpc.OrchestratorServiceStub(channel)
+
+
+async def trainer_next_step(stack: Stack) -> int:
+    async with make_channel(stack.trainer) as channel:
+        spec = await trainer_pb2_grpc.TrainerServiceStub(channel).GetBatchSpec(trainer_pb2.GetBatchSpecRequest())
+    return spec.next_step
+
+
+async def trained_steps(
+    stack: Stack, *, after_step: int, until_step: int, timeout_s: float
+) -> list[trainer_pb2.StepMetrics]:
+    steps = []
+    async with make_channel(stack.trainer) as channel:
+        call = trainer_pb2_grpc.TrainerServiceStub(channel).WatchSteps(
+            trainer_pb2.WatchStepsRequest(after_step=after_step), timeout=timeout_s
+        )
+        async for response in call:
+            steps.append(response.step)
+            if response.step.step >= until_step:
+                call.cancel()
+                break
+    return steps
+
+
+async def wait_for_status(stub, predicate, *, timeout_s: float) -> orchestrator_pb2.GetRunStatusResponse:
+    loop = asyncio.get_running_loop()
+    give_up_at = loop.time() + timeout_s
+    while True:
+        status = await stub.GetRunStatus(orchestrator_pb2.GetRunStatusRequest())
+        if predicate(status):
+            return status
+        assert loop.time() < give_up_at, f"gave up waiting; last status:\n{status}"
+        await asyncio.sleep(0.2)
+
+
+async def appears(path: pathlib.Path, *, timeout_s: float) -> None:
+    for _ in range(int(timeout_s * 10)):
+        if await asyncio.to_thread(path.exists):
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"{path} did not appear within {timeout_s}s")
+
+
+@contextlib.contextmanager
+def held_back(process: ServiceProcess) -> Iterator[None]:
+    """The process stopped (SIGSTOP) for the duration, then continued."""
+    assert process.process is not None
+    process.process.send_signal(signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        process.process.send_signal(signal.SIGCONT)
+
+
+async def failure(call) -> tuple[grpc.StatusCode, str]:
+    """The status code and ErrorInfo reason a call fails with."""
+    try:
+        await call
+    except grpc.aio.AioRpcError as error:
+        reasons = [d.reason for d in error_details(error) if isinstance(d, error_details_pb2.ErrorInfo)]
+        return error.code(), reasons[0] if reasons else ""
+    raise AssertionError("the call succeeded")
+
+
+async def status_code(call) -> grpc.StatusCode:
+    try:
+        await call
+    except grpc.aio.AioRpcError as error:
+        return error.code()
+    raise AssertionError("the call succeeded")
+
+
+def samples_of(path: pathlib.Path) -> list[dict[str, torch.Tensor]]:
+    """The samples of a dumped batch (the tensors pushed to the trainer), split at position 0."""
+    tensors = load_file(path)
+    samples = []
+    index = 0
+    while f"micro_batch_{index}.input_ids" in tensors:
+        micro_batch = {
+            name.split(".", 1)[1]: t for name, t in tensors.items() if name.startswith(f"micro_batch_{index}.")
+        }
+        starts = [*(micro_batch["position_ids"] == 0).nonzero().flatten().tolist(), len(micro_batch["position_ids"])]
+        for start, end in itertools.pairwise(starts):
+            samples.append({name: t[start:end] for name, t in micro_batch.items()})
+        index += 1
+    return samples
+
+
+# ---------------------------------------------------------------------------- tests
+
+
+async def test_example_environment_episode_reaches_the_trainer_as_one_aligned_sample(stack, tmp_path):
+    step = await trainer_next_step(stack)
+    environments = '[[environments]]\nname = "guess"\ngroup_size = 4\n[environments.sampling]\nmax_tokens = 8\n'
+    config = orchestrator_config(
+        stack,
+        tmp_path / "orchestrator.toml",
+        environments=environments,
+        run={"batch_size": 4, "max_steps": step},
+        batches_dir=tmp_path / "batches",
+        metrics_jsonl=tmp_path / "metrics.jsonl",
+    )
+    batch_path = tmp_path / "batches" / f"step_{step:06d}.safetensors"
+    transcript_path = tmp_path / "transcript.jsonl"
+    async with orchestrator(config) as (process, stub):
+        await refuse_bad_inputs(stub)
+        # The trainer is held back while the episodes play, so that the replica still serves
+        # the version that sampled them when the test scores them again; the batch is
+        # written (batches_dir) before it is pushed.
+        with held_back(stack.trainer_process):
+            example = await asyncio.create_subprocess_exec(
+                sys.executable,
+                str(EXAMPLE),
+                f"--orchestrator={process.address}",
+                "--environment=guess",
+                "--tasks=1",
+                "--max-turns=3",
+                f"--transcript={transcript_path}",
+            )
+            assert await asyncio.wait_for(example.wait(), 120) == 0
+            await appears(batch_path, timeout_s=60)
+            transcript = [json.loads(line) for line in transcript_path.read_text().splitlines()]
+            samples = samples_of(batch_path)
+            multi_turn = [entry for entry in transcript if len(entry["turns"]) >= 2]
+            assert multi_turn, "no episode took more than one turn"
+            async with make_channel(stack.router) as channel:
+                router = router_pb2_grpc.RouterServiceStub(channel)
+                for entry in multi_turn:
+                    assert entry["num_samples"] == 1
+                    model_tokens = [token for turn in entry["turns"] for token in turn["token_ids"]]
+                    [sample] = [s for s in samples if s["input_ids"][s["loss_mask"]].tolist() == model_tokens]
+                    await check_sample(router, sample, entry["turns"], version=step - 1)
+        [trained] = await trained_steps(stack, after_step=step - 1, until_step=step, timeout_s=120)
+        status = await wait_for_status(stub, lambda s: s.state == orchestrator_pb2.RUN_STATE_FINISHED, timeout_s=30)
+        assert status.step == step
+
+    assert len(samples) == sum(entry["num_samples"] for entry in transcript) == trained.metrics["num_samples"]
+    assert sum(int(s["loss_mask"].sum()) for s in samples) == trained.metrics["num_loss_tokens"]
+    # The trainer's own logprobs of the tokens match inference's (same weights, float32,
+    # the experts inference chose replayed): the batch is aligned token by token.
+    assert trained.metrics["mismatch_kl"] < 1e-4
+
+    [line] = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    record = json.loads(line)
+    assert record["step"] == step and record["num_rollouts"] == 4
+    assert record["environments"]["guess"]["new_samples_after_first"] == 0
+
+
+async def refuse_bad_inputs(stub: orchestrator_pb2_grpc.OrchestratorServiceStub) -> None:
+    """Each bad call is refused with its own status; the run goes on (the example runs after)."""
+    unknown = orchestrator_pb2.GenerateRequest(
+        episode_id="no-such-episode",
+        messages=orchestrator_pb2.ChatMessages(messages=[{"role": "user", "content": "hi"}]),
+    )
+    assert await status_code(stub.Generate(unknown)) == grpc.StatusCode.NOT_FOUND
+    assert await status_code(stub.NextEpisode(orchestrator_pb2.NextEpisodeRequest(environment="nope"))) == (
+        grpc.StatusCode.NOT_FOUND
+    )
+    task = orchestrator_pb2.Task(task_id="bad-inputs")
+    [episode] = (
+        await stub.StartEpisode(orchestrator_pb2.StartEpisodeRequest(environment="guess", task=task, num_episodes=1))
+    ).episodes
+    too_long = orchestrator_pb2.GenerateRequest(
+        episode_id=episode.episode_id,
+        messages=orchestrator_pb2.ChatMessages(messages=[{"role": "user", "content": "x" * MAX_MODEL_LEN}]),
+    )
+    assert await status_code(stub.Generate(too_long)) == grpc.StatusCode.INVALID_ARGUMENT
+    turn = orchestrator_pb2.GenerateRequest(
+        episode_id=episode.episode_id,
+        messages=orchestrator_pb2.ChatMessages(messages=[{"role": "user", "content": "Your first guess?"}]),
+    )
+    assert (await stub.Generate(turn)).token_ids
+    finish = orchestrator_pb2.FinishEpisodeRequest(episode_id=episode.episode_id, reward=math.nan)
+    assert await status_code(stub.FinishEpisode(finish)) == grpc.StatusCode.INVALID_ARGUMENT
+    finish.reward = 1.0
+    assert (await stub.FinishEpisode(finish)).group_complete
+    assert await status_code(stub.FinishEpisode(finish)) == grpc.StatusCode.FAILED_PRECONDITION
+    assert await status_code(stub.Generate(turn)) == grpc.StatusCode.FAILED_PRECONDITION
+    status = await stub.GetRunStatus(orchestrator_pb2.GetRunStatusRequest())
+    assert status.state == orchestrator_pb2.RUN_STATE_RUNNING and not status.error
+
+    # Control: a paused run starts no episode (the call waits until its deadline), then resumes.
+    listed = await stub.ListEnvironments(orchestrator_pb2.ListEnvironmentsRequest())
+    assert [(env.name, env.builtin, env.group_size) for env in listed.environments] == [("guess", False, 4)]
+    assert (await stub.PauseRun(orchestrator_pb2.PauseRunRequest())).state == orchestrator_pb2.RUN_STATE_PAUSED
+    start = orchestrator_pb2.StartEpisodeRequest(environment="guess", task=task)
+    assert await status_code(stub.StartEpisode(start, timeout=0.5)) == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert (await stub.ResumeRun(orchestrator_pb2.ResumeRunRequest())).state == orchestrator_pb2.RUN_STATE_RUNNING
+
+
+async def check_sample(
+    router: router_pb2_grpc.RouterServiceStub, sample: dict[str, torch.Tensor], turns: list[dict], *, version: int
+) -> None:
+    """The sample is the last turn's prompt plus its completion; its loss mask covers exactly
+    the model's tokens; every token is from `version` (the batch of step n is sampled by
+    version n - 1 at max_async_level 1, and version n cannot exist before it is trained);
+    logprobs and routed experts are those inference computes for these tokens, scored again
+    through the router."""
+    tokens = sample["input_ids"].tolist()
+    mask = sample["loss_mask"]
+    assert len(tokens) == turns[-1]["num_prompt_tokens"] + len(turns[-1]["token_ids"])
+    expected_mask = torch.zeros(len(tokens), dtype=torch.bool)
+    for turn in turns:
+        end = turn["num_prompt_tokens"] + len(turn["token_ids"])
+        expected_mask[turn["num_prompt_tokens"] : end] = True
+    assert torch.equal(mask, expected_mask)
+    assert torch.all(sample["policy_versions"] == version)
+    assert torch.all(sample["inference_logprobs"][~mask] == 0)
+
+    scored = None
+    request = router_pb2.GenerateRequest(
+        input=generation_pb2.GenerationInput(
+            prompt_token_ids=tokens,
+            sampling=generation_pb2.SamplingParams(temperature=1.0, max_tokens=1),
+            stream=generation_pb2.StreamOptions(final_only=True),
+            return_prompt_logprobs=True,
+            return_routed_experts=True,
+        )
+    )
+    async for response in router.Generate(request):
+        scored = response.output
+    prompt_logprobs = torch.tensor(list(scored.prompt_logprobs))
+    assert torch.allclose(sample["inference_logprobs"][mask], prompt_logprobs[mask], atol=2e-3)
+    rows = tensor_from_proto(scored.routed_experts)[: len(tokens)]
+    recorded = sample["routed_experts"]
+    assert recorded.shape == rows.shape
+    # Every row but the last, whose token was never forwarded (a copy of the row before).
+    same = (recorded[:-1].sort(dim=-1).values == rows[:-1].sort(dim=-1).values).all(dim=-1)
+    assert same.float().mean() >= 0.98, same
+
+
+async def test_restart_resumes_from_the_checkpoint_without_duplicated_or_lost_steps(stack, tmp_path):
+    """The orchestrator is killed after two steps and started again on the same config: the
+    trainer gets every step once, the metrics file has no step twice."""
+    first = await trainer_next_step(stack)
+    last = first + 3
+    environments = "\n".join(
+        f'[[environments]]\nname = "{kind}"\nkind = "{kind}"\ngroup_size = 2\n[environments.sampling]\nmax_tokens = 8'
+        for kind in ("reverse_text", "sort_letters")
+    )
+    config = orchestrator_config(
+        stack,
+        tmp_path / "orchestrator.toml",
+        environments=environments,
+        run={"batch_size": 4, "max_steps": last, "max_concurrent_episodes": 8},
+        # The other path to the latest version: the trainer's completed steps.
+        versions_from_broadcaster=False,
+        checkpoint_dir=tmp_path / "checkpoint",
+        metrics_jsonl=tmp_path / "metrics.jsonl",
+    )
+    # Rewards of a barely trained model are mostly equal within a group: keep those groups.
+    config.write_text(config.read_text() + "[advantage]\nfilter_zero_advantage = false\n")
+    async with orchestrator(config) as (process, stub):
+        await wait_for_status(stub, lambda s: s.step >= first + 1, timeout_s=180)
+        # A crash: no drain, no goodbye.
+        process.process.send_signal(signal.SIGKILL)
+        await process.wait()
+    before = json.loads((tmp_path / "checkpoint" / "orchestrator_state.json").read_text())
+
+    async with orchestrator(config) as (process, stub):
+        status = await wait_for_status(stub, lambda s: s.state == orchestrator_pb2.RUN_STATE_FINISHED, timeout_s=180)
+        assert status.step == last and not status.error
+
+    steps = await trained_steps(stack, after_step=first - 1, until_step=last, timeout_s=60)
+    assert [s.step for s in steps] == list(range(first, last + 1))
+    assert all(s.metrics["num_samples"] >= 4 for s in steps)
+    after = json.loads((tmp_path / "checkpoint" / "orchestrator_state.json").read_text())
+    assert after["step"] == last
+    # The task streams went on from where the checkpoint left them.
+    assert all(after["task_positions"][name] > position for name, position in before["task_positions"].items())
+    lines = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert lines == sorted(set(lines)) and lines[-1] == last
+
+
+async def test_rollouts_past_max_off_policy_steps_never_reach_the_trainer(stack, tmp_path):
+    """An environment holds an episode open while the trainer moves on. Once the episode's
+    tokens are more than max_off_policy_steps behind the step being collected, the
+    orchestrator drops it and says so to the environment; no batch holds tokens that old."""
+    first = await trainer_next_step(stack)
+    last, max_off_policy_steps = first + 3, 1
+    environments = (
+        '[[environments]]\nname = "rev"\nkind = "reverse_text"\ngroup_size = 2\n'
+        "[environments.sampling]\nmax_tokens = 8\n"
+        '[[environments]]\nname = "guess"\ngroup_size = 1\n'
+    )
+    config = orchestrator_config(
+        stack,
+        tmp_path / "orchestrator.toml",
+        environments=environments,
+        run={"batch_size": 2, "max_steps": last, "max_off_policy_steps": max_off_policy_steps},
+        metrics_jsonl=tmp_path / "metrics.jsonl",
+    )
+    config.write_text(config.read_text() + "[advantage]\nfilter_zero_advantage = false\n")
+    async with orchestrator(config) as (_, stub):
+        start = orchestrator_pb2.StartEpisodeRequest(environment="guess", task=orchestrator_pb2.Task(task_id="held"))
+        [held] = (await stub.StartEpisode(start)).episodes
+        turn = orchestrator_pb2.GenerateRequest(
+            episode_id=held.episode_id,
+            messages=orchestrator_pb2.ChatMessages(messages=[{"role": "user", "content": "Your first guess?"}]),
+        )
+        assert (await stub.Generate(turn)).token_ids
+
+        def guess_dropped(status: orchestrator_pb2.GetRunStatusResponse) -> bool:
+            return {env.name: env.num_dropped_off_policy for env in status.environments}["guess"] == 1
+
+        await wait_for_status(stub, guess_dropped, timeout_s=180)
+        assert await failure(stub.Generate(turn)) == (grpc.StatusCode.FAILED_PRECONDITION, "EPISODE_DROPPED")
+        finish = orchestrator_pb2.FinishEpisodeRequest(episode_id=held.episode_id, reward=1.0)
+        assert await failure(stub.FinishEpisode(finish)) == (grpc.StatusCode.FAILED_PRECONDITION, "EPISODE_DROPPED")
+        status = await wait_for_status(stub, lambda s: s.state == orchestrator_pb2.RUN_STATE_FINISHED, timeout_s=180)
+        assert status.step == last and status.off_policy_steps_max <= max_off_policy_steps
+
+    steps = await trained_steps(stack, after_step=first - 1, until_step=last, timeout_s=60)
+    assert [s.step for s in steps] == list(range(first, last + 1))
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(first, last + 1))
+    for record in records:
+        assert record["step"] - record["min_policy_version"] <= max_off_policy_steps
+        assert record["step"] - 1 >= record["max_policy_version"]
