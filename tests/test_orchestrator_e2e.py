@@ -525,8 +525,11 @@ async def test_restart_resumes_from_the_checkpoint_without_duplicated_or_lost_st
     assert all(s.metrics["num_samples"] >= 4 for s in steps)
     after = json.loads((tmp_path / "checkpoint" / "orchestrator_state.json").read_text())
     assert after["step"] == last
-    # The task streams went on from where the checkpoint left them.
-    assert all(after["task_positions"][name] > position for name, position in before["task_positions"].items())
+    # The task streams went on from where the checkpoint left them (an environment may have
+    # started nothing after the restart: the other one can fill the last batches alone).
+    positions = before["task_positions"]
+    assert all(after["task_positions"][name] >= position for name, position in positions.items())
+    assert sum(after["task_positions"].values()) > sum(positions.values())
     lines = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert lines == sorted(set(lines)) and lines[-1] == last
 
@@ -546,7 +549,14 @@ async def test_rollouts_past_max_off_policy_steps_never_reach_the_trainer(stack,
         stack,
         tmp_path / "orchestrator.toml",
         environments=environments,
-        run={"batch_size": 2, "max_steps": last, "max_off_policy_steps": max_off_policy_steps},
+        # One reverse_text group at a time (and the held episode): it starts for one of the first steps,
+        # not for one that only the last batches could take.
+        run={
+            "batch_size": 2,
+            "max_steps": last,
+            "max_off_policy_steps": max_off_policy_steps,
+            "max_concurrent_episodes": 3,
+        },
         metrics_jsonl=tmp_path / "metrics.jsonl",
     )
     config.write_text(config.read_text() + "[advantage]\nfilter_zero_advantage = false\n")

@@ -153,6 +153,17 @@ async def test_one_message_per_token_unless_the_stream_options_say_otherwise(stu
     assert all(o.request_id == default[0].request_id and o.replica_id for o in default)
 
 
+async def test_a_timer_sends_what_is_buffered_when_it_runs_out(stub) -> None:
+    # Tokens come every few tens of milliseconds: a 150 ms timer runs out between two of them.
+    every_150_ms = generation_pb2.StreamOptions(every_ms=150)
+    timed = await generate(stub, gen_input(sampling={"max_tokens": 32}, stream=every_150_ms))
+    per_token = await generate(stub, gen_input(sampling={"max_tokens": 32}))
+
+    assert tokens_of(timed) == tokens_of(per_token)
+    assert [o.offset for o in timed] == [sum(len(o.token_ids) for o in timed[:i]) for i in range(len(timed))]
+    assert timed[-1].finished and not any(o.finished for o in timed[:-1])
+
+
 async def test_a_client_request_id_is_kept(stub) -> None:
     outputs = await generate(stub, gen_input(request_id="episode-7/turn-2"))
 

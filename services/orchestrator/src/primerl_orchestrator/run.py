@@ -470,6 +470,7 @@ class Run:
         """Rollouts for the batch of `step`, once enough of them are recent enough."""
         while (taken := self._ready.take(step, self.config.run.batch_size)) is None:
             await self.dispatcher.wait_for_change()
-        # From here the dispatcher collects for the next step.
+        # From here the dispatcher collects for the next step; episodes already too old for it go now.
         self.dispatcher.update(next_step=step + 1)
+        self.sweep()
         return taken
