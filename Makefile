@@ -21,13 +21,14 @@ export TORCHINDUCTOR_CACHE_DIR ?= $(CURDIR)/.cache/torchinductor
 export MALLOC_MMAP_THRESHOLD_ ?= 134217728
 export MALLOC_TRIM_THRESHOLD_ ?= 1073741824
 
-.PHONY: help setup test test-fast lint protos protos-check buf-lint buf-breaking release-contracts clean
+.PHONY: help setup test test-fast lint protos protos-check buf-lint buf-breaking release-contracts config-reference clean
 
 help:
 	@echo "make setup    create $(VENV) and install every service, libs/common, vLLM and dev tools"
 	@echo "make test     run the test suite (installs first)"
 	@echo "make lint     ruff, buf lint + breaking, stub freshness, import contracts"
 	@echo "make protos   regenerate the Python stubs from protos/"
+	@echo "make config-reference  regenerate the configuration tables in services/*/README.md"
 
 setup: $(STAMP) $(BUF)
 
@@ -73,6 +74,10 @@ buf-breaking: $(BUF)
 
 release-contracts: $(BUF)
 	mkdir -p protos/release && cd protos && ../$(BUF) build -o release/v1.binpb
+
+# The configuration tables in services/*/README.md, from the config models (a test fails when stale).
+config-reference: setup
+	$(PY) -m primerl_common.config_reference --readme 'services/{service}/README.md'
 
 clean:
 	rm -rf .cache .pytest_cache .ruff_cache
