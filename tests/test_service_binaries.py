@@ -28,7 +28,7 @@ SERVICES = {
     "inference": ("InferenceService", None, None),
     "router": ("RouterService", None, None),
     "weight_broadcaster": ("WeightBroadcasterService", None, None),
-    "kvstore": ("KvStoreService", "GetStats", "GetStatsRequest"),
+    "kvstore": ("KvStoreService", None, None),
 }
 
 # service -> an implemented RPC answered without any other service, and its request.
@@ -38,6 +38,7 @@ IMPLEMENTED = {
     "inference": ("GetLoad", "GetLoadRequest"),
     "router": ("ListReplicas", "ListReplicasRequest"),
     "weight_broadcaster": ("GetStatus", "GetStatusRequest"),
+    "kvstore": ("GetStats", "GetStatsRequest"),
 }
 
 

@@ -27,15 +27,15 @@ from primerl.common.v1 import service_info_pb2 as primerl_dot_common_dot_v1_dot_
 from primerl.common.v1 import tensor_pb2 as primerl_dot_common_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n primerl/kvstore/v1/kvstore.proto\x12\x12primerl.kvstore.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a$primerl/common/v1/service_info.proto\x1a\x1eprimerl/common/v1/tensor.proto\"\x17\n\x15GetServiceInfoRequest\"F\n\x16GetServiceInfoResponse\x12,\n\x04info\x18\x01 \x01(\x0b\x32\x1e.primerl.common.v1.ServiceInfo\"Y\n\x08\x42lockKey\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rparallel_rank\x18\x02 \x01(\r\x12\x11\n\tnamespace\x18\x03 \x01(\t\x12\x14\n\x0c\x63ontent_hash\x18\x04 \x01(\x0c\"\x8d\x01\n\x0b\x42lockHeader\x12)\n\x03key\x18\x01 \x01(\x0b\x32\x1c.primerl.kvstore.v1.BlockKey\x12\x11\n\tnum_bytes\x18\x02 \x01(\x04\x12\x31\n\x0erouted_experts\x18\x03 \x01(\x0b\x32\x19.primerl.common.v1.Tensor\x12\r\n\x05\x66ound\x18\x04 \x01(\x08\"Q\n\x10PutBlocksRequest\x12/\n\x06header\x18\x01 \x01(\x0b\x32\x1f.primerl.kvstore.v1.BlockHeader\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"S\n\x11PutBlocksResponse\x12\x12\n\nnum_stored\x18\x01 \x01(\r\x12\x14\n\x0cnum_existing\x18\x02 \x01(\r\x12\x14\n\x0cnum_rejected\x18\x03 \x01(\r\">\n\x10GetBlocksRequest\x12*\n\x04keys\x18\x01 \x03(\x0b\x32\x1c.primerl.kvstore.v1.BlockKey\"R\n\x11GetBlocksResponse\x12/\n\x06header\x18\x01 \x01(\x0b\x32\x1f.primerl.kvstore.v1.BlockHeader\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"@\n\x12\x42\x61tchExistsRequest\x12*\n\x04keys\x18\x01 \x03(\x0b\x32\x1c.primerl.kvstore.v1.BlockKey\"%\n\x13\x42\x61tchExistsResponse\x12\x0e\n\x06\x65xists\x18\x01 \x03(\x08\"A\n\x13RemoveBlocksRequest\x12*\n\x04keys\x18\x01 \x03(\x0b\x32\x1c.primerl.kvstore.v1.BlockKey\"+\n\x14RemoveBlocksResponse\x12\x13\n\x0bnum_removed\x18\x01 \x01(\r\":\n\x16RemoveNamespaceRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\tnamespace\x18\x02 \x01(\t\"@\n\x17RemoveNamespaceResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\x04\x12\x11\n\tnum_bytes\x18\x02 \x01(\x04\"\xcc\x01\n\x08NodeInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x1b\n\x13\x64ram_capacity_bytes\x18\x03 \x01(\x04\x12\x1b\n\x13\x64isk_capacity_bytes\x18\x04 \x01(\x04\x12\x17\n\x0f\x64ram_used_bytes\x18\x05 \x01(\x04\x12\x17\n\x0f\x64isk_used_bytes\x18\x06 \x01(\x04\x12\x32\n\x0elast_heartbeat\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"A\n\x13RegisterNodeRequest\x12*\n\x04node\x18\x01 \x01(\x0b\x32\x1c.primerl.kvstore.v1.NodeInfo\"B\n\x14RegisterNodeResponse\x12*\n\x04node\x18\x01 \x01(\x0b\x32\x1c.primerl.kvstore.v1.NodeInfo\">\n\x10HeartbeatRequest\x12*\n\x04node\x18\x01 \x01(\x0b\x32\x1c.primerl.kvstore.v1.NodeInfo\"\x13\n\x11HeartbeatResponse\"\xa5\x01\n\rBlockLocation\x12)\n\x03key\x18\x01 \x01(\x0b\x32\x1c.primerl.kvstore.v1.BlockKey\x12\r\n\x05\x66ound\x18\x02 \x01(\x08\x12\x0f\n\x07node_id\x18\x03 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x04 \x01(\t\x12&\n\x04tier\x18\x05 \x01(\x0e\x32\x18.primerl.kvstore.v1.Tier\x12\x10\n\x08lease_id\x18\x06 \x01(\t\"S\n\x13LocateBlocksRequest\x12*\n\x04keys\x18\x01 \x03(\x0b\x32\x1c.primerl.kvstore.v1.BlockKey\x12\x10\n\x08lease_ms\x18\x02 \x01(\r\"L\n\x14LocateBlocksResponse\x12\x34\n\tlocations\x18\x01 \x03(\x0b\x32!.primerl.kvstore.v1.BlockLocation\")\n\x14ReleaseLeasesRequest\x12\x11\n\tlease_ids\x18\x01 \x03(\t\"-\n\x15ReleaseLeasesResponse\x12\x14\n\x0cnum_released\x18\x01 \x01(\r\"Y\n\x0eNamespaceStats\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\tnamespace\x18\x02 \x01(\t\x12\x12\n\nnum_blocks\x18\x03 \x01(\x04\x12\x11\n\tnum_bytes\x18\x04 \x01(\x04\"\x11\n\x0fGetStatsRequest\"\xfa\x02\n\x10GetStatsResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\x04\x12\x17\n\x0f\x64ram_used_bytes\x18\x02 \x01(\x04\x12\x1b\n\x13\x64ram_capacity_bytes\x18\x03 \x01(\x04\x12\x17\n\x0f\x64isk_used_bytes\x18\x04 \x01(\x04\x12\x1b\n\x13\x64isk_capacity_bytes\x18\x05 \x01(\x04\x12\x16\n\x0enum_hits_total\x18\x06 \x01(\x04\x12\x18\n\x10num_misses_total\x18\x07 \x01(\x04\x12\x19\n\x11num_evicted_total\x18\x08 \x01(\x04\x12\x19\n\x11num_spilled_total\x18\t \x01(\x04\x12\x19\n\x11num_leased_blocks\x18\n \x01(\r\x12\x36\n\nnamespaces\x18\x0b \x03(\x0b\x32\".primerl.kvstore.v1.NamespaceStats\x12+\n\x05nodes\x18\x0c \x03(\x0b\x32\x1c.primerl.kvstore.v1.NodeInfo*:\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\r\n\tTIER_DRAM\x10\x01\x12\r\n\tTIER_DISK\x10\x02\x32\xbd\x08\n\x0eKvStoreService\x12g\n\x0eGetServiceInfo\x12).primerl.kvstore.v1.GetServiceInfoRequest\x1a*.primerl.kvstore.v1.GetServiceInfoResponse\x12Z\n\tPutBlocks\x12$.primerl.kvstore.v1.PutBlocksRequest\x1a%.primerl.kvstore.v1.PutBlocksResponse(\x01\x12Z\n\tGetBlocks\x12$.primerl.kvstore.v1.GetBlocksRequest\x1a%.primerl.kvstore.v1.GetBlocksResponse0\x01\x12^\n\x0b\x42\x61tchExists\x12&.primerl.kvstore.v1.BatchExistsRequest\x1a\'.primerl.kvstore.v1.BatchExistsResponse\x12\x61\n\x0cRemoveBlocks\x12\'.primerl.kvstore.v1.RemoveBlocksRequest\x1a(.primerl.kvstore.v1.RemoveBlocksResponse\x12j\n\x0fRemoveNamespace\x12*.primerl.kvstore.v1.RemoveNamespaceRequest\x1a+.primerl.kvstore.v1.RemoveNamespaceResponse\x12\x61\n\x0cRegisterNode\x12\'.primerl.kvstore.v1.RegisterNodeRequest\x1a(.primerl.kvstore.v1.RegisterNodeResponse\x12X\n\tHeartbeat\x12$.primerl.kvstore.v1.HeartbeatRequest\x1a%.primerl.kvstore.v1.HeartbeatResponse\x12\x61\n\x0cLocateBlocks\x12\'.primerl.kvstore.v1.LocateBlocksRequest\x1a(.primerl.kvstore.v1.LocateBlocksResponse\x12\x64\n\rReleaseLeases\x12(.primerl.kvstore.v1.ReleaseLeasesRequest\x1a).primerl.kvstore.v1.ReleaseLeasesResponse\x12U\n\x08GetStats\x12#.primerl.kvstore.v1.GetStatsRequest\x1a$.primerl.kvstore.v1.GetStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n primerl/kvstore/v1/kvstore.proto\x12\x12primerl.kvstore.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a$primerl/common/v1/service_info.proto\x1a\x1eprimerl/common/v1/tensor.proto\"\x17\n\x15GetServiceInfoRequest\"F\n\x16GetServiceInfoResponse\x12,\n\x04info\x18\x01 \x01(\x0b\x32\x1e.primerl.common.v1.ServiceInfo\"Y\n\x08\x42lockKey\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rparallel_rank\x18\x02 \x01(\r\x12\x11\n\tnamespace\x18\x03 \x01(\t\x12\x14\n\x0c\x63ontent_hash\x18\x04 \x01(\x0c\"\x8d\x01\n\x0b\x42lockHeader\x12)\n\x03key\x18\x01 \x01(\x0b\x32\x1c.primerl.kvstore.v1.BlockKey\x12\x11\n\tnum_bytes\x18\x02 \x01(\x04\x12\x31\n\x0erouted_experts\x18\x03 \x01(\x0b\x32\x19.primerl.common.v1.Tensor\x12\r\n\x05\x66ound\x18\x04 \x01(\x08\"Q\n\x10PutBlocksRequest\x12/\n\x06header\x18\x01 \x01(\x0b\x32\x1f.primerl.kvstore.v1.BlockHeader\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"S\n\x11PutBlocksResponse\x12\x12\n\nnum_stored\x18\x01 \x01(\r\x12\x14\n\x0cnum_existing\x18\x02 \x01(\r\x12\x14\n\x0cnum_rejected\x18\x03 \x01(\r\">\n\x10GetBlocksRequest\x12*\n\x04keys\x18\x01 \x03(\x0b\x32\x1c.primerl.kvstore.v1.BlockKey\"R\n\x11GetBlocksResponse\x12/\n\x06header\x18\x01 \x01(\x0b\x32\x1f.primerl.kvstore.v1.BlockHeader\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"@\n\x12\x42\x61tchExistsRequest\x12*\n\x04keys\x18\x01 \x03(\x0b\x32\x1c.primerl.kvstore.v1.BlockKey\"%\n\x13\x42\x61tchExistsResponse\x12\x0e\n\x06\x65xists\x18\x01 \x03(\x08\"A\n\x13RemoveBlocksRequest\x12*\n\x04keys\x18\x01 \x03(\x0b\x32\x1c.primerl.kvstore.v1.BlockKey\"+\n\x14RemoveBlocksResponse\x12\x13\n\x0bnum_removed\x18\x01 \x01(\r\":\n\x16RemoveNamespaceRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\tnamespace\x18\x02 \x01(\t\"@\n\x17RemoveNamespaceResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\x04\x12\x11\n\tnum_bytes\x18\x02 \x01(\x04\"\xac\x02\n\x08NodeInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x1b\n\x13\x64ram_capacity_bytes\x18\x03 \x01(\x04\x12\x1b\n\x13\x64isk_capacity_bytes\x18\x04 \x01(\x04\x12\x17\n\x0f\x64ram_used_bytes\x18\x05 \x01(\x04\x12\x17\n\x0f\x64isk_used_bytes\x18\x06 \x01(\x04\x12\x32\n\x0elast_heartbeat\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x12\n\nnum_blocks\x18\x08 \x01(\x04\x12\x19\n\x11num_evicted_total\x18\t \x01(\x04\x12\x19\n\x11num_spilled_total\x18\n \x01(\x04\x12\x14\n\x0c\x62ulk_address\x18\x0b \x01(\t\"A\n\x13RegisterNodeRequest\x12*\n\x04node\x18\x01 \x01(\x0b\x32\x1c.primerl.kvstore.v1.NodeInfo\"B\n\x14RegisterNodeResponse\x12*\n\x04node\x18\x01 \x01(\x0b\x32\x1c.primerl.kvstore.v1.NodeInfo\">\n\x10HeartbeatRequest\x12*\n\x04node\x18\x01 \x01(\x0b\x32\x1c.primerl.kvstore.v1.NodeInfo\"\x13\n\x11HeartbeatResponse\"\xbb\x01\n\rBlockLocation\x12)\n\x03key\x18\x01 \x01(\x0b\x32\x1c.primerl.kvstore.v1.BlockKey\x12\r\n\x05\x66ound\x18\x02 \x01(\x08\x12\x0f\n\x07node_id\x18\x03 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x04 \x01(\t\x12&\n\x04tier\x18\x05 \x01(\x0e\x32\x18.primerl.kvstore.v1.Tier\x12\x10\n\x08lease_id\x18\x06 \x01(\t\x12\x14\n\x0c\x62ulk_address\x18\x07 \x01(\t\"S\n\x13LocateBlocksRequest\x12*\n\x04keys\x18\x01 \x03(\x0b\x32\x1c.primerl.kvstore.v1.BlockKey\x12\x10\n\x08lease_ms\x18\x02 \x01(\r\"L\n\x14LocateBlocksResponse\x12\x34\n\tlocations\x18\x01 \x03(\x0b\x32!.primerl.kvstore.v1.BlockLocation\")\n\x14ReleaseLeasesRequest\x12\x11\n\tlease_ids\x18\x01 \x03(\t\"-\n\x15ReleaseLeasesResponse\x12\x14\n\x0cnum_released\x18\x01 \x01(\r\"s\n\x0bStoredBlock\x12)\n\x03key\x18\x01 \x01(\x0b\x32\x1c.primerl.kvstore.v1.BlockKey\x12\x11\n\tnum_bytes\x18\x02 \x01(\x04\x12&\n\x04tier\x18\x03 \x01(\x0e\x32\x18.primerl.kvstore.v1.Tier\"\x86\x01\n\x13UpdateBlocksRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12/\n\x06stored\x18\x02 \x03(\x0b\x32\x1f.primerl.kvstore.v1.StoredBlock\x12-\n\x07removed\x18\x03 \x03(\x0b\x32\x1c.primerl.kvstore.v1.BlockKey\"\x16\n\x14UpdateBlocksResponse\"S\n\x14\x43laimEvictionRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12*\n\x04keys\x18\x02 \x03(\x0b\x32\x1c.primerl.kvstore.v1.BlockKey\"(\n\x15\x43laimEvictionResponse\x12\x0f\n\x07granted\x18\x01 \x03(\x08\"Y\n\x0eNamespaceStats\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\tnamespace\x18\x02 \x01(\t\x12\x12\n\nnum_blocks\x18\x03 \x01(\x04\x12\x11\n\tnum_bytes\x18\x04 \x01(\x04\"\x11\n\x0fGetStatsRequest\"\xfa\x02\n\x10GetStatsResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\x04\x12\x17\n\x0f\x64ram_used_bytes\x18\x02 \x01(\x04\x12\x1b\n\x13\x64ram_capacity_bytes\x18\x03 \x01(\x04\x12\x17\n\x0f\x64isk_used_bytes\x18\x04 \x01(\x04\x12\x1b\n\x13\x64isk_capacity_bytes\x18\x05 \x01(\x04\x12\x16\n\x0enum_hits_total\x18\x06 \x01(\x04\x12\x18\n\x10num_misses_total\x18\x07 \x01(\x04\x12\x19\n\x11num_evicted_total\x18\x08 \x01(\x04\x12\x19\n\x11num_spilled_total\x18\t \x01(\x04\x12\x19\n\x11num_leased_blocks\x18\n \x01(\r\x12\x36\n\nnamespaces\x18\x0b \x03(\x0b\x32\".primerl.kvstore.v1.NamespaceStats\x12+\n\x05nodes\x18\x0c \x03(\x0b\x32\x1c.primerl.kvstore.v1.NodeInfo*:\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\r\n\tTIER_DRAM\x10\x01\x12\r\n\tTIER_DISK\x10\x02\x32\x86\n\n\x0eKvStoreService\x12g\n\x0eGetServiceInfo\x12).primerl.kvstore.v1.GetServiceInfoRequest\x1a*.primerl.kvstore.v1.GetServiceInfoResponse\x12Z\n\tPutBlocks\x12$.primerl.kvstore.v1.PutBlocksRequest\x1a%.primerl.kvstore.v1.PutBlocksResponse(\x01\x12Z\n\tGetBlocks\x12$.primerl.kvstore.v1.GetBlocksRequest\x1a%.primerl.kvstore.v1.GetBlocksResponse0\x01\x12^\n\x0b\x42\x61tchExists\x12&.primerl.kvstore.v1.BatchExistsRequest\x1a\'.primerl.kvstore.v1.BatchExistsResponse\x12\x61\n\x0cRemoveBlocks\x12\'.primerl.kvstore.v1.RemoveBlocksRequest\x1a(.primerl.kvstore.v1.RemoveBlocksResponse\x12j\n\x0fRemoveNamespace\x12*.primerl.kvstore.v1.RemoveNamespaceRequest\x1a+.primerl.kvstore.v1.RemoveNamespaceResponse\x12\x61\n\x0cRegisterNode\x12\'.primerl.kvstore.v1.RegisterNodeRequest\x1a(.primerl.kvstore.v1.RegisterNodeResponse\x12X\n\tHeartbeat\x12$.primerl.kvstore.v1.HeartbeatRequest\x1a%.primerl.kvstore.v1.HeartbeatResponse\x12\x61\n\x0cLocateBlocks\x12\'.primerl.kvstore.v1.LocateBlocksRequest\x1a(.primerl.kvstore.v1.LocateBlocksResponse\x12\x64\n\rReleaseLeases\x12(.primerl.kvstore.v1.ReleaseLeasesRequest\x1a).primerl.kvstore.v1.ReleaseLeasesResponse\x12\x61\n\x0cUpdateBlocks\x12\'.primerl.kvstore.v1.UpdateBlocksRequest\x1a(.primerl.kvstore.v1.UpdateBlocksResponse\x12\x64\n\rClaimEviction\x12(.primerl.kvstore.v1.ClaimEvictionRequest\x1a).primerl.kvstore.v1.ClaimEvictionResponse\x12U\n\x08GetStats\x12#.primerl.kvstore.v1.GetStatsRequest\x1a$.primerl.kvstore.v1.GetStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'primerl.kvstore.v1.kvstore_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TIER']._serialized_start=2489
-  _globals['_TIER']._serialized_end=2547
+  _globals['_TIER']._serialized_start=3012
+  _globals['_TIER']._serialized_end=3070
   _globals['_GETSERVICEINFOREQUEST']._serialized_start=159
   _globals['_GETSERVICEINFOREQUEST']._serialized_end=182
   _globals['_GETSERVICEINFORESPONSE']._serialized_start=184
@@ -65,31 +65,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REMOVENAMESPACERESPONSE']._serialized_start=1084
   _globals['_REMOVENAMESPACERESPONSE']._serialized_end=1148
   _globals['_NODEINFO']._serialized_start=1151
-  _globals['_NODEINFO']._serialized_end=1355
-  _globals['_REGISTERNODEREQUEST']._serialized_start=1357
-  _globals['_REGISTERNODEREQUEST']._serialized_end=1422
-  _globals['_REGISTERNODERESPONSE']._serialized_start=1424
-  _globals['_REGISTERNODERESPONSE']._serialized_end=1490
-  _globals['_HEARTBEATREQUEST']._serialized_start=1492
-  _globals['_HEARTBEATREQUEST']._serialized_end=1554
-  _globals['_HEARTBEATRESPONSE']._serialized_start=1556
-  _globals['_HEARTBEATRESPONSE']._serialized_end=1575
-  _globals['_BLOCKLOCATION']._serialized_start=1578
-  _globals['_BLOCKLOCATION']._serialized_end=1743
-  _globals['_LOCATEBLOCKSREQUEST']._serialized_start=1745
-  _globals['_LOCATEBLOCKSREQUEST']._serialized_end=1828
-  _globals['_LOCATEBLOCKSRESPONSE']._serialized_start=1830
-  _globals['_LOCATEBLOCKSRESPONSE']._serialized_end=1906
-  _globals['_RELEASELEASESREQUEST']._serialized_start=1908
-  _globals['_RELEASELEASESREQUEST']._serialized_end=1949
-  _globals['_RELEASELEASESRESPONSE']._serialized_start=1951
-  _globals['_RELEASELEASESRESPONSE']._serialized_end=1996
-  _globals['_NAMESPACESTATS']._serialized_start=1998
-  _globals['_NAMESPACESTATS']._serialized_end=2087
-  _globals['_GETSTATSREQUEST']._serialized_start=2089
-  _globals['_GETSTATSREQUEST']._serialized_end=2106
-  _globals['_GETSTATSRESPONSE']._serialized_start=2109
-  _globals['_GETSTATSRESPONSE']._serialized_end=2487
-  _globals['_KVSTORESERVICE']._serialized_start=2550
-  _globals['_KVSTORESERVICE']._serialized_end=3635
+  _globals['_NODEINFO']._serialized_end=1451
+  _globals['_REGISTERNODEREQUEST']._serialized_start=1453
+  _globals['_REGISTERNODEREQUEST']._serialized_end=1518
+  _globals['_REGISTERNODERESPONSE']._serialized_start=1520
+  _globals['_REGISTERNODERESPONSE']._serialized_end=1586
+  _globals['_HEARTBEATREQUEST']._serialized_start=1588
+  _globals['_HEARTBEATREQUEST']._serialized_end=1650
+  _globals['_HEARTBEATRESPONSE']._serialized_start=1652
+  _globals['_HEARTBEATRESPONSE']._serialized_end=1671
+  _globals['_BLOCKLOCATION']._serialized_start=1674
+  _globals['_BLOCKLOCATION']._serialized_end=1861
+  _globals['_LOCATEBLOCKSREQUEST']._serialized_start=1863
+  _globals['_LOCATEBLOCKSREQUEST']._serialized_end=1946
+  _globals['_LOCATEBLOCKSRESPONSE']._serialized_start=1948
+  _globals['_LOCATEBLOCKSRESPONSE']._serialized_end=2024
+  _globals['_RELEASELEASESREQUEST']._serialized_start=2026
+  _globals['_RELEASELEASESREQUEST']._serialized_end=2067
+  _globals['_RELEASELEASESRESPONSE']._serialized_start=2069
+  _globals['_RELEASELEASESRESPONSE']._serialized_end=2114
+  _globals['_STOREDBLOCK']._serialized_start=2116
+  _globals['_STOREDBLOCK']._serialized_end=2231
+  _globals['_UPDATEBLOCKSREQUEST']._serialized_start=2234
+  _globals['_UPDATEBLOCKSREQUEST']._serialized_end=2368
+  _globals['_UPDATEBLOCKSRESPONSE']._serialized_start=2370
+  _globals['_UPDATEBLOCKSRESPONSE']._serialized_end=2392
+  _globals['_CLAIMEVICTIONREQUEST']._serialized_start=2394
+  _globals['_CLAIMEVICTIONREQUEST']._serialized_end=2477
+  _globals['_CLAIMEVICTIONRESPONSE']._serialized_start=2479
+  _globals['_CLAIMEVICTIONRESPONSE']._serialized_end=2519
+  _globals['_NAMESPACESTATS']._serialized_start=2521
+  _globals['_NAMESPACESTATS']._serialized_end=2610
+  _globals['_GETSTATSREQUEST']._serialized_start=2612
+  _globals['_GETSTATSREQUEST']._serialized_end=2629
+  _globals['_GETSTATSRESPONSE']._serialized_start=2632
+  _globals['_GETSTATSRESPONSE']._serialized_end=3010
+  _globals['_KVSTORESERVICE']._serialized_start=3073
+  _globals['_KVSTORESERVICE']._serialized_end=4359
 # @@protoc_insertion_point(module_scope)

@@ -128,7 +128,7 @@ class RemoveNamespaceResponse(_message.Message):
     def __init__(self, num_blocks: _Optional[int] = ..., num_bytes: _Optional[int] = ...) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "address", "dram_capacity_bytes", "disk_capacity_bytes", "dram_used_bytes", "disk_used_bytes", "last_heartbeat")
+    __slots__ = ("node_id", "address", "dram_capacity_bytes", "disk_capacity_bytes", "dram_used_bytes", "disk_used_bytes", "last_heartbeat", "num_blocks", "num_evicted_total", "num_spilled_total", "bulk_address")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     DRAM_CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +136,10 @@ class NodeInfo(_message.Message):
     DRAM_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     DISK_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     LAST_HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_EVICTED_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPILLED_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    BULK_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     address: str
     dram_capacity_bytes: int
@@ -143,7 +147,11 @@ class NodeInfo(_message.Message):
     dram_used_bytes: int
     disk_used_bytes: int
     last_heartbeat: _timestamp_pb2.Timestamp
-    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., dram_capacity_bytes: _Optional[int] = ..., disk_capacity_bytes: _Optional[int] = ..., dram_used_bytes: _Optional[int] = ..., disk_used_bytes: _Optional[int] = ..., last_heartbeat: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    num_blocks: int
+    num_evicted_total: int
+    num_spilled_total: int
+    bulk_address: str
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., dram_capacity_bytes: _Optional[int] = ..., disk_capacity_bytes: _Optional[int] = ..., dram_used_bytes: _Optional[int] = ..., disk_used_bytes: _Optional[int] = ..., last_heartbeat: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., num_blocks: _Optional[int] = ..., num_evicted_total: _Optional[int] = ..., num_spilled_total: _Optional[int] = ..., bulk_address: _Optional[str] = ...) -> None: ...
 
 class RegisterNodeRequest(_message.Message):
     __slots__ = ("node",)
@@ -168,20 +176,22 @@ class HeartbeatResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class BlockLocation(_message.Message):
-    __slots__ = ("key", "found", "node_id", "address", "tier", "lease_id")
+    __slots__ = ("key", "found", "node_id", "address", "tier", "lease_id", "bulk_address")
     KEY_FIELD_NUMBER: _ClassVar[int]
     FOUND_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    BULK_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     key: BlockKey
     found: bool
     node_id: str
     address: str
     tier: Tier
     lease_id: str
-    def __init__(self, key: _Optional[_Union[BlockKey, _Mapping]] = ..., found: _Optional[bool] = ..., node_id: _Optional[str] = ..., address: _Optional[str] = ..., tier: _Optional[_Union[Tier, str]] = ..., lease_id: _Optional[str] = ...) -> None: ...
+    bulk_address: str
+    def __init__(self, key: _Optional[_Union[BlockKey, _Mapping]] = ..., found: _Optional[bool] = ..., node_id: _Optional[str] = ..., address: _Optional[str] = ..., tier: _Optional[_Union[Tier, str]] = ..., lease_id: _Optional[str] = ..., bulk_address: _Optional[str] = ...) -> None: ...
 
 class LocateBlocksRequest(_message.Message):
     __slots__ = ("keys", "lease_ms")
@@ -208,6 +218,44 @@ class ReleaseLeasesResponse(_message.Message):
     NUM_RELEASED_FIELD_NUMBER: _ClassVar[int]
     num_released: int
     def __init__(self, num_released: _Optional[int] = ...) -> None: ...
+
+class StoredBlock(_message.Message):
+    __slots__ = ("key", "num_bytes", "tier")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    key: BlockKey
+    num_bytes: int
+    tier: Tier
+    def __init__(self, key: _Optional[_Union[BlockKey, _Mapping]] = ..., num_bytes: _Optional[int] = ..., tier: _Optional[_Union[Tier, str]] = ...) -> None: ...
+
+class UpdateBlocksRequest(_message.Message):
+    __slots__ = ("node_id", "stored", "removed")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    stored: _containers.RepeatedCompositeFieldContainer[StoredBlock]
+    removed: _containers.RepeatedCompositeFieldContainer[BlockKey]
+    def __init__(self, node_id: _Optional[str] = ..., stored: _Optional[_Iterable[_Union[StoredBlock, _Mapping]]] = ..., removed: _Optional[_Iterable[_Union[BlockKey, _Mapping]]] = ...) -> None: ...
+
+class UpdateBlocksResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ClaimEvictionRequest(_message.Message):
+    __slots__ = ("node_id", "keys")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    keys: _containers.RepeatedCompositeFieldContainer[BlockKey]
+    def __init__(self, node_id: _Optional[str] = ..., keys: _Optional[_Iterable[_Union[BlockKey, _Mapping]]] = ...) -> None: ...
+
+class ClaimEvictionResponse(_message.Message):
+    __slots__ = ("granted",)
+    GRANTED_FIELD_NUMBER: _ClassVar[int]
+    granted: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, granted: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class NamespaceStats(_message.Message):
     __slots__ = ("model", "namespace", "num_blocks", "num_bytes")

@@ -89,6 +89,16 @@ class KvStoreServiceStub:
                 request_serializer=primerl_dot_kvstore_dot_v1_dot_kvstore__pb2.ReleaseLeasesRequest.SerializeToString,
                 response_deserializer=primerl_dot_kvstore_dot_v1_dot_kvstore__pb2.ReleaseLeasesResponse.FromString,
                 _registered_method=True)
+        self.UpdateBlocks = channel.unary_unary(
+                '/primerl.kvstore.v1.KvStoreService/UpdateBlocks',
+                request_serializer=primerl_dot_kvstore_dot_v1_dot_kvstore__pb2.UpdateBlocksRequest.SerializeToString,
+                response_deserializer=primerl_dot_kvstore_dot_v1_dot_kvstore__pb2.UpdateBlocksResponse.FromString,
+                _registered_method=True)
+        self.ClaimEviction = channel.unary_unary(
+                '/primerl.kvstore.v1.KvStoreService/ClaimEviction',
+                request_serializer=primerl_dot_kvstore_dot_v1_dot_kvstore__pb2.ClaimEvictionRequest.SerializeToString,
+                response_deserializer=primerl_dot_kvstore_dot_v1_dot_kvstore__pb2.ClaimEvictionResponse.FromString,
+                _registered_method=True)
         self.GetStats = channel.unary_unary(
                 '/primerl.kvstore.v1.KvStoreService/GetStats',
                 request_serializer=primerl_dot_kvstore_dot_v1_dot_kvstore__pb2.GetStatsRequest.SerializeToString,
@@ -172,6 +182,23 @@ class KvStoreServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UpdateBlocks(self, request, context):
+        """Metadata role: a storage node reports the blocks it now holds (after a
+        put, a spill to disk, or in full after registering) and those it dropped.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ClaimEviction(self, request, context):
+        """Metadata role: a storage node asks before dropping blocks to make room.
+        Blocks a lease holds are refused; granted ones are no longer located on
+        that node from this answer on.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetStats(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -230,6 +257,16 @@ def add_KvStoreServiceServicer_to_server(servicer, server):
                     servicer.ReleaseLeases,
                     request_deserializer=primerl_dot_kvstore_dot_v1_dot_kvstore__pb2.ReleaseLeasesRequest.FromString,
                     response_serializer=primerl_dot_kvstore_dot_v1_dot_kvstore__pb2.ReleaseLeasesResponse.SerializeToString,
+            ),
+            'UpdateBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateBlocks,
+                    request_deserializer=primerl_dot_kvstore_dot_v1_dot_kvstore__pb2.UpdateBlocksRequest.FromString,
+                    response_serializer=primerl_dot_kvstore_dot_v1_dot_kvstore__pb2.UpdateBlocksResponse.SerializeToString,
+            ),
+            'ClaimEviction': grpc.unary_unary_rpc_method_handler(
+                    servicer.ClaimEviction,
+                    request_deserializer=primerl_dot_kvstore_dot_v1_dot_kvstore__pb2.ClaimEvictionRequest.FromString,
+                    response_serializer=primerl_dot_kvstore_dot_v1_dot_kvstore__pb2.ClaimEvictionResponse.SerializeToString,
             ),
             'GetStats': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStats,
@@ -512,6 +549,60 @@ class KvStoreService:
             '/primerl.kvstore.v1.KvStoreService/ReleaseLeases',
             primerl_dot_kvstore_dot_v1_dot_kvstore__pb2.ReleaseLeasesRequest.SerializeToString,
             primerl_dot_kvstore_dot_v1_dot_kvstore__pb2.ReleaseLeasesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/primerl.kvstore.v1.KvStoreService/UpdateBlocks',
+            primerl_dot_kvstore_dot_v1_dot_kvstore__pb2.UpdateBlocksRequest.SerializeToString,
+            primerl_dot_kvstore_dot_v1_dot_kvstore__pb2.UpdateBlocksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ClaimEviction(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/primerl.kvstore.v1.KvStoreService/ClaimEviction',
+            primerl_dot_kvstore_dot_v1_dot_kvstore__pb2.ClaimEvictionRequest.SerializeToString,
+            primerl_dot_kvstore_dot_v1_dot_kvstore__pb2.ClaimEvictionResponse.FromString,
             options,
             channel_credentials,
             insecure,
