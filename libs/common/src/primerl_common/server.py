@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import inspect
 import logging
 import signal
@@ -27,7 +28,7 @@ from grpc_reflection.v1alpha import reflection
 
 from primerl.common.v1 import service_info_pb2
 from primerl_common import observability
-from primerl_common.config import ConfigError, ServiceConfig, load_config
+from primerl_common.config import ConfigError, ServiceConfig, parse_command_line
 from primerl_common.errors import ErrorInterceptor, Unimplemented
 
 __all__ = ["GrpcService", "ServiceDefinition", "channel_options", "run_main"]
@@ -197,17 +198,28 @@ async def _serve(build: Callable[[C], Awaitable[ServiceDefinition]], config: C) 
 
 def run_main(
     config_cls: type[C],
-    build: Callable[[C], Awaitable[ServiceDefinition]],
+    build: Callable[[C], Awaitable[ServiceDefinition]] | str,
     *,
     version: str,
     argv: Sequence[str] | None = None,
 ) -> int:
-    """The whole `primerl-<service>` entry point: config -> observability -> serve."""
+    """The whole `primerl-<service>` entry point: config -> observability -> serve.
+    With `--check-config` it stops after the config: exit 0 when valid, else 2.
+
+    `build` may be given as "module:function", imported only once the config is valid
+    (and not at all by --check-config): a service whose server pulls in torch or
+    transformers then validates its config in about a second."""
     try:
-        config = load_config(config_cls, argv)
+        config, command_line = parse_command_line(config_cls, argv)
     except ConfigError as exc:
         print(f"{config_cls.service_name}: {exc}", file=sys.stderr)
         return 2
+    if command_line.check_config:
+        print(f"{config_cls.service_name}: configuration is valid")
+        return 0
+    if isinstance(build, str):
+        module, _, function = build.partition(":")
+        build = getattr(importlib.import_module(module), function)
     obs = config.observability
     observability.setup_observability(
         service=config_cls.service_name,

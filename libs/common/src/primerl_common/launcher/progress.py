@@ -1,0 +1,286 @@
+"""Live progress of a run and its per-step metrics, read through the services' APIs:
+the orchestrator's run status, the trainer's finished steps (WatchSteps), each inference
+replica's load report (policy version, generated tokens) and, for the final version,
+the weight broadcaster. One JSON line per trained step joins the trainer's metrics with
+the orchestrator's record of the same step (its metrics file)."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import json
+import math
+import pathlib
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+import grpc
+
+from primerl.inference.v1 import inference_pb2, inference_pb2_grpc
+from primerl.orchestrator.v1 import orchestrator_pb2, orchestrator_pb2_grpc
+from primerl.trainer.v1 import trainer_pb2, trainer_pb2_grpc
+from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2, weight_broadcaster_pb2_grpc
+from primerl_common.client import make_channel
+
+__all__ = ["Display", "RunFailed", "RunMonitor", "RunPeers", "watch_trainer_steps"]
+
+_RPC_TIMEOUT_S = 10.0
+_THROUGHPUT_WINDOW_S = 10.0
+# A trained step waits this long for the orchestrator's record of it before it is written without.
+_JOIN_WAIT_S = 10.0
+
+
+class RunFailed(RuntimeError):
+    """The orchestrator reports the run failed, or the run does not finish in time."""
+
+
+class Display:
+    """A tqdm bar on a terminal; elsewhere (logs, tests) one line per change of step."""
+
+    def __init__(self, desc: str, total: int | None, stream: TextIO | None = None) -> None:
+        self.desc = desc
+        self.stream = stream or sys.stderr
+        self._bar = None
+        self._last: tuple[int, int | None] | None = None
+        if self.stream.isatty():
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, desc=desc, unit="step", file=self.stream, dynamic_ncols=True)
+
+    def update(self, step: int, total: int | None, postfix: str) -> None:
+        if self._bar is not None:
+            self._bar.total = total
+            self._bar.n = step
+            self._bar.set_postfix_str(postfix, refresh=False)
+            self._bar.refresh()
+        elif self._last != (step, total):
+            self._last = (step, total)
+            print(f"{self.desc} step {step}/{total if total else '?'} | {postfix}", file=self.stream, flush=True)
+
+    def write(self, message: str) -> None:
+        if self._bar is not None:
+            self._bar.write(message, file=self.stream)
+        else:
+            print(message, file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+async def watch_trainer_steps(address: str, steps: dict[int, dict[str, float]], *, after_step: int = 0) -> None:
+    """Fills `steps` (step -> metrics) from the trainer's WatchSteps, reconnecting until cancelled."""
+    async with make_channel(address, max_attempts=1) as channel:
+        stub = trainer_pb2_grpc.TrainerServiceStub(channel)
+        while True:
+            last = max(steps, default=after_step)
+            try:
+                async for response in stub.WatchSteps(trainer_pb2.WatchStepsRequest(after_step=last)):
+                    steps[response.step.step] = dict(response.step.metrics)
+            except grpc.aio.AioRpcError:
+                pass
+            await asyncio.sleep(0.5)
+
+
+@dataclass
+class RunPeers:
+    orchestrator: str
+    trainer: str
+    replicas: dict[str, str]
+    weight_broadcaster: str | None = None
+
+
+@dataclass
+class _Throughput:
+    samples: collections.deque[tuple[float, int]] = field(default_factory=collections.deque)
+
+    def add(self, total_tokens: int) -> float:
+        now = time.monotonic()
+        self.samples.append((now, total_tokens))
+        while len(self.samples) > 2 and now - self.samples[0][0] > _THROUGHPUT_WINDOW_S:
+            self.samples.popleft()
+        (t0, n0), (t1, n1) = self.samples[0], self.samples[-1]
+        return (n1 - n0) / (t1 - t0) if t1 > t0 else 0.0
+
+
+class RunMonitor:
+    """Follows the RL run until the orchestrator has finished, the last step is trained and
+    every replica serves the last version; writes metrics_path as it goes."""
+
+    def __init__(
+        self,
+        peers: RunPeers,
+        *,
+        metrics_path: pathlib.Path,
+        orchestrator_metrics: pathlib.Path | None,
+        poll_interval_s: float,
+        finish_timeout_s: float,
+    ) -> None:
+        self.peers = peers
+        self.metrics_path = metrics_path
+        self.orchestrator_metrics = orchestrator_metrics
+        self.poll_interval_s = poll_interval_s
+        self.finish_timeout_s = finish_timeout_s
+        self.records: list[dict[str, Any]] = []
+        self.trainer_steps: dict[int, dict[str, float]] = {}
+        self.versions: dict[str, int] = dict.fromkeys(peers.replicas, 0)
+        self.tokens_per_s = 0.0
+        self._orchestrator_records: dict[int, dict[str, Any]] = {}
+        self._orchestrator_offset = 0
+        self._step_seen_at: dict[int, float] = {}
+        self._written = 0
+        self._throughput = _Throughput()
+        self._started = time.monotonic()
+        self._status = orchestrator_pb2.GetRunStatusResponse()
+
+    async def run(self, display: Display) -> list[dict[str, Any]]:
+        self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
+        self.metrics_path.write_text("")
+        async with contextlib.AsyncExitStack() as stack:
+            orchestrator = orchestrator_pb2_grpc.OrchestratorServiceStub(
+                await stack.enter_async_context(make_channel(self.peers.orchestrator))
+            )
+            replicas = {
+                name: inference_pb2_grpc.InferenceServiceStub(await stack.enter_async_context(make_channel(address)))
+                for name, address in self.peers.replicas.items()
+            }
+            watcher = asyncio.ensure_future(watch_trainer_steps(self.peers.trainer, self.trainer_steps))
+            stack.callback(watcher.cancel)
+            finished_at = None
+            while True:
+                with contextlib.suppress(grpc.aio.AioRpcError):
+                    self._status = await orchestrator.GetRunStatus(
+                        orchestrator_pb2.GetRunStatusRequest(), timeout=_RPC_TIMEOUT_S
+                    )
+                await self._poll_replicas(replicas)
+                self._read_orchestrator_metrics()
+                self._write_ready(final=False)
+                status = self._status
+                display.update(self.trained_step, status.max_steps or None, self.postfix())
+                if status.state == orchestrator_pb2.RUN_STATE_FAILED:
+                    raise RunFailed(f"the orchestrator reports the run failed: {status.error or 'no reason given'}")
+                if status.state == orchestrator_pb2.RUN_STATE_FINISHED:
+                    if self.trained_step >= status.max_steps:
+                        break
+                    finished_at = finished_at or time.monotonic()
+                    if time.monotonic() - finished_at > self.finish_timeout_s:
+                        raise RunFailed(
+                            f"the orchestrator finished, but the trainer reached only step {self.trained_step} "
+                            f"of {status.max_steps} within {self.finish_timeout_s:.0f}s"
+                        )
+                await asyncio.sleep(self.poll_interval_s)
+            await self._wait_for_final_version(status.max_steps)
+            await self._poll_replicas(replicas)
+            self._read_orchestrator_metrics()
+            self._write_ready(final=True)
+            display.update(self.trained_step, status.max_steps, self.postfix())
+        return self.records
+
+    @property
+    def trained_step(self) -> int:
+        return max(self.trainer_steps, default=0)
+
+    def postfix(self) -> str:
+        status = self._status
+        parts = []
+        last = self.records[-1] if self.records else None
+        reward = last.get("reward_mean") if last else None
+        if reward is None and status.environments:
+            reward = sum(env.reward_mean for env in status.environments) / len(status.environments)
+        if reward is not None:
+            parts.append(f"reward {reward:.3f}")
+        kl = self.trainer_steps.get(self.trained_step, {}).get("mismatch_kl")
+        if kl is not None:
+            parts.append(f"mismatch_kl {kl:.2e}")
+        parts.append(f"off-policy {status.off_policy_steps_max}/{status.max_off_policy_steps}")
+        parts.append(f"dropped {status.num_dropped_off_policy_total}")
+        parts.append(f"{self.tokens_per_s:,.0f} tok/s")
+        parts.append("versions " + " ".join(f"{name}={v}" for name, v in self.versions.items()))
+        return " | ".join(parts)
+
+    async def _poll_replicas(self, replicas: dict[str, inference_pb2_grpc.InferenceServiceStub]) -> None:
+        names = list(replicas)
+        replies = await asyncio.gather(
+            *(replicas[n].GetLoad(inference_pb2.GetLoadRequest(), timeout=_RPC_TIMEOUT_S) for n in names),
+            return_exceptions=True,
+        )
+        total = 0
+        for name, reply in zip(names, replies, strict=True):
+            if isinstance(reply, BaseException):
+                continue
+            self.versions[name] = reply.load.policy_version
+            total += reply.load.num_generated_tokens_total
+        if names and not any(isinstance(reply, BaseException) for reply in replies):
+            self.tokens_per_s = self._throughput.add(total)
+
+    async def _wait_for_final_version(self, version: int) -> None:
+        if self.peers.weight_broadcaster is None or not self.peers.replicas:
+            return
+        async with make_channel(self.peers.weight_broadcaster) as channel:
+            stub = weight_broadcaster_pb2_grpc.WeightBroadcasterServiceStub(channel)
+            request = weight_broadcaster_pb2.WaitForVersionRequest(
+                policy_version=version,
+                min_replicas=len(self.peers.replicas),
+                timeout_ms=int(self.finish_timeout_s * 1000),
+            )
+            reply = await stub.WaitForVersion(request, timeout=self.finish_timeout_s + _RPC_TIMEOUT_S)
+        if not reply.reached:
+            raise RunFailed(
+                f"policy version {version} reached only {reply.num_replicas_at_version} of "
+                f"{len(self.peers.replicas)} replicas within {self.finish_timeout_s:.0f}s"
+            )
+
+    def _read_orchestrator_metrics(self) -> None:
+        path = self.orchestrator_metrics
+        if path is None or not path.is_file():
+            return
+        with path.open("rb") as file:
+            file.seek(self._orchestrator_offset)
+            data = file.read()
+        complete = data[: data.rfind(b"\n") + 1]
+        self._orchestrator_offset += len(complete)
+        for line in complete.decode().splitlines():
+            with contextlib.suppress(ValueError, KeyError, TypeError):
+                record = json.loads(line)
+                self._orchestrator_records[int(record["step"])] = record
+
+    def _write_ready(self, *, final: bool) -> None:
+        """Writes the trained steps in order, each once its orchestrator record is there."""
+        now = time.monotonic()
+        for step in sorted(s for s in self.trainer_steps if s > self._written):
+            self._step_seen_at.setdefault(step, now)
+            joined = step in self._orchestrator_records or self.orchestrator_metrics is None
+            if not (final or joined or now - self._step_seen_at[step] > _JOIN_WAIT_S):
+                break
+            record = self._record(step)
+            self.records.append(record)
+            with self.metrics_path.open("a") as file:
+                file.write(json.dumps(record) + "\n")
+            self._written = step
+
+    def _record(self, step: int) -> dict[str, Any]:
+        trainer = self.trainer_steps[step]
+        orchestrator = self._orchestrator_records.get(step)
+
+        def orchestrator_value(key: str) -> Any:
+            value = orchestrator.get(key) if orchestrator else None
+            return None if isinstance(value, float) and not math.isfinite(value) else value
+
+        return {
+            "step": step,
+            "time": time.time(),
+            "elapsed_s": time.monotonic() - self._started,
+            "reward_mean": orchestrator_value("batch_reward_mean"),
+            "mismatch_kl": trainer.get("mismatch_kl"),
+            "loss": trainer.get("loss"),
+            "entropy": trainer.get("entropy"),
+            "off_policy_steps_max": orchestrator_value("off_policy_steps_max"),
+            "num_dropped_off_policy": orchestrator_value("num_dropped_off_policy"),
+            "tokens_per_s": self.tokens_per_s,
+            "replica_policy_versions": dict(self.versions),
+            "trainer": trainer,
+            "orchestrator": orchestrator,
+        }

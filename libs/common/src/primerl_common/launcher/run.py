@@ -1,0 +1,275 @@
+"""`primerl up`: one launch file -> model -> (warm start) -> the services, started,
+awaited and watched -> the RL run followed to its end -> plot, metrics, summary; every
+process stopped at the end, on Ctrl-C and when one of them dies."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import datetime
+import hashlib
+import json
+import os
+import pathlib
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2, weight_broadcaster_pb2_grpc
+from primerl_common.client import make_channel
+from primerl_common.launcher import _toml
+from primerl_common.launcher.processes import Fleet, ServiceDied, ServiceProcess, describe_exit
+from primerl_common.launcher.progress import Display, RunFailed, RunMonitor, RunPeers
+from primerl_common.launcher.report import format_summary, summary, write_plot
+from primerl_common.launcher.spec import TINY_MODELS, LaunchConfigError, LauncherConfig, LaunchFile, ServiceSpec
+from primerl_common.launcher.warm_start import WarmStartFailed, run_warm_start, sft_trainer_spec
+from primerl_common.launcher.wiring import address_of, get_path, set_model, wire
+
+__all__ = ["Launcher", "prepare_model", "validate_configs"]
+
+EXIT_FAILED = 1
+# The orchestrator stops feeding first; then the others, all at once.
+_STOP_ORDER = [["orchestrator"]]
+# glibc's allocator halves gRPC stream throughput unless these are raised (DESIGN.md).
+_DEFAULT_ENV = {"MALLOC_MMAP_THRESHOLD_": "134217728", "MALLOC_TRIM_THRESHOLD_": "1073741824"}
+
+
+def prepare_model(launcher: LauncherConfig) -> pathlib.Path | None:
+    """The model folder: a tiny model made (once, cached) or the folder named."""
+    if launcher.model is None:
+        return None
+    if launcher.model not in TINY_MODELS:
+        return pathlib.Path(launcher.model).resolve()
+    from primerl_common import tiny_model
+
+    kind = TINY_MODELS[launcher.model]
+    options = dict(launcher.tiny_model)
+    seed, dtype = options.pop("seed", 0), options.pop("dtype", "float32")
+    fields = {f.name for f in dataclasses.fields(tiny_model.TinyModelSpec)}
+    unknown = sorted(set(options) - fields)
+    if unknown:
+        known = ", ".join(["seed", "dtype", *sorted(fields)])
+        raise LaunchConfigError(f"[launcher.tiny_model] {unknown[0]}: unknown key; known: {known}")
+    spec = dataclasses.replace(tiny_model.SPECS[kind], **options) if options else None
+    digest = hashlib.sha256(json.dumps(options, sort_keys=True).encode()).hexdigest()[:8]
+    out = launcher.cache_dir / f"{launcher.model}-{dtype}-seed{seed}-{digest}"
+    try:
+        return tiny_model.make_tiny_model(out, kind=kind, seed=seed, dtype=dtype, spec=spec).resolve()
+    except (TypeError, ValueError) as exc:
+        raise LaunchConfigError(f"[launcher.tiny_model]: {exc}") from None
+
+
+def write_configs(specs: Sequence[ServiceSpec], config_dir: pathlib.Path) -> dict[str, pathlib.Path]:
+    config_dir.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for spec in specs:
+        path = config_dir / f"{spec.name}.toml"
+        path.write_text(f"# {spec.name}: {spec.where} of the launch file, as the launcher filled it in\n")
+        with path.open("a") as file:
+            file.write(_toml.dumps(spec.table))
+        paths[spec.name] = path
+    return paths
+
+
+def service_command(spec: ServiceSpec, config: pathlib.Path) -> list[str]:
+    return [sys.executable, "-m", spec.module, "-c", str(config)]
+
+
+async def validate_configs(
+    specs: Sequence[ServiceSpec], paths: Mapping[str, pathlib.Path], env: dict[str, str]
+) -> None:
+    """Each service validates its own table (`--check-config`), all at once; one error
+    lists every bad field as `[table] field: message`."""
+
+    async def check(spec: ServiceSpec) -> list[str]:
+        process = await asyncio.create_subprocess_exec(
+            *service_command(spec, paths[spec.name]),
+            "--check-config",
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env=env,
+        )
+        _, stderr = await process.communicate()
+        if process.returncode == 0:
+            return []
+        lines = stderr.decode(errors="replace").splitlines()
+        fields = [f"  {spec.where} {line.strip()}" for line in lines if line.startswith("  ")]
+        if fields:
+            return fields
+        tail = "\n".join(f"    | {line}" for line in lines[-15:])
+        return [f"  {spec.where}: {spec.module} --check-config exited with {process.returncode}:\n{tail}"]
+
+    errors = [line for lines in await asyncio.gather(*(check(spec) for spec in specs)) for line in lines]
+    if errors:
+        raise LaunchConfigError("invalid configuration:\n" + "\n".join(errors))
+
+
+async def register_replicas(broadcaster: str, replicas: Sequence[ServiceSpec]) -> None:
+    """The broadcaster learns its replicas at run time; it then pushes them every version."""
+    async with make_channel(broadcaster) as channel:
+        stub = weight_broadcaster_pb2_grpc.WeightBroadcasterServiceStub(channel)
+        for spec in replicas:
+            request = weight_broadcaster_pb2.RegisterReplicaRequest(
+                replica_id=get_path(spec.table, "replica.id"), address=address_of(spec)
+            )
+            await stub.RegisterReplica(request, timeout=30)
+
+
+class Launcher:
+    def __init__(self, launch: LaunchFile, run_dir: pathlib.Path) -> None:
+        self.launch = launch
+        self.run_dir = run_dir.resolve()
+        self.fleet = Fleet(log_tail_lines=launch.launcher.log_tail_lines)
+        self.env = {**_DEFAULT_ENV, **os.environ, **launch.launcher.env}
+        self.interrupted = False
+        self.final_versions: dict[str, int] = {}
+
+    def interrupt(self) -> bool:
+        """First call: True (the caller cancels the run, which stops the services gracefully).
+        Later calls: every process is killed at once."""
+        if self.interrupted:
+            self.fleet.kill()
+            return False
+        self.interrupted = True
+        return True
+
+    async def up(self) -> int:
+        started = time.monotonic()
+        launch, settings, run_dir = self.launch, self.launch.launcher, self.run_dir
+        services = launch.services
+        run_dir.mkdir(parents=True, exist_ok=True)
+        print(f"run directory: {run_dir}")
+        model = await asyncio.to_thread(prepare_model, settings)
+        if model is not None:
+            print(f"model: {model}")
+        wire(services, run_dir=run_dir, model=model, host=settings.host)
+        sft = sft_trainer_spec(launch, run_dir) if launch.warm_start is not None else None
+        config_dir = run_dir / "config"
+        paths = write_configs([*services.values(), *([sft] if sft else [])], config_dir)
+        if settings.check_config:
+            checked_at = time.monotonic()
+            await validate_configs([*services.values(), *([sft] if sft else [])], paths, self.env)
+            print(f"configuration: valid ({', '.join(services)}; checked in {time.monotonic() - checked_at:.1f}s)")
+        try:
+            if sft is not None:
+                model = await run_warm_start(
+                    launch,
+                    sft,
+                    orchestrator_config=paths["orchestrator"],
+                    trainer_config=paths[sft.name],
+                    run_dir=run_dir,
+                    fleet=self.fleet,
+                    env=self.env,
+                )
+                set_model(services, model, force=True)
+                paths.update(write_configs(list(services.values()), config_dir))
+            await self._start(services, paths)
+            records = await self._follow(services)
+        except (ServiceDied, RunFailed, WarmStartFailed, TimeoutError) as exc:
+            # Said before the others are stopped: their logs would bury it.
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+            return EXIT_FAILED
+        finally:
+            await self._stop()
+        wall_time_s = time.monotonic() - started
+        if records is None:
+            return 0
+        values = summary(records, wall_time_s=wall_time_s) | {"replica_policy_versions": self.final_versions}
+        plot = write_plot(records, run_dir / "metrics.png", title=f"primerl run {run_dir.name}")
+        (run_dir / "summary.json").write_text(json.dumps(values, indent=2) + "\n")
+        print(format_summary(values))
+        if self.final_versions:
+            print("policy versions served: " + ", ".join(f"{n} {v}" for n, v in self.final_versions.items()))
+        print(f"metrics: {run_dir / 'metrics.jsonl'}\nplot:    {plot}\nlogs:    {run_dir / 'logs'}")
+        return 0
+
+    async def _start(self, services: Mapping[str, ServiceSpec], paths: Mapping[str, pathlib.Path]) -> None:
+        for name, spec in services.items():
+            self.fleet.add(
+                ServiceProcess(
+                    name,
+                    service_command(spec, paths[name]),
+                    log_path=self.run_dir / "logs" / f"{name}.log",
+                    address=address_of(spec),
+                    env=self.env,
+                )
+            )
+        # All at once: each service waits for its peers (the orchestrator dispatches nothing before
+        # the broadcaster reports a replica serving the first version).
+        print("starting " + ", ".join(services) + f" (logs in {self.run_dir / 'logs'})")
+        await self.fleet.start(list(services), timeout_s=self.launch.launcher.start_timeout_s)
+        replicas = [spec for spec in services.values() if spec.service == "inference"]
+        if "weight_broadcaster" in services and replicas:
+            await register_replicas(address_of(services["weight_broadcaster"]), replicas)
+        listing = {
+            name: {
+                "service": spec.service,
+                "address": address_of(spec),
+                "pid": self.fleet.processes[name].pid,
+                "config": str(paths[name]),
+                "log": str(self.fleet.processes[name].log_path),
+            }
+            for name, spec in services.items()
+        }
+        (self.run_dir / "services.json").write_text(json.dumps(listing, indent=2) + "\n")
+        print("all services SERVING: " + ", ".join(f"{n} {s['address']}" for n, s in listing.items()))
+
+    async def _follow(self, services: Mapping[str, ServiceSpec]) -> list[dict[str, Any]] | None:
+        """Until the run is over (None without an orchestrator: until Ctrl-C); ServiceDied
+        as soon as any process exits."""
+        watch = asyncio.ensure_future(self.fleet.watch())
+        if "orchestrator" not in services:
+            print("no [orchestrator]: the services run until Ctrl-C")
+            await watch
+            return None
+        orchestrator = services["orchestrator"]
+        metrics = get_path(orchestrator.table, "output.metrics_jsonl")
+        peers = RunPeers(
+            orchestrator=address_of(orchestrator),
+            trainer=get_path(orchestrator.table, "peers.trainer"),
+            replicas={name: address_of(spec) for name, spec in services.items() if spec.service == "inference"},
+            weight_broadcaster=address_of(services["weight_broadcaster"]) if "weight_broadcaster" in services else None,
+        )
+        monitor = RunMonitor(
+            peers,
+            metrics_path=self.run_dir / "metrics.jsonl",
+            orchestrator_metrics=pathlib.Path(metrics) if metrics else None,
+            poll_interval_s=self.launch.launcher.poll_interval_s,
+            finish_timeout_s=self.launch.launcher.finish_timeout_s,
+        )
+        display = Display("RL", None)
+        follow = asyncio.ensure_future(monitor.run(display))
+        try:
+            done, _ = await asyncio.wait([watch, follow], return_when=asyncio.FIRST_COMPLETED)
+            if watch in done:
+                watch.result()  # raises ServiceDied
+            records = follow.result()
+            self.final_versions = dict(monitor.versions)
+            return records
+        finally:
+            display.close()
+            for task in (watch, follow):
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+
+    async def _stop(self) -> None:
+        live = [p.name for p in self.fleet.processes.values() if p.returncode is None]
+        if not live:
+            return
+        print("stopping " + ", ".join(live))
+        codes = await self.fleet.stop(_STOP_ORDER, grace_s=self.launch.launcher.stop_grace_s)
+        unclean = {name: code for name, code in codes.items() if name in live and code}
+        if unclean:
+            print("not a clean exit: " + ", ".join(f"{name} {describe_exit(code)}" for name, code in unclean.items()))
+        else:
+            print("all services stopped")
+
+
+def default_run_dir(launcher: LauncherConfig) -> pathlib.Path:
+    if launcher.run_dir is not None:
+        return launcher.run_dir
+    return pathlib.Path("runs") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")

@@ -1,0 +1,176 @@
+"""The launch file: one TOML with a table per service ([orchestrator], [trainer],
+[inference] or [[inference]], [router], [weight_broadcaster], [kvstore]), each holding
+that service's own config, plus [launcher] and an optional [warm_start].
+
+Only the launcher's own tables are validated here; each service table is validated by
+the service itself (`--check-config`) once the launcher has filled in what links them.
+"""
+
+from __future__ import annotations
+
+import copy
+import pathlib
+import tomllib
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+__all__ = [
+    "SERVICES",
+    "LaunchConfigError",
+    "LaunchFile",
+    "LauncherConfig",
+    "ServiceSpec",
+    "WarmStartConfig",
+    "deep_merge",
+    "parse_launch_file",
+    "read_launch_file",
+]
+
+# In start order: the orchestrator drives the run and needs the others up.
+SERVICES = ("kvstore", "inference", "weight_broadcaster", "router", "trainer", "orchestrator")
+TINY_MODELS = {"tiny-dense": "dense", "tiny-moe": "moe"}
+
+
+class LaunchConfigError(ValueError):
+    """A launch file that cannot be used; the message names the table and the field."""
+
+
+class LauncherConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = Field(
+        default=None,
+        description="'tiny-dense' or 'tiny-moe' (made locally, cached) or a Hugging Face model folder; "
+        "filled into every service that needs a model and does not name one",
+    )
+    tiny_model: dict[str, Any] = Field(
+        default={}, description="make_tiny_model arguments (seed, dtype) and TinyModelSpec fields"
+    )
+    run_dir: pathlib.Path | None = Field(default=None, description="unset: runs/<date-time>")
+    cache_dir: pathlib.Path = Field(default=pathlib.Path(".cache/primerl"), description="where tiny models are kept")
+    host: str = Field(default="127.0.0.1", description="interface the services listen on, unless they say")
+    inference_replicas: int = Field(default=1, ge=1, description="copies of a single [inference] table")
+    check_config: bool = Field(default=True, description="validate every service's config before starting any")
+    start_timeout_s: float = Field(default=300.0, gt=0, description="per service, until it is SERVING")
+    finish_timeout_s: float = Field(
+        default=300.0, gt=0, description="after the last batch: until it is trained and served by every replica"
+    )
+    stop_grace_s: float = Field(default=30.0, gt=0, description="after SIGTERM, before SIGKILL")
+    poll_interval_s: float = Field(default=1.0, gt=0, description="progress refresh")
+    log_tail_lines: int = Field(default=30, ge=1, description="lines of a dead service's log to show")
+    env: dict[str, str] = Field(default={}, description="extra environment variables of every service")
+
+
+class WarmStartConfig(BaseModel):
+    """SFT before RL: data from an environment's tasks and answers, then the trainer in SFT mode."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    environment: str | None = Field(default=None, description="an [[orchestrator.environments]] name; unset: the first")
+    num_samples: int = Field(default=512, ge=1)
+    timeout_s: float = Field(default=3600.0, gt=0, description="the whole SFT phase")
+    trainer: dict[str, Any] = Field(default={}, description="overrides of [trainer] for the SFT job")
+
+
+@dataclass
+class ServiceSpec:
+    """One process to run: `name` is unique (inference-0, inference-1, ...), `service`
+    the kind (its module is primerl_<service>), `table` its config."""
+
+    name: str
+    service: str
+    table: dict[str, Any]
+    where: str  # how the launch file calls this table, for error messages
+
+    @property
+    def module(self) -> str:
+        return f"primerl_{self.service}"
+
+
+@dataclass
+class LaunchFile:
+    launcher: LauncherConfig
+    warm_start: WarmStartConfig | None
+    services: dict[str, ServiceSpec]
+    path: pathlib.Path | None = None
+
+
+def read_launch_file(path: pathlib.Path) -> LaunchFile:
+    if not path.is_file():
+        raise LaunchConfigError(f"config file {path} does not exist")
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise LaunchConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    launch = parse_launch_file(data)
+    launch.path = path
+    return launch
+
+
+def parse_launch_file(data: dict[str, Any]) -> LaunchFile:
+    data = copy.deepcopy(data)
+    known = {*SERVICES, "launcher", "warm_start"}
+    for key, value in data.items():
+        if key not in known:
+            raise LaunchConfigError(f"[{key}]: unknown table; known: {', '.join(sorted(known))}")
+        if key != "inference" and not isinstance(value, dict):
+            raise LaunchConfigError(f"{key}: must be a table ([{key}])")
+    launcher = _model(LauncherConfig, data.pop("launcher", {}), "launcher")
+    warm_start = _model(WarmStartConfig, data.pop("warm_start"), "warm_start") if "warm_start" in data else None
+    if warm_start is not None and "trainer" not in data:
+        raise LaunchConfigError("[warm_start] needs a [trainer] table (the SFT job is the trainer in SFT mode)")
+    if warm_start is not None and "orchestrator" not in data:
+        raise LaunchConfigError("[warm_start] needs an [orchestrator] table (its environments make the data)")
+    services: dict[str, ServiceSpec] = {}
+    for service in SERVICES:
+        if service not in data:
+            continue
+        if service == "inference":
+            services.update(_inference_replicas(data["inference"], launcher.inference_replicas))
+        else:
+            services[service] = ServiceSpec(service, service, data[service], f"[{service}]")
+    if not services:
+        raise LaunchConfigError(f"no service table; add some of: {', '.join(f'[{s}]' for s in SERVICES)}")
+    if launcher.model is not None and launcher.model not in TINY_MODELS:
+        model = pathlib.Path(launcher.model)
+        if not (model / "config.json").is_file():
+            raise LaunchConfigError(
+                f"[launcher] model: {launcher.model!r} is neither {' nor '.join(TINY_MODELS)} "
+                "nor a model folder (no config.json)"
+            )
+    return LaunchFile(launcher, warm_start, services)
+
+
+def _inference_replicas(value: Any, copies: int) -> dict[str, ServiceSpec]:
+    if isinstance(value, dict):
+        tables = [(copy.deepcopy(value), "[inference]") for _ in range(copies)]
+    elif isinstance(value, list) and value and all(isinstance(item, dict) for item in value):
+        tables = [(item, f"[[inference]] #{index + 1}") for index, item in enumerate(value)]
+    else:
+        raise LaunchConfigError("inference: must be a table ([inference]) or an array of tables ([[inference]])")
+    return {f"inference-{i}": ServiceSpec(f"inference-{i}", "inference", t, w) for i, (t, w) in enumerate(tables)}
+
+
+def _model(cls: type[BaseModel], value: Any, table: str) -> Any:
+    try:
+        return cls.model_validate(value)
+    except ValidationError as exc:
+        lines = []
+        for item in exc.errors():
+            field = ".".join(str(part) for part in item["loc"]) or "<table>"
+            message = "unknown key" if item["type"] == "extra_forbidden" else item["msg"]
+            lines.append(f"  [{table}] {field}: {message}")
+        raise LaunchConfigError("invalid configuration:\n" + "\n".join(lines)) from None
+
+
+def deep_merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """`base` with `overrides` laid over it, tables merged key by key (copies)."""
+    merged = copy.deepcopy(base)
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = deep_merge(merged[key], value)
+        else:
+            merged[key] = copy.deepcopy(value)
+    return merged

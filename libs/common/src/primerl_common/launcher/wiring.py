@@ -1,0 +1,99 @@
+"""What links the services, filled into their tables where the launch file leaves it
+unset: ports, every peer address, the model path, the orchestrator's metrics file."""
+
+from __future__ import annotations
+
+import pathlib
+import socket
+from collections.abc import Mapping
+from typing import Any
+
+from primerl_common.launcher.spec import ServiceSpec
+
+__all__ = ["address_of", "assign_ports", "get_path", "set_default", "set_model", "wire"]
+
+_UNSPECIFIED_HOSTS = ("", "0.0.0.0", "::", "[::]")
+# Where each service kind takes the model folder.
+MODEL_FIELDS = {"orchestrator": "model.path", "trainer": "model.path", "inference": "engine.model"}
+
+
+def get_path(table: Mapping[str, Any], dotted: str) -> Any:
+    value: Any = table
+    for part in dotted.split("."):
+        if not isinstance(value, Mapping) or part not in value:
+            return None
+        value = value[part]
+    return value
+
+
+def set_default(table: dict[str, Any], dotted: str, value: Any, *, force: bool = False) -> Any:
+    """Sets `dotted` (e.g. "server.port") unless already set; returns the value in force."""
+    *parents, last = dotted.split(".")
+    for part in parents:
+        table = table.setdefault(part, {})
+        if not isinstance(table, dict):
+            raise ValueError(f"{dotted}: {part} must be a table")
+    if force or table.get(last) is None:
+        table[last] = value
+    return table[last]
+
+
+def _free_ports(count: int) -> list[int]:
+    # Held open together, so that no two are the same.
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def assign_ports(services: Mapping[str, ServiceSpec], *, host: str) -> None:
+    """Every service without server.port (or with 0) gets a free one; server.host defaults to `host`."""
+    missing = [spec for spec in services.values() if not get_path(spec.table, "server.port")]
+    for spec, port in zip(missing, _free_ports(len(missing)), strict=True):
+        set_default(spec.table, "server.port", port, force=True)
+    for spec in services.values():
+        set_default(spec.table, "server.host", host)
+
+
+def address_of(spec: ServiceSpec) -> str:
+    host = get_path(spec.table, "server.host")
+    host = "127.0.0.1" if host in _UNSPECIFIED_HOSTS else host
+    return f"{host}:{get_path(spec.table, 'server.port')}"
+
+
+def set_model(services: Mapping[str, ServiceSpec], model: pathlib.Path, *, force: bool = False) -> None:
+    for spec in services.values():
+        if spec.service in MODEL_FIELDS:
+            set_default(spec.table, MODEL_FIELDS[spec.service], str(model), force=force)
+
+
+def wire(services: Mapping[str, ServiceSpec], *, run_dir: pathlib.Path, model: pathlib.Path | None, host: str) -> None:
+    """Fills ports, peer addresses, replica ids and the model into the tables (in place)."""
+    assign_ports(services, host=host)
+    if model is not None:
+        set_model(services, model)
+    replicas = [spec for spec in services.values() if spec.service == "inference"]
+    addresses = {name: address_of(spec) for name, spec in services.items()}
+    for spec in replicas:
+        set_default(spec.table, "replica.id", spec.name)
+    for name, spec in services.items():
+        # Plain-text logs: they are read by people (and their tail shown when a service dies).
+        set_default(spec.table, "observability.log_json", False)
+        if name == "router":
+            if "replicas" not in spec.table:
+                spec.table["replicas"] = [
+                    {"replica_id": get_path(r.table, "replica.id"), "address": addresses[r.name]} for r in replicas
+                ]
+            if "weight_broadcaster" in services:
+                set_default(spec.table, "versions.weight_broadcaster_address", addresses["weight_broadcaster"])
+        elif name == "orchestrator":
+            for peer in ("router", "trainer", "weight_broadcaster"):
+                if peer in services:
+                    set_default(spec.table, f"peers.{peer}", addresses[peer])
+            set_default(spec.table, "output.metrics_jsonl", str(run_dir / "orchestrator" / "metrics.jsonl"))
+        elif name == "trainer" and "weight_broadcaster" in services:
+            set_default(spec.table, "publish.weight_broadcaster", addresses["weight_broadcaster"])

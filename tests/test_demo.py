@@ -1,0 +1,239 @@
+"""`primerl up` end to end: the six services from one launch file, a few RL steps of the tiny
+dense Qwen3 on two inference replicas, the whole data path checked through the services'
+own APIs while the run goes on, then the launcher's metrics, plot and clean stop.
+
+The test plays an external environment ("held") through the orchestrator's API, as a
+custom environment would: one episode is held open from the first policy version until the
+orchestrator drops it as too far off-policy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+
+import grpc
+import pytest
+from google.rpc import error_details_pb2
+
+from primerl.common.v1 import generation_pb2
+from primerl.inference.v1 import inference_pb2, inference_pb2_grpc
+from primerl.orchestrator.v1 import orchestrator_pb2, orchestrator_pb2_grpc
+from primerl.router.v1 import router_pb2, router_pb2_grpc
+from primerl.trainer.v1 import trainer_pb2, trainer_pb2_grpc
+from primerl_common.client import make_channel
+from primerl_common.errors import error_details
+
+pytestmark = pytest.mark.slow
+
+CACHE = pathlib.Path(os.environ.get("PRIMERL_TEST_CACHE", pathlib.Path(tempfile.gettempdir()) / "primerl-test-cache"))
+MAX_STEPS = 4
+MAX_OFF_POLICY_STEPS = 1
+REPLICAS = ("inference-0", "inference-1")
+
+LAUNCH_FILE = f"""
+[launcher]
+model = "tiny-dense"
+inference_replicas = {len(REPLICAS)}
+cache_dir = "{CACHE / "launcher"}"
+poll_interval_s = 0.5
+start_timeout_s = 240
+# The services' own validation (--check-config) is tested with cheap services in
+# libs/common/tests/test_launcher.py; here it would import torch and transformers twice more.
+check_config = false
+
+[orchestrator.model]
+max_model_len = 256
+[orchestrator.peers]
+poll_interval_s = 0.2
+[orchestrator.run]
+max_steps = {MAX_STEPS}
+batch_size = 8
+max_async_level = 1
+max_off_policy_steps = {MAX_OFF_POLICY_STEPS}
+max_concurrent_episodes = 16
+[orchestrator.advantage]
+filter_zero_advantage = false
+[[orchestrator.environments]]
+name = "reverse_text"
+kind = "reverse_text"
+group_size = 4
+[orchestrator.environments.sampling]
+max_tokens = 12
+[[orchestrator.environments]]
+name = "held"
+group_size = 1
+[orchestrator.environments.sampling]
+max_tokens = 4
+
+[trainer]
+device = "cpu"
+seq_len = 1024
+[trainer.model]
+dtype = "float32"
+compute_dtype = "float32"
+[trainer.optimizer]
+lr = 1e-4
+
+[inference.engine]
+dtype = "float32"
+enforce_eager = true
+max_model_len = 256
+max_num_seqs = 16
+kv_cache_gib = 1
+
+[router.health]
+interval_s = 0.5
+[router.load]
+report_interval_ms = 100
+[router.routing]
+no_replica_wait_s = 60.0
+[weight_broadcaster.push]
+probe_interval_s = 0.5
+[kvstore]
+"""
+
+
+def services_of(launcher: subprocess.Popen[str], run_dir: pathlib.Path, out: pathlib.Path) -> dict:
+    """What the launcher started, once every service is SERVING (services.json)."""
+    deadline = time.monotonic() + 300
+    while not (run_dir / "services.json").is_file():
+        assert launcher.poll() is None, out.read_text()
+        assert time.monotonic() < deadline, f"the services did not come up:\n{out.read_text()}"
+        time.sleep(0.1)
+    return json.loads((run_dir / "services.json").read_text())
+
+
+async def until(predicate, *, timeout_s: float, what: str):
+    loop = asyncio.get_running_loop()
+    give_up_at = loop.time() + timeout_s
+    while True:
+        value = await predicate()
+        if value:
+            return value
+        assert loop.time() < give_up_at, f"gave up waiting for {what}"
+        await asyncio.sleep(0.2)
+
+
+def turn(episode_id: str) -> orchestrator_pb2.GenerateRequest:
+    return orchestrator_pb2.GenerateRequest(
+        episode_id=episode_id,
+        messages=orchestrator_pb2.ChatMessages(messages=[{"role": "user", "content": "Reverse: abc"}]),
+    )
+
+
+async def drive(services: dict) -> dict:
+    """Checks the data path while the run goes on; returns what it saw."""
+    seen: dict = {}
+    channels = {name: make_channel(service["address"]) for name, service in services.items()}
+    try:
+        orchestrator = orchestrator_pb2_grpc.OrchestratorServiceStub(channels["orchestrator"])
+        trainer = trainer_pb2_grpc.TrainerServiceStub(channels["trainer"])
+        router = router_pb2_grpc.RouterServiceStub(channels["router"])
+        replicas = {name: inference_pb2_grpc.InferenceServiceStub(channels[name]) for name in REPLICAS}
+
+        async def versions() -> dict[str, int]:
+            loads = [await replicas[name].GetLoad(inference_pb2.GetLoadRequest()) for name in REPLICAS]
+            return {name: load.load.policy_version for name, load in zip(REPLICAS, loads, strict=True)}
+
+        # An episode held open from the start: sampled by the first policy.
+        start = orchestrator_pb2.StartEpisodeRequest(environment="held", task=orchestrator_pb2.Task(task_id="held"))
+        [held] = (await orchestrator.StartEpisode(start)).episodes
+        first = await orchestrator.Generate(turn(held.episode_id))
+        assert first.token_ids
+        seen["held_version"] = first.last_policy_version
+
+        # Every replica moves to a newer policy; tokens sampled after that carry it.
+        updated = await until(
+            lambda: _all_at_least(versions, seen["held_version"] + 1), timeout_s=240, what="a weight update"
+        )
+        seen["updated_versions"] = updated
+        request = router_pb2.GenerateRequest(
+            input=generation_pb2.GenerationInput(
+                prompt_token_ids=list(b"<|im_start|>user\nhi"),
+                sampling=generation_pb2.SamplingParams(temperature=1.0, max_tokens=4),
+            )
+        )
+        sampled = []
+        for _ in range(4):  # the router spreads requests over the replicas
+            async for response in router.Generate(request):
+                sampled.extend(response.output.policy_versions)
+        seen["sampled_versions"] = sampled
+        [fresh] = (await orchestrator.StartEpisode(start)).episodes
+        seen["fresh_episode_version"] = (await orchestrator.Generate(turn(fresh.episode_id))).first_policy_version
+        await orchestrator.FinishEpisode(orchestrator_pb2.FinishEpisodeRequest(episode_id=fresh.episode_id, reward=0))
+
+        # Batches reach the trainer.
+        status = await trainer.GetStatus(trainer_pb2.GetStatusRequest())
+        seen["trainer_step"], seen["published"] = status.step, status.published_policy_version
+
+        # The held episode is dropped once too far behind, and the environment is told so.
+        async def held_dropped():
+            status = await orchestrator.GetRunStatus(orchestrator_pb2.GetRunStatusRequest())
+            return {env.name: env.num_dropped_off_policy for env in status.environments}["held"] >= 1
+
+        await until(held_dropped, timeout_s=240, what="the held episode to be dropped")
+        try:
+            await orchestrator.Generate(turn(held.episode_id))
+            raise AssertionError("a dropped episode took another turn")
+        except grpc.aio.AioRpcError as error:
+            reasons = [d.reason for d in error_details(error) if isinstance(d, error_details_pb2.ErrorInfo)]
+            seen["dropped"] = (error.code(), reasons)
+    finally:
+        for channel in channels.values():
+            await channel.close()
+    return seen
+
+
+async def _all_at_least(versions, minimum: int) -> dict[str, int] | None:
+    current = await versions()
+    return current if all(v >= minimum for v in current.values()) else None
+
+
+def test_primerl_up_runs_rl_through_all_six_services(tmp_path):
+    config, run_dir, out = tmp_path / "launch.toml", tmp_path / "run", tmp_path / "launcher.out"
+    config.write_text(LAUNCH_FILE)
+    with out.open("w") as log:
+        launcher = subprocess.Popen(
+            [sys.executable, "-m", "primerl_common.launcher", "up", "-c", str(config), "--run-dir", str(run_dir)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+    try:
+        services = services_of(launcher, run_dir, out)
+        assert set(services) == {"orchestrator", "trainer", "router", "weight_broadcaster", "kvstore", *REPLICAS}
+        seen = asyncio.run(drive(services))
+        assert launcher.wait(240) == 0, out.read_text()
+    finally:
+        launcher.kill()
+    printed = out.read_text()
+
+    assert all(v > seen["held_version"] for v in seen["updated_versions"].values())
+    assert seen["sampled_versions"] and min(seen["sampled_versions"]) >= min(seen["updated_versions"].values())
+    assert seen["fresh_episode_version"] >= min(seen["updated_versions"].values())
+    assert seen["trainer_step"] >= 1 and seen["published"] >= 1
+    assert seen["dropped"] == (grpc.StatusCode.FAILED_PRECONDITION, ["EPISODE_DROPPED"])
+
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, MAX_STEPS + 1))
+    for record in records:
+        assert record["trainer"]["num_samples"] >= 1  # every step trained on a batch
+        assert record["orchestrator"] is not None and record["reward_mean"] is not None
+        assert record["mismatch_kl"] is not None and record["off_policy_steps_max"] <= MAX_OFF_POLICY_STEPS
+    # Policy versions advance on every replica, up to the last step's.
+    for name in REPLICAS:
+        served = [r["replica_policy_versions"][name] for r in records]
+        assert served == sorted(served)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["replica_policy_versions"] == dict.fromkeys(REPLICAS, MAX_STEPS)
+    assert summary["num_steps"] == MAX_STEPS and summary["reward_mean_first"] is not None
+    assert (run_dir / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"plot:    {run_dir / 'metrics.png'}" in printed and "all services stopped" in printed, printed
+    assert "not a clean exit" not in printed, printed
