@@ -21,7 +21,7 @@ export TORCHINDUCTOR_CACHE_DIR ?= $(CURDIR)/.cache/torchinductor
 export MALLOC_MMAP_THRESHOLD_ ?= 134217728
 export MALLOC_TRIM_THRESHOLD_ ?= 1073741824
 
-.PHONY: help setup demo test test-fast lint protos protos-check buf-lint buf-breaking release-contracts config-reference clean
+.PHONY: help setup demo test lint protos protos-check buf-lint buf-breaking release-contracts config-reference clean
 
 help:
 	@echo "make setup    create $(VENV) and install every service, libs/common, vLLM and dev tools"
@@ -52,7 +52,10 @@ $(BUF):
 demo: setup
 	$(VENV)/bin/primerl up
 
+# The container test needs a Docker engine, compose and the base image: made ready here
+# (apt-get, dockerd, debootstrap; root or sudo).
 test: setup
+	deploy/docker/ensure_docker.sh
 	$(PY) -m pytest
 
 lint: setup protos-check buf-lint buf-breaking

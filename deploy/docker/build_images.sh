@@ -5,22 +5,24 @@
 #   service: orchestrator trainer inference router weight_broadcaster kvstore
 #            (weight-broadcaster is accepted too)
 # Env:
-#   BASE_IMAGE  image the Dockerfiles build on (default primerl-base:bookworm, made
+#   BASE_IMAGE  image the shared runtime builds on (default primerl-base:bookworm, made
 #               by make_base_image.sh when missing; python:3.11-slim needs a registry)
-#   DOCKER      docker client (default docker); extra `docker build` flags in
-#               DOCKER_BUILD_ARGS (e.g. "--no-cache" or "--progress=plain")
+#   DOCKER      docker client (default: one with BuildKit, see below); extra `docker build`
+#               flags in DOCKER_BUILD_ARGS (e.g. "--no-cache" or "--progress=plain");
+#               DOCKER_BUILDKIT=0 forces the legacy builder
 #   PYTHON etc. see build_wheelhouse.sh
-# Steps: base image (if missing), wheelhouse (only what is missing or outdated),
-# then one `docker build` per service, from the repository root; prints timings.
-# A failed image does not stop the others; the exit status is 1 if any failed.
+# Steps, from the repository root: base image (if missing), wheelhouse (only what
+# is missing or outdated), the shared images of deploy/docker/Dockerfile
+# (primerl-runtime, primerl-runtime-torch, primerl-common-layer), then one
+# `docker build` per service; prints timings.
+# A failed service image does not stop the others; the exit status is 1 if any failed.
 set -euo pipefail
 
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$REPO_ROOT"
 ALL_SERVICES=(orchestrator trainer inference router weight_broadcaster kvstore)
-TORCH_SERVICES=(orchestrator trainer inference weight_broadcaster)
-PLAIN_SERVICES=(router kvstore)
 BASE_IMAGE="${BASE_IMAGE:-primerl-base:bookworm}"
+DOCKER_SET="${DOCKER:-}"
 DOCKER="${DOCKER:-docker}"
 read -r -a EXTRA_ARGS <<< "${DOCKER_BUILD_ARGS:-}"
 
@@ -39,21 +41,29 @@ for arg in "$@"; do
 done
 [[ ${#services[@]} -eq 0 ]] && services=("${ALL_SERVICES[@]}")
 
-# The shared parts of the Dockerfiles must stay identical, or the big layers
-# are built and stored once per image.
-shared_part() { sed -n '/^# ---- shared/,/^# ---- service-specific/p' "services/$1/Dockerfile"; }
-check_shared() {
-  local first="$1"; shift
-  for svc in "$@"; do
-    if ! diff -u <(shared_part "$first") <(shared_part "$svc") >/dev/null; then
-      echo "build_images.sh: the shared part of services/$svc/Dockerfile differs from services/$first/Dockerfile:" >&2
-      diff -u <(shared_part "$first") <(shared_part "$svc") >&2 || true
-      exit 1
-    fi
-  done
-}
-check_shared "${TORCH_SERVICES[@]}"
-check_shared "${PLAIN_SERVICES[@]}"
+# BuildKit builds only the stages a target needs, several at once, and sends
+# the daemon only the context files that changed (the legacy builder sends all
+# ~700 MB of wheels for every image). Use it where the client has it: the
+# buildx plugin, or a client older than 23, which has BuildKit built in
+# (Debian bookworm's docker.io is 20.10; a newer client without buildx falls
+# back to the legacy builder).
+if [[ -z "${DOCKER_BUILDKIT:-}" ]]; then
+  if "$DOCKER" buildx version >/dev/null 2>&1; then
+    export DOCKER_BUILDKIT=1
+  elif [[ -z "${DOCKER_SET:-}" ]]; then
+    for candidate in $(type -ap docker); do
+      major="$("$candidate" version --format '{{.Client.Version}}' 2>/dev/null | cut -d. -f1 || true)"
+      if [[ "$major" =~ ^[0-9]+$ ]] && ((major < 23)); then
+        DOCKER="$candidate"
+        export DOCKER_BUILDKIT=1
+        break
+      fi
+    done
+  fi
+fi
+echo "docker client: $DOCKER ($("$DOCKER" version --format '{{.Client.Version}}' 2>/dev/null || true)), BuildKit: ${DOCKER_BUILDKIT:-0}"
+
+uses_torch() { grep -q '^ARG RUNTIME_IMAGE=primerl-runtime-torch' "services/$1/Dockerfile"; }
 
 total_start=$(now)
 step_start=$(now)
@@ -71,11 +81,29 @@ version_of() {
     "services/$1/pyproject.toml"
 }
 
+# The shared images (deploy/docker/Dockerfile) the service Dockerfiles build FROM.
+shared_targets=(runtime common)
+for svc in "${services[@]}"; do
+  if uses_torch "$svc"; then shared_targets+=(runtime-torch); break; fi
+done
+for target in "${shared_targets[@]}"; do
+  image="primerl-$target"
+  [[ "$target" == common ]] && image="primerl-common-layer"
+  echo "==> building $image:latest (deploy/docker/Dockerfile --target $target, base $BASE_IMAGE)"
+  step_start=$(now)
+  "$DOCKER" build --force-rm "${EXTRA_ARGS[@]}" \
+    --file deploy/docker/Dockerfile --target "$target" \
+    --build-arg "BASE_IMAGE=$BASE_IMAGE" \
+    --tag "$image:latest" \
+    .
+  timings+=("$(printf '%-34s %ss' "$image:latest" "$(elapsed "$step_start")")")
+done
+
 failed=()
 for svc in "${services[@]}"; do
   image="primerl-${svc//_/-}"
   version="$(version_of "$svc")"
-  echo "==> building $image:$version (services/$svc/Dockerfile, base $BASE_IMAGE)"
+  echo "==> building $image:$version (services/$svc/Dockerfile)"
   step_start=$(now)
   status=""
   if ! "$DOCKER" build --force-rm "${EXTRA_ARGS[@]}" \

@@ -260,10 +260,10 @@ def lock_layers(report: dict, common: Project, services: list[Project], repo: Pa
         needed = closure(packages, roots)
         uses_torch = "torch" in needed
         dockerfile = repo / "services" / name / "Dockerfile"
-        if dockerfile.is_file() and uses_torch != (".cache/wheelhouse/torch" in dockerfile.read_text()):
+        if dockerfile.is_file() and uses_torch != ("ARG RUNTIME_IMAGE=primerl-runtime-torch" in dockerfile.read_text()):
             raise SystemExit(
                 f"wheelhouse: {name} {'now needs' if uses_torch else 'no longer needs'} torch: "
-                f"its Dockerfile must {'add' if uses_torch else 'drop'} the torch layer"
+                f"its Dockerfile must build on {'primerl-runtime-torch' if uses_torch else 'primerl-runtime'}"
             )
         layers[name] = needed - base - local - (torch if uses_torch else set())
     return {layer: {n: version[n] for n in names} for layer, names in layers.items()}
