@@ -1,33 +1,20 @@
-"""The orchestrator with the real services it drives: primerl-inference (vLLM on CPU, a
-tiny Qwen3-MoE) behind primerl-router, primerl-trainer replaying the routed experts, and
-primerl-weight-broadcaster pushing each version the trainer publishes to the replica (which
-the router follows). Every test reads the trainer's next expected step first, so the tests
-share one trainer in any order.
-
-The model is the tiny MoE after a few SFT steps on the guessing game (cached), so that its
-answers are text that the chat template renders back to the same tokens; a random model
-samples bytes that do not survive decoding, which rightly starts a new sample each turn.
+"""The orchestrator with the real services it drives (stack.py): an external environment's
+episodes reach the trainer as aligned samples, a killed orchestrator resumes from its
+checkpoint, rollouts too far off-policy are dropped, bad inputs are refused. Every test reads
+the trainer's next expected step first, so the tests share one stack in any order.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import itertools
 import json
 import math
-import os
 import pathlib
-import random
-import shutil
 import signal
 import sys
-import tempfile
-from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Iterator
 
 import grpc
 import pytest
@@ -38,258 +25,22 @@ from safetensors.torch import load_file
 from primerl.common.v1 import generation_pb2
 from primerl.orchestrator.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 from primerl.router.v1 import router_pb2, router_pb2_grpc
-from primerl.trainer.v1 import trainer_pb2, trainer_pb2_grpc
-from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2, weight_broadcaster_pb2_grpc
 from primerl_common.client import make_channel
 from primerl_common.errors import error_details
 from primerl_common.tensors import tensor_from_proto
-from primerl_common.testing import ServiceProcess, free_port
-from primerl_common.tiny_model import make_tiny_model
+from primerl_common.testing import ServiceProcess
+
+from .stack import (
+    EXAMPLE,
+    MAX_MODEL_LEN,
+    orchestrator,
+    orchestrator_config,
+    trained_steps,
+    trainer_next_step,
+    wait_for_status,
+)
 
 pytestmark = pytest.mark.slow
-
-REPO = pathlib.Path(__file__).resolve().parents[1]
-EXAMPLE = REPO / "examples" / "custom_env" / "guessing_game.py"
-CACHE = pathlib.Path(os.environ.get("PRIMERL_TEST_CACHE", pathlib.Path(tempfile.gettempdir()) / "primerl-test-cache"))
-MAX_MODEL_LEN = 512
-SEQ_LEN = 1024
-# Bump to remake the cached model.
-_RECIPE = "guess-sft-v1"
-
-
-def binary(name: str) -> str:
-    return str(pathlib.Path(sys.executable).parent / name)
-
-
-def service_args(name: str, port: int, *flags: str) -> list[str]:
-    common = [f"--server.port={port}", "--server.host=127.0.0.1", "--server.drain_delay_s=0"]
-    return [binary(name), *common, "--observability.log_json=false", *flags]
-
-
-# ---------------------------------------------------------------------------- the model
-
-
-def guessing_model(root: pathlib.Path) -> pathlib.Path:
-    """The tiny MoE taught to answer the guessing game with one digit and the end of turn."""
-    sys.path.insert(0, str(EXAMPLE.parent))
-    import guessing_game
-
-    digest = hashlib.sha256((_RECIPE + guessing_game.SYSTEM_PROMPT).encode()).hexdigest()[:12]
-    out = root / f"tiny-moe-{digest}"
-    if (out / "model.safetensors").is_file():
-        return out
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    base = make_tiny_model(root / "tiny-moe-float32", kind="moe", dtype="float32")
-    tokenizer = AutoTokenizer.from_pretrained(base)
-    rng = random.Random(0)
-
-    def conversation() -> tuple[list[int], list[bool]]:
-        secret = rng.randint(1, 9)
-        messages = [
-            {"role": "system", "content": guessing_game.SYSTEM_PROMPT.format(low=1, high=9)},
-            {"role": "user", "content": "Your first guess?"},
-        ]
-        ids: list[int] = []
-        mask: list[bool] = []
-        for _ in range(rng.randint(1, 3)):
-            prompt = tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=True, return_dict=True
-            )
-            appended = prompt["input_ids"][len(ids) :]
-            guess = rng.randint(1, 9)
-            answer = [*tokenizer.encode(str(guess), add_special_tokens=False), tokenizer.eos_token_id]
-            ids += appended + answer
-            mask += [False] * len(appended) + [True] * len(answer)
-            messages += [
-                {"role": "assistant", "content": str(guess)},
-                {"role": "user", "content": guessing_game.feedback(guess, secret)},
-            ]
-        return ids, mask
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # several threads spin against each other on a shared 2-core box
-    try:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(0)
-            model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-            optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-            for _ in range(14):
-                batch = [conversation() for _ in range(8)]
-                width = max(len(ids) for ids, _ in batch)
-                ids = torch.tensor([ids + [0] * (width - len(ids)) for ids, _ in batch])
-                mask = torch.tensor([mask + [False] * (width - len(mask)) for _, mask in batch])
-                logits = model(input_ids=ids).logits[:, :-1]
-                loss = torch.nn.functional.cross_entropy(logits[mask[:, 1:]], ids[:, 1:][mask[:, 1:]])
-                optimizer.zero_grad()
-                loss.backward()
-                optimizer.step()
-        staging = pathlib.Path(tempfile.mkdtemp(dir=root, prefix=".guess-"))
-        shutil.copytree(base, staging, dirs_exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=root) as saved:
-            model.save_pretrained(saved)
-            assert set(load_file(f"{saved}/model.safetensors")) == set(load_file(base / "model.safetensors"))
-            shutil.copy(f"{saved}/model.safetensors", staging / "model.safetensors")
-        os.replace(staging, out)
-    finally:
-        torch.set_num_threads(threads)
-    return out
-
-
-# ---------------------------------------------------------------------------- the stack
-
-
-@dataclass
-class Stack:
-    model: pathlib.Path
-    router: str
-    trainer: str
-    trainer_process: ServiceProcess
-    weight_broadcaster: str
-
-
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory):
-    CACHE.mkdir(parents=True, exist_ok=True)
-    model = guessing_model(CACHE)
-    root = tmp_path_factory.mktemp("stack")
-    inference_port, router_port, trainer_port, broadcaster_port = (free_port() for _ in range(4))
-    inference, broadcaster = f"127.0.0.1:{inference_port}", f"127.0.0.1:{broadcaster_port}"
-    router_config = root / "router.toml"
-    router_config.write_text(
-        f'[[replicas]]\nreplica_id = "inference-0"\naddress = "{inference}"\n'
-        f'[versions]\nweight_broadcaster_address = "{broadcaster}"\n'
-        "[health]\ninterval_s = 0.5\n[load]\nreport_interval_ms = 100\n[routing]\nno_replica_wait_s = 60.0\n"
-    )
-    processes = [
-        ServiceProcess(
-            service_args(
-                "primerl-inference",
-                inference_port,
-                f"--engine.model={model}",
-                "--engine.dtype=float32",
-                "--engine.enforce_eager=true",
-                f"--engine.max_model_len={MAX_MODEL_LEN}",
-                "--engine.max_num_seqs=16",
-                "--replica.id=inference-0",
-            ),
-            port=inference_port,
-        ),
-        ServiceProcess(
-            service_args("primerl-weight-broadcaster", broadcaster_port, "--push.probe_interval_s=0.5"),
-            port=broadcaster_port,
-        ),
-        ServiceProcess(service_args("primerl-router", router_port, "-c", str(router_config)), port=router_port),
-        ServiceProcess(
-            service_args(
-                "primerl-trainer",
-                trainer_port,
-                f"--model.path={model}",
-                "--model.dtype=float32",
-                "--model.compute_dtype=float32",
-                f"--seq_len={SEQ_LEN}",
-                "--router_replay=true",
-                "--max_queued_batches=2",
-                f"--publish.weight_broadcaster={broadcaster}",
-            ),
-            port=trainer_port,
-        ),
-    ]
-
-    async def start() -> None:
-        await asyncio.gather(*(process.start(timeout_s=240) for process in processes))
-        async with make_channel(broadcaster) as channel:
-            await weight_broadcaster_pb2_grpc.WeightBroadcasterServiceStub(channel).RegisterReplica(
-                weight_broadcaster_pb2.RegisterReplicaRequest(replica_id="inference-0", address=inference)
-            )
-
-    try:
-        asyncio.run(start())
-        yield Stack(
-            model=model,
-            router=f"127.0.0.1:{router_port}",
-            trainer=f"127.0.0.1:{trainer_port}",
-            trainer_process=processes[3],
-            weight_broadcaster=broadcaster,
-        )
-    finally:
-
-        async def stop() -> None:
-            await asyncio.gather(*(process.__aexit__(None, None, None) for process in processes))
-
-        asyncio.run(stop())
-
-
-def orchestrator_config(
-    stack: Stack,
-    path: pathlib.Path,
-    *,
-    environments: str,
-    run: dict[str, Any],
-    versions_from_broadcaster: bool = True,
-    **output: Any,
-) -> pathlib.Path:
-    """Without versions_from_broadcaster the orchestrator takes the trainer's completed steps."""
-    lines = [
-        "[peers]",
-        f'router = "{stack.router}"',
-        f'trainer = "{stack.trainer}"',
-        "poll_interval_s = 0.2",
-        *([f'weight_broadcaster = "{stack.weight_broadcaster}"'] if versions_from_broadcaster else []),
-        "[model]",
-        f'path = "{stack.model}"',
-        f"max_model_len = {MAX_MODEL_LEN}",
-        "[run]",
-        *(f"{key} = {value}" for key, value in run.items()),
-        "[output]",
-        *(f'{key} = "{value}"' for key, value in output.items()),
-        environments,
-    ]
-    path.write_text("\n".join(lines) + "\n")
-    return path
-
-
-@asynccontextmanager
-async def orchestrator(
-    config: pathlib.Path,
-) -> AsyncIterator[tuple[ServiceProcess, orchestrator_pb2_grpc.OrchestratorServiceStub]]:
-    port = free_port()
-    process = ServiceProcess(service_args("primerl-orchestrator", port, "-c", str(config)), port=port)
-    async with process, make_channel(process.address, max_attempts=1) as channel:
-        yield process, orchestrator_pb2_grpc.OrchestratorServiceStub(channel)
-
-
-async def trainer_next_step(stack: Stack) -> int:
-    async with make_channel(stack.trainer) as channel:
-        spec = await trainer_pb2_grpc.TrainerServiceStub(channel).GetBatchSpec(trainer_pb2.GetBatchSpecRequest())
-    return spec.next_step
-
-
-async def trained_steps(
-    stack: Stack, *, after_step: int, until_step: int, timeout_s: float
-) -> list[trainer_pb2.StepMetrics]:
-    steps = []
-    async with make_channel(stack.trainer) as channel:
-        call = trainer_pb2_grpc.TrainerServiceStub(channel).WatchSteps(
-            trainer_pb2.WatchStepsRequest(after_step=after_step), timeout=timeout_s
-        )
-        async for response in call:
-            steps.append(response.step)
-            if response.step.step >= until_step:
-                call.cancel()
-                break
-    return steps
-
-
-async def wait_for_status(stub, predicate, *, timeout_s: float) -> orchestrator_pb2.GetRunStatusResponse:
-    loop = asyncio.get_running_loop()
-    give_up_at = loop.time() + timeout_s
-    while True:
-        status = await stub.GetRunStatus(orchestrator_pb2.GetRunStatusRequest())
-        if predicate(status):
-            return status
-        assert loop.time() < give_up_at, f"gave up waiting; last status:\n{status}"
-        await asyncio.sleep(0.2)
 
 
 async def appears(path: pathlib.Path, *, timeout_s: float) -> None:

@@ -408,8 +408,13 @@ async def test_malformed_updates_are_refused_and_change_nothing(
 async def test_draining_refuses_new_requests(served: Served, stub) -> None:
     # What SIGTERM starts (GrpcService.stop runs these hooks before the server refuses
     # calls). Last test of the module: the service stays draining until it stops.
+    watch = stub.WatchLoad(inference_pb2.WatchLoadRequest(interval_ms=20))
+    assert not (await watch.read()).load.draining
     for hook in served.service.definition.on_drain:
         await hook()
 
     assert await status_of(generate(stub, gen_input())) == grpc.StatusCode.UNAVAILABLE
     assert (await load(stub)).draining
+    # Load streams end with a report that says so: they do not hold the stop up.
+    reports = [response.load async for response in watch]
+    assert reports and reports[-1].draining and not any(r.draining for r in reports[:-1])

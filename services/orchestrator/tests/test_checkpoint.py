@@ -34,7 +34,7 @@ def test_counters_resume_without_counting_twice():
     # The Prometheus counter has everything this process counted.
     assert REGISTRY.get_sample_value("primerl_orchestrator_turns_total", {"environment": "a"}) == 5
     # The first step after a resume reports only what happened since.
-    per_env = restored.close_step(step=1, policy_version=0, off_policy_max=0, num_samples=0, num_tokens=0)
+    per_env = restored.close_step(policy_version=0)
     assert per_env["a"]["turns"] == 2
 
 

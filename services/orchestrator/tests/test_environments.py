@@ -47,12 +47,21 @@ def test_reverse_text_reward():
     assert env.score(task, "") == 0.0
 
 
+def test_reverse_text_prompt_and_reference_answer():
+    env = make(ReverseText, system_prompt="Reverse the text.")
+    task = env.task(2)
+    assert env.prompt(task) == [("system", "Reverse the text."), ("user", task.data["text"])]
+    assert env.score(task, env.reference_answer(task)) == 1.0
+    assert make(ReverseText).prompt(task)[0][1].startswith("Reverse the text the user sends")
+
+
 def test_sort_letters_exact_answer():
     env = make(SortLetters, min_letters=5, max_letters=5)
     task = env.task(7)
     assert len(task.data["letters"]) == 5
     assert env.score(task, task.data["answer"]) == 1.0
     assert env.score(task, task.data["answer"][::-1] + "x") == 0.0
+    assert env.reference_answer(task) == task.data["answer"]
 
 
 def test_play_is_one_turn_scored():

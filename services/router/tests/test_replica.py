@@ -110,6 +110,17 @@ def test_update_state_from_either_source_and_forgetting_the_stream():
     assert replica.policy_version == UNKNOWN_VERSION and replica.load is None
 
 
+def test_a_replica_that_said_it_drains_stays_draining_once_its_stream_ends():
+    replica = Replica("a", "x:1")
+    replica.apply_load(load(policy_version=3, draining=True))
+    assert not replica.accepts(RouteRequest())
+    replica.forget_load()  # it ended the stream after the draining report
+    assert replica.self_draining and replica.policy_version == UNKNOWN_VERSION
+    assert not replica.accepts(RouteRequest())
+    replica.apply_load(load(policy_version=0))  # the next process at its address
+    assert replica.accepts(RouteRequest()) and replica.policy_version == 0
+
+
 async def test_wait_idle_returns_when_the_last_request_ends():
     replica = Replica("a", "x:1")
     await replica.wait_idle()  # nothing in flight

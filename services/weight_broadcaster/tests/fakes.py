@@ -91,8 +91,12 @@ class FakeReplica(inference_pb2_grpc.InferenceServiceServicer):
 
 
 @contextlib.asynccontextmanager
-async def running_broadcaster(**push: float) -> AsyncIterator[weight_broadcaster_pb2_grpc.WeightBroadcasterServiceStub]:
-    config = WeightBroadcasterConfig(server={"host": "127.0.0.1", "port": 0}, push={**FAST_PUSH, **push})
+async def running_broadcaster(
+    replicas: list[dict[str, str]] | None = None, **push: float
+) -> AsyncIterator[weight_broadcaster_pb2_grpc.WeightBroadcasterServiceStub]:
+    config = WeightBroadcasterConfig(
+        server={"host": "127.0.0.1", "port": 0}, push={**FAST_PUSH, **push}, replicas=replicas or []
+    )
     service = GrpcService(await build(config), config)
     port = await service.start()
     try:

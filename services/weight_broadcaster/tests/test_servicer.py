@@ -8,6 +8,12 @@ import torch
 
 from primerl.common.v1 import tensor_pb2
 from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2 as pb2
+from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2_grpc
+from primerl_common.client import make_channel
+from primerl_common.server import GrpcService
+from primerl_common.testing import free_port
+from primerl_weight_broadcaster.config import WeightBroadcasterConfig
+from primerl_weight_broadcaster.server import build
 
 from .fakes import FakeReplica, eventually, publish, replica_states, running_broadcaster, wait_for
 
@@ -113,16 +119,59 @@ async def test_a_failing_replica_does_not_hold_back_the_others():
             status = {r.replica_id: r for r in (await stub.GetStatus(pb2.GetStatusRequest())).replicas}
             assert status["bad"].state == CURRENT and status["bad"].num_consecutive_failures == 0
 
-            # A replica that is down entirely: the other one still moves on.
+            # A replica that is down entirely: the other one still moves on. What the down one serves
+            # is unknown (it may come back on its checkpoint), so it no longer counts at version 1.
             await bad.stop()
             await publish(stub, 2, weights(2))
             await wait_for(stub, 2, 1)
             await eventually(lambda: _failed(stub, "bad"))
+            assert (await replica_states(stub))["bad"] == (FAILED, -1)
+            assert (await wait_for(stub, 1, 1)).num_replicas_at_version == 1
             await bad.start(bad.port)
             await wait_for(stub, 2, 2)
     finally:
         await good.stop()
         await bad.stop()
+
+
+async def test_a_replica_that_comes_back_is_pushed_within_a_probe_interval():
+    """Probes of a replica that is down do not back off like failed pushes: once it is back (a
+    restart that took long), it gets the latest version at the next probe, not after minutes."""
+    replica = FakeReplica()
+    port = free_port()
+    async with running_broadcaster(probe_interval_s=0.2, retry_initial_s=0.1, retry_max_s=60.0) as stub:
+        await stub.RegisterReplica(pb2.RegisterReplicaRequest(replica_id="r", address=f"127.0.0.1:{port}"))
+        await publish(stub, 1, weights(1))
+
+        async def failed_often() -> bool:
+            status = (await stub.GetStatus(pb2.GetStatusRequest())).replicas[0]
+            return status.num_consecutive_failures >= 8  # a push backoff would be 0.1 * 2**7 s by now
+
+        await eventually(failed_often)
+        await replica.start(port)
+        try:
+            await wait_for(stub, 1, 1, timeout_s=2.0)
+        finally:
+            await replica.stop()
+
+
+async def test_replicas_in_the_config_are_registered_at_start():
+    """A restarted broadcaster knows its configured replicas again; the first version published
+    to it (a trainer republishing what the old process had) reaches them."""
+    replica = await FakeReplica().start()
+    try:
+        async with running_broadcaster(replicas=[{"replica_id": "r", "address": replica.address}]) as stub:
+            await eventually(lambda: _state_is(stub, "r", (CURRENT, 0)))
+            await publish(stub, 3, weights(3))
+            await wait_for(stub, 3, 1)
+            assert replica.policy_version == 3 and not replica.updates[0][0].delta
+    finally:
+        await replica.stop()
+
+
+def test_config_refuses_duplicate_replica_ids():
+    with pytest.raises(ValueError, match="duplicate replica_id r"):
+        WeightBroadcasterConfig(replicas=[{"replica_id": "r", "address": "a:1"}, {"replica_id": "r", "address": "b:1"}])
 
 
 async def test_delta_sends_only_changed_tensors():
@@ -190,3 +239,28 @@ async def _at(replica: FakeReplica, policy_version: int) -> bool:
 
 async def _failed(stub, replica_id: str) -> bool:
     return (await replica_states(stub))[replica_id][0] == FAILED
+
+
+async def _state_is(stub, replica_id: str, state: tuple[int, int]) -> bool:
+    return (await replica_states(stub)).get(replica_id) == state
+
+
+async def test_a_graceful_stop_ends_watches_and_waits_at_once():
+    """Streams that never end on their own (WatchReplicas, a long WaitForVersion) do not hold a
+    graceful stop for its whole grace period: they end, and their clients ask the next process."""
+    config = WeightBroadcasterConfig(server={"host": "127.0.0.1", "port": 0, "grace_s": 30, "drain_delay_s": 0})
+    service = GrpcService(await build(config), config)
+    port = await service.start()
+    async with make_channel(f"127.0.0.1:{port}", max_attempts=1) as channel:
+        stub = weight_broadcaster_pb2_grpc.WeightBroadcasterServiceStub(channel)
+        watch = stub.WatchReplicas(pb2.WatchReplicasRequest())
+        wait = asyncio.ensure_future(
+            stub.WaitForVersion(pb2.WaitForVersionRequest(policy_version=1, timeout_ms=60_000))
+        )
+        await asyncio.sleep(0.2)  # both are open
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        await service.stop()
+        assert loop.time() - started < 5
+        assert not (await wait).reached
+        assert [event async for event in watch] == []

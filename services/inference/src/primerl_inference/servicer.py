@@ -129,7 +129,12 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
     ) -> AsyncIterator[inference_pb2.WatchLoadResponse]:
         interval_s = (request.interval_ms or self._watch_interval_ms) / 1000
         while True:
-            yield inference_pb2.WatchLoadResponse(load=load_to_proto(self._engine.load_report()))
+            report = self._engine.load_report()
+            yield inference_pb2.WatchLoadResponse(load=load_to_proto(report))
+            if report.draining:
+                # The last report says so; a stream that went on would hold a graceful stop for
+                # its whole grace period.
+                return
             await asyncio.sleep(interval_s)
 
     async def LoadAdapter(

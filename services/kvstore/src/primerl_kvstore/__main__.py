@@ -6,11 +6,10 @@ from collections.abc import Sequence
 from primerl_common.server import run_main
 from primerl_kvstore import __version__
 from primerl_kvstore.config import KvstoreConfig
-from primerl_kvstore.server import build
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return run_main(KvstoreConfig, build, version=__version__, argv=argv)
+    return run_main(KvstoreConfig, "primerl_kvstore.server:build", version=__version__, argv=argv)
 
 
 if __name__ == "__main__":

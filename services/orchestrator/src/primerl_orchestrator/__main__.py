@@ -6,11 +6,10 @@ from collections.abc import Sequence
 from primerl_common.server import run_main
 from primerl_orchestrator import __version__
 from primerl_orchestrator.config import OrchestratorConfig
-from primerl_orchestrator.server import build
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return run_main(OrchestratorConfig, build, version=__version__, argv=argv)
+    return run_main(OrchestratorConfig, "primerl_orchestrator.server:build", version=__version__, argv=argv)
 
 
 if __name__ == "__main__":

@@ -36,6 +36,11 @@ class PeersConfig(Section):
         description="with a weight broadcaster: a version counts once this many replicas serve it (0: once published)",
     )
     generate_timeout_s: float = Field(default=600.0, gt=0, description="deadline of one model turn")
+    router_retry_s: float = Field(
+        default=60.0,
+        ge=0,
+        description="how long a model turn is tried again while the router is unavailable (e.g. restarting)",
+    )
     poll_interval_s: float = Field(default=0.5, gt=0, description="how often the trainer's status is polled")
 
 

@@ -3,6 +3,7 @@ per-token logprobs and policy versions (and, when asked, the routed experts) out
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass
 
@@ -17,6 +18,9 @@ from primerl_common.tensors import tensor_from_proto
 __all__ = ["GenerationError", "GenerationRequest", "GenerationResult", "RouterGeneration"]
 
 logger = logging.getLogger(__name__)
+
+_INITIAL_BACKOFF_S = 0.2
+_MAX_BACKOFF_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -49,10 +53,23 @@ class GenerationError(Exception):
         self.message = message
 
 
+class _NothingReceived(Exception):
+    """UNAVAILABLE before any output: the turn did not run."""
+
+    def __init__(self, error: GenerationError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
 class RouterGeneration:
-    def __init__(self, address: str, *, timeout_s: float) -> None:
+    """`retry_s`: how long a turn is tried again while the router answers UNAVAILABLE before
+    any output (it is restarting, or has no replica that can take the turn): such a turn never
+    ran, so trying it again repeats nothing."""
+
+    def __init__(self, address: str, *, timeout_s: float, retry_s: float = 60.0) -> None:
         self.address = address
         self._timeout_s = timeout_s
+        self._retry_s = retry_s
         self._channel = make_channel(address)
         self._stub = router_pb2_grpc.RouterServiceStub(self._channel)
 
@@ -60,6 +77,27 @@ class RouterGeneration:
         await self._channel.close()
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        backoff = _INITIAL_BACKOFF_S
+        while True:
+            try:
+                return await self._generate_once(request, timeout_s=self._timeout_s - (loop.time() - started))
+            except _NothingReceived as unavailable:
+                waited = loop.time() - started
+                if waited + backoff > min(self._retry_s, self._timeout_s):
+                    raise unavailable.error from None
+                logger.info(
+                    "router at %s unavailable (%s); turn %s again in %.1fs",
+                    self.address,
+                    unavailable.error.message,
+                    request.request_id,
+                    backoff,
+                )
+            await asyncio.sleep(backoff)
+            backoff = min(2 * backoff, _MAX_BACKOFF_S)
+
+    async def _generate_once(self, request: GenerationRequest, *, timeout_s: float) -> GenerationResult:
         message = router_pb2.GenerateRequest(
             input=generation_pb2.GenerationInput(
                 request_id=request.request_id,
@@ -78,7 +116,7 @@ class RouterGeneration:
         versions: list[int] = []
         final: generation_pb2.GenerationOutput | None = None
         try:
-            async for response in self._stub.Generate(message, timeout=self._timeout_s):
+            async for response in self._stub.Generate(message, timeout=timeout_s):
                 output = response.output
                 if output.offset != len(token_ids):
                     raise GenerationError(
@@ -90,7 +128,10 @@ class RouterGeneration:
                 if output.finished:
                     final = output
         except grpc.aio.AioRpcError as exc:
-            raise GenerationError(exc.code(), exc.details() or "") from None
+            error = GenerationError(exc.code(), exc.details() or "")
+            if exc.code() == grpc.StatusCode.UNAVAILABLE and not token_ids:
+                raise _NothingReceived(error) from None
+            raise error from None
         if final is None:
             raise GenerationError(grpc.StatusCode.UNAVAILABLE, "the stream ended before the turn finished")
         if final.finish_reason == generation_pb2.FINISH_REASON_ABORT or not token_ids:

@@ -17,6 +17,7 @@ import os
 import time
 from typing import Any
 
+import grpc
 from safetensors.torch import save_file
 
 from primerl_orchestrator.checkpoint import load_state, save_state
@@ -77,6 +78,7 @@ class BatchLoop:
                 step,
                 extra={"step": step},
             )
+        self._rewind(step)
         run.begin(spec, next_step=step, versions_served=self._versions.served)
         self._spawn(self._versions.follow(run.set_policy_version))
         self._spawn(self._sweep())
@@ -86,42 +88,80 @@ class BatchLoop:
                     self._spawn(play_builtin(run, name, env.builtin))
 
         last_step_at = time.monotonic()
-        while step <= config.run.max_steps:
-            rollouts = await run.next_batch(step)
-            samples = [TrainingSample(sample, r.advantage) for r in rollouts for sample in r.samples]
-            packed = pack(samples, seq_len=spec.seq_len, with_routed_experts=spec.router_replay)
-            if packed.num_loss_tokens == 0:
-                logger.warning("the batch of step %d has no loss token left after truncation; collecting again", step)
-                run.dispatcher.update(next_step=step)
-                continue
-            pushed = await self._push(step, packed)
-            if pushed is None:
+        while True:
+            while step <= config.run.max_steps:
+                rollouts = await run.next_batch(step)
+                samples = [TrainingSample(sample, r.advantage) for r in rollouts for sample in r.samples]
+                packed = pack(samples, seq_len=spec.seq_len, with_routed_experts=spec.router_replay)
+                if packed.num_loss_tokens == 0:
+                    logger.warning(
+                        "the batch of step %d has no loss token left after truncation; collecting again", step
+                    )
+                    run.dispatcher.update(next_step=step)
+                    continue
+                now = time.monotonic()
+                record = self._step_record(rollouts, packed, elapsed_s=now - last_step_at)
+                oldest = [r.oldest_version for r in rollouts]
+                pushed = await self._push(step, packed, record, oldest)
+                if pushed is None:
+                    break
+                step = pushed + 1
+                last_step_at = now
+            # Pushed is not trained: a trainer that restarted meanwhile lost the batches it had
+            # queued, and asks for them again.
+            missing = await self._first_untrained_step()
+            if missing is None:
                 break
-            step = pushed
-            now = time.monotonic()
-            self._record(step, rollouts, packed, elapsed_s=now - last_step_at)
-            last_step_at = now
-            step += 1
+            logger.warning("the trainer expects the batch of step %d again (it restarted); collecting it", missing)
+            self._rewind(missing)
+            step = missing
+            run.dispatcher.update(next_step=step)
         run.finish()
         logger.info("the run is finished: %d steps", config.run.max_steps)
 
-    async def _push(self, step: int, packed: PackedBatch) -> int | None:
+    async def _push(self, step: int, packed: PackedBatch, record: dict[str, Any], oldest: list[int]) -> int | None:
         """Pushes the batch as `step`, or as the step the trainer expects; returns that step
-        (None: the trainer expects a step past max_steps, the run is over)."""
+        (None: the trainer expects a step past max_steps, the run is over). The step's metrics
+        line is written before each attempt (see MetricsLog)."""
         while True:
             self._checkpoint(step)
             if self._config.output.batches_dir is not None:
                 self._dump(step, packed)
+            if self._metrics_log is not None:
+                self._metrics_log.write({**record, "step": step, **_off_policy(step, oldest)})
             try:
                 await self._trainer.push(step, packed)
-                return step
             except StepMismatch as mismatch:
+                self._rewind(min(step, mismatch.expected_step))
                 if mismatch.expected_step > self._config.run.max_steps:
                     logger.warning("%s, past max_steps: the run is over", mismatch)
                     return None
                 logger.warning("%s; this batch becomes step %d", mismatch, mismatch.expected_step)
                 step = mismatch.expected_step
                 self._run.dispatcher.update(next_step=step + 1)
+                continue
+            self._pushed(step, packed, _off_policy(step, oldest))
+            return step
+
+    async def _first_untrained_step(self) -> int | None:
+        """None once the trainer has trained max_steps; the step it expects, if it expects one
+        up to max_steps (it lost queued batches)."""
+        max_steps = self._config.run.max_steps
+        while True:
+            spec = await self._trainer.batch_spec()
+            if spec.next_step <= max_steps:
+                return spec.next_step
+            try:
+                if await self._trainer.completed_step() >= max_steps:
+                    return None
+            except grpc.aio.AioRpcError as exc:
+                logger.info("trainer status: %s; asking again", exc.code().name)
+            await asyncio.sleep(self._config.peers.poll_interval_s)
+
+    def _rewind(self, step: int) -> None:
+        """Forgets the metrics lines of `step` and later: the trainer does not hold those batches."""
+        if self._metrics_log is not None and (removed := self._metrics_log.rewind(step)):
+            logger.warning("removed the metrics of %d steps from step %d on: the trainer never got them", removed, step)
 
     def _checkpoint(self, step: int) -> None:
         directory = self._config.output.checkpoint_dir
@@ -148,26 +188,15 @@ class BatchLoop:
         save_file(tensors, partial, metadata=metadata)
         os.replace(partial, path)
 
-    def _record(self, step: int, rollouts: list[Rollout], packed: PackedBatch, *, elapsed_s: float) -> None:
+    def _step_record(self, rollouts: list[Rollout], packed: PackedBatch, *, elapsed_s: float) -> dict[str, Any]:
+        """The metrics of a batch about to be pushed (its step is added when it is written);
+        closes the step's counters."""
         run = self._run
-        distances = [off_policy_steps(step, r.oldest_version) for r in rollouts]
-        run.last_pushed_step = step
-        run.off_policy_steps_mean = math.fsum(distances) / len(distances)
-        run.off_policy_steps_max = max(distances)
         policy_version = run.dispatcher.policy_version or 0
-        per_env = run.counters.close_step(
-            step=step,
-            policy_version=policy_version,
-            off_policy_max=run.off_policy_steps_max,
-            num_samples=packed.num_samples,
-            num_tokens=packed.num_tokens,
-        )
-        if self._metrics_log is None:
-            return
+        per_env = run.counters.close_step(policy_version=policy_version)
         reward_mean, reward_std = mean_std([r.reward for r in rollouts])
         turns = sum(env["turns"] for env in per_env.values())
-        record: dict[str, Any] = {
-            "step": step,
+        return {
             "time": time.time(),
             "step_time_s": elapsed_s,
             "policy_version": policy_version,
@@ -180,8 +209,6 @@ class BatchLoop:
             "num_samples_dropped_empty": packed.num_dropped_empty,
             "min_policy_version": packed.min_policy_version,
             "max_policy_version": packed.max_policy_version,
-            "off_policy_steps_mean": run.off_policy_steps_mean,
-            "off_policy_steps_max": run.off_policy_steps_max,
             "batch_reward_mean": reward_mean,
             "batch_reward_std": reward_std,
             "num_dropped_off_policy": sum(env["dropped_off_policy"] for env in per_env.values()),
@@ -191,7 +218,18 @@ class BatchLoop:
             "truncated_fraction": sum(env["turns_length_limited"] for env in per_env.values()) / max(turns, 1),
             "environments": per_env,
         }
-        self._metrics_log.write(record)
+
+    def _pushed(self, step: int, packed: PackedBatch, off_policy: dict[str, float]) -> None:
+        run = self._run
+        run.last_pushed_step = step
+        run.off_policy_steps_mean = off_policy["off_policy_steps_mean"]
+        run.off_policy_steps_max = int(off_policy["off_policy_steps_max"])
+        run.counters.pushed(
+            step=step,
+            off_policy_max=run.off_policy_steps_max,
+            num_samples=packed.num_samples,
+            num_tokens=packed.num_tokens,
+        )
 
     async def _sweep(self) -> None:
         while True:
@@ -202,6 +240,12 @@ class BatchLoop:
         task = asyncio.create_task(coroutine)
         task.add_done_callback(_log_failure)
         self._background.append(task)
+
+
+def _off_policy(step: int, oldest_versions: list[int]) -> dict[str, float]:
+    """How far the batch of `step` is from the oldest version in each of its rollouts."""
+    distances = [off_policy_steps(step, version) for version in oldest_versions]
+    return {"off_policy_steps_mean": math.fsum(distances) / len(distances), "off_policy_steps_max": max(distances)}
 
 
 def _log_failure(task: asyncio.Task[None]) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import pathlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -77,9 +78,7 @@ class RunCounters:
     def set_running(self, environment: str, num_running: int) -> None:
         _episodes_running.labels(environment).set(num_running)
 
-    def close_step(
-        self, *, step: int, policy_version: int, off_policy_max: int, num_samples: int, num_tokens: int
-    ) -> dict[str, dict[str, Any]]:
+    def close_step(self, *, policy_version: int) -> dict[str, dict[str, Any]]:
         """Per environment: what changed since the previous step, and the reward statistics;
         starts the next step."""
         per_env: dict[str, dict[str, Any]] = {}
@@ -100,12 +99,15 @@ class RunCounters:
             self._at_last_step[name] = dataclasses.replace(totals)
             self.rewards[name] = []
             self.episode_metrics[name] = {}
-        _step.set(step)
         _policy_version.set(policy_version)
+        return per_env
+
+    def pushed(self, *, step: int, off_policy_max: int, num_samples: int, num_tokens: int) -> None:
+        """A batch reached the trainer."""
+        _step.set(step)
         _off_policy_max.set(off_policy_max)
         _samples_pushed.inc(num_samples)
         _tokens_pushed.inc(num_tokens)
-        return per_env
 
     def state(self) -> dict[str, dict[str, int]]:
         return {name: dataclasses.asdict(totals) for name, totals in self.totals.items()}
@@ -125,7 +127,10 @@ def mean_std(values: Sequence[float]) -> tuple[float, float]:
 
 
 class MetricsLog:
-    """One JSON object per line, appended (a resumed run continues the same file)."""
+    """One JSON object per line, appended (a resumed run continues the same file). Each step's
+    line is written before its batch is pushed, and the lines of steps the trainer turns out not
+    to hold (a crash before the push got through, a trainer that lost queued batches) are
+    removed by `rewind` before those steps are collected again: each step has one line."""
 
     def __init__(self, path: pathlib.Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -134,3 +139,17 @@ class MetricsLog:
     def write(self, record: dict[str, Any]) -> None:
         with self.path.open("a") as file:
             file.write(json.dumps(record, sort_keys=True) + "\n")
+
+    def rewind(self, step: int) -> int:
+        """Removes the lines of `step` and later steps (atomically); returns how many."""
+        try:
+            lines = self.path.read_text().splitlines(keepends=True)
+        except FileNotFoundError:
+            return 0
+        kept = [line for line in lines if not line.strip() or json.loads(line)["step"] < step]
+        if len(kept) == len(lines):
+            return 0
+        partial = self.path.with_name(f".{self.path.name}.partial")
+        partial.write_text("".join(kept))
+        os.replace(partial, self.path)
+        return len(lines) - len(kept)

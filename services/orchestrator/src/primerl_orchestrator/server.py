@@ -23,7 +23,7 @@ __all__ = ["build"]
 async def build(config: OrchestratorConfig) -> ServiceDefinition:
     peers = config.peers
     renderer = PromptRenderer(config.model.path, max_model_len=config.model.max_model_len)
-    generation = RouterGeneration(peers.router, timeout_s=peers.generate_timeout_s)
+    generation = RouterGeneration(peers.router, timeout_s=peers.generate_timeout_s, retry_s=peers.router_retry_s)
     trainer = TrainerFeed(peers.trainer)
     versions: VersionSource
     if peers.weight_broadcaster is not None:

@@ -6,11 +6,10 @@ from collections.abc import Sequence
 from primerl_common.server import run_main
 from primerl_router import __version__
 from primerl_router.config import RouterConfig
-from primerl_router.server import build
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return run_main(RouterConfig, build, version=__version__, argv=argv)
+    return run_main(RouterConfig, "primerl_router.server:build", version=__version__, argv=argv)
 
 
 if __name__ == "__main__":

@@ -218,8 +218,11 @@ class Replica:
         self.metrics.updating.set(self.updating)
 
     def forget_load(self) -> None:
-        """The load stream is gone: what it said (version included) may be stale."""
-        self.load = None
+        """The load stream is gone: what it said (version included) may be stale. A replica
+        that said it is draining stays so until it reports again: it ends its stream after
+        saying so, and what answers next at its address is a new process."""
+        draining = self.self_draining
+        self.load = generation_pb2.LoadReport(draining=True) if draining else None
         self.num_started_since_report = 0
         self.policy_version = UNKNOWN_VERSION
         self.load_updating = False

@@ -42,6 +42,7 @@ class BroadcasterFollower:
     async def run(self) -> None:
         """Follows the stream until cancelled, reconnecting with backoff."""
         backoff = 0.1
+        num_failures = 0
         async with grpc.aio.insecure_channel(self.address, options=channel_options(4 * 1024 * 1024)) as channel:
             stub = wb_pb2_grpc.WeightBroadcasterServiceStub(channel)
             while True:
@@ -49,10 +50,13 @@ class BroadcasterFollower:
                     async for update in stub.WatchReplicas(wb_pb2.WatchReplicasRequest()):
                         if not self.connected:
                             logger.info("following the weight broadcaster at %s", self.address)
-                            self.connected, backoff = True, 0.1
+                            self.connected, backoff, num_failures = True, 0.1, 0
                         self.apply(update)
                 except grpc.aio.AioRpcError as exc:
-                    logger.warning("weight broadcaster at %s: %s", self.address, exc.code().name)
+                    # Said once per outage (a restarting broadcaster fails every reconnect until it is back).
+                    num_failures += 1
+                    log = logger.warning if num_failures == 1 else logger.debug
+                    log("weight broadcaster at %s: %s", self.address, exc.code().name)
                 self._disconnected()
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, _MAX_RECONNECT_S)

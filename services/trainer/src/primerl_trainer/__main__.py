@@ -17,6 +17,7 @@ from primerl_trainer.loop import follow
 from primerl_trainer.process_group import launched_by_torchrun
 from primerl_trainer.runtime import build_runtime, shutdown_runtime
 from primerl_trainer.server import build
+from primerl_trainer.service import training_failed
 
 logger = logging.getLogger("primerl_trainer")
 
@@ -24,7 +25,8 @@ logger = logging.getLogger("primerl_trainer")
 def main(argv: Sequence[str] | None = None) -> int:
     if launched_by_torchrun() and int(os.environ["RANK"]) != 0:
         return follower_main(argv)
-    return run_main(TrainerConfig, build, version=__version__, argv=argv)
+    code = run_main(TrainerConfig, build, version=__version__, argv=argv)
+    return code or (1 if training_failed.is_set() else 0)
 
 
 def follower_main(argv: Sequence[str] | None = None) -> int:

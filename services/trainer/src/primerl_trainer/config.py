@@ -16,6 +16,7 @@ from primerl_trainer.process_group import DeviceType
 __all__ = [
     "CheckpointConfig",
     "DTypeName",
+    "ExportConfig",
     "LoRAConfig",
     "ModelConfig",
     "PublishConfig",
@@ -60,6 +61,9 @@ class PublishConfig(Section):
     chunk_bytes: int = Field(default=4 * 1024 * 1024, gt=0)
     initial_backoff_s: float = Field(default=1.0, gt=0, description="first retry delay after a failed publish")
     max_backoff_s: float = Field(default=60.0, gt=0)
+    check_interval_s: float = Field(
+        default=2.0, gt=0, description="how often the broadcaster is asked whether it lost the latest version"
+    )
 
 
 class LoRAConfig(Section):
@@ -84,6 +88,22 @@ class SFTConfig(Section):
     max_steps: int | None = Field(default=None, gt=0, description="stop after this many steps")
     shuffle: bool = True
     seed: int = 0
+    exit_when_done: bool = Field(
+        default=False,
+        description="stop the trainer (exit 0) once the last SFT step is trained, checkpointed and exported",
+    )
+
+
+class ExportConfig(Section):
+    hf_dir: str | None = Field(
+        default=None,
+        description="on stop, write the final weights here as a Hugging Face model folder (config, safetensors, "
+        "tokenizer copied from model.path), replaced whole; unset: no export",
+    )
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        default="auto", description="dtype of the exported weights; auto: the checkpoint's (config.json)"
+    )
+    max_shard_bytes: int = Field(default=5 * 1024**3, gt=0, description="safetensors files are cut at this size")
 
 
 class TrainerConfig(ServiceConfig):
@@ -109,6 +129,7 @@ class TrainerConfig(ServiceConfig):
     publish: PublishConfig = PublishConfig()
     lora: LoRAConfig = LoRAConfig()
     sft: SFTConfig = SFTConfig()
+    export: ExportConfig = ExportConfig()
 
     @model_validator(mode="after")
     def _check_combinations(self) -> TrainerConfig:
@@ -116,4 +137,6 @@ class TrainerConfig(ServiceConfig):
             raise ValueError("publish.kind 'adapter' needs lora.enabled")
         if self.sft.dataset is not None and self.mode != "sft":
             raise ValueError("sft.dataset needs mode 'sft'")
+        if self.sft.exit_when_done and self.sft.dataset is None:
+            raise ValueError("sft.exit_when_done needs sft.dataset")
         return self

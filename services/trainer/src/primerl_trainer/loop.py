@@ -28,6 +28,8 @@ from primerl_trainer import metrics as prometheus
 from primerl_trainer.batch import MicroBatch
 from primerl_trainer.commands import Command, CommandKind
 from primerl_trainer.export import exported_tensors, gather_state_dict
+from primerl_trainer.hf_export import export_dtype, export_hf_model
+from primerl_trainer.models import read_hf_config
 from primerl_trainer.publish import AdapterInfo, PublishError, WeightPublisher, publish_requests
 from primerl_trainer.runtime import TrainingRuntime
 from primerl_trainer.sft_data import SFTDataset
@@ -67,6 +69,7 @@ class StepExecutor:
         self.trainer = runtime.trainer
         self.publisher = publisher
         self.publishing = runtime.config.publish.weight_broadcaster is not None
+        self.exporting = runtime.config.export.hf_dir is not None
 
     def train(self, command: Command) -> dict[str, float]:
         expected = self.trainer.step + 1
@@ -117,6 +120,21 @@ class StepExecutor:
         assert self.runtime.checkpointer is not None
         return str(self.runtime.checkpointer.save(self.trainer))
 
+    def export_hf(self) -> None:
+        """Write the current weights as a Hugging Face folder (export.hf_dir); rank 0 writes."""
+        config = self.runtime.config
+        assert config.export.hf_dir is not None
+        export_hf_model(
+            self.trainer.model,
+            source_dir=config.model.path,
+            out_dir=config.export.hf_dir,
+            dtype=export_dtype(config.export.dtype, read_hf_config(config.model.path)),
+            lora_scale=self.runtime.lora_scale,
+            is_destination=self.runtime.rank == 0,
+            step=self.trainer.step,
+            max_shard_bytes=config.export.max_shard_bytes,
+        )
+
 
 def follow(runtime: TrainingRuntime) -> None:
     """Ranks other than 0: do each command rank 0 sends until it says stop."""
@@ -124,6 +142,8 @@ def follow(runtime: TrainingRuntime) -> None:
     while True:
         command = runtime.channel.receive()
         if command.kind == CommandKind.STOP:
+            if executor.exporting:
+                executor.export_hf()
             return
         if command.kind == CommandKind.TRAIN:
             executor.train(command)
@@ -146,11 +166,16 @@ class TrainingLoop:
         *,
         on_step: Callable[[StepRecord], None],
         sft_dataset: SFTDataset | None = None,
+        on_done: Callable[[], None] | None = None,
     ) -> None:
+        """`on_done` is called (from the worker thread) once there is nothing left to do: the SFT
+        dataset is trained and checkpointed, or training failed."""
         config = runtime.config
         self.runtime = runtime
         self._on_step = on_step
         self._sft = sft_dataset
+        self._on_done = on_done
+        self._done_reported = False
         address = config.publish.weight_broadcaster
         publisher = None
         if address is not None:
@@ -191,6 +216,25 @@ class TrainingLoop:
             prometheus.queued_batches.set(len(self._batches))
             return len(self._batches)
 
+    def broadcaster_holds(self, latest: int, *, published_before: int) -> None:
+        """The broadcaster answered that it holds version `latest` (asked when `published_before`
+        was published). Publish at once, instead of waiting for the next step or a retry's
+        backoff, when it lacks what was published (it restarted: versions live in its RAM) or a
+        failed publish is waiting to be retried (it was away and is back)."""
+        with self._cond:
+            if self._executor.publisher is None or self.running_step is not None:
+                return
+            lost = latest < published_before
+            retry_waiting = self._publish_due_at is not None and latest < self.completed_step
+            if lost or retry_waiting:
+                logger.warning(
+                    "the weight broadcaster holds policy version %d, the latest is %d: publishing it now",
+                    latest,
+                    self.completed_step,
+                )
+                self._publish_due_at = time.monotonic()
+                self._cond.notify()
+
     def save_checkpoint(self) -> concurrent.futures.Future[tuple[int, str]]:
         """A checkpoint of the step reached when the worker gets to it: (step, folder)."""
         future: concurrent.futures.Future[tuple[int, str]] = concurrent.futures.Future()
@@ -230,6 +274,8 @@ class TrainingLoop:
                 command, batch = self._next_command()
                 self.runtime.channel.send(command)
                 if command.kind == CommandKind.STOP:
+                    if self._executor.exporting:
+                        self._executor.export_hf()
                     return
                 self._execute(command, batch)
         except BaseException as exc:
@@ -239,6 +285,7 @@ class TrainingLoop:
                 for future in self._saves:
                     future.set_exception(exc)
                 self._saves.clear()
+            self._report_done()
         finally:
             if self._executor.publisher is not None:
                 self._executor.publisher.close()
@@ -269,12 +316,19 @@ class TrainingLoop:
                     self.running_step = batch.step
                     command = Command(CommandKind.TRAIN, batch.step, batch.micro_batches, batch.num_loss_tokens)
                     return command, batch
+                if self._sft is not None and self.completed_step >= self._sft.num_steps:
+                    self._report_done()
                 wait_s = None
                 if self._publish_due_at is not None:
                     wait_s = self._publish_due_at - time.monotonic()
                     if wait_s <= 0:
                         return Command(CommandKind.PUBLISH, step=self.completed_step), None
                 self._cond.wait(wait_s)
+
+    def _report_done(self) -> None:
+        if self._on_done is not None and not self._done_reported:
+            self._done_reported = True
+            self._on_done()
 
     def _next_sft_batch(self) -> QueuedBatch | None:
         if self._sft is None or self.completed_step >= self._sft.num_steps:
@@ -339,6 +393,13 @@ class TrainingLoop:
         try:
             metrics = self._executor.publish()
         except PublishError as exc:
+            if exc.holds(step):
+                # A resumed trainer republishing what the broadcaster kept: nothing is missing.
+                logger.info("the weight broadcaster holds policy version %d already", step)
+                self.published_version = step
+                self.last_publish_error = ""
+                self._publish_due_at = None
+                return {"published": 1.0}
             self.last_publish_error = str(exc)
             if exc.retryable:
                 self._publish_due_at = time.monotonic() + self._backoff_s

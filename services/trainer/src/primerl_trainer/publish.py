@@ -8,21 +8,25 @@ stream, also after the call failed: the other ranks are waiting in those collect
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import queue
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import grpc
 import torch
+from google.rpc import error_details_pb2
 
 from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2, weight_broadcaster_pb2_grpc
+from primerl_common.client import make_channel
+from primerl_common.errors import error_details
 from primerl_common.server import channel_options
 from primerl_common.tensors import DEFAULT_CHUNK_BYTES, iter_tensor_chunks
 from primerl_trainer.export import PublishKind
 
-__all__ = ["AdapterInfo", "PublishError", "WeightPublisher", "publish_requests"]
+__all__ = ["AdapterInfo", "BroadcasterWatch", "PublishError", "WeightPublisher", "publish_requests"]
 
 logger = logging.getLogger(__name__)
 
@@ -44,11 +48,23 @@ _END = object()
 
 
 class PublishError(Exception):
-    """A publish that did not complete; `retryable` is False when the broadcaster refused it."""
+    """A publish that did not complete; `retryable` is False when the broadcaster refused it.
+    `reason` and `metadata`: the ErrorInfo of the refusal, if any."""
 
-    def __init__(self, message: str, *, retryable: bool) -> None:
+    def __init__(
+        self, message: str, *, retryable: bool, reason: str = "", metadata: dict[str, str] | None = None
+    ) -> None:
         super().__init__(message)
         self.retryable = retryable
+        self.reason = reason
+        self.metadata = dict(metadata or {})
+
+    def holds(self, policy_version: int) -> bool:
+        """The broadcaster refused `policy_version` because it holds that very version already
+        (a resumed trainer republishing what the broadcaster kept)."""
+        return self.reason == "POLICY_VERSION_NOT_NEWER" and self.metadata.get("latest_policy_version") == str(
+            policy_version
+        )
 
 
 @dataclass(frozen=True)
@@ -129,9 +145,12 @@ class WeightPublisher:
                 return call.result()
             except grpc.RpcError as exc:
                 code = exc.code()  # type: ignore[attr-defined]
+                infos = [d for d in error_details(exc) if isinstance(d, error_details_pb2.ErrorInfo)]
                 raise PublishError(
                     f"PublishWeights to {self.address} failed: {code.name}: {exc.details()}",  # type: ignore[attr-defined]
                     retryable=code not in _PERMANENT,
+                    reason=infos[0].reason if infos else "",
+                    metadata=dict(infos[0].metadata) if infos else {},
                 ) from None
         finally:
             abandoned.set()
@@ -139,3 +158,36 @@ class WeightPublisher:
 
     def close(self) -> None:
         self._channel.close()
+
+
+class BroadcasterWatch:
+    """Asks the broadcaster for its latest version every `interval_s` (on the event loop) and
+    reports it with the version published before asking: `on_status(latest, published_before=)`.
+    A broadcaster that restarted holds nothing (its versions live in RAM) until the trainer
+    publishes again, and until then no replica gets the latest weights."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        interval_s: float,
+        published_version: Callable[[], int],
+        on_status: Callable[..., None],
+    ) -> None:
+        self.address = address
+        self._interval_s = interval_s
+        self._published_version = published_version
+        self._on_status = on_status
+
+    async def run(self) -> None:
+        async with make_channel(self.address, max_attempts=1) as channel:
+            stub = weight_broadcaster_pb2_grpc.WeightBroadcasterServiceStub(channel)
+            while True:
+                await asyncio.sleep(self._interval_s)
+                # Read before asking: a publish that completes meanwhile is not mistaken for a loss.
+                published = self._published_version()
+                try:
+                    status = await stub.GetStatus(weight_broadcaster_pb2.GetStatusRequest(), timeout=self._interval_s)
+                except grpc.aio.AioRpcError:
+                    continue  # away (restarting): asked again next time
+                self._on_status(status.latest_policy_version, published_before=published)

@@ -14,18 +14,25 @@ import asyncio
 import collections
 import contextlib
 import logging
+import os
+import signal
+import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from primerl_common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
 from primerl_trainer.batch import BatchSpec, MicroBatch, TrainingMode, validate_batch
 from primerl_trainer.loop import QueuedBatch, StepRecord, TrainingLoop
+from primerl_trainer.publish import BroadcasterWatch
 from primerl_trainer.runtime import TrainingRuntime
 from primerl_trainer.sft_data import SFTDataset
 
-__all__ = ["BatchHeader", "IncomingBatch", "QueueInfo", "TrainerStatus", "TrainingService"]
+__all__ = ["BatchHeader", "IncomingBatch", "QueueInfo", "TrainerStatus", "TrainingService", "training_failed"]
 
 logger = logging.getLogger(__name__)
+
+# Set when a service stops after its training loop failed: the process then exits non-zero (__main__).
+training_failed = threading.Event()
 
 
 @dataclass(frozen=True)
@@ -88,7 +95,12 @@ class TrainingService:
         self.mode: TrainingMode = config.mode
         self.max_queued_batches = config.max_queued_batches
         self._self_fed = sft_dataset is not None
-        self._loop = TrainingLoop(runtime, on_step=self._step_finished_threadsafe, sft_dataset=sft_dataset)
+        self._loop = TrainingLoop(
+            runtime,
+            on_step=self._step_finished_threadsafe,
+            sft_dataset=sft_dataset,
+            on_done=self._exit if config.sft.exit_when_done else None,
+        )
         self._history: collections.deque[StepRecord] = collections.deque(maxlen=config.metrics_history)
         # Set (and replaced) whenever a step finishes or the service drains.
         self._wakeup = asyncio.Event()
@@ -96,12 +108,22 @@ class TrainingService:
         self._next_step = runtime.trainer.step + 1
         self._accepting = True
         self._closed = False
+        self._broadcaster_watch: asyncio.Task[None] | None = None
 
     # Lifecycle (ServiceDefinition hooks).
 
     async def start(self) -> None:
         self._event_loop = asyncio.get_running_loop()
         self._loop.start()
+        publish = self.runtime.config.publish
+        if publish.weight_broadcaster is not None:
+            watch = BroadcasterWatch(
+                publish.weight_broadcaster,
+                interval_s=publish.check_interval_s,
+                published_version=lambda: self._loop.published_version,
+                on_status=self._loop.broadcaster_holds,
+            )
+            self._broadcaster_watch = asyncio.create_task(watch.run(), name="weight-broadcaster watch")
 
     async def drain(self) -> None:
         """No new batches; WatchSteps streams end."""
@@ -111,7 +133,22 @@ class TrainingService:
 
     async def stop(self) -> None:
         self._accepting = False
+        if self._broadcaster_watch is not None:
+            self._broadcaster_watch.cancel()
         await asyncio.to_thread(self._loop.stop)
+        if self._loop.failure is not None:
+            training_failed.set()
+
+    def _exit(self) -> None:
+        """sft.exit_when_done: the SFT dataset is trained (or training failed); the process stops as
+        on SIGTERM: drain, stop the loop (which exports, export.hf_dir), exit."""
+        if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, signal.SIG_IGN, None):
+            # Not the service's own process (it handles SIGTERM): an embedding program stops it.
+            logger.warning("sft.exit_when_done: nothing handles SIGTERM in this process, not stopping it")
+            return
+        if self._loop.failure is None:
+            logger.info("the SFT dataset is trained: stopping (sft.exit_when_done)")
+        os.kill(os.getpid(), signal.SIGTERM)
 
     # PushBatch.
 

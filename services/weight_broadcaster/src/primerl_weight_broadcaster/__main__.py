@@ -6,11 +6,10 @@ from collections.abc import Sequence
 from primerl_common.server import run_main
 from primerl_weight_broadcaster import __version__
 from primerl_weight_broadcaster.config import WeightBroadcasterConfig
-from primerl_weight_broadcaster.server import build
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return run_main(WeightBroadcasterConfig, build, version=__version__, argv=argv)
+    return run_main(WeightBroadcasterConfig, "primerl_weight_broadcaster.server:build", version=__version__, argv=argv)
 
 
 if __name__ == "__main__":

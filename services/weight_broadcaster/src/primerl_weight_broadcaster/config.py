@@ -1,6 +1,8 @@
 """Configuration of the weight broadcaster (flags > PRIMERL_WEIGHT_BROADCASTER_* > TOML > defaults)."""
 
-from pydantic import Field
+from __future__ import annotations
+
+from pydantic import Field, model_validator
 
 from primerl_common.config import Section, ServerConfig, ServiceConfig, service_settings
 
@@ -17,6 +19,15 @@ class PushConfig(Section):
     push_timeout_s: float = Field(default=600.0, gt=0, description="deadline of one UpdateWeights stream")
 
 
+class ReplicaConfig(Section):
+    """An inference replica registered at start (others register at run time): a restarted
+    broadcaster knows it again without anyone registering it."""
+
+    replica_id: str = Field(min_length=1)
+    address: str = Field(min_length=1, description="host:port of its inference.v1 server")
+    delta: bool = Field(default=False, description="push only the tensors changed since its version, when it can")
+
+
 class WeightBroadcasterConfig(ServiceConfig):
     """primerl weight broadcaster: receives each new policy from the trainer and pushes it, in HF, kernel
     or FP8 format, to every inference replica.
@@ -27,3 +38,14 @@ class WeightBroadcasterConfig(ServiceConfig):
 
     server: ServerConfig = ServerConfig(port=50055)
     push: PushConfig = PushConfig()
+    replicas: list[ReplicaConfig] = Field(
+        default=[], description="replicas registered at start (others register with RegisterReplica)"
+    )
+
+    @model_validator(mode="after")
+    def _unique_replica_ids(self) -> WeightBroadcasterConfig:
+        ids = [replica.replica_id for replica in self.replicas]
+        duplicates = sorted({i for i in ids if ids.count(i) > 1})
+        if duplicates:
+            raise ValueError(f"replicas: duplicate replica_id {', '.join(duplicates)}")
+        return self

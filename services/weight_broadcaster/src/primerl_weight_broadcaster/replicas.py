@@ -3,9 +3,10 @@
 One asyncio task per replica: it probes the replica (GetServiceInfo for its instance id and
 capabilities, GetLoad for the version it serves), pushes the latest version over
 inference.v1 UpdateWeights when the replica is behind, and retries a failed push with
-exponential backoff. Replicas never wait on each other. A replica that restarts comes back
-on its checkpoint's version; the periodic probe sees it behind (or a new instance id) and
-pushes the latest version again without anyone asking.
+exponential backoff; a replica that does not answer at all (restarting) is probed again every
+probe interval, and its version is unknown meanwhile. Replicas never wait on each other. A
+replica that restarts comes back on its checkpoint's version; the periodic probe sees it behind
+(or a new instance id) and pushes the latest version again without anyone asking.
 """
 
 from __future__ import annotations
@@ -110,8 +111,10 @@ class _Worker:
         replica = self.replica
         while True:
             latest = self._replicas.store.latest
+            probed = False
             try:
                 await self._probe()
+                probed = True
                 if latest is None or replica.policy_version >= latest.policy_version:
                     # Nothing published yet counts as current: there is nothing newer to serve.
                     self._set(
@@ -125,12 +128,20 @@ class _Worker:
             except Exception as exc:
                 failures = replica.num_consecutive_failures + 1
                 backoff = min(self._settings.retry_initial_s * 2 ** (failures - 1), self._settings.retry_max_s)
+                if not probed:
+                    # Down (restarting): probing is cheap, and once it is back every probe interval
+                    # lost keeps it on old weights. Failed pushes back off in full.
+                    backoff = min(backoff, self._settings.probe_interval_s)
                 message = f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.aio.AioRpcError) else repr(exc)
-                logger.warning(
-                    "replica %s: %s (failure %d, retry in %.1fs)", replica.replica_id, message, failures, backoff
-                )
+                # A replica that is down fails every probe: said at the first failure, then now and then.
+                log = logger.warning if probed or failures == 1 or failures % 20 == 0 else logger.debug
+                log("replica %s: %s (failure %d, retry in %.1fs)", replica.replica_id, message, failures, backoff)
+                # A replica that does not answer serves nothing anyone can count on, and may come back
+                # as a new process on its checkpoint's weights: its version is unknown until it answers.
+                version = replica.policy_version if probed else -1
                 self._set(
                     state=pb2.REPLICA_STATE_FAILED,
+                    policy_version=version,
                     last_error=message,
                     num_consecutive_failures=failures,
                     next_retry_at=time.time() + backoff,
@@ -258,6 +269,10 @@ class ReplicaSet:
         event.latest_policy_version = self.store.latest_policy_version
         for listener in list(self._listeners):
             listener(event)
+
+    def wake_waiters(self) -> None:
+        """Makes every `wait_until` check its predicate again."""
+        self._notify()
 
     def _notify(self) -> None:
         self._changed.set()

@@ -12,7 +12,7 @@ import torch
 from primerl.common.v1 import tensor_pb2
 from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2 as pb2
 from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2_grpc
-from primerl_common.errors import FailedPrecondition, InvalidArgument, NotFound
+from primerl_common.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from primerl_common.observability import policy_version_var
 from primerl_common.server import ServiceDefinition
 from primerl_common.tensors import TensorAssembler
@@ -35,6 +35,17 @@ class WeightBroadcasterServicer(weight_broadcaster_pb2_grpc.WeightBroadcasterSer
         self._replicas = replicas
         # One publish at a time: versions are checked and stored in order.
         self._publishing = asyncio.Lock()
+        # Each open WatchReplicas stream's queue (None ends it).
+        self._watches: set[asyncio.Queue[pb2.WatchReplicasResponse | None]] = set()
+        self._draining = False
+
+    async def drain(self) -> None:
+        """Ends the WatchReplicas streams and WaitForVersion polls, which would otherwise hold a
+        graceful stop for its whole grace period; their clients ask again (the next process)."""
+        self._draining = True
+        for queue in self._watches:
+            queue.put_nowait(None)
+        self._replicas.wake_waiters()
 
     async def GetServiceInfo(
         self, request: pb2.GetServiceInfoRequest, context: grpc.aio.ServicerContext
@@ -131,9 +142,9 @@ class WeightBroadcasterServicer(weight_broadcaster_pb2_grpc.WeightBroadcasterSer
         # Answer a little before the call's own deadline, so the client gets the state reached.
         if timeout_s is not None and not request.timeout_ms:
             timeout_s = max(timeout_s - 0.05, 0.0)
-        ok = await self._replicas.wait_until(reached, timeout_s)
+        await self._replicas.wait_until(lambda: reached() or self._draining, timeout_s)
         return pb2.WaitForVersionResponse(
-            reached=ok,
+            reached=reached(),
             latest_policy_version=self._store.latest_policy_version,
             num_replicas_at_version=self._replicas.num_at_version(version),
         )
@@ -141,15 +152,19 @@ class WeightBroadcasterServicer(weight_broadcaster_pb2_grpc.WeightBroadcasterSer
     async def WatchReplicas(
         self, request: pb2.WatchReplicasRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb2.WatchReplicasResponse]:
-        queue: asyncio.Queue[pb2.WatchReplicasResponse] = asyncio.Queue()
+        if self._draining:
+            raise Unavailable("the weight broadcaster is shutting down", reason="DRAINING", retry_after_s=1.0)
+        queue: asyncio.Queue[pb2.WatchReplicasResponse | None] = asyncio.Queue()
         stop = self._replicas.listen(queue.put_nowait)
+        self._watches.add(queue)
         try:
             latest = self._store.latest_policy_version
             for replica in self._replicas.replicas():
                 yield pb2.WatchReplicasResponse(replica=replica.to_proto(), latest_policy_version=latest)
-            while True:
-                yield await queue.get()
+            while (event := await queue.get()) is not None:
+                yield event
         finally:
+            self._watches.discard(queue)
             stop()
 
 

@@ -59,6 +59,7 @@ class WeightStore:
                 f"{self.latest_policy_version}; a resumed trainer must publish versions above it",
                 subject="begin.policy_version",
                 reason="POLICY_VERSION_NOT_NEWER",
+                metadata={"latest_policy_version": str(self.latest_policy_version)},
             )
 
     def publish(self, policy_version: int, tensors: dict[str, torch.Tensor]) -> PublishedVersion:

@@ -6,7 +6,9 @@ one episode of a task through `generate`, the same model turn an external enviro
 calls over gRPC: it sees text, never tokens, logprobs or versions.
 
 Adding one is one module in this package: a BuiltinEnvironment subclass with a `kind`
-(and, when it has settings, an `Options` section, set under `[environments.options]`).
+(and, when it has settings, an `Options` section, set under `[environments.options]`). One that
+knows the correct answer of its tasks returns it from `reference_answer`, which is what
+`primerl_orchestrator.sft_export` writes SFT data from.
 """
 
 from __future__ import annotations
@@ -68,6 +70,10 @@ class BuiltinEnvironment(abc.ABC):
     @abc.abstractmethod
     async def play(self, task: Task, generate: Generate) -> Outcome:
         """Plays one episode of `task`; returns its reward."""
+
+    def reference_answer(self, task: Task) -> str | None:
+        """A correct answer to `task` (what SFT data trains on); None: this environment knows none."""
+        return None
 
 
 class SingleTurnEnvironment(BuiltinEnvironment):

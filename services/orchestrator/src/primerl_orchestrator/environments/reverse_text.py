@@ -19,6 +19,11 @@ class ReverseText(SingleTurnEnvironment):
         min_length: int = Field(default=4, ge=1)
         max_length: int = Field(default=12, ge=1)
         alphabet: str = Field(default=string.ascii_lowercase, min_length=2)
+        system_prompt: str = Field(
+            default="Reverse the text the user sends, character by character. Answer with the reversed text only.",
+            min_length=1,
+            description="the instruction the model sees (a short one costs a tiny model fewer tokens)",
+        )
 
         @model_validator(mode="after")
         def _lengths(self) -> ReverseText.Options:
@@ -36,12 +41,15 @@ class ReverseText(SingleTurnEnvironment):
 
     def prompt(self, task: Task) -> list[tuple[str, str]]:
         return [
-            ("system", "Reverse the text the user sends, character by character. Answer with the reversed text only."),
+            ("system", self.options.system_prompt),
             ("user", task.data["text"]),
         ]
 
     def score(self, task: Task, answer: str) -> float:
         return lcs_ratio(answer.strip(), task.data["text"][::-1])
+
+    def reference_answer(self, task: Task) -> str:
+        return task.data["text"][::-1]
 
 
 def lcs_ratio(a: str, b: str) -> float:

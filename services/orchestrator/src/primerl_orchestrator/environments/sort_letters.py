@@ -41,3 +41,6 @@ class SortLetters(SingleTurnEnvironment):
 
     def score(self, task: Task, answer: str) -> float:
         return float(answer.strip() == task.data["answer"])
+
+    def reference_answer(self, task: Task) -> str:
+        return task.data["answer"]

@@ -1,0 +1,114 @@
+"""A weight broadcaster that restarted (its versions were in RAM) gets the latest version again
+from the trainer without a new step, and one that was away gets a failed publish as soon as it is
+back, not after the retry's backoff; a resumed trainer republishing a version the broadcaster
+kept is no error."""
+
+from __future__ import annotations
+
+import asyncio
+import pathlib
+
+import grpc
+import pytest
+
+from primerl.trainer.v1 import trainer_pb2
+from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2 as pb2
+from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2_grpc
+from primerl_common.errors import ErrorInterceptor, FailedPrecondition
+from primerl_trainer.batch import MicroBatch
+
+from .serving import push, serving, trainer_config, watch
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
+
+class FakeBroadcaster(weight_broadcaster_pb2_grpc.WeightBroadcasterServiceServicer):
+    """Keeps the latest version number and refuses older ones as the real one does."""
+
+    def __init__(self) -> None:
+        self.latest = -1
+        self.available = True
+        self.published: list[int] = []
+        self.server: grpc.aio.Server | None = None
+
+    async def start(self) -> str:
+        self.server = grpc.aio.server(interceptors=[ErrorInterceptor()])
+        weight_broadcaster_pb2_grpc.add_WeightBroadcasterServiceServicer_to_server(self, self.server)
+        port = self.server.add_insecure_port("127.0.0.1:0")
+        await self.server.start()
+        return f"127.0.0.1:{port}"
+
+    async def PublishWeights(self, request_iterator, context):
+        requests = aiter(request_iterator)
+        version = (await anext(requests)).begin.policy_version
+        async for _ in requests:
+            pass
+        if not self.available:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "restarting")
+        if version <= self.latest:
+            raise FailedPrecondition(
+                f"policy version {version} is not newer than the latest published {self.latest}",
+                reason="POLICY_VERSION_NOT_NEWER",
+                metadata={"latest_policy_version": str(self.latest)},
+            )
+        self.latest = version
+        self.published.append(version)
+        return pb2.PublishWeightsResponse(policy_version=version)
+
+    async def GetStatus(self, request, context):
+        if not self.available:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "restarting")
+        return pb2.GetStatusResponse(latest_policy_version=self.latest)
+
+
+async def eventually(condition, timeout_s: float = 30.0) -> None:
+    async with asyncio.timeout(timeout_s):
+        while not condition():  # noqa: ASYNC110 (the trainer works in its own thread)
+            await asyncio.sleep(0.05)
+
+
+async def status_when(stub, predicate, timeout_s: float = 30.0) -> trainer_pb2.GetStatusResponse:
+    async with asyncio.timeout(timeout_s):
+        while not predicate(status := await stub.GetStatus(trainer_pb2.GetStatusRequest())):  # noqa: ASYNC110
+            await asyncio.sleep(0.05)
+    return status
+
+
+async def test_the_latest_version_is_published_again_to_a_broadcaster_that_lost_it(
+    dense_dir: pathlib.Path, rl_batches: list[list[MicroBatch]], tmp_path: pathlib.Path
+) -> None:
+    broadcaster = FakeBroadcaster()
+    address = await broadcaster.start()
+    # A failed publish would be retried after 30 s: the watch makes it sooner.
+    config = trainer_config(
+        dense_dir,
+        publish={"weight_broadcaster": address, "check_interval_s": 0.1, "initial_backoff_s": 30.0},
+        checkpoint={"dir": str(tmp_path / "checkpoints")},
+    )
+    try:
+        async with serving(config) as stub:
+            await push(stub, 1, rl_batches[0])
+            await watch(stub, after_step=0, count=1)
+            assert broadcaster.published == [1]
+            broadcaster.latest = -1  # it restarted: nothing published survived
+            await eventually(lambda: broadcaster.published == [1, 1])
+            status = await stub.GetStatus(trainer_pb2.GetStatusRequest())
+            assert (status.published_policy_version, status.last_publish_error) == (1, "")
+
+            # Away while step 2 is published; back well before the retry's backoff is over.
+            broadcaster.available = False
+            await push(stub, 2, rl_batches[1])
+            await watch(stub, after_step=1, count=1)
+            status = await stub.GetStatus(trainer_pb2.GetStatusRequest())
+            assert status.published_policy_version == 1 and "UNAVAILABLE" in status.last_publish_error
+            broadcaster.available = True
+            await eventually(lambda: broadcaster.published == [1, 1, 2], timeout_s=10)
+        # Stopped gracefully (saved at step 2) and resumed: the resumed trainer publishes step 2
+        # again, which the broadcaster holds already: no error.
+        async with serving(config) as stub:
+            status = await status_when(stub, lambda status: status.published_policy_version == 2)
+            assert (status.step, status.last_publish_error) == (2, "")
+            assert broadcaster.published == [1, 1, 2]
+    finally:
+        assert broadcaster.server is not None
+        await broadcaster.server.stop(0)
