@@ -33,7 +33,8 @@ from primerl_common.errors import error_details
 pytestmark = pytest.mark.slow
 
 CACHE = pathlib.Path(os.environ.get("PRIMERL_TEST_CACHE", pathlib.Path(tempfile.gettempdir()) / "primerl-test-cache"))
-MAX_STEPS = 4
+# Enough that the test acts while the run is still going, even when steps take a second.
+MAX_STEPS = 8
 MAX_OFF_POLICY_STEPS = 1
 REPLICAS = ("inference-0", "inference-1")
 
@@ -57,7 +58,9 @@ max_steps = {MAX_STEPS}
 batch_size = 8
 max_async_level = 1
 max_off_policy_steps = {MAX_OFF_POLICY_STEPS}
-max_concurrent_episodes = 16
+# Two reverse_text groups (one batch) and the test's own episodes: a new group starts for the
+# next step, not for one only the last batches could take.
+max_concurrent_episodes = 10
 [orchestrator.advantage]
 filter_zero_advantage = false
 [[orchestrator.environments]]
@@ -154,6 +157,9 @@ async def drive(services: dict) -> dict:
             lambda: _all_at_least(versions, seen["held_version"] + 1), timeout_s=240, what="a weight update"
         )
         seen["updated_versions"] = updated
+        [fresh] = (await orchestrator.StartEpisode(start)).episodes
+        seen["fresh_episode_version"] = (await orchestrator.Generate(turn(fresh.episode_id))).first_policy_version
+        await orchestrator.FinishEpisode(orchestrator_pb2.FinishEpisodeRequest(episode_id=fresh.episode_id, reward=0))
         request = router_pb2.GenerateRequest(
             input=generation_pb2.GenerationInput(
                 prompt_token_ids=list(b"<|im_start|>user\nhi"),
@@ -165,9 +171,6 @@ async def drive(services: dict) -> dict:
             async for response in router.Generate(request):
                 sampled.extend(response.output.policy_versions)
         seen["sampled_versions"] = sampled
-        [fresh] = (await orchestrator.StartEpisode(start)).episodes
-        seen["fresh_episode_version"] = (await orchestrator.Generate(turn(fresh.episode_id))).first_policy_version
-        await orchestrator.FinishEpisode(orchestrator_pb2.FinishEpisodeRequest(episode_id=fresh.episode_id, reward=0))
 
         # Batches reach the trainer.
         status = await trainer.GetStatus(trainer_pb2.GetStatusRequest())
