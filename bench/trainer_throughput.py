@@ -1,14 +1,22 @@
 """Training throughput of the trainer's own Qwen3-MoE and Qwen3 models against transformers'
-implementations of the same checkpoints, on one GPU (bf16, one packed row of --seq-len tokens).
+implementations of the same checkpoints, on one GPU (bf16, packed rows of --seq-len tokens).
 
 Both implementations are loaded through the model registry (impl="custom" / impl="hf") from the
-same random checkpoint, written once in Hugging Face format, and take the same training step on
-the same tokens: forward, next-token cross-entropy, backward, fused AdamW step. The own models
-run as the trainer runs them: blocks compiled by their parallelize function, and the loss
-through the fused linear cross-entropy (kernels.linear_cross_entropy) on the hidden states; a
-second own row takes the logits path that transformers' model has (bf16 logits, float32
-cross-entropy), to show what the model and the loss each contribute. Warm-up steps (compiling
-included) are left out; the figures are medians over --steps steps timed with CUDA events.
+same random checkpoint, written once in Hugging Face format, and take the same training steps on
+the same tokens. A step is what the trainer's step is (train.Trainer.train_step): --micro-batches
+micro-batches (default N = 8, i.e. 32,768 tokens per optimizer step at the default 4,096 tokens
+per micro-batch), each a forward, next-token cross-entropy and backward whose gradients add up,
+then one AdamW step (lr 1e-5, weight decay 0.01, torch's default betas and eps, for both). The
+own models run as the trainer runs them: blocks compiled by their parallelize function, the
+loss through the fused linear cross-entropy (kernels.linear_cross_entropy) on the hidden states,
+and the trainer's optimizer (optim.build_optimizer: TritonAdamW on CUDA). Transformers' models
+run as a user would run them: their own forward (the MoE's own expert code), bf16 logits and a
+float32 cross-entropy, and torch's fastest AdamW (fused=True). A second own row takes
+transformers' logits loss path, to show what the model and the loss each contribute. Gradient
+clipping, which both would pay alike, is left out. Warm-up steps (compiling included) are left
+out; figures are medians over --steps steps timed with CUDA events: the whole step, a step's
+first micro-batch (fresh gradients), its later ones (gradients added to the held ones), the
+optimizer step, and "1-mb step" = first micro-batch + optimizer step (a step of one micro-batch).
 
 MFU = (6 * active parameters + causal attention) FLOPs per token * tokens/s / peak, where the
 active parameters are the matrices a token passes through (attention, the dense or the top-k
@@ -17,13 +25,15 @@ attention term is 6 * layers * heads * head_dim * seq_len / 2 per token (QK^T an
 and backward, half the square for causal masking). The peak is an 8192^3 bf16 matrix product
 measured in the same run; its ratio to the 989 TFLOP/s datasheet figure is printed.
 
-Last line: RESULT moe_speedup_vs_hf=<own MoE tokens/s over transformers'> dense_mfu=<own dense>
+Last line: RESULT moe_speedup_vs_hf=<own MoE tokens/s over transformers', per step of N
+micro-batches> dense_mfu=<own dense>
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import pathlib
 import shutil
@@ -38,8 +48,12 @@ import torch.nn.functional as F
 from primerl_trainer.kernels import linear_cross_entropy
 from primerl_trainer.models import load_model, model_spec_of
 from primerl_trainer.models.hf import HFCausalLM
+from primerl_trainer.optim import OptimizerConfig, build_optimizer
 
 DATASHEET_BF16_TFLOPS = 989.0
+# AdamW settings of both implementations (torch.optim.AdamW's default betas, eps and weight decay;
+# the trainer's optimizer leaves norms undecayed, which costs nothing).
+LR, WEIGHT_DECAY = 1e-5, 0.01
 
 # Qwen3-1.7B-like attention and vocabulary; the MoE feed-forward of the Qwen3-30B-A3B family.
 COMMON = {
@@ -95,9 +109,12 @@ class Run:
     kind: str
     impl: str
     loss_path: str
-    step_ms: float = float("nan")
-    forward_backward_ms: float = float("nan")
+    micro_batches: int = 0
+    step_ms: float = float("nan")  # micro_batches forwards+backwards and the optimizer step
+    forward_backward_ms: float = float("nan")  # a step's first micro-batch (fresh gradients)
+    accumulating_ms: float = float("nan")  # a later micro-batch (its gradients added to the held ones)
     optimizer_ms: float = float("nan")
+    one_micro_batch_step_ms: float = float("nan")  # forward_backward_ms + optimizer_ms
     tokens_per_s: float = float("nan")
     mfu: float = float("nan")
     first_step_s: float = float("nan")
@@ -172,10 +189,13 @@ def check_linear_cross_entropy(vocab_size: int, dim: int, device: str) -> dict[s
     }
 
 
-def train(model, optimizer, input_ids, targets, *, loss_path: str, warmup: int, steps: int, device: str):
-    """Returns (per-step (forward+backward ms, optimizer ms), first step's wall seconds, first loss)."""
+def train(model, optimizer, input_ids, targets, *, loss_path: str, micro_batches: int, warmup: int, steps: int,
+          device: str):  # fmt: skip
+    """One step = `micro_batches` forwards and backwards (gradients accumulating), then the
+    optimizer step. Returns (per step: [forward+backward ms of each micro-batch], optimizer ms),
+    the first step's wall seconds and the first loss."""
 
-    def step() -> torch.Tensor:
+    def forward_backward() -> torch.Tensor:
         if loss_path == "fused":
             out = model(input_ids, compute_logits=False)
             loss = linear_cross_entropy(out.hidden_states[0], model.output_weight, targets).loss
@@ -185,46 +205,49 @@ def train(model, optimizer, input_ids, targets, *, loss_path: str, warmup: int, 
         loss.backward()
         return loss.detach()
 
+    def optimizer_step() -> None:
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
     def synchronize() -> None:
         if device == "cuda":
             torch.cuda.synchronize()
 
+    def clock():
+        if device == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def elapsed_ms(a, b) -> float:
+        return a.elapsed_time(b) if device == "cuda" else (b - a) * 1e3
+
     synchronize()
     start = time.perf_counter()
-    first_loss = step()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    first_loss = forward_backward()
+    for _ in range(micro_batches - 1):
+        forward_backward()
+    optimizer_step()
     synchronize()
     first_step_s = time.perf_counter() - start
     for _ in range(warmup - 1):
-        step()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        for _ in range(micro_batches):
+            forward_backward()
+        optimizer_step()
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    timings = []
+    marks = []
     for _ in range(steps):
-        if device == "cuda":
-            events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
-            events[0].record()
-            step()
-            events[1].record()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            events[2].record()
-            timings.append(events)
-        else:
-            t0 = time.perf_counter()
-            step()
-            t1 = time.perf_counter()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            timings.append((t0, t1, time.perf_counter()))
+        step_marks = [clock()]
+        for _ in range(micro_batches):
+            forward_backward()
+            step_marks.append(clock())
+        optimizer_step()
+        step_marks.append(clock())
+        marks.append(step_marks)
     synchronize()
-    if device == "cuda":
-        parts = [(a.elapsed_time(b), b.elapsed_time(c)) for a, b, c in timings]
-    else:
-        parts = [((b - a) * 1e3, (c - b) * 1e3) for a, b, c in timings]
+    parts = [([elapsed_ms(a, b) for a, b in itertools.pairwise(m[:-1])], elapsed_ms(m[-2], m[-1])) for m in marks]
     return parts, first_step_s, first_loss.item()
 
 
@@ -244,20 +267,27 @@ def bench_kind(kind: str, config: dict, path: pathlib.Path, args, peak_tflops: f
             if impl == "custom" and not args.no_compile:
                 model = model_spec_of(model).parallelize_fn(model, compile=True)
             assert isinstance(model, HFCausalLM) == (impl == "hf")
-            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device == "cuda")
+            if impl == "custom":  # the trainer's own optimizer (TritonAdamW on CUDA)
+                optimizer = build_optimizer(model, OptimizerConfig(lr=LR, weight_decay=WEIGHT_DECAY))
+            else:  # what a user of transformers' model takes: torch's fastest AdamW
+                optimizer = torch.optim.AdamW(
+                    model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=device == "cuda"
+                )
             for loss_path in loss_paths:
-                run = Run(kind, impl, loss_path)
+                run = Run(kind, impl, loss_path, micro_batches=args.micro_batches)
                 runs.append(run)
                 try:
                     parts, run.first_step_s, run.first_loss = train(
-                        model, optimizer, input_ids, targets,
-                        loss_path=loss_path, warmup=args.warmup, steps=args.steps, device=device,
+                        model, optimizer, input_ids, targets, loss_path=loss_path,
+                        micro_batches=args.micro_batches, warmup=args.warmup, steps=args.steps, device=device,
                     )  # fmt: skip
-                    steps_ms = [fb + opt for fb, opt in parts]
-                    run.step_ms = statistics.median(steps_ms)
-                    run.forward_backward_ms = statistics.median(fb for fb, _ in parts)
+                    run.step_ms = statistics.median(sum(fbs) + opt for fbs, opt in parts)
+                    run.forward_backward_ms = statistics.median(fbs[0] for fbs, _ in parts)
+                    if args.micro_batches > 1:
+                        run.accumulating_ms = statistics.median(fb for fbs, _ in parts for fb in fbs[1:])
                     run.optimizer_ms = statistics.median(opt for _, opt in parts)
-                    run.tokens_per_s = args.seq_len / run.step_ms * 1e3
+                    run.one_micro_batch_step_ms = statistics.median(fbs[0] + opt for fbs, opt in parts)
+                    run.tokens_per_s = args.micro_batches * args.seq_len / run.step_ms * 1e3
                     run.mfu = flops * run.tokens_per_s / (peak_tflops * 1e12)
                     if device == "cuda":
                         run.peak_gib = torch.cuda.max_memory_allocated() / 2**30
@@ -294,8 +324,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kinds", default="moe,dense", help="comma-separated: moe, dense")
     parser.add_argument("--seq-len", type=int, default=4096)
-    parser.add_argument("--warmup", type=int, default=3, help="steps left out of the timing (compiling included)")
-    parser.add_argument("--steps", type=int, default=20, help="timed steps; the median is reported")
+    parser.add_argument(
+        "--micro-batches", type=int, default=8, help="micro-batches of --seq-len tokens per optimizer step"
+    )
+    parser.add_argument("--warmup", type=int, default=2, help="steps left out of the timing (compiling included)")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps; medians are reported")
     parser.add_argument("--checkpoint-dir", type=pathlib.Path, default=None, help="default: a temporary folder")
     parser.add_argument(
         "--profile-dir", type=pathlib.Path, default=None, help="write a kernel profile of the own models"
@@ -342,16 +375,21 @@ def main() -> None:
         args.json.write_text(json.dumps([asdict(r) for r in runs], indent=1))
 
     print()
-    print(f"{'model':<6} {'impl':<7} {'loss':<7} {'step ms':>8} {'fwd+bwd':>8} {'adamw':>6} {'tokens/s':>9} "
-          f"{'MFU':>6} {'MFU@989':>8} {'peak GiB':>9} {'loss@0':>7} {'1st step s':>10}")  # fmt: skip
+    n = args.micro_batches
+    print(f"one step = {n} micro-batch(es) of {args.seq_len} tokens, then AdamW; 'fwd+bwd' is a step's first "
+          "micro-batch, 'accum' a later one (its gradients added to the held ones), "
+          "'1-mb step' fwd+bwd + adamw")  # fmt: skip
+    print(f"{'model':<6} {'impl':<7} {'loss':<7} {'step ms':>8} {'fwd+bwd':>8} {'accum':>6} {'adamw':>6} "
+          f"{'1-mb step':>9} {'tokens/s':>9} {'MFU':>6} {'MFU@989':>8} {'peak GiB':>9} {'loss@0':>7} "
+          f"{'1st step s':>10}")  # fmt: skip
     for r in runs:
         if r.error:
             print(f"{r.kind:<6} {r.impl:<7} {r.loss_path:<7} ERROR {r.error}")
             continue
         print(f"{r.kind:<6} {r.impl:<7} {r.loss_path:<7} {r.step_ms:>8.1f} {r.forward_backward_ms:>8.1f} "
-              f"{r.optimizer_ms:>6.1f} {r.tokens_per_s:>9.0f} {r.mfu:>6.1%} "
-              f"{r.mfu * peak / DATASHEET_BF16_TFLOPS:>8.1%} {r.peak_gib:>9.1f} {r.first_loss:>7.3f} "
-              f"{r.first_step_s:>10.1f}")  # fmt: skip
+              f"{r.accumulating_ms:>6.1f} {r.optimizer_ms:>6.1f} {r.one_micro_batch_step_ms:>9.1f} "
+              f"{r.tokens_per_s:>9.0f} {r.mfu:>6.1%} {r.mfu * peak / DATASHEET_BF16_TFLOPS:>8.1%} "
+              f"{r.peak_gib:>9.1f} {r.first_loss:>7.3f} {r.first_step_s:>10.1f}")  # fmt: skip
 
     def find(kind: str, impl: str, loss_path: str) -> Run | None:
         return next((r for r in runs if (r.kind, r.impl, r.loss_path) == (kind, impl, loss_path) and not r.error), None)
@@ -364,10 +402,18 @@ def main() -> None:
     own_dense = find("dense", "custom", "fused")
     speedup = own_moe.tokens_per_s / hf_moe.tokens_per_s if hf_moe and own_moe else float("nan")
     if hf_moe and own_moe:
-        fb_speedup = hf_moe.forward_backward_ms / own_moe.forward_backward_ms
-        print(f"\nMoE own / transformers: {speedup:.2f}x per training step, {fb_speedup:.2f}x forward+backward alone"
-              + (f"; own with transformers' logits loss path: {own_moe_logits.tokens_per_s / hf_moe.tokens_per_s:.2f}x"
-                 if own_moe_logits else ""))  # fmt: skip
+        ratios = {
+            f"per step of {n} micro-batches": speedup,
+            "forward+backward of a micro-batch": hf_moe.forward_backward_ms / own_moe.forward_backward_ms,
+            "per step of 1 micro-batch": hf_moe.one_micro_batch_step_ms / own_moe.one_micro_batch_step_ms,
+        }
+        if n > 1:
+            ratios["accumulating micro-batch"] = hf_moe.accumulating_ms / own_moe.accumulating_ms
+        if own_moe_logits:
+            ratios[f"own with transformers' logits loss path, per step of {n}"] = (
+                own_moe_logits.tokens_per_s / hf_moe.tokens_per_s
+            )
+        print("\nMoE own / transformers: " + "; ".join(f"{v:.2f}x {k}" for k, v in ratios.items()))
     dense_mfu = own_dense.mfu if own_dense else float("nan")
     print(f"RESULT moe_speedup_vs_hf={speedup:.3f} dense_mfu={dense_mfu:.3f}")
 

@@ -31,28 +31,42 @@ def test_float32_logits_equal_transformers_on_cuda(request: pytest.FixtureReques
 
 
 def test_grouped_mm_equals_loop_in_bf16_on_cuda() -> None:
+    """Two micro-batches (the second replays routing that leaves an expert empty): the grouped
+    path, eager and compiled, whose expert weight gradients are accumulated into `.grad` by the
+    Triton kernel, against the per-expert loop, whose gradients autograd accumulates."""
     assert grouped_mm_supported(torch.device("cuda"), torch.bfloat16)
     torch.manual_seed(0)
     layers = {
         impl: MoE(dim=256, hidden_dim=128, num_experts=16, top_k=4, norm_topk_prob=True, experts_impl=impl)
         for impl in ("grouped_mm", "loop")
     }
+    layers["compiled"] = MoE(dim=256, hidden_dim=128, num_experts=16, top_k=4, norm_topk_prob=True)
     for name, param in layers["grouped_mm"].named_parameters():
         torch.nn.init.normal_(param, std=0.05)
-        layers["loop"].get_parameter(name).data.copy_(param)
-    x = torch.randn(4, 100, 256, device="cuda", dtype=torch.bfloat16)
+        for impl in ("loop", "compiled"):
+            layers[impl].get_parameter(name).data.copy_(param)
+    layers["compiled"].compile(fullgraph=True)
+    xs = [torch.randn(4, 100, 256, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    routings = [None, torch.randint(0, 15, (400, 4), device="cuda")]
     results = {}
     for impl, layer in layers.items():
         layer.to(device="cuda", dtype=torch.bfloat16)
-        xi = x.clone().requires_grad_()
-        out, expert_ids, _ = layer(xi)
-        out.float().pow(2).sum().backward()
-        results[impl] = (out, expert_ids, xi.grad, layer.experts.w13.grad, layer.router.gate.weight.grad)
-    (out_a, ids_a, *grads_a), (out_b, ids_b, *grads_b) = results["grouped_mm"], results["loop"]
-    assert torch.equal(ids_a, ids_b)
-    assert relative_error(out_a, out_b) < 1e-2
-    for grad_a, grad_b in zip(grads_a, grads_b, strict=True):
-        assert relative_error(grad_a, grad_b) < 2e-2
+        outs, input_grads = [], []
+        for x, routing in zip(xs, routings, strict=True):
+            xi = x.clone().requires_grad_()
+            out, expert_ids, _ = layer(xi, routing)
+            out.float().pow(2).sum().backward()
+            outs.append((out, expert_ids))
+            input_grads.append(xi.grad)
+        results[impl] = (outs, [*input_grads, *(p.grad for p in layer.parameters())])
+    outs_b, grads_b = results["loop"]
+    for impl in ("grouped_mm", "compiled"):
+        outs_a, grads_a = results[impl]
+        for (out_a, ids_a), (out_b, ids_b) in zip(outs_a, outs_b, strict=True):
+            assert torch.equal(ids_a, ids_b)
+            assert relative_error(out_a, out_b) < 1e-2
+        for grad_a, grad_b in zip(grads_a, grads_b, strict=True):
+            assert relative_error(grad_a, grad_b) < 2e-2
 
 
 @pytest.mark.parametrize("kind", ["dense", "moe"])
@@ -113,3 +127,44 @@ def test_triton_linear_cross_entropy_equals_the_pytorch_path(dtype: torch.dtype)
         results.append([t.detach().float().cpu() for t in (out.loss, out.logprobs, out.entropy, h.grad, w.grad)])
     for on_cuda, on_cpu in zip(*results, strict=True):
         assert relative_error(on_cuda, on_cpu) < (2e-2 if dtype == torch.bfloat16 else 1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_adamw_equals_torch_fused_adamw(dtype: torch.dtype) -> None:
+    """The trainer's optimizer on CUDA (TritonAdamW, picked by build_optimizer) against
+    torch.optim.AdamW(fused=True) from the same start: parameters and both moments after
+    steps with weight decay on the matrices only, a changing learning rate and a parameter
+    without a gradient in one step; sizes not multiples of the kernel's block."""
+    from primerl_trainer.optim import OptimizerConfig, TritonAdamW, build_optimizer
+
+    generator = torch.Generator().manual_seed(0)
+    shapes = [(3, 1000, 7), (4097,), (64, 64)]
+    start = [torch.randn(shape, generator=generator).to(dtype) for shape in shapes]
+    models = [torch.nn.ParameterList([torch.nn.Parameter(t.clone().cuda()) for t in start]) for _ in range(2)]
+    config = OptimizerConfig(lr=1e-2, weight_decay=0.1)
+    ours = build_optimizer(models[0], config)
+    assert isinstance(ours, TritonAdamW)
+    theirs = torch.optim.AdamW(
+        [
+            {"params": [models[1][0], models[1][2]], "weight_decay": 0.1},
+            {"params": [models[1][1]], "weight_decay": 0.0},
+        ],
+        lr=1e-2,
+        betas=config.betas,
+        eps=config.eps,
+        fused=True,
+    )
+    for step in range(4):
+        grads = [torch.randn(shape, generator=generator).to(dtype).cuda() for shape in shapes]
+        for model, optimizer in ((models[0], ours), (models[1], theirs)):
+            for param, grad in zip(model, grads, strict=True):
+                param.grad = None if step == 2 and param.ndim == 1 else grad.clone()
+            for group in optimizer.param_groups:
+                group["lr"] = 1e-2 / (step + 1)
+            optimizer.step()
+    tolerance = 1e-6 if dtype == torch.float32 else 1e-2
+    for ours_param, theirs_param in zip(*models, strict=True):
+        assert relative_error(ours_param, theirs_param) < tolerance
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert relative_error(ours.state[ours_param][key], theirs.state[theirs_param][key]) < tolerance
+        assert ours.state[ours_param]["step"].item() == theirs.state[theirs_param]["step"].item()
