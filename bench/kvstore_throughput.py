@@ -33,10 +33,8 @@ import sys
 import time
 
 from primerl.kvstore.v1 import kvstore_pb2
+from primerl_common.kvpool import BlockKey, BulkClient, KvStoreClient
 from primerl_common.testing import ServiceProcess, free_port
-from primerl_kvstore.bulk import BulkClient
-from primerl_kvstore.client import KvStoreClient
-from primerl_kvstore.keys import BlockKey
 
 MiB = 1024 * 1024
 _COMMAND_BYTES = 32

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from primerl.kvstore.v1 import kvstore_pb2
+from primerl_common.kvpool import KvStoreClient
 from primerl_common.server import GrpcService
 from primerl_common.testing import free_port
-from primerl_kvstore.client import KvStoreClient
 from primerl_kvstore.config import KvstoreConfig
 from primerl_kvstore.keys import BlockKey
 from primerl_kvstore.server import build

@@ -6,8 +6,8 @@ import shutil
 import sys
 
 from primerl.kvstore.v1 import kvstore_pb2
+from primerl_common.kvpool import KvStoreClient
 from primerl_common.testing import ServiceProcess, free_port
-from primerl_kvstore.client import KvStoreClient
 
 from .conftest import key
 

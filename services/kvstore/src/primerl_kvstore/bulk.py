@@ -29,66 +29,40 @@ import contextlib
 import logging
 import socket
 import socketserver
-import struct
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
-import grpc
 from google.rpc import status_pb2
 
 from primerl.kvstore.v1 import kvstore_pb2
 from primerl_common.errors import InvalidArgument, ResourceExhausted, ServiceError
+from primerl_common.kvpool import (
+    DATA_TAG,
+    EXISTING,
+    OP_GET,
+    OP_PUT,
+    REJECTED,
+    SEND,
+    STATUS_ERROR,
+    STATUS_OK,
+    U32,
+    recv_exact,
+    recv_into,
+    varint,
+)
 from primerl_kvstore.keys import BlockKey, keys_from_proto
 from primerl_kvstore.metadata import StoredBlock
 from primerl_kvstore.storage import Reservation, StorageNode
 from primerl_kvstore.wire import Block, check_put_header, data_view
 
-__all__ = ["BulkClient", "BulkError", "BulkServer"]
+__all__ = ["BulkServer"]
 
 logger = logging.getLogger(__name__)
 
-_U32 = struct.Struct("<I")
-_OP_PUT, _OP_GET = b"P", b"G"
-_OK, _ERROR = 0, 1
-_DATA_TAG = 0x12
-_SEND, _EXISTING, _REJECTED = 0, 1, 2
 _MAX_BLOCKS = 65_536
 # Headers and requests on this channel are small; a larger length is a broken peer.
 _MAX_HEADER_BYTES = 16 * 1024 * 1024
-
-
-class BulkError(Exception):
-    """An error answer of the bulk channel (code: a grpc.StatusCode)."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(f"{code.name}: {message}")
-        self.code = code
-        self.message = message
-
-
-def _recv_exact(conn: socket.socket, size: int) -> bytes:
-    data = conn.recv(size, socket.MSG_WAITALL) if size else b""
-    if len(data) != size:
-        raise ConnectionError(f"peer closed after {len(data)} of {size} bytes")
-    return data
-
-
-def _recv_into(conn: socket.socket, view: memoryview) -> None:
-    while view:
-        n = conn.recv_into(view)
-        if n == 0:
-            raise ConnectionError("peer closed in the middle of a block")
-        view = view[n:]
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value >= 0x80:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
 
 
 class _Handler(socketserver.BaseRequestHandler):
@@ -103,16 +77,16 @@ class _Handler(socketserver.BaseRequestHandler):
             if not op:
                 return
             try:
-                if op == _OP_PUT:
+                if op == OP_PUT:
                     bulk.handle_put(conn)
-                elif op == _OP_GET:
+                elif op == OP_GET:
                     bulk.handle_get(conn)
                 else:
                     raise InvalidArgument(f"unknown operation {op!r}", field="op")
             except ServiceError as exc:
                 status = status_pb2.Status(code=exc.code.value[0], message=exc.message).SerializeToString()
                 with contextlib.suppress(OSError):
-                    conn.sendall(bytes((_ERROR,)) + _U32.pack(len(status)) + status)
+                    conn.sendall(bytes((STATUS_ERROR,)) + U32.pack(len(status)) + status)
                 return
             except (ConnectionError, OSError):
                 return
@@ -159,16 +133,16 @@ class BulkServer:
 
     def handle_put(self, conn: socket.socket) -> None:
         node = self.node
-        (num_blocks,) = _U32.unpack(_recv_exact(conn, 4))
+        (num_blocks,) = U32.unpack(recv_exact(conn, 4))
         if num_blocks > _MAX_BLOCKS:
             raise InvalidArgument(f"{num_blocks} blocks; at most {_MAX_BLOCKS} per request", field="headers")
         headers, keys = [], []
         for index in range(num_blocks):
-            (header_len,) = _U32.unpack(_recv_exact(conn, 4))
+            (header_len,) = U32.unpack(recv_exact(conn, 4))
             if header_len > _MAX_HEADER_BYTES:
                 raise InvalidArgument(f"{header_len} bytes", field="header")
             try:
-                header = kvstore_pb2.BlockHeader.FromString(_recv_exact(conn, header_len))
+                header = kvstore_pb2.BlockHeader.FromString(recv_exact(conn, header_len))
             except Exception:
                 raise InvalidArgument("not a BlockHeader", field="header") from None
             keys.append(check_put_header(header, index, node.dram_capacity_bytes))
@@ -176,8 +150,8 @@ class BulkServer:
         # One trip to the event loop for the room of all blocks, one for storing them.
         outcomes = self._on_loop(lambda: self._reserve_all(headers, keys))
         conn.sendall(
-            bytes((_OK,))
-            + bytes(_SEND if isinstance(o, Reservation) else _EXISTING if o is True else _REJECTED for o in outcomes)
+            bytes((STATUS_OK,))
+            + bytes(SEND if isinstance(o, Reservation) else EXISTING if o is True else REJECTED for o in outcomes)
         )
         reservations = [o for o in outcomes if isinstance(o, Reservation)]
         try:
@@ -194,7 +168,7 @@ class BulkServer:
         reply = kvstore_pb2.PutBlocksResponse(
             num_stored=num_stored, num_existing=num_existing, num_rejected=num_rejected
         ).SerializeToString()
-        conn.sendall(bytes((_OK,)) + _U32.pack(len(reply)) + reply)
+        conn.sendall(bytes((STATUS_OK,)) + U32.pack(len(reply)) + reply)
 
     async def _reserve_all(self, headers: list[kvstore_pb2.BlockHeader], keys: list[BlockKey]) -> list[Any]:
         # A key twice in one request: reserve counts the second as held already.
@@ -205,10 +179,10 @@ class BulkServer:
         num_bytes, chunk_bytes = reservation.block.num_bytes, self.node.chunk_bytes
         for start in range(0, num_bytes, chunk_bytes):
             size = min(chunk_bytes, num_bytes - start)
-            prefix = bytes((_DATA_TAG,)) + _varint(size)
+            prefix = bytes((DATA_TAG,)) + varint(size)
             frame = bytearray(len(prefix) + size)
             frame[: len(prefix)] = prefix
-            _recv_into(conn, memoryview(frame)[len(prefix) :])
+            recv_into(conn, memoryview(frame)[len(prefix) :])
             # Kept as it is: the gRPC path turns it into bytes when it serves it.
             reservation.block.frames.append(frame)
         reservation.num_received = num_bytes
@@ -223,83 +197,25 @@ class BulkServer:
         return len(stored)
 
     def handle_get(self, conn: socket.socket) -> None:
-        (size,) = _U32.unpack(_recv_exact(conn, 4))
+        (size,) = U32.unpack(recv_exact(conn, 4))
         if size > _MAX_HEADER_BYTES:
             raise InvalidArgument(f"{size} bytes", field="request")
         try:
-            request = kvstore_pb2.GetBlocksRequest.FromString(_recv_exact(conn, size))
+            request = kvstore_pb2.GetBlocksRequest.FromString(recv_exact(conn, size))
         except Exception:
             raise InvalidArgument("not a GetBlocksRequest", field="request") from None
         keys = keys_from_proto(request.keys)
         blocks = self._on_loop(lambda: self._get_all(keys))
-        conn.sendall(bytes((_OK,)))
+        conn.sendall(bytes((STATUS_OK,)))
         for key, block in zip(keys, blocks, strict=True):
             if block is None:
                 header = kvstore_pb2.BlockHeader(key=key.to_proto(), found=False).SerializeToString()
-                conn.sendall(_U32.pack(len(header)) + header)
+                conn.sendall(U32.pack(len(header)) + header)
                 continue
             header = block.header.SerializeToString()
-            conn.sendall(_U32.pack(len(header)) + header)
+            conn.sendall(U32.pack(len(header)) + header)
             for frame in block.frames:
                 conn.sendall(data_view(frame))
 
     async def _get_all(self, keys: list[BlockKey]) -> list[Block | None]:
         return [await self.node.get(key) for key in keys]
-
-
-class BulkClient:
-    """Blocking client of one node's bulk channel (one connection, one request at a time;
-    run it in a worker thread from async code)."""
-
-    def __init__(self, address: str, *, timeout_s: float = 60.0) -> None:
-        host, port = address.rsplit(":", 1)
-        self._conn = socket.create_connection((host, int(port)), timeout=timeout_s)
-        self._conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-    def close(self) -> None:
-        self._conn.close()
-
-    def _answer(self) -> None:
-        status = _recv_exact(self._conn, 1)[0]
-        if status == _ERROR:
-            (size,) = _U32.unpack(_recv_exact(self._conn, 4))
-            error = status_pb2.Status.FromString(_recv_exact(self._conn, size))
-            code = next((c for c in grpc.StatusCode if c.value[0] == error.code), grpc.StatusCode.UNKNOWN)
-            raise BulkError(code, error.message)
-
-    def put(
-        self, blocks: Sequence[tuple[kvstore_pb2.BlockHeader, bytes | bytearray | memoryview]]
-    ) -> kvstore_pb2.PutBlocksResponse:
-        conn = self._conn
-        plan = [_OP_PUT, _U32.pack(len(blocks))]
-        for header, data in blocks:
-            stamped = kvstore_pb2.BlockHeader()
-            stamped.CopyFrom(header)
-            stamped.num_bytes = len(data)
-            raw = stamped.SerializeToString()
-            plan += [_U32.pack(len(raw)), raw]
-        conn.sendall(b"".join(plan))
-        self._answer()
-        decisions = _recv_exact(conn, len(blocks))
-        for decision, (_, data) in zip(decisions, blocks, strict=True):
-            if decision == _SEND:  # the node holds the others already, or has no room for them
-                conn.sendall(data)
-        self._answer()
-        (size,) = _U32.unpack(_recv_exact(conn, 4))
-        return kvstore_pb2.PutBlocksResponse.FromString(_recv_exact(conn, size))
-
-    def get(self, keys: Sequence[BlockKey]) -> list[tuple[kvstore_pb2.BlockHeader, bytearray | None]]:
-        conn = self._conn
-        request = kvstore_pb2.GetBlocksRequest(keys=[key.to_proto() for key in keys]).SerializeToString()
-        conn.sendall(_OP_GET + _U32.pack(len(request)) + request)
-        self._answer()
-        blocks = []
-        for _ in keys:
-            (size,) = _U32.unpack(_recv_exact(conn, 4))
-            header = kvstore_pb2.BlockHeader.FromString(_recv_exact(conn, size))
-            data = None
-            if header.found:
-                data = bytearray(header.num_bytes)
-                _recv_into(conn, memoryview(data))
-            blocks.append((header, data))
-        return blocks

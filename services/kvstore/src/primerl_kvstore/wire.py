@@ -2,7 +2,8 @@
 
 `PutBlocksRequest` and `GetBlocksResponse` share their wire layout (header = 1,
 data = 2), so a put message that carries only data (`0x12 <varint len> <bytes>`)
-is exactly the `GetBlocksResponse` that serves those bytes back. The servicer
+is exactly the `GetBlocksResponse` that serves those bytes back (the framing itself
+is shared with the pool's clients, in primerl_common.kvpool). The servicer
 handles PutBlocks and GetBlocks with raw bytes (no protobuf parsing or
 serializing of the data): a data message is kept as it arrived and written back
 as it is, so the bytes are copied only by gRPC itself.
@@ -17,7 +18,7 @@ from dataclasses import dataclass, field
 from primerl.common.v1 import tensor_pb2
 from primerl.kvstore.v1 import kvstore_pb2
 from primerl_common.errors import InvalidArgument
-from primerl_kvstore.keys import BlockKey
+from primerl_common.kvpool import BlockKey, data_frame, data_frames, data_view, parse_put_message
 
 __all__ = [
     "Block",
@@ -30,68 +31,7 @@ __all__ = [
     "validate_routed_experts",
 ]
 
-_DATA_TAG = 0x12  # field 2, length-delimited
 _ROUTED_EXPERT_DTYPES = {tensor_pb2.DTYPE_UINT8: 1, tensor_pb2.DTYPE_UINT16: 2}
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value >= 0x80:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-def _read_varint(buf: bytes | bytearray, pos: int) -> tuple[int, int]:
-    """(value, position after it); (-1, pos) when the buffer ends inside it."""
-    value = shift = 0
-    while pos < len(buf) and shift < 64:
-        byte = buf[pos]
-        pos += 1
-        value |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            return value, pos
-        shift += 7
-    return -1, pos
-
-
-def data_frame(data: bytes | memoryview) -> bytes:
-    """A message that carries only `data` (a PutBlocksRequest or a GetBlocksResponse)."""
-    return b"".join((bytes((_DATA_TAG,)), _varint(len(data)), data))
-
-
-def data_frames(data: bytes | memoryview, chunk_bytes: int) -> Iterator[bytes]:
-    view = memoryview(data)
-    for start in range(0, len(view), chunk_bytes):
-        yield data_frame(view[start : start + chunk_bytes])
-
-
-def _data_offset(frame: bytes | bytearray) -> int:
-    """Where the data of a data-only message starts; -1 if `frame` is not one."""
-    if not frame or frame[0] != _DATA_TAG:
-        return -1
-    length, pos = _read_varint(frame, 1)
-    return pos if length >= 0 and pos + length == len(frame) else -1
-
-
-def data_view(frame: bytes | bytearray) -> memoryview:
-    """The data bytes of a data-only message (no copy)."""
-    offset = _data_offset(frame)
-    assert offset >= 0, "not a data-only message"
-    return memoryview(frame)[offset:]
-
-
-def parse_put_message(message: bytes) -> tuple[kvstore_pb2.BlockHeader | None, bytes | None]:
-    """(header or None, data frame or None) of one raw PutBlocksRequest."""
-    if _data_offset(message) >= 0:
-        return None, message
-    try:
-        request = kvstore_pb2.PutBlocksRequest.FromString(message)
-    except Exception:  # protobuf's DecodeError and friends
-        raise InvalidArgument("not a PutBlocksRequest message", field="request") from None
-    header = request.header if request.HasField("header") else None
-    return header, data_frame(request.data) if request.data else None
 
 
 def header_frame(header: kvstore_pb2.BlockHeader) -> bytes:
