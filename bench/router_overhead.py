@@ -35,7 +35,7 @@ from primerl.common.v1 import generation_pb2
 from primerl.inference.v1 import inference_pb2
 from primerl.router.v1 import router_pb2
 from primerl_common.client import wait_for_serving
-from primerl_common.server import channel_options
+from primerl_common.server import channel_options, server_options
 from primerl_common.testing import ServiceProcess, free_port
 
 INFERENCE_SERVICE = "primerl.inference.v1.InferenceService"
@@ -89,7 +89,7 @@ class InstantReplica:
 async def serve_replicas(ports: list[int]) -> None:
     servers = []
     for index, port in enumerate(ports):
-        server = grpc.aio.server(options=channel_options(64 << 20))
+        server = grpc.aio.server(options=server_options(64 << 20))
         replica = InstantReplica(f"instant-{index}")
         server.add_registered_method_handlers(
             INFERENCE_SERVICE, {"Generate": grpc.unary_stream_rpc_method_handler(replica.generate)}

@@ -1,13 +1,56 @@
-from opentelemetry import propagate, trace
-from opentelemetry.sdk.trace import TracerProvider
+"""Generate through a real router to a real replica server that answers at once."""
 
-from primerl_router.forwarding import _trace_metadata
+import grpc
+
+from primerl.common.v1 import generation_pb2
+from primerl.inference.v1 import inference_pb2
+from primerl.router.v1 import router_pb2
+from primerl_common.server import GrpcService
+from primerl_router.config import RouterConfig
+from primerl_router.server import build
+
+TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+RESPONSES = [
+    inference_pb2.GenerateResponse(
+        output=generation_pb2.GenerationOutput(offset=offset, token_ids=[7, 8], finished=offset == 2)
+    ).SerializeToString()
+    for offset in (0, 2)
+]
 
 
-def test_trace_context_is_the_w3c_traceparent_the_propagators_write():
-    assert _trace_metadata() == ()  # no span: nothing to propagate
-    span = TracerProvider().get_tracer("test").start_span("router call")
-    with trace.use_span(span):
-        written: dict[str, str] = {}
-        propagate.inject(written)
-        assert _trace_metadata() == tuple(written.items())
+async def test_request_bytes_responses_and_the_callers_trace_context_pass_through():
+    received = []
+
+    async def generate(request: bytes, context: grpc.aio.ServicerContext) -> None:
+        received.append((request, dict(context.invocation_metadata())))
+        for message in RESPONSES:
+            await context.write(message)
+
+    replica = grpc.aio.server()
+    replica.add_registered_method_handlers(
+        "primerl.inference.v1.InferenceService", {"Generate": grpc.unary_stream_rpc_method_handler(generate)}
+    )
+    replica_port = replica.add_insecure_port("127.0.0.1:0")
+    await replica.start()
+    config = RouterConfig(
+        server={"host": "127.0.0.1", "port": 0}, replicas=[{"replica_id": "r0", "address": f"127.0.0.1:{replica_port}"}]
+    )
+    service = GrpcService(await build(config), config)
+    port = await service.start()
+    request = router_pb2.GenerateRequest(
+        input=generation_pb2.GenerationInput(request_id="a", prompt_token_ids=[1, 2, 3]),
+        routing=router_pb2.RoutingHints(session_key="episode-1"),
+    ).SerializeToString()
+    metadata = (("traceparent", TRACEPARENT), ("tracestate", "vendor=1"), ("x-other", "not forwarded"))
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            generate_raw = channel.unary_stream("/primerl.router.v1.RouterService/Generate")  # bytes both ways
+            responses = [message async for message in generate_raw(request, metadata=metadata)]
+    finally:
+        await service.stop(0)
+        await replica.stop(0)
+    assert responses == RESPONSES
+    [(forwarded, replica_metadata)] = received
+    assert forwarded == request
+    assert replica_metadata["traceparent"] == TRACEPARENT and replica_metadata["tracestate"] == "vendor=1"
+    assert "x-other" not in replica_metadata

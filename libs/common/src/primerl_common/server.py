@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import importlib
 import inspect
 import logging
 import signal
 import sys
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -31,24 +32,44 @@ from primerl_common import observability
 from primerl_common.config import ConfigError, ServiceConfig, parse_command_line
 from primerl_common.errors import ErrorInterceptor, Unimplemented
 
-__all__ = ["GrpcService", "ServiceDefinition", "channel_options", "run_main"]
+__all__ = ["GrpcService", "ServiceDefinition", "channel_options", "run_main", "server_options"]
 
 logger = logging.getLogger(__name__)
 
 Hook = Callable[[], Awaitable[None]]
 
 
-def channel_options(max_message_bytes: int) -> list[tuple[str, Any]]:
-    """Options shared by servers and channels: message limits sized for tensor
-    chunks and large flow-control windows (gRPC streams reach about half of a
-    raw socket only with both raised)."""
+# Both sides ping an idle connection this often to notice a dead peer.
+_KEEPALIVE_TIME_MS = 30_000
+
+
+def _transport_options(max_message_bytes: int) -> list[tuple[str, Any]]:
+    # Message limits sized for tensor chunks and large flow-control windows (gRPC streams
+    # reach about half of a raw socket only with both raised); keepalive pings also while
+    # no call is open (a follower's stream may be the only one, and quiet for minutes).
     return [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.http2.lookahead_bytes", 16 * 1024 * 1024),
-        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_time_ms", _KEEPALIVE_TIME_MS),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
+    ]
+
+
+def channel_options(max_message_bytes: int) -> list[tuple[str, Any]]:
+    """Options of every channel to a primerl server (see server_options)."""
+    return _transport_options(max_message_bytes)
+
+
+def server_options(max_message_bytes: int) -> list[tuple[str, Any]]:
+    """Options of every primerl server. A gRPC server answers pings that come more
+    often than it allows (5 min by default while it sends no data) with GOAWAY
+    "too_many_pings": it admits the clients' keepalive pings, with room for timer
+    jitter, also on connections without calls."""
+    return [
+        *_transport_options(max_message_bytes),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", _KEEPALIVE_TIME_MS // 2),
     ]
 
 
@@ -68,6 +89,10 @@ class ServiceDefinition:
     on_stop: Sequence[Hook] = ()
     # Run when draining starts, before the server stops accepting calls.
     on_drain: Sequence[Hook] = ()
+    # Full method names ("/pkg.Service/Method") served without the shared per-call span and
+    # primerl_grpc_server_* metrics (errors are still mapped): hot pass-through paths that
+    # keep metrics of their own.
+    unobserved_methods: Collection[str] = ()
     instance_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     started_at: timestamp_pb2.Timestamp = field(default_factory=lambda: _now())
 
@@ -111,6 +136,39 @@ def _answer_unimplemented(servicer: Any, descriptor: Any, definition: ServiceDef
         setattr(servicer, method.name, unimplemented)
 
 
+class _SharedInterceptors(grpc.aio.ServerInterceptor):
+    """The shared interceptors as one: observers (span, metrics) around the error mapping.
+    For unobserved methods only the error mapping, wrapped once per method (it depends on
+    the method alone) rather than per call."""
+
+    def __init__(
+        self,
+        observers: Sequence[grpc.aio.ServerInterceptor],
+        errors: ErrorInterceptor,
+        *,
+        unobserved: Collection[str],
+    ) -> None:
+        self._chain = [*observers, errors]
+        self._errors = errors
+        self._unobserved = frozenset(unobserved)
+        self._unobserved_handlers: dict[str, grpc.RpcMethodHandler] = {}
+
+    async def intercept_service(
+        self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]], details: grpc.HandlerCallDetails
+    ) -> grpc.RpcMethodHandler | None:
+        method = details.method
+        if method in self._unobserved:
+            handler = self._unobserved_handlers.get(method)
+            if handler is None:
+                handler = await self._errors.intercept_service(continuation, details)
+                if handler is not None:
+                    self._unobserved_handlers[method] = handler
+            return handler
+        for interceptor in reversed(self._chain):
+            continuation = functools.partial(interceptor.intercept_service, continuation)
+        return await continuation(details)
+
+
 class GrpcService:
     """Serves a ServiceDefinition. Use `await start()`, then `await stop()`
     (or `wait_for_termination()` with signal handlers installed by run_main)."""
@@ -126,9 +184,11 @@ class GrpcService:
 
     async def start(self) -> int:
         server_config = self.config.server
-        interceptors = [*observability.server_interceptors(), ErrorInterceptor()]
+        interceptor = _SharedInterceptors(
+            observability.server_interceptors(), ErrorInterceptor(), unobserved=self.definition.unobserved_methods
+        )
         self._server = grpc.aio.server(
-            interceptors=interceptors, options=channel_options(server_config.max_message_bytes)
+            interceptors=[interceptor], options=server_options(server_config.max_message_bytes)
         )
         for add_to_server, servicer, descriptor in self.definition.servicers:
             _answer_unimplemented(servicer, descriptor, self.definition)

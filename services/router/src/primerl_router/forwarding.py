@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 
 import grpc
-from opentelemetry import trace
 
 from primerl_router import metrics
 from primerl_router.config import RoutingConfig
@@ -42,6 +42,7 @@ _RETRYABLE = frozenset(
 )
 # Failures that say the replica itself is broken: they count toward its circuit.
 _REPLICA_FAULTS = frozenset({_Code.UNAVAILABLE, _Code.INTERNAL, _Code.UNKNOWN, _Code.DATA_LOSS})
+_TRACE_CONTEXT_KEYS = frozenset({"traceparent", "tracestate"})
 
 
 class Forwarder:
@@ -51,8 +52,9 @@ class Forwarder:
         self._wait_s = config.no_replica_wait_s
 
     async def generate(self, request: bytes, context: grpc.aio.ServicerContext) -> None:
-        route = parse_route_request(request, context.invocation_metadata())
-        metadata = _trace_metadata()
+        invocation_metadata = context.invocation_metadata()
+        route = parse_route_request(request, invocation_metadata)
+        metadata = _trace_context(invocation_metadata)
         tried: list[Replica] = []
         failure: grpc.aio.AioRpcError | None = None
         while len(tried) < self._max_attempts:
@@ -111,15 +113,11 @@ class Forwarder:
         return None
 
 
-def _trace_metadata() -> tuple[tuple[str, str], ...]:
-    """The current trace context (the router's span of this call) for the
-    replica's call, so its spans and logs join the router's trace. Written as
-    the W3C traceparent directly: the generic propagators cost ~5x more, and
-    the router carries no baggage."""
-    context = trace.get_current_span().get_span_context()
-    if not context.is_valid:
-        return ()
-    return (("traceparent", f"00-{context.trace_id:032x}-{context.span_id:016x}-{context.trace_flags:02x}"),)
+def _trace_context(metadata: Sequence[tuple[str, str | bytes]]) -> tuple[tuple[str, str | bytes], ...]:
+    """The caller's W3C trace context, for the replica's call: the router adds no span of
+    its own on this path (see server.py), so the replica's spans and logs join the
+    caller's trace directly."""
+    return tuple(item for item in metadata if item[0] in _TRACE_CONTEXT_KEYS)
 
 
 def _bounded(wait_s: float, context: grpc.aio.ServicerContext) -> float:
