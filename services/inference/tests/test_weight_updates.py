@@ -3,7 +3,9 @@ the dense one in bfloat16 (dense float32 is checked in test_servicer.py, on its 
 an update the service computes what an engine started on those weights computes, and
 restoring the original weights restores the original logprobs. On CPU this covers the two
 layouts vLLM's own reload leaves stale (see worker_extension.py): prepacked MoE experts, and
-the GEMM handle of lm_head, tied to the embedding.
+the GEMM handle of lm_head, tied to the embedding. Kernel-format weights, delta updates and
+folders on a shared filesystem end in exactly the logprobs of full HF updates of the same
+weights.
 
 On the same engines: routed experts are returned for MoE models and refused for dense ones."""
 
@@ -14,18 +16,25 @@ import numpy as np
 import pytest
 import pytest_asyncio
 
-from primerl.common.v1 import generation_pb2
+from primerl.common.v1 import generation_pb2, tensor_pb2
 from primerl.inference.v1 import inference_pb2
 from primerl_common.tensors import tensor_from_proto
 from primerl_common.tiny_model import SPECS
+from primerl_common.weight_manifest import write_weights
 
 from .serving import (
     TOLERANCE,
     assert_update_matches_a_fresh_engine,
+    checkpoint,
     final_output,
+    kernel_format,
+    perturbed_model,
+    policy_version,
     running_service,
+    sample,
     status_of,
     tiny_model,
+    update_stream,
 )
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -48,6 +57,54 @@ async def test_an_update_computes_what_a_fresh_engine_computes_and_restoring_res
     scratch_dir = tmp_path_factory.mktemp("perturbed") / f"{kind}-{dtype}"
 
     await assert_update_matches_a_fresh_engine(stub, model_dir, dtype, scratch_dir, tolerance=TOLERANCE[dtype])
+
+
+async def test_kernel_format_deltas_and_shared_folders_end_in_the_weights_of_full_hf_updates(
+    model, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    kind, dtype, model_dir, stub = model
+    original = checkpoint(model_dir)
+    perturbed = perturbed_model(model_dir, tmp_path_factory.mktemp("perturbed") / f"{kind}-{dtype}", seed=2)
+    # Layer 1 perturbed, the rest original: whole modules change.
+    layer_1 = {name: t for name, t in perturbed.items() if ".layers.1." in name}
+    partial = {**original, **layer_1}
+    kernel = tensor_pb2.WEIGHT_FORMAT_KERNEL
+    folders = tmp_path_factory.mktemp("shared")
+    prompts = [list(range(40, 72)), [(7 * i) % 200 + 30 for i in range(24)]]
+
+    async def update(tensors: dict, *, shared: bool = False, **begin) -> list[list[float]]:
+        version = await policy_version(stub) + 1
+        path = None
+        if shared:
+            path = folders / f"v{version}"
+            fields = {"delta": begin.get("delta", False), "base_policy_version": begin.get("base_policy_version", 0)}
+            weight_format = begin.get("weight_format", tensor_pb2.WEIGHT_FORMAT_HF)
+            write_weights(path, tensors.items(), policy_version=version, weight_format=weight_format, **fields)
+        await stub.UpdateWeights(update_stream(tensors, version, shared_fs_path=path, **begin))
+        return await sample(stub, prompts, num_tokens=4, seed=5)
+
+    before = await sample(stub, prompts, num_tokens=4, seed=5)
+    full_hf = await update(perturbed)
+    restored_by_kernel = await update(kernel_format(original), weight_format=kernel)
+    kernel_from_folder = await update(kernel_format(perturbed), weight_format=kernel, shared=True)
+    partial_hf = await update(partial)
+    await update(original)
+    base = await policy_version(stub)
+    delta_hf = await update(layer_1, delta=True, base_policy_version=base)
+    kernel_delta_back = await update(
+        {n: t for n, t in kernel_format(original).items() if ".layers.1." in n},
+        weight_format=kernel,
+        delta=True,
+        base_policy_version=base + 1,
+        shared=True,
+    )
+
+    assert full_hf != before  # the updates take effect
+    assert restored_by_kernel == before
+    assert kernel_from_folder == full_hf
+    assert partial_hf not in (before, full_hf)
+    assert delta_hf == partial_hf
+    assert kernel_delta_back == before
 
 
 async def test_routed_experts_come_with_moe_models_only(model) -> None:

