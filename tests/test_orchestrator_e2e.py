@@ -288,12 +288,20 @@ async def test_restart_resumes_from_the_checkpoint_without_duplicated_or_lost_st
 
 
 async def test_rollouts_past_max_off_policy_steps_never_reach_the_trainer(stack, tmp_path):
-    """An environment holds an episode open while the trainer moves on. Once the episode's
-    tokens are more than max_off_policy_steps behind the step being collected, the
-    orchestrator drops it and says so to the environment; no batch holds tokens that old."""
+    """External episodes take a turn and are then held open; the trainer is held back (stopped)
+    while the built-in environment samples as far ahead as max_async_level lets it, then
+    released. Steps move on past the held episodes' policy version + max_off_policy_steps: the
+    orchestrator drops exactly those episodes (counted, and said so to the environment), drops
+    nothing the built-in environment sampled (its rollouts sampled during the hold, the oldest
+    any batch takes, still fit), and no batch the trainer trains holds a token too old.
+
+    max_off_policy_steps must be at least max_async_level (the config refuses less: groups
+    started at the allowed lag would all be dropped), so sampling ahead of a held-back trainer
+    alone never makes a rollout too old; an episode that spans steps does."""
     first = await trainer_next_step(stack)
-    # Enough steps that the held episode starts well before the run ends, even when steps are fast.
-    last, max_off_policy_steps = first + 8, 1
+    # The held episodes' version is at most first + 1 or so on a fast machine; they are dropped
+    # once the step after version + max_off_policy_steps is collected, well before the end.
+    last, max_async_level, max_off_policy_steps, num_held = first + 8, 2, 2, 3
     environments = (
         '[[environments]]\nname = "rev"\nkind = "reverse_text"\ngroup_size = 2\n'
         "[environments.sampling]\nmax_tokens = 8\n"
@@ -303,40 +311,81 @@ async def test_rollouts_past_max_off_policy_steps_never_reach_the_trainer(stack,
         stack,
         tmp_path / "orchestrator.toml",
         environments=environments,
-        # One reverse_text group at a time (and the held episode): it starts for one of the first steps,
-        # not for one that only the last batches could take.
         run={
             "batch_size": 2,
             "max_steps": last,
+            "max_async_level": max_async_level,
             "max_off_policy_steps": max_off_policy_steps,
-            "max_concurrent_episodes": 3,
+            "max_concurrent_episodes": 2 + num_held,
         },
         metrics_jsonl=tmp_path / "metrics.jsonl",
+        batches_dir=tmp_path / "batches",
     )
     config.write_text(config.read_text() + "[advantage]\nfilter_zero_advantage = false\n")
     async with orchestrator(config) as (_, stub):
-        start = orchestrator_pb2.StartEpisodeRequest(environment="guess", task=orchestrator_pb2.Task(task_id="held"))
-        [held] = (await stub.StartEpisode(start)).episodes
-        turn = orchestrator_pb2.GenerateRequest(
-            episode_id=held.episode_id,
-            messages=orchestrator_pb2.ChatMessages(messages=[{"role": "user", "content": "Your first guess?"}]),
-        )
-        assert (await stub.Generate(turn)).token_ids
+        task = orchestrator_pb2.Task(task_id="held")
+        start = orchestrator_pb2.StartEpisodeRequest(environment="guess", task=task, num_episodes=num_held)
+        held = (await stub.StartEpisode(start)).episodes
+        turns = [
+            orchestrator_pb2.GenerateRequest(
+                episode_id=episode.episode_id,
+                messages=orchestrator_pb2.ChatMessages(messages=[{"role": "user", "content": "Your first guess?"}]),
+            )
+            for episode in held
+        ]
+        for turn in turns:
+            assert (await stub.Generate(turn)).token_ids
+        with held_back(stack.trainer_process):
+            status = await settled(stub, "rev")
+            # Sampling ran ahead of the stopped trainer no further than max_async_level.
+            assert status.step <= status.policy_version + max_async_level
+            assert {env.name: env.num_episodes_finished > 0 for env in status.environments}["rev"]
 
         def guess_dropped(status: orchestrator_pb2.GetRunStatusResponse) -> bool:
-            return {env.name: env.num_dropped_off_policy for env in status.environments}["guess"] == 1
+            return {env.name: env.num_dropped_off_policy for env in status.environments}["guess"] == num_held
 
         await wait_for_status(stub, guess_dropped, timeout_s=180)
-        assert await failure(stub.Generate(turn)) == (grpc.StatusCode.FAILED_PRECONDITION, "EPISODE_DROPPED")
-        finish = orchestrator_pb2.FinishEpisodeRequest(episode_id=held.episode_id, reward=1.0)
+        assert await failure(stub.Generate(turns[0])) == (grpc.StatusCode.FAILED_PRECONDITION, "EPISODE_DROPPED")
+        finish = orchestrator_pb2.FinishEpisodeRequest(episode_id=held[1].episode_id, reward=1.0)
         assert await failure(stub.FinishEpisode(finish)) == (grpc.StatusCode.FAILED_PRECONDITION, "EPISODE_DROPPED")
         status = await wait_for_status(stub, lambda s: s.state == orchestrator_pb2.RUN_STATE_FINISHED, timeout_s=180)
         assert status.step == last and status.off_policy_steps_max <= max_off_policy_steps
+        assert {env.name: env.num_dropped_off_policy for env in status.environments} == {"rev": 0, "guess": num_held}
+        assert status.num_dropped_off_policy_total == num_held
 
+    # What the trainer trained: its own record of each batch, and every token of every sample.
     steps = await trained_steps(stack, after_step=first - 1, until_step=last, timeout_s=60)
     assert [s.step for s in steps] == list(range(first, last + 1))
+    for step in steps:
+        assert step.step - step.metrics["min_policy_version"] <= max_off_policy_steps
+        assert step.metrics["max_policy_version"] <= step.step - 1
+        samples = samples_of(tmp_path / "batches" / f"step_{step.step:06d}.safetensors")
+        assert len(samples) == step.metrics["num_samples"]
+        for sample in samples:
+            versions = sample["policy_versions"][sample["loss_mask"]]
+            assert step.step - int(versions.min()) <= max_off_policy_steps
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(first, last + 1))
-    for record in records:
-        assert record["step"] - record["min_policy_version"] <= max_off_policy_steps
-        assert record["step"] - 1 >= record["max_policy_version"]
+    assert sum(r["num_dropped_off_policy"] for r in records) == num_held
+
+
+async def settled(
+    stub: orchestrator_pb2_grpc.OrchestratorServiceStub, environment: str, *, timeout_s: float = 120
+) -> orchestrator_pb2.GetRunStatusResponse:
+    """The run status once `environment` has nothing running and starts nothing more (two
+    looks a second apart agree)."""
+
+    def counts(status: orchestrator_pb2.GetRunStatusResponse) -> tuple[int, int, int]:
+        [env] = [env for env in status.environments if env.name == environment]
+        return env.num_episodes_started, env.num_episodes_finished, env.num_episodes_running
+
+    previous = None
+    loop = asyncio.get_running_loop()
+    give_up_at = loop.time() + timeout_s
+    while True:
+        status = await stub.GetRunStatus(orchestrator_pb2.GetRunStatusRequest())
+        if previous is not None and counts(status) == counts(previous) and counts(status)[2] == 0:
+            return status
+        assert loop.time() < give_up_at, f"{environment} did not settle; last status:\n{status}"
+        previous = status
+        await asyncio.sleep(1.0)

@@ -451,18 +451,23 @@ class Run:
         self._ended(episode, previous)
 
     def _ended(self, episode: Episode, previous: EpisodeState) -> None:
-        self.dispatcher.episode_ended()
+        group = episode.group
+        finished = episode.state == EpisodeState.FINISHED
+        # A finished episode of a group still playing keeps its place in its step until the
+        # group completes, or another group would be started for that step.
+        self.dispatcher.episode_ended(awaits_group=finished and not group.complete)
         env = episode.environment
         if previous == EpisodeState.RUNNING:
             self._running[env] -= 1
             self.counters.set_running(env, self._running[env])
-        group = episode.group
         if group.complete:
-            self._complete(group)
+            self._complete(group, last=episode)
 
-    def _complete(self, group: Group) -> None:
+    def _complete(self, group: Group, *, last: Episode) -> None:
         self._book.retire(group)
         self._ready.add(group)
+        # The group's other finished episodes waited for it (the last one never did).
+        self.dispatcher.group_completed(sum(e.state == EpisodeState.FINISHED for e in group.episodes if e is not last))
 
     # ------------------------------------------------------------------ batches
 

@@ -51,6 +51,8 @@ class Dispatcher:
         self.next_step = 1
         self.num_ready = 0
         self.num_in_flight = 0
+        # Finished episodes of groups still playing: ready rollouts once their group completes.
+        self.num_awaiting_group = 0
         self.open = False
         # Set when the run ended: every waiter gets it.
         self.closed_error: ServiceError | None = None
@@ -84,8 +86,18 @@ class Dispatcher:
         self.open = False
         self._wake()
 
-    def episode_ended(self) -> None:
+    def episode_ended(self, *, awaits_group: bool = False) -> None:
+        """An episode ended. It no longer counts toward a step unless `awaits_group`: it finished
+        and its rollout becomes ready with the rest of its group (`group_completed`)."""
         self.num_in_flight -= 1
+        if awaits_group:
+            self.num_awaiting_group += 1
+        self._wake()
+
+    def group_completed(self, num_awaited: int) -> None:
+        """A group's last episode ended: its `num_awaited` episodes that waited for it are ready
+        rollouts now (num_ready) or were filtered out."""
+        self.num_awaiting_group -= num_awaited
         self._wake()
 
     # Waiting for episodes.
@@ -127,7 +139,9 @@ class Dispatcher:
 
     def target_step(self) -> int:
         return target_step(
-            self.next_step, num_committed=self.num_ready + self.num_in_flight, batch_size=self._batch_size
+            self.next_step,
+            num_committed=self.num_ready + self.num_in_flight + self.num_awaiting_group,
+            batch_size=self._batch_size,
         )
 
     def blocked_reason(self, group_size: int) -> str | None:

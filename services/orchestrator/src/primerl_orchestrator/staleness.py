@@ -7,7 +7,11 @@ in it was sampled by a version <= n - 1.
 - max_async_level (how far inference may run ahead of training): a group is started *for*
   a step, the first step whose batch is not yet covered by the rollouts ready or in flight:
 
-      target_step = next_step + (num_ready + num_in_flight) // batch_size
+      target_step = next_step + (num_ready + num_in_flight + num_awaiting_group) // batch_size
+
+  (num_awaiting_group: finished episodes of groups still playing; without them a group
+  whose first episodes finished early would look short and a second group would be started
+  for its step, whose rollouts would land a step later than their version allows for)
 
   and it may start only once the latest policy version v satisfies
   v >= target_step - max_async_level. With the default 1, step n's rollouts start on

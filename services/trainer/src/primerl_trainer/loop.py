@@ -45,8 +45,8 @@ class QueuedBatch:
     micro_batches: list[MicroBatch]
     num_loss_tokens: int
     num_samples: int = 0
-    min_policy_version: int = 0
-    max_policy_version: int = 0
+    # (oldest, newest) policy version that sampled a loss token; None: not known.
+    policy_versions: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -381,11 +381,12 @@ class TrainingLoop:
         metrics |= saved
         if batch.num_samples:
             metrics["num_samples"] = float(batch.num_samples)
-        if batch.max_policy_version:
-            metrics["min_policy_version"] = float(batch.min_policy_version)
-            metrics["max_policy_version"] = float(batch.max_policy_version)
+        if batch.policy_versions is not None:
+            oldest, newest = batch.policy_versions
+            metrics["min_policy_version"] = float(oldest)
+            metrics["max_policy_version"] = float(newest)
             # How many policy versions old the oldest token is at the step that trains on it.
-            metrics["max_off_policy_steps"] = float(batch.step - 1 - batch.min_policy_version)
+            metrics["max_off_policy_steps"] = float(batch.step - 1 - oldest)
         self._on_step(StepRecord(batch.step, metrics, time.time(), policy_version=batch.step))
 
     def _publish_or_schedule_retry(self) -> dict[str, float]:

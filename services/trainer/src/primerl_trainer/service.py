@@ -20,6 +20,8 @@ import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+import torch
+
 from primerl_common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
 from primerl_trainer.batch import BatchSpec, MicroBatch, TrainingMode, validate_batch
 from primerl_trainer.loop import QueuedBatch, StepRecord, TrainingLoop
@@ -189,8 +191,7 @@ class TrainingService:
             micro_batches=batch.micro_batches,
             num_loss_tokens=num_loss_tokens,
             num_samples=header.num_samples,
-            min_policy_version=header.min_policy_version,
-            max_policy_version=header.max_policy_version,
+            policy_versions=_policy_versions(batch.micro_batches, header),
         )
         num_queued = self._loop.submit(queued)
         self._next_step += 1
@@ -296,3 +297,15 @@ class TrainingService:
     def _wake_watchers(self) -> None:
         self._wakeup.set()
         self._wakeup = asyncio.Event()
+
+
+def _policy_versions(micro_batches: list[MicroBatch], header: BatchHeader) -> tuple[int, int] | None:
+    """(oldest, newest) policy version of the batch's loss tokens: from the per-token versions the
+    micro-batches carry, else as the sender announced them (a header of zeros announces nothing)."""
+    if all(mb.policy_versions is not None for mb in micro_batches):
+        versions = torch.cat([mb.policy_versions[mb.loss_mask] for mb in micro_batches])  # type: ignore[index]
+        if versions.numel():
+            return int(versions.min()), int(versions.max())
+    if header.max_policy_version:
+        return header.min_policy_version, header.max_policy_version
+    return None
