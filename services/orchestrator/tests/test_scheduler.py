@@ -67,6 +67,25 @@ async def test_max_async_level_holds_groups_for_later_steps_until_the_version_is
     assert d.target_step() == 2
 
 
+async def test_finished_episodes_of_a_group_still_playing_keep_their_step():
+    d = dispatcher(batch_size=2, max_async_level=1, version=0)
+    targets = []
+    group = await d.start_group("a", 2, factory("a", 2, targets))
+    first, second = group.episodes
+    first.state = EpisodeState.FINISHED
+    d.episode_ended(awaits_group=True)
+    # Step 1 is still covered: its finished episode waits for the rest of its group.
+    assert d.target_step() == 2
+    second.state = EpisodeState.FINISHED
+    d.episode_ended(awaits_group=True)
+    d.num_ready += 2
+    d.group_completed(2)
+    assert d.num_awaiting_group == 0 and d.target_step() == 2
+    d.update(policy_version=1)
+    await d.start_group("a", 2, factory("a", 2, targets))
+    assert targets == [1, 2]
+
+
 async def test_concurrency_limit_and_max_steps():
     d = dispatcher(batch_size=100, max_concurrent=4, max_steps=1)
     await d.start_group("a", 3, factory("a", 3))
