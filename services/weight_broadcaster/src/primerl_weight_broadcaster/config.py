@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from pydantic import Field, model_validator
+import os
+import pathlib
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
 
 from primerl_common.config import Section, ServerConfig, ServiceConfig, service_settings
 
@@ -26,6 +30,34 @@ class ReplicaConfig(Section):
     replica_id: str = Field(min_length=1)
     address: str = Field(min_length=1, description="host:port of its inference.v1 server")
     delta: bool = Field(default=False, description="push only the tensors changed since its version, when it can")
+    format: Literal["hf", "kernel", "kernel_fp8"] = Field(
+        default="hf", description="weights it loads: HF names, vLLM kernel layout, or kernel layout in block FP8"
+    )
+    transport: Literal["grpc", "shared_fs"] = Field(
+        default="grpc", description="UpdateWeights stream, or a folder of shared_fs.folder named in the stream"
+    )
+
+
+class SharedFsConfig(Section):
+    """The shared-filesystem transport: versions written once into a folder that replicas read."""
+
+    folder: pathlib.Path | None = Field(
+        default=None,
+        description="existing, writable folder the broadcaster owns, readable by the replicas at the same path; "
+        "empty: replicas cannot register with the shared_fs transport",
+    )
+    keep_versions: int = Field(default=2, ge=1, description="versions whose folders are kept (older ones deleted)")
+
+    @field_validator("folder")
+    @classmethod
+    def _writable_folder(cls, folder: pathlib.Path | None) -> pathlib.Path | None:
+        if folder is None:
+            return None
+        if not folder.is_dir():
+            raise ValueError(f"{folder} is not a folder")
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise ValueError(f"{folder} is not writable")
+        return folder.resolve()
 
 
 class WeightBroadcasterConfig(ServiceConfig):
@@ -38,6 +70,7 @@ class WeightBroadcasterConfig(ServiceConfig):
 
     server: ServerConfig = ServerConfig(port=50055)
     push: PushConfig = PushConfig()
+    shared_fs: SharedFsConfig = SharedFsConfig()
     replicas: list[ReplicaConfig] = Field(
         default=[], description="replicas registered at start (others register with RegisterReplica)"
     )
@@ -48,4 +81,7 @@ class WeightBroadcasterConfig(ServiceConfig):
         duplicates = sorted({i for i in ids if ids.count(i) > 1})
         if duplicates:
             raise ValueError(f"replicas: duplicate replica_id {', '.join(duplicates)}")
+        shared = [r.replica_id for r in self.replicas if r.transport == "shared_fs"]
+        if shared and self.shared_fs.folder is None:
+            raise ValueError(f"replicas: {', '.join(shared)} use transport shared_fs, which needs shared_fs.folder")
         return self

