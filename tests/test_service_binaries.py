@@ -144,3 +144,27 @@ async def test_serves_health_info_and_stops_on_sigterm(service, tmp_path):
             assert await reflection.code() == grpc.StatusCode.OK
         assert await process.wait(30) == 0, process.output()
         assert "Traceback" not in process.output()
+
+
+async def test_inference_killed_outright_takes_its_engine_process_with_it(tmp_path):
+    """SIGKILL (a crash, the OOM killer) gives the service no chance to stop vLLM's engine
+    process; it must not live on holding the model and KV cache memory."""
+    port = free_port()
+    args = [binary("inference"), "--server.host", "127.0.0.1", "--server.port", str(port)]
+    async with ServiceProcess([*args, *start_flags("inference", tmp_path)], port=port) as process:
+        engine = _children(process.process.pid)
+        assert engine, "the engine core runs in a child process"
+        process.process.kill()
+        await process.wait()
+        deadline = asyncio.get_running_loop().time() + 30
+        while any(map(_alive, engine)):
+            assert asyncio.get_running_loop().time() < deadline, f"engine processes {engine} outlived the service"
+            await asyncio.sleep(0.2)
+
+
+def _children(pid: int) -> list[int]:
+    return [int(child) for child in pathlib.Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def _alive(pid: int) -> bool:
+    return pathlib.Path(f"/proc/{pid}").exists()

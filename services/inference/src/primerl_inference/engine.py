@@ -140,6 +140,7 @@ class InferenceEngine:
         started = time.monotonic()
         # disable_log_stats: no default stat loggers; EngineStats alone turns statistics on.
         llm = AsyncLLM.from_vllm_config(vllm_config, stat_loggers=[stats.factory], disable_log_stats=True)
+        await llm.collective_rpc("primerl_exit_with_parent", args=(os.getpid(),))
         await llm.update_weight_version(str(config.replica.initial_policy_version))
         hf_table = WeightTable.from_checkpoint(engine.model, vllm_config.model_config.dtype)
         (kernel_parameters,) = await llm.collective_rpc("primerl_kernel_weight_table")

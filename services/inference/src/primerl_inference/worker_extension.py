@@ -11,6 +11,10 @@ that has none of the service's gRPC machinery.
 from __future__ import annotations
 
 import collections
+import os
+import signal
+import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,6 +29,21 @@ __all__ = ["WorkerExtension"]
 class WorkerExtension(RoutedExpertsWorkerExtension):
     """Methods added to vLLM's worker (`self` is the worker). vLLM takes one extension class:
     this one carries the routed-experts capture's methods too."""
+
+    def primerl_exit_with_parent(self, service_pid: int, interval_s: float = 1.0) -> None:
+        """Ends this process when the one that started it is gone. A service killed outright
+        (SIGKILL, OOM) cannot stop vLLM's engine process, which would hold its memory forever.
+        Nothing to do where the engine runs in the service's own process."""
+        if os.getpid() == service_pid:
+            return
+        parent = os.getppid()
+
+        def watch() -> None:
+            while os.getppid() == parent:
+                time.sleep(interval_s)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        threading.Thread(target=watch, name="primerl-exit-with-parent", daemon=True).start()
 
     def primerl_kernel_weight_table(self) -> list[list[Any]]:
         """Name, shape and dtype of each parameter as the model creates it, before the platform
