@@ -6,7 +6,9 @@ The service runs in this process (as `primerl-inference` does: gRPC server and A
 frontend here, the engine core in the child process AsyncLLM spawns) on a tiny dense model
 made on the spot; the gRPC client runs in this process too. A round submits all prompts at
 once; rounds alternate between the two paths. Both paths ask for the same tokens:
-temperature 1 with a seed per prompt, the sampled token's logprob, no detokenization.
+temperature 1 with a seed per prompt, the sampled token's logprob, no detokenization; the
+direct path hands vLLM the very SamplingParams the service makes for the request, so that the
+two differ only in what the service adds.
 
 On a machine shared with others, their load only ever slows a round down, by anything from
 nothing to ten times: the fastest round of each path is the least disturbed one, and the
@@ -48,9 +50,7 @@ for _name, _value in {
     os.environ.setdefault(_name, _value)
 
 from safetensors.torch import load_file  # noqa: E402
-from vllm import SamplingParams  # noqa: E402
 from vllm.inputs.engine import tokens_input  # noqa: E402
-from vllm.sampling_params import RequestOutputKind  # noqa: E402
 
 from primerl.common.v1 import generation_pb2, tensor_pb2  # noqa: E402
 from primerl.inference.v1 import inference_pb2, inference_pb2_grpc  # noqa: E402
@@ -60,7 +60,9 @@ from primerl_common.tensors import iter_tensor_chunks  # noqa: E402
 from primerl_common.tiny_model import make_tiny_model  # noqa: E402
 from primerl_inference.config import InferenceConfig  # noqa: E402
 from primerl_inference.engine import InferenceEngine  # noqa: E402
+from primerl_inference.generation import GenerateRequest, SamplingSpec, StreamPolicy  # noqa: E402
 from primerl_inference.server import service_definition  # noqa: E402
+from primerl_inference.streaming import sampling_params  # noqa: E402
 
 MODES = ("final", "token")
 
@@ -71,17 +73,17 @@ def prompts(num_prompts: int, prompt_len: int) -> list[list[int]]:
 
 async def direct_round(llm, batch: list[list[int]], max_tokens: int, mode: str) -> int:
     """All prompts to the AsyncLLM at once; the number of tokens generated."""
-    output_kind = RequestOutputKind.FINAL_ONLY if mode == "final" else RequestOutputKind.DELTA
 
     async def one(index: int, prompt: list[int]) -> int:
-        params = SamplingParams(
-            temperature=1.0,
-            max_tokens=max_tokens,
-            ignore_eos=True,
-            seed=index,
-            logprobs=0,
-            detokenize=False,
-            output_kind=output_kind,
+        # The very SamplingParams the service gives vLLM for this request (output kind, logprob
+        # format and all), so that the two paths differ only in what the service adds.
+        params = sampling_params(
+            GenerateRequest(
+                request_id=f"direct-{index}",
+                prompt_token_ids=tuple(prompt),
+                sampling=SamplingSpec(temperature=1.0, max_tokens=max_tokens, ignore_eos=True, seed=index),
+                stream=StreamPolicy(final_only=mode == "final"),
+            )
         )
         num_tokens = 0
         async for output in llm.generate(tokens_input(prompt), params, f"direct-{index}-{time.monotonic_ns()}"):
