@@ -53,6 +53,7 @@ from safetensors.torch import _TYPES as SAFETENSORS_DTYPES  # safetensors' dtype
 from safetensors.torch import save_file
 
 from primerl.common.v1 import tensor_pb2
+from primerl_common.durable import fsync_dir, write_synced
 
 __all__ = [
     "MANIFEST_NAME",
@@ -163,10 +164,10 @@ def write_weights(
         manifest = WeightManifest(
             policy_version, weight_format, delta, base_policy_version, tuple(files), tuple(tensors)
         )
-        _write_and_fsync(staging / MANIFEST_NAME, manifest.to_json().encode())
-        _fsync_dir(staging)
+        write_synced(staging / MANIFEST_NAME, manifest.to_json().encode())
+        fsync_dir(staging)
         staging.rename(path)
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -323,18 +324,3 @@ def _sha256_and_fsync(file: pathlib.Path) -> str:
     with open(file, "rb+") as f:
         os.fsync(f.fileno())
     return _sha256(file)
-
-
-def _write_and_fsync(file: pathlib.Path, data: bytes) -> None:
-    with open(file, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(directory: pathlib.Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

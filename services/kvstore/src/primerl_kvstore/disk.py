@@ -27,6 +27,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from primerl.kvstore.v1 import kvstore_pb2
+from primerl_common.durable import fsync_dir
 from primerl_kvstore.keys import BlockKey
 
 __all__ = ["CorruptBlockError", "DiskEntry", "DiskTier"]
@@ -140,7 +141,7 @@ class DiskTier:
             tmp.unlink(missing_ok=True)
             raise
         if self.fsync:
-            self._fsync_dir(path.parent)
+            fsync_dir(path.parent)
         return DiskEntry(key, header.num_bytes, path)
 
     def read(self, entry: DiskEntry) -> tuple[kvstore_pb2.BlockHeader, memoryview]:
@@ -186,11 +187,3 @@ class DiskTier:
         if stat.st_size != _PREFIX_BYTES + header_len + header.num_bytes + _TRAILER_BYTES:
             raise CorruptBlockError(f"{stat.st_size} bytes, header says {header.num_bytes} of data")
         return header, stat
-
-    @staticmethod
-    def _fsync_dir(path: pathlib.Path) -> None:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)

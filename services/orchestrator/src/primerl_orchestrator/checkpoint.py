@@ -14,10 +14,10 @@ at the checkpoint, or in a batch that was cut but never reached the trainer, are
 from __future__ import annotations
 
 import json
-import os
 import pathlib
-import tempfile
 from dataclasses import asdict, dataclass, field
+
+from primerl_common.durable import replace_atomically
 
 __all__ = ["CHECKPOINT_FILE", "OrchestratorState", "load_state", "save_state"]
 
@@ -38,11 +38,7 @@ def save_state(directory: pathlib.Path, state: OrchestratorState) -> pathlib.Pat
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / CHECKPOINT_FILE
     payload = json.dumps({"format_version": _FORMAT_VERSION, **asdict(state)}, indent=2, sort_keys=True)
-    with tempfile.NamedTemporaryFile("w", dir=directory, prefix=f".{CHECKPOINT_FILE}.", delete=False) as file:
-        file.write(payload)
-        file.flush()
-        os.fsync(file.fileno())
-    os.replace(file.name, path)
+    replace_atomically(path, payload)
     return path
 
 

@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from primerl_common.durable import replace_atomically
 from primerl_trainer.train import Trainer
 
 __all__ = ["LATEST_FILE", "Checkpointer"]
@@ -71,7 +72,7 @@ class Checkpointer:
         _barrier()
         dcp.save(_state_dict(trainer), checkpoint_id=path)
         if _rank() == 0:
-            _write_atomically(self.root / LATEST_FILE, path.name)
+            replace_atomically(self.root / LATEST_FILE, path.name + "\n")
             self._delete_old()
         _barrier()
         logger.info("saved checkpoint", extra={"step": trainer.step, "path": str(path)})
@@ -159,22 +160,6 @@ def _set_rng_state(state: dict[str, torch.Tensor], device: torch.device) -> None
 
 def _step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
-
-
-def _write_atomically(path: pathlib.Path, text: str) -> None:
-    """Replace `path` by a file holding `text`: readers see the old content or the new, never a mix."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    # Make the rename itself durable.
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
 
 
 def _distributed() -> bool:
