@@ -17,6 +17,7 @@ from primerl_trainer.checkpoint import Checkpointer
 from primerl_trainer.commands import CommandChannel
 from primerl_trainer.config import TrainerConfig
 from primerl_trainer.export import PublishKind, plan_export
+from primerl_trainer.hf_export import export_dtype
 from primerl_trainer.lora import apply_lora
 from primerl_trainer.models import HFCausalLM, load_model, model_spec_of, read_hf_config
 from primerl_trainer.optim import build_lr_scheduler, build_optimizer
@@ -113,7 +114,7 @@ def _build(config: TrainerConfig, device: torch.device) -> TrainingRuntime:
         if config.checkpoint.resume:
             restored_step = checkpointer.load_latest(trainer)
 
-    publish_dtype = _publish_dtype(config, hf_config)
+    publish_dtype = export_dtype(config.publish.dtype, hf_config)
     num_tensors, num_bytes = plan_export(model, kind=config.publish.kind, dtype=publish_dtype, lora_scale=lora_scale)
     num_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     logger.info(
@@ -178,13 +179,3 @@ def _batch_spec(model: nn.Module, hf_config: dict, config: TrainerConfig) -> Bat
         num_hidden_layers=num_hidden_layers,
         moe_layers=moe_layers,
     )
-
-
-def _publish_dtype(config: TrainerConfig, hf_config: dict) -> torch.dtype:
-    name = config.publish.dtype
-    if name == "auto":
-        name = hf_config.get("dtype") or hf_config.get("torch_dtype") or "bfloat16"
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"config.json names an unknown dtype {name!r}")
-    return dtype
