@@ -24,7 +24,6 @@ import shutil
 import subprocess
 import sys
 import tomllib
-from collections.abc import Awaitable, Callable
 
 import grpc
 import pytest
@@ -35,7 +34,7 @@ from primerl.router.v1 import router_pb2, router_pb2_grpc
 from primerl.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2, weight_broadcaster_pb2_grpc
 from primerl_common.client import call_with_retry, make_channel
-from primerl_common.testing import ServiceProcess
+from primerl_common.testing import ServiceProcess, eventually
 
 from .stack import REPLICA_ID, REPO, Stack, orchestrator_config, orchestrator_process, restart, trainer_next_step
 
@@ -113,14 +112,6 @@ async def service_version(address: str, stub_class: type, request: object) -> st
     async with make_channel(address) as channel:
         reply = await call_with_retry(lambda: stub_class(channel).GetServiceInfo(request, timeout=5))
     return reply.info.package_version
-
-
-async def eventually(check: Callable[[], Awaitable[bool]], *, timeout_s: float, what: str) -> None:
-    loop = asyncio.get_running_loop()
-    give_up_at = loop.time() + timeout_s
-    while not await check():
-        assert loop.time() < give_up_at, f"gave up waiting until {what}"
-        await asyncio.sleep(0.2)
 
 
 async def test_each_service_restarted_mid_run_and_every_step_is_trained_once(stack: Stack, tmp_path: pathlib.Path):

@@ -30,6 +30,7 @@ from primerl_common.observability import (
     setup_tracing,
     start_metrics_server,
 )
+from primerl_common.testing import eventually
 
 SERVICE = "primerl.test.v1.TestService"
 
@@ -157,11 +158,7 @@ def root_logger():
 async def _eventually(predicate) -> None:
     """For what the server records after the client has its answer: context.abort sends the
     status first and raises afterwards, and client and server share this event loop."""
-    for _ in range(1000):
-        if predicate():
-            return
-        await asyncio.sleep(0.005)
-    raise AssertionError("the server never recorded it")
+    await eventually(predicate, timeout_s=5.0, interval_s=0.005, what="the server recorded it")
 
 
 def _method(channel: grpc.aio.Channel, kind: str, name: str):

@@ -15,6 +15,7 @@ from primerl.trainer.v1 import trainer_pb2
 from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2 as pb2
 from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2_grpc
 from primerl_common.errors import ErrorInterceptor, FailedPrecondition
+from primerl_common.testing import eventually
 from primerl_trainer.batch import MicroBatch
 
 from .serving import push, serving, trainer_config, watch
@@ -59,12 +60,6 @@ class FakeBroadcaster(weight_broadcaster_pb2_grpc.WeightBroadcasterServiceServic
         if not self.available:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "restarting")
         return pb2.GetStatusResponse(latest_policy_version=self.latest)
-
-
-async def eventually(condition, timeout_s: float = 30.0) -> None:
-    async with asyncio.timeout(timeout_s):
-        while not condition():  # noqa: ASYNC110 (the trainer works in its own thread)
-            await asyncio.sleep(0.05)
 
 
 async def status_when(stub, predicate, timeout_s: float = 30.0) -> trainer_pb2.GetStatusResponse:

@@ -78,7 +78,9 @@ def test_fsdp_on_two_ranks_matches_one_process(
     assert result["world_size"] == 2
     for got, wanted in zip(result["metrics"], expected, strict=True):
         for key in METRICS:
-            assert got[key] == pytest.approx(wanted[key], rel=1e-5, abs=1e-5), key
+            # Relative: two ranks sum gradients in another order (grad_norm ~13 moved by
+            # 1.1e-5 relative on one CPU).
+            assert got[key] == pytest.approx(wanted[key], rel=1e-4, abs=1e-5), key
     _assert_same_weights(result["weights"], expected_weights)
     # A publish's gather (shard by shard to rank 0) gives the same full tensors.
     assert result["published"].keys() == result["weights"].keys()

@@ -4,7 +4,6 @@ float32 dense model) with the logprobs they compute."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
 import pathlib
@@ -88,12 +87,6 @@ async def wait_for(
 async def replica_states(stub: weight_broadcaster_pb2_grpc.WeightBroadcasterServiceStub) -> dict[str, tuple[int, int]]:
     status = await stub.GetStatus(pb2.GetStatusRequest())
     return {r.replica_id: (r.state, r.policy_version) for r in status.replicas}
-
-
-async def eventually(condition, timeout_s: float = 30.0) -> None:
-    async with asyncio.timeout(timeout_s):
-        while not await condition():  # noqa: ASYNC110 (polls another process's state)
-            await asyncio.sleep(0.05)
 
 
 # ----------------------------------------------------------------------------- real replicas

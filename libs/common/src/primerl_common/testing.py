@@ -4,22 +4,45 @@ processes started, awaited until SERVING, and stopped with SIGTERM."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 import os
 import signal
 import socket
 import subprocess
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 from primerl_common.client import wait_for_serving
 
-__all__ = ["ServiceProcess", "free_port"]
+__all__ = ["ServiceProcess", "eventually", "free_port"]
 
 
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+async def eventually(
+    check: Callable[[], bool | Awaitable[bool]],
+    *,
+    timeout_s: float = 30.0,
+    interval_s: float = 0.05,
+    what: str = "the condition held",
+) -> None:
+    """Polls `check` (a plain or an async function) until it returns true; fails naming
+    `what` once `timeout_s` has passed. For state another thread or process changes."""
+    loop = asyncio.get_running_loop()
+    give_up_at = loop.time() + timeout_s
+    while True:
+        result = check()
+        if inspect.isawaitable(result):
+            result = await result
+        if result:
+            return
+        if loop.time() >= give_up_at:
+            raise AssertionError(f"gave up after {timeout_s:g} s waiting until {what}")
+        await asyncio.sleep(interval_s)
 
 
 class ServiceProcess:

@@ -2,15 +2,21 @@
 (torchtitan's): checkpointing wraps the plain block, compile sees the wrapped block, FSDP
 shards what compile traced."""
 
+from collections.abc import Callable
+from typing import TypeVar
+
 import torch
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard
 
 from primerl_trainer.distributed import apply_activation_checkpointing, apply_compile, apply_fsdp
-from primerl_trainer.models.qwen3.model import Qwen3Model
+
+Model = TypeVar("Model", bound=nn.Module)
 
 
 def parallelize_qwen3(
-    model: Qwen3Model,
+    model: Model,
     *,
     dp_mesh: DeviceMesh | None = None,
     param_dtype: torch.dtype | None = torch.bfloat16,
@@ -19,8 +25,10 @@ def parallelize_qwen3(
     compile: bool = False,
     reshard_after_forward: bool = True,
     cpu_offload: bool = False,
-) -> Qwen3Model:
-    """In place; returns the model. Without `dp_mesh` no FSDP is applied."""
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
+) -> Model:
+    """In place; returns the model (a Qwen3 composition: `model.layers` are its blocks).
+    Without `dp_mesh` no FSDP is applied."""
     if activation_checkpointing:
         apply_activation_checkpointing(model.layers)
     if compile:
@@ -33,5 +41,6 @@ def parallelize_qwen3(
             reduce_dtype=reduce_dtype,
             reshard_after_forward=reshard_after_forward,
             cpu_offload=cpu_offload,
+            shard_placement_fn=shard_placement_fn,
         )
     return model

@@ -7,8 +7,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
-from primerl_trainer.distributed import apply_activation_checkpointing, apply_compile, apply_fsdp
 from primerl_trainer.models.moe import GroupedExperts
+from primerl_trainer.models.qwen3.parallelize import parallelize_qwen3
 from primerl_trainer.models.qwen3_moe.model import Qwen3MoeModel
 
 
@@ -24,25 +24,21 @@ def parallelize_qwen3_moe(
     cpu_offload: bool = False,
 ) -> Qwen3MoeModel:
     """In place; returns the model. Without `dp_mesh` no FSDP is applied."""
-    if activation_checkpointing:
-        apply_activation_checkpointing(model.layers)
-    if compile:
-        apply_compile(model.layers)
-    if dp_mesh is not None:
-        shard_placement_fn = None
-        if dp_mesh.size() > model.args.num_experts:
-            expert_params = {p for m in model.modules() if isinstance(m, GroupedExperts) for p in m.parameters()}
+    shard_placement_fn = None
+    if dp_mesh is not None and dp_mesh.size() > model.args.num_experts:
+        expert_params = {p for m in model.modules() if isinstance(m, GroupedExperts) for p in m.parameters()}
 
-            def shard_placement_fn(param: nn.Parameter) -> Shard | None:
-                return Shard(1) if param in expert_params else None
+        def shard_placement_fn(param: nn.Parameter) -> Shard | None:
+            return Shard(1) if param in expert_params else None
 
-        apply_fsdp(
-            model,
-            mesh=dp_mesh,
-            param_dtype=param_dtype,
-            reduce_dtype=reduce_dtype,
-            reshard_after_forward=reshard_after_forward,
-            cpu_offload=cpu_offload,
-            shard_placement_fn=shard_placement_fn,
-        )
-    return model
+    return parallelize_qwen3(
+        model,
+        dp_mesh=dp_mesh,
+        param_dtype=param_dtype,
+        reduce_dtype=reduce_dtype,
+        activation_checkpointing=activation_checkpointing,
+        compile=compile,
+        reshard_after_forward=reshard_after_forward,
+        cpu_offload=cpu_offload,
+        shard_placement_fn=shard_placement_fn,
+    )
