@@ -34,11 +34,11 @@ import time
 
 from primerl.kvstore.v1 import kvstore_pb2
 from primerl_common.kvpool import BlockKey, BulkClient, KvStoreClient
+from primerl_common.malloc import MALLOC_ENV, reexec_with_malloc_env
 from primerl_common.testing import ServiceProcess, free_port
 
 MiB = 1024 * 1024
 _COMMAND_BYTES = 32
-MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(128 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
 
 
 # ----------------------------------------------------------------------------- socket peer
@@ -313,9 +313,7 @@ def main() -> None:
     if args.serve_socket:
         serve_socket(args.serve_socket, args.mib_per_round * MiB)
         return
-    for name, value in MALLOC_ENV.items():
-        if os.environ.get(name) != value:  # glibc reads them at start: run again with them set
-            os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **MALLOC_ENV})
+    reexec_with_malloc_env()
     asyncio.run(bench(args))
 
 

@@ -26,14 +26,13 @@ from primerl_common.launcher.report import format_summary, summary, write_plot
 from primerl_common.launcher.spec import TINY_MODELS, LaunchConfigError, LauncherConfig, LaunchFile, ServiceSpec
 from primerl_common.launcher.warm_start import WarmStartFailed, run_warm_start, sft_trainer_spec
 from primerl_common.launcher.wiring import address_of, get_path, set_model, wire
+from primerl_common.malloc import MALLOC_ENV
 
 __all__ = ["Launcher", "prepare_model", "validate_configs"]
 
 EXIT_FAILED = 1
 # The orchestrator stops feeding first; then the others, all at once.
 _STOP_ORDER = [["orchestrator"]]
-# glibc's allocator halves gRPC stream throughput unless these are raised (DESIGN.md).
-_DEFAULT_ENV = {"MALLOC_MMAP_THRESHOLD_": "134217728", "MALLOC_TRIM_THRESHOLD_": "1073741824"}
 
 
 def prepare_model(launcher: LauncherConfig) -> pathlib.Path | None:
@@ -123,7 +122,7 @@ class Launcher:
         self.launch = launch
         self.run_dir = run_dir.resolve()
         self.fleet = Fleet(log_tail_lines=launch.launcher.log_tail_lines)
-        self.env = {**_DEFAULT_ENV, **os.environ, **launch.launcher.env}
+        self.env = {**MALLOC_ENV, **os.environ, **launch.launcher.env}
         self.interrupted = False
         self.final_versions: dict[str, int] = {}
 
