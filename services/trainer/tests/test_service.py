@@ -74,7 +74,7 @@ async def test_pushed_batches_train_in_order_and_are_reported(
         assert [s.policy_version for s in steps] == [1, 2, 3]
         for got, wanted in zip(steps, expected, strict=False):
             assert_metrics_equal(got, wanted)
-        assert steps[2].metrics["num_samples"] == 4 and steps[2].metrics["max_off_policy_steps"] == 0
+        assert steps[2].metrics["num_samples"] == 4 and steps[2].metrics["off_policy_steps_max"] == 1
         assert steps[0].finished_at.seconds > 0
 
         after = await status(stub)
