@@ -32,7 +32,7 @@ from primerl_common import observability
 from primerl_common.config import ConfigError, ServiceConfig, parse_command_line
 from primerl_common.errors import ErrorInterceptor, Unimplemented
 
-__all__ = ["GrpcService", "ServiceDefinition", "channel_options", "run_main", "server_options"]
+__all__ = ["GrpcService", "ServiceDefinition", "channel_options", "prepare", "run_main", "server_options"]
 
 logger = logging.getLogger(__name__)
 
@@ -256,6 +256,34 @@ async def _serve(build: Callable[[C], Awaitable[ServiceDefinition]], config: C) 
     await service.wait_for_termination()
 
 
+def prepare(
+    config_cls: type[C], *, version: str, argv: Sequence[str] | None = None, serve_metrics: bool = True
+) -> C | int:
+    """What every service process does first: the config from its command line, then
+    logging, tracing and (unless `serve_metrics` is false) the metrics endpoint. An int is
+    the exit code to return at once: 2 for an invalid config (said on stderr), 0 after
+    `--check-config` found it valid."""
+    try:
+        config, command_line = parse_command_line(config_cls, argv)
+    except ConfigError as exc:
+        print(f"{config_cls.service_name}: {exc}", file=sys.stderr)
+        return 2
+    if command_line.check_config:
+        print(f"{config_cls.service_name}: configuration is valid")
+        return 0
+    obs = config.observability
+    observability.setup_observability(
+        service=config_cls.service_name,
+        version=version,
+        log_level=obs.log_level,
+        log_json=obs.log_json,
+        trace_exporter=obs.trace_exporter,
+        otlp_endpoint=obs.otlp_endpoint,
+        metrics_port=obs.metrics_port if serve_metrics else None,
+    )
+    return config
+
+
 def run_main(
     config_cls: type[C],
     build: Callable[[C], Awaitable[ServiceDefinition]] | str,
@@ -269,27 +297,12 @@ def run_main(
     `build` may be given as "module:function", imported only once the config is valid
     (and not at all by --check-config): a service whose server pulls in torch or
     transformers then validates its config in about a second."""
-    try:
-        config, command_line = parse_command_line(config_cls, argv)
-    except ConfigError as exc:
-        print(f"{config_cls.service_name}: {exc}", file=sys.stderr)
-        return 2
-    if command_line.check_config:
-        print(f"{config_cls.service_name}: configuration is valid")
-        return 0
+    config = prepare(config_cls, version=version, argv=argv)
+    if isinstance(config, int):
+        return config
     if isinstance(build, str):
         module, _, function = build.partition(":")
         build = getattr(importlib.import_module(module), function)
-    obs = config.observability
-    observability.setup_observability(
-        service=config_cls.service_name,
-        version=version,
-        log_level=obs.log_level,
-        log_json=obs.log_json,
-        trace_exporter=obs.trace_exporter,
-        otlp_endpoint=obs.otlp_endpoint,
-        metrics_port=obs.metrics_port,
-    )
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(_serve(build, config))
     return 0

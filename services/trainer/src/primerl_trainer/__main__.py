@@ -8,9 +8,7 @@ import signal
 import sys
 from collections.abc import Sequence
 
-from primerl_common import observability
-from primerl_common.config import ConfigError, load_config
-from primerl_common.server import run_main
+from primerl_common.server import prepare, run_main
 from primerl_trainer import __version__
 from primerl_trainer.config import TrainerConfig
 from primerl_trainer.loop import follow
@@ -31,22 +29,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def follower_main(argv: Sequence[str] | None = None) -> int:
     """A rank other than 0: same config, no server; stops when rank 0 says so (or fails)."""
-    try:
-        config = load_config(TrainerConfig, argv)
-    except ConfigError as exc:
-        print(f"trainer: {exc}", file=sys.stderr)
-        return 2
-    obs = config.observability
     # One metrics port per host: rank 0's.
-    observability.setup_observability(
-        service=TrainerConfig.service_name,
-        version=__version__,
-        log_level=obs.log_level,
-        log_json=obs.log_json,
-        trace_exporter=obs.trace_exporter,
-        otlp_endpoint=obs.otlp_endpoint,
-        metrics_port=None,
-    )
+    config = prepare(TrainerConfig, version=__version__, argv=argv, serve_metrics=False)
+    if isinstance(config, int):
+        return config
     # torchrun forwards SIGTERM to every rank; these stop when rank 0, draining, tells them to.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
