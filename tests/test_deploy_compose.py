@@ -1,0 +1,68 @@
+"""deploy/compose.yaml, checked offline (tests/test_containers.py runs it): every config of
+deploy/compose/ loads with its service's config class and serves on the port compose
+probes and publishes; the one-shot containers run commands the images have, and the
+replica registration names the replica and the broadcaster as their configs do."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from primerl_common.register_replicas import parse_args
+
+from . import deploy_helpers
+from .deploy_helpers import (
+    DEPLOY,
+    PORTS,
+    SERVICES,
+    console_scripts,
+    drain_s,
+    load_service_config,
+)
+
+fake_model = deploy_helpers.fake_model  # a fixture of the deploy tests
+
+COMPOSE = DEPLOY / "compose"
+
+
+def compose_services() -> dict[str, dict]:
+    return yaml.safe_load((DEPLOY / "compose.yaml").read_text())["services"]
+
+
+@pytest.mark.parametrize("service", SERVICES)
+def test_compose_service_runs_its_config_on_its_port(service: str, fake_model: Path) -> None:
+    spec = compose_services()[service.replace("_", "-")]
+    port = PORTS[service]
+    assert spec["image"] == f"primerl-{service.replace('_', '-')}:${{PRIMERL_TAG:-latest}}"
+    assert f"./compose/{service}.toml:/etc/primerl/{service}.toml:ro" in spec["volumes"]
+    assert spec["environment"]["PRIMERL_HEALTHCHECK_PORT"] == str(port)
+    assert spec["ports"] == [f"127.0.0.1:${{PRIMERL_{service.upper()}_PORT-{port}}}:{port}"]
+    config = load_service_config(service, COMPOSE / f"{service}.toml", fake_model)
+    assert config.server.port == port and config.server.host == "0.0.0.0"
+    assert drain_s(config) < float(spec["stop_grace_period"].removesuffix("s"))
+
+
+def test_compose_registers_the_replica_once_before_the_run(fake_model: Path) -> None:
+    services = compose_services()
+    for name, spec in services.items():
+        if "entrypoint" in spec:
+            assert spec["entrypoint"][0] in console_scripts(), name
+    register = services["register-replica"]
+    assert register["entrypoint"][0] == "primerl-register-replicas"
+    args = parse_args(register["entrypoint"][1:] + register["command"])
+    assert args.once  # one-shot: the orchestrator starts once it has exited 0
+    assert services["orchestrator"]["depends_on"]["register-replica"] == {"condition": "service_completed_successfully"}
+    assert register["depends_on"] == {
+        "inference": {"condition": "service_healthy"},
+        "weight-broadcaster": {"condition": "service_healthy"},
+    }
+    assert "volumes" not in register  # the command comes with the image
+    inference = load_service_config("inference", COMPOSE / "inference.toml", fake_model)
+    replicas = [(inference.replica.id, f"inference:{inference.server.port}")]
+    assert args.replica == replicas
+    assert args.broadcaster == f"weight-broadcaster:{PORTS['weight_broadcaster']}"
+    # No --router: the router's config lists the replica.
+    router = load_service_config("router", COMPOSE / "router.toml")
+    assert args.router is None and [(r.replica_id, r.address) for r in router.replicas] == replicas
