@@ -2,9 +2,13 @@
 the replicas versus through `primerl-router`, at several concurrencies in one
 run, and tokens/s of long streams both ways.
 
-The replicas answer instantly: real gRPC servers (grpc.aio, health included)
-that stream pre-encoded GenerateResponse bytes, honouring the request's
-max_tokens and StreamOptions.every_n_tokens, so the router is what is measured.
+The replicas answer instantly: real gRPC servers (grpc.aio, health included),
+one process each as real replicas are, that stream pre-encoded
+GenerateResponse bytes, honouring the request's max_tokens and
+StreamOptions.every_n_tokens, so the router is what is measured. (Two servers
+in one event loop would each accept one call per turn of the loop: the replica
+a policy sends more calls would queue them however idle the other, a stall
+that is the stand-ins' and not the router's.)
 The router runs pinned to one core, the load generator and the replicas to the
 other (needs 2 cores). glibc's malloc thresholds are raised in every process
 (DESIGN.md). CPU time per call is read from /proc for the router and for the
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import os
 import pathlib
@@ -34,7 +39,6 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from primerl.common.v1 import generation_pb2
 from primerl.inference.v1 import inference_pb2
 from primerl.router.v1 import router_pb2
-from primerl_common.client import wait_for_serving
 from primerl_common.server import channel_options, server_options
 from primerl_common.testing import ServiceProcess, free_port
 
@@ -86,22 +90,19 @@ class InstantReplica:
             await context.write(message)
 
 
-async def serve_replicas(ports: list[int]) -> None:
-    servers = []
-    for index, port in enumerate(ports):
-        server = grpc.aio.server(options=server_options(64 << 20))
-        replica = InstantReplica(f"instant-{index}")
-        server.add_registered_method_handlers(
-            INFERENCE_SERVICE, {"Generate": grpc.unary_stream_rpc_method_handler(replica.generate)}
-        )
-        health_servicer = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-        server.add_insecure_port(f"127.0.0.1:{port}")
-        await server.start()
-        for name in ("", INFERENCE_SERVICE):
-            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-        servers.append(server)
-    await asyncio.gather(*(server.wait_for_termination() for server in servers))
+async def serve_replica(replica_id: str, port: int) -> None:
+    server = grpc.aio.server(options=server_options(64 << 20))
+    replica = InstantReplica(replica_id)
+    server.add_registered_method_handlers(
+        INFERENCE_SERVICE, {"Generate": grpc.unary_stream_rpc_method_handler(replica.generate)}
+    )
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    for name in ("", INFERENCE_SERVICE):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    await server.wait_for_termination()
 
 
 # ----------------------------------------------------------------------------- load generation
@@ -199,11 +200,23 @@ async def bench(args: argparse.Namespace) -> None:
     env = {**os.environ, **MALLOC_ENV}
     taskset = shutil.which("taskset")
     assert taskset, "needs taskset (util-linux)"
-    replicas = ServiceProcess(
-        [taskset, "-c", str(LOAD_CORE), sys.executable, str(HERE), "--serve-replicas", *map(str, replica_ports)],
-        port=replica_ports[0],
-        env=env,
-    )
+    replicas = [
+        ServiceProcess(
+            [
+                taskset,
+                "-c",
+                str(LOAD_CORE),
+                sys.executable,
+                str(HERE),
+                "--serve-replica",
+                f"instant-{index}",
+                str(port),
+            ],
+            port=port,
+            env=env,
+        )
+        for index, port in enumerate(replica_ports)
+    ]
     with tempfile.TemporaryDirectory() as tmp:
         config = pathlib.Path(tmp) / "router.toml"
         write_router_config(config, replica_ports, args.policy)
@@ -225,9 +238,9 @@ async def bench(args: argparse.Namespace) -> None:
             port=router_port,
             env=env,
         )
-        async with replicas, router:
-            for port in replica_ports[1:]:
-                await wait_for_serving(f"127.0.0.1:{port}")
+        async with contextlib.AsyncExitStack() as stack:
+            for process in [*replicas, router]:
+                await stack.enter_async_context(process)
             await run_all(args, replica_ports, router, replicas, router_port)
 
 
@@ -235,7 +248,7 @@ async def run_all(
     args: argparse.Namespace,
     replica_ports: list[int],
     router: ServiceProcess,
-    replicas: ServiceProcess,
+    replicas: list[ServiceProcess],
     router_port: int,
 ) -> None:
     options = channel_options(64 << 20)
@@ -243,10 +256,13 @@ async def run_all(
     router_channel = grpc.aio.insecure_channel(f"127.0.0.1:{router_port}", options=options)
     direct = [channel.unary_stream(INFERENCE_GENERATE, _registered_method=True) for channel in direct_channels]
     routed = [router_channel.unary_stream(ROUTER_GENERATE, _registered_method=True)]
-    assert router.process is not None and replicas.process is not None
     # CPU time of each side: the router's core, and the load generator plus the replicas on the other.
+    assert router.process is not None
     router_pids = [router.process.pid]
-    load_pids = [os.getpid(), replicas.process.pid]
+    load_pids = [os.getpid()]
+    for replica in replicas:
+        assert replica.process is not None
+        load_pids.append(replica.process.pid)
 
     short = request_bytes(max_tokens=args.short_tokens, every_n=args.short_every_n, prompt_len=args.prompt_len)
     print(f"load average before: {os.getloadavg()[0]:.2f}   cores: {os.cpu_count()}   policy: {args.policy}")
@@ -313,7 +329,7 @@ async def run_all(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--serve-replicas", nargs="+", type=int, metavar="PORT", help=argparse.SUPPRESS)
+    parser.add_argument("--serve-replica", nargs=2, metavar=("REPLICA_ID", "PORT"), help=argparse.SUPPRESS)
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--policy", default="consistent_hash")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 64, 256])
@@ -328,8 +344,9 @@ def main() -> None:
     args = parser.parse_args()
     if not {1, 64} <= set(args.concurrency):
         parser.error("--concurrency must include 1 and 64 (the RESULT line compares them)")
-    if args.serve_replicas:
-        asyncio.run(serve_replicas(args.serve_replicas))
+    if args.serve_replica:
+        replica_id, port = args.serve_replica
+        asyncio.run(serve_replica(replica_id, int(port)))
         return
     if any(os.environ.get(key) != value for key, value in MALLOC_ENV.items()):
         # glibc reads the thresholds at start-up: run again with them set.

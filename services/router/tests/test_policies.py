@@ -1,6 +1,7 @@
 import collections
 
 import pytest
+from pydantic import ValidationError
 
 from primerl.common.v1 import generation_pb2
 from primerl.router.v1 import router_pb2
@@ -75,6 +76,25 @@ def test_consistent_hash_moves_only_the_keys_of_a_removed_replica():
     after = {r.session_key: route(chosen, r, members[:3]) for r in keys}
     moved = [key for key in before if before[key] is not after[key]]
     assert all(before[key] is members[3] for key in moved)
+
+
+def test_consistent_hash_bounds_a_replica_load_and_its_keys_come_back():
+    members = replicas(2)
+    chosen = policy("consistent_hash", members)
+    strict = policy("consistent_hash", members, balance_factor=0)
+    request = RouteRequest(session_key=b"episode-7")
+    owner = route(chosen, request, members)
+    other = next(replica for replica in members if replica is not owner)
+    for _ in range(3):
+        owner.on_request_start()
+    # With this request 4 outstanding; a replica may have ceil(1.25 * 4 / 2) = 3.
+    assert route(chosen, request, members) is other
+    assert route(strict, request, members) is owner
+    owner.on_request_end()
+    owner.on_request_end()
+    assert route(chosen, request, members) is owner
+    with pytest.raises(ValidationError, match="balance_factor"):
+        make_policy("consistent_hash", {"balance_factor": 0.5})
 
 
 def test_consistent_hash_without_key_takes_the_least_loaded():

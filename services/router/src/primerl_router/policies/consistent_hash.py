@@ -8,16 +8,26 @@ drains for a while does not reshuffle the other sessions. A key whose replica
 cannot take the request falls through to the next candidate on the ring, and
 comes back once its replica can. Requests without a key go to the least
 loaded candidate.
+
+Bounded loads (`balance_factor`, Mirrokni et al., "Consistent Hashing with
+Bounded Loads"): a replica takes a key's request only while its outstanding
+requests, this one counted, stay within `balance_factor` times the mean over
+the candidates; past that the key falls through to the next replica on the
+ring. A few sessions rarely split evenly (64 keys over two replicas: often
+36/28), and without the bound the replica that holds more of them queues its
+requests while the other has room; with it, keys of a replica that falls
+behind spill over and come back once it catches up. 0 turns it off.
 """
 
 from __future__ import annotations
 
 import bisect
 import hashlib
+import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from primerl_router.policies.base import RoutingPolicy
 from primerl_router.policies.least_loaded import LeastLoaded
@@ -37,6 +47,18 @@ class ConsistentHash(RoutingPolicy):
 
     class Options(RoutingPolicy.Options):
         virtual_nodes: int = Field(default=160, ge=1, description="ring points per replica (evenness of the split)")
+        balance_factor: float = Field(
+            default=1.25,
+            description="bounded loads: a replica takes a key's request while its outstanding requests stay within "
+            "this factor of the candidates' mean, else the next on the ring does; 0: strict stickiness",
+        )
+
+        @field_validator("balance_factor")
+        @classmethod
+        def _off_or_at_least_one(cls, value: float) -> float:
+            if value != 0 and value < 1:
+                raise ValueError("must be 0 (off) or >= 1")
+            return value
 
     def __init__(self, options: Options) -> None:
         super().__init__(options)
@@ -59,8 +81,14 @@ class ConsistentHash(RoutingPolicy):
         by_id = {replica.replica_id: replica for replica in candidates}
         start = bisect.bisect(self._points, ring_hash(request.session_key))
         num_points = len(self._points)
+        # The most a replica may have outstanding once it takes this request; the least loaded
+        # candidate is always within it (factor >= 1), so the walk ends on the ring.
+        bound = math.inf
+        if self.options.balance_factor and len(candidates) > 1:
+            total = sum(replica.outstanding for replica in candidates) + 1
+            bound = math.ceil(self.options.balance_factor * total / len(candidates))
         for step in range(num_points):
             replica = by_id.get(self._owners[(start + step) % num_points])
-            if replica is not None:
+            if replica is not None and replica.outstanding < bound:
                 return replica
         return self._fallback.least_loaded(candidates)
