@@ -23,6 +23,7 @@ from wsgiref.simple_server import WSGIServer
 import grpc
 import grpc.aio
 import prometheus_client
+from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.propagators.textmap import Getter
 from opentelemetry.sdk.resources import SERVICE_NAME, SERVICE_VERSION, Resource
@@ -181,11 +182,6 @@ class _MetadataGetter(Getter):
 _METADATA_GETTER = _MetadataGetter()
 
 
-def _activated(span: trace.Span):
-    # Status and exceptions are recorded by _CallObserver.finish, which knows the gRPC code.
-    return trace.use_span(span, end_on_exit=False, record_exception=False, set_status_on_exception=False)
-
-
 # ----------------------------------------------------------------------------- metrics
 
 
@@ -259,68 +255,97 @@ def _status_code(context: grpc.aio.ServicerContext, exc: BaseException | None) -
     return code if code not in (None, grpc.StatusCode.OK) else grpc.StatusCode.UNKNOWN
 
 
-class _CallObserver:
-    """The span and the metrics of one server call: the only place either concern is written."""
+class _MethodObserver:
+    """The span and the metrics of one method's calls: the only place either concern is
+    written. What depends on the method alone (span name and attributes, the metrics' label
+    children) is made once; per call there is the span, a timer and three metric updates."""
 
-    def __init__(self, tracer: trace.Tracer, metrics: _ServerMetrics, details: grpc.HandlerCallDetails) -> None:
-        name = details.method.lstrip("/")  # "/pkg.Service/Method" -> semconv span name "pkg.Service/Method"
-        service, _, method = name.rpartition("/")
-        self._metrics, self._labels = metrics, (service, method)
-        parent = propagate.extract(details.invocation_metadata or (), getter=_METADATA_GETTER)
-        attributes = {"rpc.system": "grpc", "rpc.service": service, "rpc.method": method}
-        self.span = tracer.start_span(name, context=parent, kind=trace.SpanKind.SERVER, attributes=attributes)
-        metrics.in_flight.labels(*self._labels).inc()
-        self._start = time.perf_counter()
+    def __init__(self, tracer: trace.Tracer, metrics: _ServerMetrics, full_method: str) -> None:
+        self._name = full_method.lstrip("/")  # "/pkg.Service/Method" -> semconv span name "pkg.Service/Method"
+        service, _, method = self._name.rpartition("/")
+        self._tracer = tracer
+        self._attributes = {"rpc.system": "grpc", "rpc.service": service, "rpc.method": method}
+        self._labels = (service, method)
+        self._handled_metric = metrics.handled
+        self._handled: dict[grpc.StatusCode, Any] = {}  # label children by status code, as they occur
+        self._handling_seconds = metrics.handling_seconds.labels(service, method)
+        self._in_flight = metrics.in_flight.labels(service, method)
 
-    def finish(self, context: grpc.aio.ServicerContext, exc: BaseException | None) -> None:
+    def start(self, context: grpc.aio.ServicerContext) -> _CallObserver:
+        parent = propagate.extract(context.invocation_metadata() or (), getter=_METADATA_GETTER)
+        span = self._tracer.start_span(
+            self._name, context=parent, kind=trace.SpanKind.SERVER, attributes=self._attributes
+        )
+        self._in_flight.inc()
+        return _CallObserver(span)
+
+    def finish(self, call: _CallObserver, context: grpc.aio.ServicerContext, exc: BaseException | None) -> None:
         code = _status_code(context, exc)
-        self.span.set_attribute("rpc.grpc.status_code", code.value[0])
+        span = call.span
+        span.set_attribute("rpc.grpc.status_code", code.value[0])
         if code is not grpc.StatusCode.OK:
-            self.span.set_status(trace.Status(trace.StatusCode.ERROR, code.name))
+            span.set_status(trace.Status(trace.StatusCode.ERROR, code.name))
         if isinstance(exc, Exception) and not isinstance(exc, grpc.aio.AbortError):
-            self.span.record_exception(exc)
-        self.span.end()
-        self._metrics.handled.labels(*self._labels, code.name).inc()
-        self._metrics.handling_seconds.labels(*self._labels).observe(time.perf_counter() - self._start)
-        self._metrics.in_flight.labels(*self._labels).dec()
+            span.record_exception(exc)
+        span.end()
+        handled = self._handled.get(code)
+        if handled is None:
+            handled = self._handled[code] = self._handled_metric.labels(*self._labels, code.name)
+        handled.inc()
+        self._handling_seconds.observe(time.perf_counter() - call.started)
+        self._in_flight.dec()
 
 
-_Start = Callable[[], _CallObserver]
+class _CallObserver:
+    """One call's span, current only while the handler runs (`attach`/`detach` around each
+    step: left attached across a yield, its token could be detached from another context
+    when grpc closes the generator). Status and exceptions are recorded by
+    _MethodObserver.finish, which knows the gRPC code."""
+
+    __slots__ = ("context", "span", "started")
+
+    def __init__(self, span: trace.Span) -> None:
+        self.span = span
+        self.context = trace.set_span_in_context(span)
+        self.started = time.perf_counter()
 
 
-def _wrap_coroutine(behavior: Callable, start: _Start) -> Callable:
+def _wrap_coroutine(behavior: Callable, observer: _MethodObserver) -> Callable:
     """Unary responses, and streaming handlers that write through context.write and return None."""
 
     async def observed(request_or_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
-        observer = start()
+        call = observer.start(context)
         try:
-            with _activated(observer.span):
+            token = otel_context.attach(call.context)
+            try:
                 response = await behavior(request_or_iterator, context)
+            finally:
+                otel_context.detach(token)
         except BaseException as exc:
-            observer.finish(context, exc)
+            observer.finish(call, context, exc)
             raise
-        observer.finish(context, None)
+        observer.finish(call, context, None)
         return response
 
     return observed
 
 
-def _wrap_async_generator(behavior: Callable, start: _Start) -> Callable:
+def _wrap_async_generator(behavior: Callable, observer: _MethodObserver) -> Callable:
     """Streaming responses from an async generator: the span and the timer cover the whole stream."""
 
     async def observed(request_or_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
         responses = behavior(request_or_iterator, context)  # runs nothing yet: it is a generator
-        observer = start()
+        call = observer.start(context)
         failure: BaseException | None = None
         try:
             while True:
-                # The span is current only while the handler runs; left attached across a yield, its
-                # token could be detached from another context when grpc closes the generator.
-                with _activated(observer.span):
-                    try:
-                        response = await anext(responses)
-                    except StopAsyncIteration:
-                        break
+                token = otel_context.attach(call.context)
+                try:
+                    response = await anext(responses)
+                except StopAsyncIteration:
+                    break
+                finally:
+                    otel_context.detach(token)
                 yield response
         except BaseException as exc:
             failure = exc
@@ -329,27 +354,32 @@ def _wrap_async_generator(behavior: Callable, start: _Start) -> Callable:
             try:
                 await responses.aclose()  # runs the handler's own cleanup when the client went away
             finally:
-                observer.finish(context, failure)
+                observer.finish(call, context, failure)
 
     return observed
 
 
 class _ObservabilityServerInterceptor(grpc.aio.ServerInterceptor):
+    """Wraps each method's handler with its _MethodObserver. The wrapping depends on the
+    method alone (per-call data comes from the servicer context), so a caller may keep the
+    handler it returns for later calls of the method (as primerl_common.server does)."""
+
     def __init__(self, tracer: trace.Tracer, metrics: _ServerMetrics) -> None:
         self._tracer, self._metrics = tracer, metrics
+        self._observers: dict[str, _MethodObserver] = {}
 
     async def intercept_service(self, continuation: Callable, handler_call_details: grpc.HandlerCallDetails) -> Any:
         handler = await continuation(handler_call_details)
         if handler is None:  # unknown method: grpc answers UNIMPLEMENTED itself
             return None
-
-        def start() -> _CallObserver:
-            return _CallObserver(self._tracer, self._metrics, handler_call_details)
-
+        method = handler_call_details.method
+        observer = self._observers.get(method)
+        if observer is None:
+            observer = self._observers[method] = _MethodObserver(self._tracer, self._metrics, method)
         return wrap_method_handler(
             handler,
-            coroutine=lambda behavior: _wrap_coroutine(behavior, start),
-            async_generator=lambda behavior: _wrap_async_generator(behavior, start),
+            coroutine=lambda behavior: _wrap_coroutine(behavior, observer),
+            async_generator=lambda behavior: _wrap_async_generator(behavior, observer),
         )
 
 
