@@ -27,6 +27,7 @@ def test_a_plain_request_is_valid() -> None:
         (request(prompt=tuple(range(64))), "input.prompt_token_ids"),
         (request(temperature=-0.1), "input.sampling.temperature"),
         (request(temperature=float("nan")), "input.sampling.temperature"),
+        (request(temperature=2.5), "input.sampling.temperature"),
         (request(top_p=0.0), "input.sampling.top_p"),
         (request(top_p=1.5), "input.sampling.top_p"),
         (request(top_k=-1), "input.sampling.top_k"),

@@ -55,6 +55,7 @@ name = "guess"
             "max_off_policy_steps 2",
         ),
         ('[[environments]]\nname = "a"\n[environments.sampling]\ntemperature = 0', "temperature"),
+        ('[[environments]]\nname = "a"\n[environments.sampling]\ntemperature = 2.4', "temperature"),
         ('[[environments]]\nname = "a"\noptions = {x = 1}', "options are for built-in environments"),
     ],
 )

@@ -1,6 +1,7 @@
 """Generate through a real router to a real replica server that answers at once."""
 
 import grpc
+import pytest
 
 from primerl.common.v1 import generation_pb2
 from primerl.inference.v1 import inference_pb2
@@ -18,14 +19,8 @@ RESPONSES = [
 ]
 
 
-async def test_request_bytes_responses_and_the_callers_trace_context_pass_through():
-    received = []
-
-    async def generate(request: bytes, context: grpc.aio.ServicerContext) -> None:
-        received.append((request, dict(context.invocation_metadata())))
-        for message in RESPONSES:
-            await context.write(message)
-
+async def through_router(generate, request: bytes, metadata=()) -> list[bytes]:
+    """Generate of `request` through a real router to one replica server whose Generate is `generate`."""
     replica = grpc.aio.server()
     replica.add_registered_method_handlers(
         "primerl.inference.v1.InferenceService", {"Generate": grpc.unary_stream_rpc_method_handler(generate)}
@@ -37,20 +32,46 @@ async def test_request_bytes_responses_and_the_callers_trace_context_pass_throug
     )
     service = GrpcService(await build(config), config)
     port = await service.start()
-    request = router_pb2.GenerateRequest(
-        input=generation_pb2.GenerationInput(request_id="a", prompt_token_ids=[1, 2, 3]),
-        routing=router_pb2.RoutingHints(session_key="episode-1"),
-    ).SerializeToString()
-    metadata = (("traceparent", TRACEPARENT), ("tracestate", "vendor=1"), ("x-other", "not forwarded"))
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             generate_raw = channel.unary_stream("/primerl.router.v1.RouterService/Generate")  # bytes both ways
-            responses = [message async for message in generate_raw(request, metadata=metadata)]
+            return [message async for message in generate_raw(request, metadata=metadata)]
     finally:
         await service.stop(0)
         await replica.stop(0)
+
+
+REQUEST = router_pb2.GenerateRequest(
+    input=generation_pb2.GenerationInput(request_id="a", prompt_token_ids=[1, 2, 3]),
+    routing=router_pb2.RoutingHints(session_key="episode-1"),
+).SerializeToString()
+
+
+async def test_request_bytes_responses_and_the_callers_trace_context_pass_through():
+    received = []
+
+    async def generate(request: bytes, context: grpc.aio.ServicerContext) -> None:
+        received.append((request, dict(context.invocation_metadata())))
+        for message in RESPONSES:
+            await context.write(message)
+
+    metadata = (("traceparent", TRACEPARENT), ("tracestate", "vendor=1"), ("x-other", "not forwarded"))
+    responses = await through_router(generate, REQUEST, metadata)
     assert responses == RESPONSES
     [(forwarded, replica_metadata)] = received
-    assert forwarded == request
+    assert forwarded == REQUEST
     assert replica_metadata["traceparent"] == TRACEPARENT and replica_metadata["tracestate"] == "vendor=1"
     assert "x-other" not in replica_metadata
+
+
+async def test_a_replica_refusing_the_request_reaches_the_client_with_its_code_details_and_trailers():
+    async def generate(request: bytes, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT, "sampling.temperature: at most 2", (("primerl-reason", "OUT_OF_RANGE"),)
+        )
+
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        await through_router(generate, REQUEST)
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert error.value.details() == "sampling.temperature: at most 2"
+    assert ("primerl-reason", "OUT_OF_RANGE") in tuple(error.value.trailing_metadata())

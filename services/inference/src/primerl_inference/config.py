@@ -57,8 +57,11 @@ class ReplicaConfig(Section):
     """How this replica presents itself to routers."""
 
     id: str = Field(default="", description="replica id in responses and load reports; empty: the host name")
-    # Advisory until KV transfer lands: requests that ask for a prefill/decode hand-off are refused.
-    role: RoleName = "both"
+    role: RoleName = Field(
+        default="both",
+        description="what routers send here: whole requests (both), or one half of a prefill/decode hand-off "
+        "(prefill, decode; a replica serves those with kv_cache_pool enabled, saving or loading)",
+    )
     initial_policy_version: int = Field(default=0, ge=0, description="policy version of the weights in engine.model")
 
 

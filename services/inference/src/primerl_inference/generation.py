@@ -22,12 +22,16 @@ __all__ = [
     "GenerateRequest",
     "GenerationChunk",
     "GenerationStats",
+    "KvTransferMode",
     "SamplingSpec",
     "StreamBatcher",
     "StreamPolicy",
 ]
 
 FinishReason = Literal["stop", "length", "abort"]
+# A prefill/decode hand-off through the KV store: "prefill" computes the prompt's KV, saves it
+# and stops after prefill; "decode" loads it and decodes ("": no hand-off).
+KvTransferMode = Literal["", "prefill", "decode"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,8 +70,7 @@ class GenerateRequest:
     return_prompt_logprobs: bool = False
     return_routed_experts: bool = False
     min_policy_version: int = 0
-    # A prefill/decode hand-off through the KV store was asked for.
-    kv_transfer: bool = False
+    kv_transfer: KvTransferMode = ""
 
     def validate(self, *, vocab_size: int, max_model_len: int) -> None:
         """Raises InvalidArgument naming the first bad field (paths as in GenerateRequest)."""
@@ -90,8 +93,8 @@ def _validate_sampling(sampling: SamplingSpec, vocab_size: int) -> None:
     def bad(field: str, message: str) -> InvalidArgument:
         return InvalidArgument(message, field=f"input.sampling.{field}")
 
-    if not math.isfinite(sampling.temperature) or sampling.temperature < 0:
-        raise bad("temperature", f"must be a finite number >= 0, got {sampling.temperature}")
+    if not 0 <= sampling.temperature <= 2:  # vLLM's range (NaN fails too)
+        raise bad("temperature", f"must be in [0, 2], got {sampling.temperature}")
     if not 0 < sampling.top_p <= 1:
         raise bad("top_p", f"must be in (0, 1], got {sampling.top_p}")
     if sampling.top_k < 0:
@@ -130,8 +133,9 @@ class GenerationChunk:
     finished: bool = False
     finish_reason: FinishReason | None = None
     prompt_logprobs: list[float] | None = None
-    # [prompt + completion tokens, layers, top_k] expert indices.
+    # [prompt + completion tokens, layers, top_k] expert indices, from token routed_experts_start on.
     routed_experts: np.ndarray | None = None
+    routed_experts_start: int = 0
     stats: GenerationStats | None = None
 
 

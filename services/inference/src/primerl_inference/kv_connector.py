@@ -21,6 +21,15 @@ dtype, block size), the salt and the LoRA adapter, so a hash names one prefix co
 one kind of engine. Whole blocks only; a block holds the block's slice of every layer, in
 the cache's own layout, one layer after the other.
 
+Router replay: where the engine captures routed experts (`RoutedExpertsCapture` binds itself
+here), a saved block's header carries the experts its tokens were routed to, and a loaded
+block's routing goes back into the capture for the slots it fills, so a request whose prefix
+came from the pool still returns routing for every token. A block stored without routing
+(saved by an engine without capture) loads as KV only; the capture then reports the
+request's routing as unavailable rather than guess it (the decode half of a prefill/decode
+hand-off returns its completion's routing only, and the router takes the prompt's from the
+prefill half). The pool stores a block once: one first stored without routing keeps none.
+
 Loads and saves are synchronous (a miss at load time, e.g. a block evicted since the
 lookup, is reported to vLLM, which recomputes those tokens).
 """
@@ -32,10 +41,11 @@ import asyncio
 import hashlib
 import logging
 import threading
-from collections.abc import Coroutine, Sequence
+from collections.abc import Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import numpy as np
 import torch
 from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -47,6 +57,7 @@ from vllm.platforms import current_platform
 
 from primerl.kvstore.v1 import kvstore_pb2
 from primerl_common.kvpool import BlockKey, KvStoreClient
+from primerl_common.tensors import tensor_from_proto, tensor_to_proto
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -58,6 +69,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
     from primerl_inference.config import KvCachePoolConfig
+    from primerl_inference.routed_experts import RoutedExpertsCapture
 
 __all__ = ["PrimerlKVConnector", "kv_transfer_config"]
 
@@ -114,7 +126,7 @@ class _PoolLink:
         )
         return list(reply.exists)
 
-    async def put(self, blocks: Sequence[tuple[BlockKey, memoryview]]) -> kvstore_pb2.PutBlocksResponse:
+    async def put(self, blocks: Sequence[tuple[kvstore_pb2.BlockHeader, memoryview]]) -> kvstore_pb2.PutBlocksResponse:
         """Puts on the configured storage node, else on the pool's node with the most free DRAM."""
         if self._target is None:
             stats = await self.client.stub().GetStats(kvstore_pb2.GetStatsRequest(), timeout=self._timeout_s)
@@ -144,12 +156,21 @@ def _layout_fingerprint(kv_cache_config: KVCacheConfig) -> bytes:
 
 @dataclass
 class _Transfer:
-    """Blocks of one request to load or save: pool content hashes and the engine's block ids."""
+    """Blocks of one request to load or save: pool content hashes, the engine's block ids,
+    and the blocks' tokens from block `first_block` of the request on (for their routing)."""
 
     request_id: str
     namespace: str
     content_hashes: list[bytes]
     block_ids: list[int]
+    first_block: int
+    token_ids: list[int]
+
+    def blocks(self, block_size: int) -> Iterator[tuple[bytes, int, int, list[int]]]:
+        """(content hash, block id, first position, token ids) of each block."""
+        for index, (content_hash, block_id) in enumerate(zip(self.content_hashes, self.block_ids, strict=True)):
+            tokens = self.token_ids[index * block_size : (index + 1) * block_size]
+            yield content_hash, block_id, (self.first_block + index) * block_size, tokens
 
 
 @dataclass
@@ -178,6 +199,13 @@ class _Tracked:
             block = array.array("q", tokens[index * block_size : (index + 1) * block_size])
             self.content_hashes.append(hashlib.sha256(previous + block.tobytes()).digest())
         return self.content_hashes[:num_blocks]
+
+    def transfer(self, start: int, end: int, block_ids: Sequence[int], block_size: int) -> _Transfer:
+        """Blocks `start..end` of the request, held in `block_ids`."""
+        request = self.request
+        hashes = self.hashes(end, block_size)[start:]
+        tokens = list(request.all_token_ids[start * block_size : end * block_size])
+        return _Transfer(request.request_id, request.cache_salt or "", hashes, list(block_ids), start, tokens)
 
 
 class PrimerlKVConnector(KVConnectorBase_V1):
@@ -208,6 +236,7 @@ class PrimerlKVConnector(KVConnectorBase_V1):
         self._rank = vllm_config.parallel_config.rank
         self._layers: list[torch.Tensor] = []
         self._load_errors: set[int] = set()
+        self._routed_experts: RoutedExpertsCapture | None = None
 
     # ------------------------------------------------------------------ scheduler side
 
@@ -245,11 +274,10 @@ class PrimerlKVConnector(KVConnectorBase_V1):
         if num_external_tokens == 0:
             return
         start = tracked.lookup_start_block
-        num_blocks = num_external_tokens // self._block_size
-        block_ids = blocks.get_block_ids()[0][start : start + num_blocks]
-        hashes = tracked.hashes(start + num_blocks, self._block_size)[start:]
-        tracked.pending_load = _Transfer(request.request_id, request.cache_salt or "", hashes, block_ids)
-        tracked.num_saved_blocks = start + num_blocks  # they come from the pool
+        end = start + num_external_tokens // self._block_size
+        block_ids = blocks.get_block_ids()[0][start:end]
+        tracked.pending_load = tracked.transfer(start, end, block_ids, self._block_size)
+        tracked.num_saved_blocks = end  # they come from the pool
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> PrimerlKVMetadata:
         meta = PrimerlKVMetadata()
@@ -274,9 +302,7 @@ class PrimerlKVConnector(KVConnectorBase_V1):
             if block_ids is None:
                 continue
             start = tracked.num_saved_blocks
-            hashes = tracked.hashes(num_whole, self._block_size)[start:]
-            namespace = tracked.request.cache_salt or ""
-            meta.saves.append(_Transfer(request_id, namespace, hashes, list(block_ids[0][start:num_whole])))
+            meta.saves.append(tracked.transfer(start, num_whole, block_ids[0][start:num_whole], self._block_size))
             tracked.num_saved_blocks = num_whole
         return meta
 
@@ -285,6 +311,10 @@ class PrimerlKVConnector(KVConnectorBase_V1):
         return False, None
 
     # ------------------------------------------------------------------ worker side
+
+    def bind_routed_experts(self, capture: RoutedExpertsCapture) -> None:
+        """Saved blocks carry the routing `capture` holds for them; loaded blocks fill it."""
+        self._routed_experts = capture
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Keeps each distinct layer cache, in layer-name order (the same on every replica)."""
@@ -320,9 +350,14 @@ class PrimerlKVConnector(KVConnectorBase_V1):
                 logger.warning("kvstore read failed for %s; recomputing: %s", load.request_id, exc)
                 self._load_errors.update(load.block_ids)
                 continue
-            for block_id, block in zip(load.block_ids, fetched, strict=True):
+            for (_, block_id, first_position, tokens), block in zip(
+                load.blocks(self._block_size), fetched, strict=True
+            ):
                 if block.data is None or not self._write_block(block_id, block.data):
                     self._load_errors.add(block_id)
+                elif self._routed_experts is not None and block.header.HasField("routed_experts"):
+                    rows = tensor_from_proto(block.header.routed_experts).numpy()
+                    self._routed_experts.fill_block(block_id, first_position, tokens, rows)
 
     def _write_block(self, block_id: int, data: bytearray) -> bool:
         views = self._block_views(block_id)
@@ -348,18 +383,30 @@ class PrimerlKVConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, PrimerlKVMetadata)
-        blocks: list[tuple[BlockKey, memoryview]] = []
+        blocks: list[tuple[kvstore_pb2.BlockHeader, memoryview]] = []
         for save in meta.saves:
-            for content_hash, block_id in zip(save.content_hashes, save.block_ids, strict=True):
+            for content_hash, block_id, first_position, tokens in save.blocks(self._block_size):
                 flat = [v.reshape(-1).view(torch.uint8) for v in self._block_views(block_id)]
                 data = torch.cat(flat).cpu()
-                blocks.append((self._key(save.namespace, content_hash, self._rank), memoryview(data.numpy())))
+                header = kvstore_pb2.BlockHeader(key=self._key(save.namespace, content_hash, self._rank).to_proto())
+                rows = self._block_routing(block_id, first_position, tokens)
+                if rows is not None:
+                    header.routed_experts.CopyFrom(tensor_to_proto(torch.from_numpy(rows), "routed_experts"))
+                blocks.append((header, memoryview(data.numpy())))
         if not blocks:
             return
         try:
             self._pool.run(self._pool.put(blocks))
         except Exception as exc:  # a block not saved is only a future miss
             logger.warning("kvstore put of %d blocks failed: %s", len(blocks), exc)
+
+    def _block_routing(self, block_id: int, first_position: int, tokens: list[int]) -> np.ndarray | None:
+        if self._routed_experts is None:
+            return None
+        rows = self._routed_experts.block_rows(block_id, first_position, tokens)
+        if rows is None:
+            logger.warning("block %d has no complete routing captured; saved without it", block_id)
+        return rows
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

@@ -19,7 +19,10 @@ model whose dense layers are interleaved with MoE ones those columns stay zero (
   (no separate LRU to fall out of step with the cache). Each slot also records the position
   and token written there; a request whose slots do not all match (KV loaded through a KV
   connector, which forwards nothing here) raises `RoutedExpertsUnavailableError` instead of
-  returning another forward's routing.
+  returning another forward's routing. With `PrimerlKVConnector` the routing travels with the
+  KV: a block saved to the pool carries the rows of its slots (`block_rows`), and a block
+  loaded from it puts them back into the slots it fills (`fill_block`), so a prefix another
+  replica computed has complete routing too.
 
 The last completion token is sampled but never forwarded, so no engine has its routing; it
 only feeds the logits at the last position, which predict nothing and never enter the loss.
@@ -38,6 +41,7 @@ import inspect
 import logging
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -99,6 +103,28 @@ def _with_last_token_row(rows: np.ndarray, num_tokens: int) -> np.ndarray:
 
 
 @dataclass
+class _Captured:
+    """What the capture holds of a request: a row per forwarded token, and which of them
+    hold routing written for that token (by a forward of this engine, or `fill_block`)."""
+
+    label: str
+    num_tokens: int
+    rows: np.ndarray
+    written: np.ndarray
+
+    def rows_from(self, starts: Sequence[int]) -> tuple[int, np.ndarray]:
+        """(start, rows of tokens start..) for the first of `starts` from which every token
+        has routing."""
+        for start in starts:
+            if self.written[start:].all():
+                return start, _with_last_token_row(self.rows, self.num_tokens)[start:]
+        raise RoutedExpertsUnavailableError(
+            f"request {self.label!r}: no routing for {int((~self.written).sum())} of its {self.num_tokens} tokens "
+            "(KV not computed by this engine)"
+        )
+
+
+@dataclass
 class _Request:
     # The model runner's own state of the request (block ids, token ids); kept after the
     # runner drops it so a finished request can still be read.
@@ -144,7 +170,7 @@ class RoutedExpertsCapture:
             device=model_runner.device,
         )
         self._requests: dict[str, _Request] = {}
-        self._finished: OrderedDict[str, np.ndarray | RoutedExpertsUnavailableError] = OrderedDict()
+        self._finished: OrderedDict[str, _Captured] = OrderedDict()
         # pop/discard may come from another thread than the one stepping the engine.
         self._lock = threading.Lock()
 
@@ -180,6 +206,7 @@ class RoutedExpertsCapture:
         if capture is None:
             capture = cls(model_runner, max_unclaimed=max_unclaimed)
             model_runner.primerl_routed_experts_capture = capture
+            _bind_kv_connector(capture)
         return capture
 
     @classmethod
@@ -207,16 +234,20 @@ class RoutedExpertsCapture:
 
         Raises KeyError for an unknown (or discarded, or long unclaimed) request and
         RoutedExpertsUnavailableError when some of its tokens have no captured routing."""
+        return self.pop_from(request_id, (0,))[1]
+
+    def pop_from(self, request_id: str, starts: Sequence[int]) -> tuple[int, np.ndarray]:
+        """`pop` for a request some of whose first tokens may lack routing (the decode half
+        of a hand-off, whose prompt blocks may come from the pool without it): (start, rows
+        of tokens start..) for the first of `starts` from which every token has routing."""
         with self._lock:
-            result = self._finished.pop(request_id, None)
-            if result is None:
+            captured = self._finished.pop(request_id, None)
+            if captured is None:
                 request = self._requests.pop(request_id, None)
                 if request is None:
                     raise KeyError(f"no routed experts held for request {request_id!r}")
-                result = self._read(request)
-        if isinstance(result, RoutedExpertsUnavailableError):
-            raise result
-        return result
+                captured = self._read(request)
+        return captured.rows_from(starts)
 
     def discard(self, request_id: str) -> None:
         """Forgets a request (aborted, or its routing is not wanted); unknown ids are ignored."""
@@ -232,6 +263,32 @@ class RoutedExpertsCapture:
     def capture(self, layer_id: int, topk_ids: torch.Tensor) -> None:
         """Called by vLLM's router in each MoE layer with the experts of every token."""
         self._step_rows[: len(topk_ids), layer_id] = topk_ids
+
+    def block_rows(self, block_id: int, first_position: int, token_ids: Sequence[int]) -> np.ndarray | None:
+        """The routing held in KV block `block_id` for `token_ids` at positions
+        `first_position..`, `[block_size, num_layers, top_k]`; None unless every slot of the
+        block holds exactly those tokens (a forward of this engine, or `fill_block`, wrote it)."""
+        slots, positions = self._block_slots(block_id, first_position)
+        with self._lock:
+            written = (self._slot_positions[slots] == positions) & (self._slot_tokens[slots] == token_ids)
+            return self._slot_rows[slots].copy() if written.all() else None
+
+    def fill_block(self, block_id: int, first_position: int, token_ids: Sequence[int], rows: np.ndarray) -> None:
+        """Puts the routing of a KV block loaded from elsewhere into its slots (before the
+        forward that reads the block, as the KV itself)."""
+        slots, positions = self._block_slots(block_id, first_position)
+        if rows.shape != (len(slots), self.num_layers, self.top_k):
+            raise ValueError(f"routing of shape {rows.shape} for a block of {len(slots)} tokens")
+        with self._lock:
+            # Requests that finished in the last step may still own these slots' routing.
+            self._keep_finished()
+            self._slot_rows[slots] = rows
+            self._slot_positions[slots] = positions
+            self._slot_tokens[slots] = token_ids
+
+    def _block_slots(self, block_id: int, first_position: int) -> tuple[np.ndarray, np.ndarray]:
+        offsets = np.arange(self._block_size)
+        return block_id * self._block_size + offsets, first_position + offsets
 
     def _store_step(self) -> None:
         runner = self._runner
@@ -266,27 +323,19 @@ class RoutedExpertsCapture:
             if runner_states.get(request.state.req_id) is request.state:
                 continue
             del self._requests[request_id]
-            try:
-                self._finished[request_id] = self._read(request)
-            except RoutedExpertsUnavailableError as error:
-                self._finished[request_id] = error
+            self._finished[request_id] = self._read(request)
             while len(self._finished) > self._max_unclaimed:
                 dropped, _ = self._finished.popitem(last=False)
                 logger.debug("dropped the unclaimed routed experts of request %s", dropped)
 
-    def _read(self, request: _Request) -> np.ndarray:
+    def _read(self, request: _Request) -> _Captured:
         state = request.state
         token_ids = [*(state.prompt_token_ids or ()), *state.output_token_ids]
         # The last token, sampled, was never forwarded (a rejected draft token may have been).
         positions = np.arange(min(request.num_forwarded, len(token_ids) - 1))
         slots = self._slots(state, positions)
         written = (self._slot_positions[slots] == positions) & (self._slot_tokens[slots] == token_ids[: len(positions)])
-        if not written.all():
-            raise RoutedExpertsUnavailableError(
-                f"request {state.req_id!r}: no routing for {int((~written).sum())} of its {len(token_ids)} tokens "
-                "(KV not computed by this engine)"
-            )
-        return _with_last_token_row(self._slot_rows[slots], len(token_ids))
+        return _Captured(state.req_id, len(token_ids), self._slot_rows[slots], written)
 
     def _slots(self, state: CachedRequestState, positions: np.ndarray) -> np.ndarray:
         blocks = np.asarray(state.block_ids[0], dtype=np.int64)[positions // self._block_size]
@@ -306,16 +355,18 @@ class RoutedExpertsWorkerExtension:
     def primerl_install_routed_experts_capture(self) -> bool:
         return RoutedExpertsCapture.attach(self.model_runner) is not None
 
-    def primerl_pop_routed_experts(self, request_id: str) -> tuple[bytes, tuple[int, ...], str] | str | None:
-        """(data, shape, dtype) of the routing; the message of a RoutedExpertsUnavailableError;
-        None for an unknown request."""
+    def primerl_pop_routed_experts(
+        self, request_id: str, starts: Sequence[int] = (0,)
+    ) -> tuple[int, bytes, tuple[int, ...], str] | str | None:
+        """(start, data, shape, dtype) of the routing (`RoutedExpertsCapture.pop_from`); the
+        message of a RoutedExpertsUnavailableError; None for an unknown request."""
         try:
-            rows = self._primerl_routed_experts_capture().pop(request_id)
+            start, rows = self._primerl_routed_experts_capture().pop_from(request_id, starts)
         except RoutedExpertsUnavailableError as error:
             return str(error)
         except KeyError:
             return None
-        return rows.tobytes(), rows.shape, rows.dtype.str
+        return start, rows.tobytes(), rows.shape, rows.dtype.str
 
     def primerl_discard_routed_experts(self, request_id: str) -> None:
         self._primerl_routed_experts_capture().discard(request_id)
@@ -341,13 +392,16 @@ class RoutedExpertsClient:
         return await self._call("primerl_install_routed_experts_capture")
 
     async def pop(self, request_id: str) -> np.ndarray:
-        result = await self._call("primerl_pop_routed_experts", request_id)
+        return (await self.pop_from(request_id, (0,)))[1]
+
+    async def pop_from(self, request_id: str, starts: Sequence[int]) -> tuple[int, np.ndarray]:
+        result = await self._call("primerl_pop_routed_experts", request_id, tuple(starts))
         if result is None:
             raise KeyError(f"no routed experts held for request {request_id!r}")
         if isinstance(result, str):
             raise RoutedExpertsUnavailableError(result)
-        data, shape, dtype = result
-        return np.frombuffer(bytearray(data), dtype).reshape(shape)  # writable, as pop's arrays are
+        start, data, shape, dtype = result
+        return start, np.frombuffer(bytearray(data), dtype).reshape(shape)  # writable, as pop's arrays are
 
     async def discard(self, request_id: str) -> None:
         await self._call("primerl_discard_routed_experts", request_id)
@@ -358,6 +412,16 @@ class RoutedExpertsClient:
             results = await results
         # Every tensor-parallel rank routes the same tokens alike: the first one answers.
         return results[0]
+
+
+def _bind_kv_connector(capture: RoutedExpertsCapture) -> None:
+    """Hands the capture to the engine's KV connector when it carries routing with its blocks."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    if has_kv_transfer_group():
+        bind = getattr(get_kv_transfer_group(), "bind_routed_experts", None)
+        if bind is not None:
+            bind(capture)
 
 
 def _caller_request_id(internal_id: str) -> str:

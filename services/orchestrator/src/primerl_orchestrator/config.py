@@ -64,7 +64,9 @@ class ModelConfig(Section):
 class SamplingDefaults(Section):
     """Sampling of the environment's turns; a Generate call may override each field."""
 
-    temperature: float = Field(default=1.0, gt=0, description="> 0: the trainer divides its logits by it")
+    temperature: float = Field(
+        default=1.0, gt=0, le=2, description="in (0, 2] (vLLM's range): the trainer divides its logits by it"
+    )
     top_p: float = Field(default=1.0, gt=0, le=1)
     top_k: int = Field(default=0, ge=0, description="0: no top-k filtering")
     max_tokens: int = Field(default=256, ge=1, description="new tokens per turn (capped by the context)")

@@ -59,6 +59,11 @@ class RoutingConfig(Section):
     avoid_updating: bool = Field(
         default=True, description="keep new requests off replicas that update their weights while others can serve"
     )
+    disaggregate: bool = Field(
+        default=False,
+        description="requests that name no role go to a prefill replica, which saves the prompt's KV to the "
+        "kvstore, then to a decode replica, which loads it and decodes (primerl_router.disaggregation)",
+    )
 
 
 class LoadConfig(Section):

@@ -19,6 +19,7 @@ import grpc
 
 from primerl_router import metrics
 from primerl_router.config import RoutingConfig
+from primerl_router.disaggregation import Disaggregation
 from primerl_router.fleet import Fleet
 from primerl_router.replica import Replica
 from primerl_router.request import parse_route_request
@@ -50,10 +51,14 @@ class Forwarder:
         self._fleet = fleet
         self._max_attempts = config.max_attempts
         self._wait_s = config.no_replica_wait_s
+        self._disaggregation = Disaggregation(self.generate) if config.disaggregate else None
 
     async def generate(self, request: bytes, context: grpc.aio.ServicerContext) -> None:
         invocation_metadata = context.invocation_metadata()
         route = parse_route_request(request, invocation_metadata)
+        if not route.role and self._disaggregation is not None:
+            # Its two halves come back through here, each with its role set.
+            return await self._disaggregation.generate(request, context)
         metadata = _trace_context(invocation_metadata)
         tried: list[Replica] = []
         failure: grpc.aio.AioRpcError | None = None
@@ -78,7 +83,7 @@ class Forwarder:
             if failure is None:
                 return
         assert failure is not None
-        await context.abort(failure.code(), failure.details() or "", failure.trailing_metadata() or ())
+        await context.abort(failure.code(), failure.details() or "", _pairs(failure.trailing_metadata()))
 
     async def _forward(
         self, replica: Replica, request: bytes, metadata: tuple[tuple[str, str], ...], context: grpc.aio.ServicerContext
@@ -102,7 +107,7 @@ class Forwarder:
             replica.on_request_end(error=code.name, replica_fault=code in _REPLICA_FAULTS)
             if not streamed and code in _RETRYABLE:
                 return exc
-            await context.abort(code, exc.details() or "", exc.trailing_metadata() or ())
+            await context.abort(code, exc.details() or "", _pairs(exc.trailing_metadata()))
         except BaseException:
             # The client went away (cancelled, deadline): stop the replica's work too.
             call.cancel()
@@ -111,6 +116,11 @@ class Forwarder:
         replica.on_request_end()
         replica.metrics.latency.observe(time.perf_counter() - started)
         return None
+
+
+def _pairs(metadata: grpc.aio.Metadata | None) -> tuple[tuple[str, str | bytes], ...]:
+    """A replica's trailing metadata as context.abort takes it (a tuple of pairs, not grpc.aio.Metadata)."""
+    return tuple(metadata or ())
 
 
 def _trace_context(metadata: Sequence[tuple[str, str | bytes]]) -> tuple[tuple[str, str | bytes], ...]:

@@ -16,7 +16,10 @@ the candidates; past that the key falls through to the next replica on the
 ring. A few sessions rarely split evenly (64 keys over two replicas: often
 36/28), and without the bound the replica that holds more of them queues its
 requests while the other has room; with it, keys of a replica that falls
-behind spill over and come back once it catches up. 0 turns it off.
+behind spill over and come back once it catches up. Off by default (0): a
+spilled turn of a multi-turn episode misses the prefix cache its replica holds,
+so the bound suits many short sessions better than few long ones (see also
+cache_aware, which weighs cached prefix against load per request).
 """
 
 from __future__ import annotations
@@ -48,9 +51,9 @@ class ConsistentHash(RoutingPolicy):
     class Options(RoutingPolicy.Options):
         virtual_nodes: int = Field(default=160, ge=1, description="ring points per replica (evenness of the split)")
         balance_factor: float = Field(
-            default=1.25,
+            default=0.0,
             description="bounded loads: a replica takes a key's request while its outstanding requests stay within "
-            "this factor of the candidates' mean, else the next on the ring does; 0: strict stickiness",
+            "this factor of the candidates' mean, else the next on the ring does (e.g. 1.25); 0: strict stickiness",
         )
 
         @field_validator("balance_factor")
