@@ -12,8 +12,8 @@ from this process to two receiver processes at once (4 MiB sendall / recv_into i
 buffer of the model's size, as a replica keeps what it receives). GB/s count the bytes
 delivered (2 x the model). Rounds alternate socket and gRPC, so that a shared machine
 disturbs both alike; the ratio is the median over rounds of the push rate over the same
-round's socket rate. CPU s/GB (from /proc: every process of the path) is the steadier
-measure on a busy machine.
+round's socket rate. CPU s/GB (from /proc: every process of the path, a replica's vLLM
+engine-core process included) is the steadier measure on a busy machine.
 
 glibc's malloc thresholds are raised in every process (DESIGN.md).
 
@@ -77,13 +77,26 @@ def binary(name: str) -> str:
     return path
 
 
+def cpu_times(pids: list[int], *, descendants: bool = False) -> dict[int, float]:
+    """CPU seconds used so far by each of these processes (all their threads), and with
+    `descendants` by all their descendants (a replica runs vLLM's engine in a child); a
+    process that is gone is left out."""
+    times, todo = {}, list(pids)
+    while todo:
+        pid = todo.pop()
+        try:
+            fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            if descendants:
+                for task in pathlib.Path(f"/proc/{pid}/task").iterdir():
+                    todo += [int(child) for child in (task / "children").read_text().split()]
+        except FileNotFoundError:
+            continue
+        times[pid] = (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime, stime
+    return times
+
+
 def cpu_seconds(pids: list[int]) -> float:
-    """CPU seconds used so far by these processes (all their threads)."""
-    total = 0.0
-    for pid in pids:
-        fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        total += (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime, stime
-    return total
+    return sum(cpu_times(pids).values())
 
 
 # ----------------------------------------------------------------------------- socket baseline
@@ -170,7 +183,7 @@ async def grpc_round(stub, policy_version: int, tensors, num_bytes: int, pids: l
     started = time.perf_counter()
     await publish(stub, policy_version, tensors, num_bytes)
     published = time.perf_counter()
-    cpu_before = cpu_seconds(pids)
+    cpu_before = cpu_times(pids, descendants=True)
     request = pb2.WaitForVersionRequest(policy_version=policy_version, min_replicas=2, timeout_ms=600_000)
     reply = await stub.WaitForVersion(request, timeout=610)
     assert reply.reached, reply
@@ -180,7 +193,8 @@ async def grpc_round(stub, policy_version: int, tensors, num_bytes: int, pids: l
     return {
         "publish_s": published - started,
         "push_s": pushed - published,
-        "push_cpu_s": cpu_seconds(pids) - cpu_before,
+        # The processes that ran all along (not a helper that came or went meanwhile).
+        "push_cpu_s": sum(t - cpu_before[pid] for pid, t in cpu_times(list(cpu_before)).items()),
         "replica_push_s": max(r.last_push_s for r in status.replicas),
     }
 

@@ -2,6 +2,7 @@
 folder on a shared filesystem) is refused before any engine sees it, naming the field; a good
 one is indexed in files the engine process can map."""
 
+import os
 import pathlib
 
 import pytest
@@ -91,7 +92,13 @@ async def test_a_full_update_is_staged_for_the_engine(
         assert all(torch.equal(mapped[name], t) for name, t in tensors.items())
         assert all(t.offset % 64 == 0 for t in staged.tensors)
         assert staged.num_bytes == sum(t.numel() * 4 for t in tensors.values())
-    assert not receiver.path.exists()
+    assert not os.listdir(tmp_path)  # the staging file has no name there
+
+    # The next update writes over the last complete one's file.
+    with staging(table, tmp_path, tensors) as receiver:
+        await stage(receiver, tensors)
+        mapped = dict(_map_staged_tensors(receiver.finish().index()))
+        assert all(torch.equal(mapped[name], t) for name, t in tensors.items())
 
 
 def header_of(name: str, t: torch.Tensor) -> tensor_pb2.TensorChunk:
@@ -116,7 +123,7 @@ async def test_a_bad_tensor_is_refused_at_its_header(
         await stage(receiver, bad)
 
     assert error.value.field == field
-    assert not receiver.path.exists()
+    assert not os.listdir(tmp_path)
 
 
 async def test_byte_counts_that_do_not_add_up_are_refused(

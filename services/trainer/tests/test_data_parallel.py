@@ -39,7 +39,9 @@ def _trainer(model: torch.nn.Module, device: torch.device) -> Trainer:
 def _assert_same_weights(got: dict[str, torch.Tensor], wanted: dict[str, torch.Tensor]) -> None:
     assert got.keys() == wanted.keys()
     for name, weight in wanted.items():
-        torch.testing.assert_close(got[name].cpu(), weight.cpu(), rtol=0, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+        # Summing gradients in another order moves an Adam step a little on some CPUs (an H200
+        # host's: 2 of 81920 embedding entries by 3.8e-5).
+        torch.testing.assert_close(got[name].cpu(), weight.cpu(), rtol=0, atol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
 
 
 @pytest.mark.parametrize("device_type", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])

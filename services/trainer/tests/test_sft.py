@@ -1,6 +1,6 @@
 """SFT from a JSONL file: chat conversations (loss on assistant turns only) and prompt/completion
-pairs, packed into micro-batches, deterministic batches; the service trains on its own and the
-loss goes down."""
+pairs, packed into micro-batches, deterministic batches; the service trains on its own, the
+loss goes down, and it stops early once a target loss is reached (sft.stop_at_loss)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,12 @@ import pathlib
 import grpc
 import pytest
 import torch
+from pydantic import ValidationError
 from transformers import AutoTokenizer
 
 from primerl.trainer.v1 import trainer_pb2
 from primerl_common.tiny_model import EOS_TOKEN_ID
+from primerl_trainer.config import TrainerConfig
 from primerl_trainer.sft_data import SFTDataset, load_sft_samples, pack_samples, tokenize_example
 
 from .serving import push, serving, trainer_config, watch
@@ -91,6 +93,18 @@ def test_batches_are_packed_cut_and_deterministic(tokenizer, tmp_path: pathlib.P
         dataset.batch(5)
 
 
+def test_stop_at_loss_needs_a_dataset(dense_dir: pathlib.Path) -> None:
+    with pytest.raises(ValidationError, match=r"sft\.stop_at_loss needs sft\.dataset"):
+        trainer_config(dense_dir, sft={"stop_at_loss": 1.0})
+
+
+async def until_checkpointed(stub, step: int) -> trainer_pb2.GetStatusResponse:
+    async with asyncio.timeout(30):
+        while (status := await stub.GetStatus(trainer_pb2.GetStatusRequest())).last_checkpoint_step != step:  # noqa: ASYNC110
+            await asyncio.sleep(0.05)
+    return status
+
+
 async def test_sft_service_trains_on_its_dataset_and_lowers_the_loss(dense_dir: pathlib.Path, tmp_path) -> None:
     path = tmp_path / "reverse.jsonl"
     words = ["primerl", "trainer", "gradient", "policy", "rollout", "expert", "router", "tensor"]
@@ -99,22 +113,24 @@ async def test_sft_service_trains_on_its_dataset_and_lowers_the_loss(dense_dir: 
         for w in words[:4]
     ] + [{"prompt": f"reverse {w}: ", "completion": w[::-1]} for w in words[4:]]
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    config = trainer_config(
-        dense_dir,
-        mode="sft",
-        sft={"dataset": str(path), "batch_size": 4, "epochs": 4},
-        optimizer={"lr": 3e-3},
-        schedule={"decay": "constant", "warmup_steps": 0},
-        checkpoint={"dir": str(tmp_path / "checkpoints"), "save_on_stop": False},
-    )
+
+    def job(checkpoints: str, **sft: object) -> TrainerConfig:
+        return trainer_config(
+            dense_dir,
+            mode="sft",
+            sft={"dataset": str(path), "batch_size": 4, "epochs": 4, **sft},
+            optimizer={"lr": 3e-3},
+            schedule={"decay": "constant", "warmup_steps": 0},
+            checkpoint={"dir": str(tmp_path / checkpoints), "save_on_stop": False},
+        )
+
+    config = job("checkpoints")
     async with serving(config) as stub:
         spec = await stub.GetBatchSpec(trainer_pb2.GetBatchSpecRequest())
         assert spec.mode == trainer_pb2.TRAINING_MODE_SFT
         steps = await watch(stub, after_step=0, count=8)
         # The end of the dataset is checkpointed.
-        async with asyncio.timeout(30):
-            while (status := await stub.GetStatus(trainer_pb2.GetStatusRequest())).last_checkpoint_step != 8:  # noqa: ASYNC110
-                await asyncio.sleep(0.05)
+        status = await until_checkpointed(stub, 8)
         assert (status.step, status.training) == (8, False)
         # The trainer feeds itself: pushed batches are refused.
         with pytest.raises(grpc.aio.AioRpcError) as error:
@@ -130,3 +146,15 @@ async def test_sft_service_trains_on_its_dataset_and_lowers_the_loss(dense_dir: 
     # Each epoch sees the 8 samples once, in two batches.
     first_epoch, last_epoch = sum(losses[:2]) / 2, sum(losses[-2:]) / 2
     assert last_epoch < 0.7 * first_epoch, losses
+
+    # The same job told to stop at a loss (the mean of 2 steps) that it reaches before its last
+    # step: it stops at the first step whose window gets there, checkpointed, with no step after.
+    means = {step: (losses[step - 2] + losses[step - 1]) / 2 for step in range(2, 9)}
+    target = means[6] * (1 + 1e-9)
+    stop = min(step for step, mean in means.items() if mean <= target)
+    assert stop < 8, losses
+    async with serving(job("stopped", stop_at_loss=target, stop_loss_window=2)) as stub:
+        status = await until_checkpointed(stub, stop)
+        assert (status.step, status.training) == (stop, False)
+        await asyncio.sleep(0.5)
+        assert (await stub.GetStatus(trainer_pb2.GetStatusRequest())).step == stop

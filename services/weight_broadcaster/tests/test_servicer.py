@@ -78,8 +78,10 @@ def test_config_refuses_duplicate_replica_ids_and_shared_fs_without_a_folder(tmp
         WeightBroadcasterConfig(replicas=[shared])
     with pytest.raises(ValueError, match=r"shared_fs.folder\n.*is not a folder"):
         WeightBroadcasterConfig(shared_fs={"folder": tmp_path / "missing"})
-    with pytest.raises(ValueError, match=r"replicas\.0\.transport"):
+    with pytest.raises(ValueError, match=r"r use transport nccl, which needs collective\.backend"):
         WeightBroadcasterConfig(replicas=[{**shared, "transport": "nccl"}])
+    with pytest.raises(ValueError, match=r"replicas\.0\.transport"):
+        WeightBroadcasterConfig(replicas=[{**shared, "transport": "rdma"}])
     config = WeightBroadcasterConfig(replicas=[{**shared, "format": "kernel_fp8"}], shared_fs={"folder": tmp_path})
     assert config.shared_fs.folder == tmp_path.resolve() and config.replicas[0].format == "kernel_fp8"
 

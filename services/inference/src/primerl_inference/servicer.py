@@ -18,10 +18,12 @@ from primerl_common.observability import policy_version_var
 from primerl_common.server import ServiceDefinition
 from primerl_common.tensors import tensor_to_proto
 from primerl_inference.adapters import AdapterSpec
+from primerl_inference.collective_receiver import collective_update_from_proto
 from primerl_inference.engine import InferenceEngine, PauseMode
 from primerl_inference.generation import (
     GenerateRequest,
     GenerationChunk,
+    KvTransferMode,
     SamplingSpec,
     StreamPolicy,
 )
@@ -39,6 +41,11 @@ _ROLES = {
     "both": generation_pb2.REPLICA_ROLE_BOTH,
     "prefill": generation_pb2.REPLICA_ROLE_PREFILL,
     "decode": generation_pb2.REPLICA_ROLE_DECODE,
+}
+_KV_TRANSFER_MODES: dict[int, KvTransferMode] = {
+    generation_pb2.KV_TRANSFER_MODE_UNSPECIFIED: "",
+    generation_pb2.KV_TRANSFER_MODE_PREFILL_ONLY: "prefill",
+    generation_pb2.KV_TRANSFER_MODE_DECODE_FROM_STORE: "decode",
 }
 _PAUSE_MODES: dict[int, PauseMode] = {
     inference_pb2.PAUSE_MODE_KEEP: "keep",
@@ -90,7 +97,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         if first is None or first.WhichOneof("item") != "begin":
             raise InvalidArgument("the first message must be `begin`", field="begin")
         update = weight_update_from_proto(first.begin)
-        result = await self._engine.update_weights(update, _items(requests, "chunk", after="begin"))
+        collective = collective_update_from_proto(first.begin)
+        result = await self._engine.update_weights(update, _items(requests, "chunk", after="begin"), collective)
         return inference_pb2.UpdateWeightsResponse(
             policy_version=result.policy_version,
             num_tensors=result.num_tensors,
@@ -186,6 +194,9 @@ async def _items(requests: AsyncIterator[Any], field: str, *, after: str) -> Asy
 
 def generate_request_from_proto(input: generation_pb2.GenerationInput) -> GenerateRequest:
     sampling = input.sampling
+    kv_transfer = _KV_TRANSFER_MODES.get(input.kv_transfer.mode)
+    if kv_transfer is None:
+        raise InvalidArgument(f"unknown mode {input.kv_transfer.mode}", field="input.kv_transfer.mode")
 
     def optional(name: str, default: Any) -> Any:
         return getattr(sampling, name) if sampling.HasField(name) else default
@@ -217,7 +228,7 @@ def generate_request_from_proto(input: generation_pb2.GenerationInput) -> Genera
         return_prompt_logprobs=input.return_prompt_logprobs,
         return_routed_experts=input.return_routed_experts,
         min_policy_version=input.min_policy_version,
-        kv_transfer=input.kv_transfer.mode != generation_pb2.KV_TRANSFER_MODE_UNSPECIFIED,
+        kv_transfer=kv_transfer,
     )
 
 
@@ -238,6 +249,7 @@ def fill_output(
         output.prompt_logprobs.extend(chunk.prompt_logprobs)
     if chunk.routed_experts is not None:
         output.routed_experts.CopyFrom(tensor_to_proto(torch.from_numpy(chunk.routed_experts)))
+        output.routed_experts_start = chunk.routed_experts_start
     if chunk.stats is not None:
         stats = chunk.stats
         output.stats.num_prompt_tokens = stats.num_prompt_tokens

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from vllm.platforms import current_platform
 
+from primerl_common.collective import CollectiveReceiver, GroupSpec, TensorSpec
 from primerl_inference.routed_experts import RoutedExpertsWorkerExtension
 
 __all__ = ["WorkerExtension"]
@@ -71,6 +72,26 @@ class WorkerExtension(RoutedExpertsWorkerExtension):
         building CPU GEMM handles), and the result is copied into the existing storage. Two
         CPU layouts this leaves stale are redone afterwards; without that the outputs are
         silently wrong."""
+        return self._primerl_load(weight_format, modules, _map_staged_tensors(index))
+
+    def primerl_collective_start(self, group: dict[str, Any], tensors: Sequence[Sequence[Any]]) -> None:
+        """Starts receiving a version over a collective group (`collective_receiver`): in a
+        thread, into buffers on this worker's device (NCCL) or the CPU (gloo); the model is not
+        touched until `primerl_collective_load`. `tensors`: rows of [name, dtype, shape]."""
+        specs = [TensorSpec(name, getattr(torch, dtype), tuple(shape)) for name, dtype, shape in tensors]
+        if not hasattr(self, "_primerl_collective"):
+            self._primerl_collective = CollectiveReceiver()
+        self._primerl_collective.start(GroupSpec(**group), specs)
+
+    def primerl_collective_poll(self) -> str | None:
+        """None while receiving; "" once every tensor arrived; the error otherwise."""
+        return self._primerl_collective.poll()
+
+    def primerl_collective_load(self, weight_format: str, modules: Sequence[str]) -> int:
+        """Loads what `primerl_collective_start` received, as `primerl_load_weights` does."""
+        return self._primerl_load(weight_format, modules, self._primerl_collective.take())
+
+    def _primerl_load(self, weight_format: str, modules: Sequence[str], weights: list[tuple[str, torch.Tensor]]) -> int:
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload.layerwise import (
             finalize_layerwise_reload,
@@ -79,7 +100,6 @@ class WorkerExtension(RoutedExpertsWorkerExtension):
 
         model = self.model_runner.get_model()
         touched = [_base_layer(model.get_submodule(name)) for name in modules]
-        weights = _map_staged_tensors(index)
         with set_current_vllm_config(self.vllm_config), torch.no_grad():
             for module in touched:
                 initialize_layerwise_reload(module)

@@ -58,6 +58,12 @@ class PublishConfig(Section):
         default="auto", description="dtype of the published tensors; auto: the checkpoint's (config.json)"
     )
     timeout_s: float = Field(default=600.0, gt=0, description="deadline of one publish")
+    transport: Literal["grpc", "collective"] = Field(
+        default="grpc",
+        description="grpc: stream each version to the broadcaster; collective: announce it and broadcast it to the "
+        "broadcaster's TRANSPORT_NCCL replicas in the group it names (NCCL or gloo), streaming it to the broadcaster "
+        "too only when it asks (kind full only)",
+    )
     chunk_bytes: int = Field(default=4 * 1024 * 1024, gt=0)
     initial_backoff_s: float = Field(default=1.0, gt=0, description="first retry delay after a failed publish")
     max_backoff_s: float = Field(default=60.0, gt=0)
@@ -86,6 +92,13 @@ class SFTConfig(Section):
     batch_size: int = Field(default=8, gt=0, description="samples per optimizer step")
     epochs: int = Field(default=1, gt=0)
     max_steps: int | None = Field(default=None, gt=0, description="stop after this many steps")
+    stop_at_loss: float | None = Field(
+        default=None,
+        gt=0,
+        description="stop once the mean loss of the last stop_loss_window steps is at or below this (the same "
+        "model quality whatever the seed); epochs and max_steps are then a cap. A resumed job refills the window",
+    )
+    stop_loss_window: int = Field(default=5, gt=0, description="steps averaged for stop_at_loss")
     shuffle: bool = True
     seed: int = 0
     exit_when_done: bool = Field(
@@ -135,8 +148,12 @@ class TrainerConfig(ServiceConfig):
     def _check_combinations(self) -> TrainerConfig:
         if self.publish.kind == "adapter" and not self.lora.enabled:
             raise ValueError("publish.kind 'adapter' needs lora.enabled")
+        if self.publish.transport == "collective" and self.publish.kind != "full":
+            raise ValueError("publish.transport 'collective' carries publish.kind 'full' only")
         if self.sft.dataset is not None and self.mode != "sft":
             raise ValueError("sft.dataset needs mode 'sft'")
         if self.sft.exit_when_done and self.sft.dataset is None:
             raise ValueError("sft.exit_when_done needs sft.dataset")
+        if self.sft.stop_at_loss is not None and self.sft.dataset is None:
+            raise ValueError("sft.stop_at_loss needs sft.dataset")
         return self

@@ -27,10 +27,10 @@ from primerl_common.errors import FailedPrecondition
 from primerl_trainer import metrics as prometheus
 from primerl_trainer.batch import MicroBatch
 from primerl_trainer.commands import Command, CommandKind
-from primerl_trainer.export import exported_tensors, gather_state_dict
+from primerl_trainer.export import exported_tensors, gather_state_dict, meta_state_dict
 from primerl_trainer.hf_export import export_dtype, export_hf_model
 from primerl_trainer.models import read_hf_config
-from primerl_trainer.publish import AdapterInfo, PublishError, WeightPublisher, publish_requests
+from primerl_trainer.publish import AdapterInfo, PublishError, WeightPublisher, publish_requests, tensor_headers
 from primerl_trainer.runtime import TrainingRuntime
 from primerl_trainer.sft_data import SFTDataset
 
@@ -104,6 +104,23 @@ class StepExecutor:
         assert self.publisher is not None
         lora = runtime.config.lora
         adapter = AdapterInfo(runtime.config.publish.adapter_name, lora.rank, lora.alpha)
+        if runtime.config.publish.transport == "collective":
+            model = self.trainer.model
+            planned = exported_tensors(
+                model,
+                meta_state_dict(model, kind=runtime.publish_kind),
+                kind=runtime.publish_kind,
+                dtype=runtime.publish_dtype,
+                lora_scale=runtime.lora_scale,
+            )
+            self.publisher.send_collective(
+                tensors,
+                headers=tensor_headers(planned),
+                policy_version=self.trainer.step,
+                kind=runtime.publish_kind,
+                chunk_bytes=runtime.config.publish.chunk_bytes,
+            )
+            return {"publish_s": time.perf_counter() - start}
         requests = publish_requests(
             tensors,
             policy_version=self.trainer.step,
@@ -174,6 +191,9 @@ class TrainingLoop:
         self.runtime = runtime
         self._on_step = on_step
         self._sft = sft_dataset
+        # sft.stop_at_loss: the last steps' losses (worker thread only) and whether their mean got there.
+        self._sft_losses: collections.deque[float] = collections.deque(maxlen=config.sft.stop_loss_window)
+        self._sft_loss_reached = False
         self._on_done = on_done
         self._done_reported = False
         address = config.publish.weight_broadcaster
@@ -261,8 +281,15 @@ class TrainingLoop:
     def training(self) -> bool:
         if self.failure is not None:
             return False
-        sft_left = self._sft is not None and self.completed_step < self._sft.num_steps
+        sft_left = self._sft is not None and not self._sft_done()
         return self.running_step is not None or bool(self._batches) or sft_left
+
+    def _sft_done(self) -> bool:
+        """Nothing left of the SFT dataset to train: its last step is trained, or sft.stop_at_loss
+        was reached. False without an SFT dataset (RL)."""
+        if self._sft is None:
+            return False
+        return self._sft_loss_reached or self.completed_step >= self._sft.num_steps
 
     # The worker thread.
 
@@ -316,7 +343,7 @@ class TrainingLoop:
                     self.running_step = batch.step
                     command = Command(CommandKind.TRAIN, batch.step, batch.micro_batches, batch.num_loss_tokens)
                     return command, batch
-                if self._sft is not None and self.completed_step >= self._sft.num_steps:
+                if self._sft_done():
                     self._report_done()
                 wait_s = None
                 if self._publish_due_at is not None:
@@ -331,7 +358,7 @@ class TrainingLoop:
             self._on_done()
 
     def _next_sft_batch(self) -> QueuedBatch | None:
-        if self._sft is None or self.completed_step >= self._sft.num_steps:
+        if self._sft is None or self._sft_done():
             return None
         batch = self._sft.batch(self.completed_step)
         return QueuedBatch(self.completed_step + 1, batch.micro_batches, batch.num_loss_tokens, batch.num_samples)
@@ -346,8 +373,7 @@ class TrainingLoop:
             or not self.runtime.trainer.optimizer.state
         ):
             return False
-        sft_done = self._sft is not None and self.completed_step >= self._sft.num_steps
-        return sft_done or (self._stop_requested and self.runtime.config.checkpoint.save_on_stop)
+        return self._sft_done() or (self._stop_requested and self.runtime.config.checkpoint.save_on_stop)
 
     def _log_dropped(self) -> None:
         if self._batches:
@@ -369,6 +395,8 @@ class TrainingLoop:
         executor = self._executor
         try:
             metrics = executor.train(command)
+            if self._sft is not None:
+                self._note_sft_loss(metrics["loss"])
             self.completed_step = executor.trainer.step
             prometheus.observe_step(self.completed_step, metrics)
             if executor.publishing:
@@ -385,9 +413,26 @@ class TrainingLoop:
             oldest, newest = batch.policy_versions
             metrics["min_policy_version"] = float(oldest)
             metrics["max_policy_version"] = float(newest)
-            # How many policy versions old the oldest token is at the step that trains on it.
-            metrics["max_off_policy_steps"] = float(batch.step - 1 - oldest)
+            # As the orchestrator counts it (staleness.off_policy_steps): step n trains on
+            # tokens of versions o >= n - max_off_policy_steps; on-policy is 1.
+            metrics["off_policy_steps_max"] = float(batch.step - oldest)
         self._on_step(StepRecord(batch.step, metrics, time.time(), policy_version=batch.step))
+
+    def _note_sft_loss(self, loss: float) -> None:
+        target = self.runtime.config.sft.stop_at_loss
+        if target is None:
+            return
+        self._sft_losses.append(loss)
+        mean = sum(self._sft_losses) / len(self._sft_losses)
+        if len(self._sft_losses) == self._sft_losses.maxlen and mean <= target:
+            self._sft_loss_reached = True
+            logger.info(
+                "SFT loss %.4f (mean of the last %d steps) reached sft.stop_at_loss %g at step %d: SFT is done",
+                mean,
+                len(self._sft_losses),
+                target,
+                self.runtime.trainer.step,
+            )
 
     def _publish_or_schedule_retry(self) -> dict[str, float]:
         step = self.runtime.trainer.step

@@ -4,6 +4,11 @@
 `WeightPublisher.send` streams it. The tensors are produced while the stream is sent, one at a
 time, by collectives every rank takes part in (export.py), so `send` always consumes the whole
 stream, also after the call failed: the other ranks are waiting in those collectives.
+
+`WeightPublisher.send_collective` publishes over a collective group instead (TRANSPORT_NCCL
+replicas, primerl_common.collective): the broadcaster gets the tensor list, names the group,
+and the trainer broadcasts the tensors to the replicas in it as rank 0; it streams them to the
+broadcaster as well, in the same pass, when the broadcaster asks for the data.
 """
 
 from __future__ import annotations
@@ -19,14 +24,24 @@ import grpc
 import torch
 from google.rpc import error_details_pb2
 
+from primerl.common.v1 import tensor_pb2
+from primerl.inference.v1 import inference_pb2
 from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2, weight_broadcaster_pb2_grpc
 from primerl_common.client import make_channel
+from primerl_common.collective import GroupCache, GroupSpec, TensorSpec, send_tensors
 from primerl_common.errors import error_details
 from primerl_common.server import channel_options
-from primerl_common.tensors import DEFAULT_CHUNK_BYTES, iter_tensor_chunks
+from primerl_common.tensors import DEFAULT_CHUNK_BYTES, dtype_from_proto, dtype_to_proto, iter_tensor_chunks
 from primerl_trainer.export import PublishKind
 
-__all__ = ["AdapterInfo", "BroadcasterWatch", "PublishError", "WeightPublisher", "publish_requests"]
+__all__ = [
+    "AdapterInfo",
+    "BroadcasterWatch",
+    "PublishError",
+    "WeightPublisher",
+    "publish_requests",
+    "tensor_headers",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +100,15 @@ def publish_requests(
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
 ) -> Iterator[weight_broadcaster_pb2.PublishWeightsRequest]:
     """PublishBegin, then each tensor's chunks, read lazily from `named_tensors`."""
+    begin = _begin(policy_version, kind, num_tensors, num_bytes, adapter)
+    yield weight_broadcaster_pb2.PublishWeightsRequest(begin=begin)
+    for chunk in iter_tensor_chunks(named_tensors, chunk_bytes=chunk_bytes):
+        yield weight_broadcaster_pb2.PublishWeightsRequest(chunk=chunk)
+
+
+def _begin(
+    policy_version: int, kind: PublishKind, num_tensors: int, num_bytes: int, adapter: AdapterInfo | None
+) -> weight_broadcaster_pb2.PublishBegin:
     begin = weight_broadcaster_pb2.PublishBegin(
         policy_version=policy_version,
         kind=_KINDS[kind],
@@ -94,9 +118,29 @@ def publish_requests(
     )
     if adapter is not None:
         begin.adapter_name, begin.adapter_rank, begin.adapter_alpha = adapter.name, adapter.rank, adapter.alpha
-    yield weight_broadcaster_pb2.PublishWeightsRequest(begin=begin)
-    for chunk in iter_tensor_chunks(named_tensors, chunk_bytes=chunk_bytes):
-        yield weight_broadcaster_pb2.PublishWeightsRequest(chunk=chunk)
+    return begin
+
+
+def tensor_headers(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[tensor_pb2.TensorHeader]:
+    """Name, dtype and shape of each tensor a publish sends, in order (meta tensors do: no data
+    is read), as PublishCollective announces them."""
+    return [
+        tensor_pb2.TensorHeader(
+            name=name, dtype=dtype_to_proto(t.dtype), shape=list(t.shape), num_bytes=t.numel() * t.element_size()
+        )
+        for name, t in named_tensors
+    ]
+
+
+def _publish_error(exc: grpc.RpcError, what: str) -> PublishError:
+    code = exc.code()  # type: ignore[attr-defined]
+    infos = [d for d in error_details(exc) if isinstance(d, error_details_pb2.ErrorInfo)]
+    return PublishError(
+        f"{what} failed: {code.name}: {exc.details()}",  # type: ignore[attr-defined]
+        retryable=code not in _PERMANENT,
+        reason=infos[0].reason if infos else "",
+        metadata=dict(infos[0].metadata) if infos else {},
+    )
 
 
 class WeightPublisher:
@@ -107,6 +151,8 @@ class WeightPublisher:
         self._timeout_s = timeout_s
         self._channel = grpc.insecure_channel(address, options=channel_options(max_message_bytes))
         self._stub = weight_broadcaster_pb2_grpc.WeightBroadcasterServiceStub(self._channel)
+        # The collective group of the latest generation (send_collective).
+        self._groups = GroupCache()
 
     def send(
         self, requests: Iterable[weight_broadcaster_pb2.PublishWeightsRequest]
@@ -144,19 +190,88 @@ class WeightPublisher:
             try:
                 return call.result()
             except grpc.RpcError as exc:
-                code = exc.code()  # type: ignore[attr-defined]
-                infos = [d for d in error_details(exc) if isinstance(d, error_details_pb2.ErrorInfo)]
-                raise PublishError(
-                    f"PublishWeights to {self.address} failed: {code.name}: {exc.details()}",  # type: ignore[attr-defined]
-                    retryable=code not in _PERMANENT,
-                    reason=infos[0].reason if infos else "",
-                    metadata=dict(infos[0].metadata) if infos else {},
-                ) from None
+                raise _publish_error(exc, f"PublishWeights to {self.address}") from None
         finally:
             abandoned.set()
             call.cancel()
 
+    def send_collective(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        *,
+        headers: list[tensor_pb2.TensorHeader],
+        policy_version: int,
+        kind: PublishKind,
+        adapter: AdapterInfo | None = None,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    ) -> weight_broadcaster_pb2.PublishCollectiveResponse:
+        """Publishes over a collective group: announces `headers` (`tensor_headers` of what
+        `named_tensors` yields), broadcasts the tensors to the group the broadcaster names,
+        and streams them to it too when it asks for the data. Raises PublishError;
+        `named_tensors` is consumed to its end whatever happens (see `send`)."""
+        named_tensors = iter(named_tensors)
+        num_bytes = sum(header.num_bytes for header in headers)
+        begin = _begin(policy_version, kind, len(headers), num_bytes, adapter)
+        request = weight_broadcaster_pb2.PublishCollectiveRequest(
+            begin=begin, tensors=headers, new_group=not self._groups.holds_group
+        )
+        try:
+            response = self._stub.PublishCollective(request, timeout=self._timeout_s)
+        except grpc.RpcError as exc:
+            for _ in named_tensors:
+                pass
+            raise _publish_error(exc, f"PublishCollective to {self.address}") from None
+        failures: list[Exception] = []
+        tensors = self._broadcast(response.group, headers, named_tensors, failures)
+        if response.send_data:
+            self.send(
+                publish_requests(
+                    tensors,
+                    policy_version=policy_version,
+                    kind=kind,
+                    num_tensors=len(headers),
+                    num_bytes=num_bytes,
+                    adapter=adapter,
+                    chunk_bytes=chunk_bytes,
+                )
+            )
+        else:
+            for _ in tensors:
+                pass
+        if failures:
+            raise PublishError(
+                f"broadcasting policy version {policy_version} in group {response.group.group_name!r} failed: "
+                f"{failures[0]}; its replicas get it over gRPC"
+                + (" (the broadcaster has the data)" if response.send_data else " with the next version"),
+                retryable=False,
+            )
+        return response
+
+    def _broadcast(
+        self,
+        group: inference_pb2.CollectiveGroup,
+        headers: list[tensor_pb2.TensorHeader],
+        named_tensors: Iterator[tuple[str, torch.Tensor]],
+        failures: list[Exception],
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """`named_tensors`, broadcast to `group` as they pass (nothing when no replica is in it).
+        A failed broadcast is put in `failures`; the tensors still pass (the broadcaster may
+        need them, the export's collectives must finish), and the group is dropped."""
+        if group.world_size <= 1:
+            yield from named_tensors
+            return
+        spec = GroupSpec.from_proto(group)
+        specs = [TensorSpec(h.name, dtype_from_proto(h.dtype), tuple(h.shape)) for h in headers]
+        try:
+            yield from send_tensors(self._groups.get(spec), spec, specs, named_tensors)
+        except (RuntimeError, ValueError) as exc:
+            logger.warning("broadcasting in collective group %s failed: %s", spec.group_name, exc)
+            self._groups.drop()
+            failures.append(exc)
+            yield from named_tensors
+
     def close(self) -> None:
+        self._groups.drop()
         self._channel.close()
 
 

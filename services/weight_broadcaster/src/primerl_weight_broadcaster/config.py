@@ -33,8 +33,10 @@ class ReplicaConfig(Section):
     format: Literal["hf", "kernel", "kernel_fp8"] = Field(
         default="hf", description="weights it loads: HF names, vLLM kernel layout, or kernel layout in block FP8"
     )
-    transport: Literal["grpc", "shared_fs"] = Field(
-        default="grpc", description="UpdateWeights stream, or a folder of shared_fs.folder named in the stream"
+    transport: Literal["grpc", "shared_fs", "nccl"] = Field(
+        default="grpc",
+        description="UpdateWeights stream, a folder of shared_fs.folder named in the stream, or a collective "
+        "group with the trainer (needs collective.backend and format hf)",
     )
 
 
@@ -60,6 +62,28 @@ class SharedFsConfig(Section):
         return folder.resolve()
 
 
+class CollectiveConfig(Section):
+    """The nccl transport: the trainer broadcasts each version to the replicas in a collective group
+    that the broadcaster forms (it hosts the group's TCPStore)."""
+
+    backend: Literal["nccl", "gloo"] | None = Field(
+        default=None,
+        description="nccl (GPU buffers; replicas on GPUs) or gloo (CPU buffers, any replica); empty: replicas "
+        "cannot register with the nccl transport",
+    )
+    store_host: str = Field(
+        default="127.0.0.1", description="address the TCPStore listens on, as the trainer and replicas reach it"
+    )
+    store_port: int = Field(default=0, ge=0, le=65535, description="TCPStore port; 0: any free one")
+    timeout_s: float = Field(default=120.0, gt=0, description="deadline of forming a group and of each broadcast")
+    bucket_mib: int = Field(default=256, gt=0, description="tensors are broadcast packed in buffers of this size")
+    keep_data: bool = Field(
+        default=False,
+        description="ask the trainer for every version's data too, so that a replica that fails or restarts "
+        "catches up at once over gRPC (otherwise only when some replica is not in the group)",
+    )
+
+
 class WeightBroadcasterConfig(ServiceConfig):
     """primerl weight broadcaster: receives each new policy from the trainer and pushes it, in HF, kernel
     or FP8 format, to every inference replica.
@@ -71,6 +95,7 @@ class WeightBroadcasterConfig(ServiceConfig):
     server: ServerConfig = ServerConfig(port=50055)
     push: PushConfig = PushConfig()
     shared_fs: SharedFsConfig = SharedFsConfig()
+    collective: CollectiveConfig = CollectiveConfig()
     replicas: list[ReplicaConfig] = Field(
         default=[], description="replicas registered at start (others register with RegisterReplica)"
     )
@@ -84,4 +109,10 @@ class WeightBroadcasterConfig(ServiceConfig):
         shared = [r.replica_id for r in self.replicas if r.transport == "shared_fs"]
         if shared and self.shared_fs.folder is None:
             raise ValueError(f"replicas: {', '.join(shared)} use transport shared_fs, which needs shared_fs.folder")
+        nccl = [r.replica_id for r in self.replicas if r.transport == "nccl"]
+        if nccl and self.collective.backend is None:
+            raise ValueError(f"replicas: {', '.join(nccl)} use transport nccl, which needs collective.backend")
+        not_hf = [r.replica_id for r in self.replicas if r.transport == "nccl" and r.format != "hf"]
+        if not_hf:
+            raise ValueError(f"replicas: {', '.join(not_hf)} use transport nccl, which carries format hf only")
         return self

@@ -7,6 +7,10 @@ exponential backoff; a replica that does not answer at all (restarting) is probe
 probe interval, and its version is unknown meanwhile. Replicas never wait on each other. A
 replica that restarts comes back on its checkpoint's version; the periodic probe sees it behind
 (or a new instance id) and pushes the latest version again without anyone asking.
+
+A TRANSPORT_NCCL replica's task also makes it join the collective group a version is broadcast
+in (collective.py), when the trainer announces one; if that fails, the replica is pushed over
+gRPC like any other once the broadcaster holds data newer than what it serves.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from primerl.common.v1 import tensor_pb2
 from primerl.inference.v1 import inference_pb2, inference_pb2_grpc
 from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2 as pb2
 from primerl_common.client import make_channel
+from primerl_weight_broadcaster.collective import CollectiveHost, replica_update
 from primerl_weight_broadcaster.formats import format_name
 from primerl_weight_broadcaster.shared_fs import SharedFolders
 from primerl_weight_broadcaster.store import PublishedVersion, WeightStore
@@ -76,6 +81,8 @@ class Replica:
     # (instance id, version) of the last push: a delta is sent only on top of weights this
     # broadcaster pushed to this very process, never on top of a checkpoint it did not write.
     pushed: tuple[str, int] | None = None
+    # Whether its last probe was answered (a TRANSPORT_NCCL replica joins groups only then).
+    reachable: bool = False
 
     def to_proto(self) -> pb2.ReplicaStatus:
         status = pb2.ReplicaStatus(
@@ -111,6 +118,8 @@ class _Worker:
         self._stub = inference_pb2_grpc.InferenceServiceStub(self._channel)
         self._update_weights = update_weights_call(self._channel)
         self.wake = asyncio.Event()
+        # The `begin` that makes the replica join the next version's collective group.
+        self.collective: inference_pb2.WeightUpdateBegin | None = None
         self.task = asyncio.create_task(self._run(), name=f"replica-{replica.replica_id}")
 
     async def close(self) -> None:
@@ -130,12 +139,22 @@ class _Worker:
             latest = self._replicas.store.latest
             probed = False
             try:
+                if self.collective is not None:
+                    probed = True  # it answered the probe that made it a member
+                    begin, self.collective = self.collective, None
+                    await self._push_collective(begin)
+                    continue
                 await self._probe()
                 probed = True
                 if latest is None or replica.policy_version >= latest.policy_version:
-                    # Nothing published yet counts as current: there is nothing newer to serve.
+                    # Nothing published yet counts as current: there is nothing newer to serve (a
+                    # version broadcast without data to the broadcaster comes with the next one).
+                    behind = replica.policy_version < self._replicas.latest_policy_version
                     self._set(
-                        state=pb2.REPLICA_STATE_CURRENT, last_error="", num_consecutive_failures=0, next_retry_at=0.0
+                        state=pb2.REPLICA_STATE_BEHIND if behind else pb2.REPLICA_STATE_CURRENT,
+                        last_error="",
+                        num_consecutive_failures=0,
+                        next_retry_at=0.0,
                     )
                     await self._sleep(self._settings.probe_interval_s)
                     continue
@@ -159,6 +178,7 @@ class _Worker:
                 # A replica that does not answer serves nothing anyone can count on, and may come back
                 # as a new process on its checkpoint's weights: its version is unknown until it answers.
                 version = replica.policy_version if probed else -1
+                replica.reachable = probed
                 self._set(
                     state=pb2.REPLICA_STATE_FAILED,
                     policy_version=version,
@@ -173,6 +193,7 @@ class _Worker:
         info = (await self._stub.GetServiceInfo(inference_pb2.GetServiceInfoRequest(), timeout=timeout)).info
         load = (await self._stub.GetLoad(inference_pb2.GetLoadRequest(), timeout=timeout)).load
         replica = self.replica
+        replica.reachable = True
         if info.instance_id != replica.instance_id:
             if replica.instance_id:
                 logger.info("replica %s restarted (instance %s)", replica.replica_id, info.instance_id)
@@ -230,19 +251,45 @@ class _Worker:
             f"delta from {base}" if delta else "full",
             f", folder {begin.shared_fs_path}" if shared_fs else "",
         )
+        self._pushed(begin, started, sent=True)
+
+    async def _push_collective(self, begin: inference_pb2.WeightUpdateBegin) -> None:
+        """Makes the replica join a collective group and receive the version from the trainer."""
+        self._set(state=pb2.REPLICA_STATE_UPDATING, target_policy_version=begin.policy_version)
+        started = time.monotonic()
+        try:
+            await self._stub.UpdateWeights(
+                iter([inference_pb2.UpdateWeightsRequest(begin=begin)]), timeout=self._settings.push_timeout_s
+            )
+        except BaseException:
+            self._replicas.collective_failed()
+            raise
+        logger.info(
+            "replica %s: received policy version %d over collective group %s (rank %d of %d)",
+            self.replica.replica_id,
+            begin.policy_version,
+            begin.collective.group_name,
+            begin.collective.rank,
+            begin.collective.world_size,
+        )
+        self._pushed(begin, started, sent=False)
+
+    def _pushed(self, begin: inference_pb2.WeightUpdateBegin, started: float, *, sent: bool) -> None:
+        """The replica serves `begin`'s version now; `sent`: the broadcaster sent its bytes."""
+        replica = self.replica
         self._set(
             state=pb2.REPLICA_STATE_CURRENT,
-            policy_version=latest.policy_version,
+            policy_version=begin.policy_version,
             last_error="",
             num_consecutive_failures=0,
             next_retry_at=0.0,
             last_push_s=time.monotonic() - started,
-            num_bytes_sent_total=replica.num_bytes_sent_total + begin.num_bytes,
+            num_bytes_sent_total=replica.num_bytes_sent_total + (begin.num_bytes if sent else 0),
             num_tensors_last_push=begin.num_tensors,
             num_bytes_last_push=begin.num_bytes,
-            last_push_delta=delta,
+            last_push_delta=begin.delta,
         )
-        replica.pushed = (replica.instance_id, latest.policy_version)
+        replica.pushed = (replica.instance_id, begin.policy_version)
 
     def _set(self, **changes: object) -> None:
         if all(getattr(self.replica, key) == value for key, value in changes.items()):
@@ -255,10 +302,17 @@ class _Worker:
 class ReplicaSet:
     """Every registered replica, and the listeners of their changes."""
 
-    def __init__(self, store: WeightStore, settings: PushSettings, shared: SharedFolders | None = None) -> None:
+    def __init__(
+        self,
+        store: WeightStore,
+        settings: PushSettings,
+        shared: SharedFolders | None = None,
+        collective: CollectiveHost | None = None,
+    ) -> None:
         self.store = store
         self.settings = settings
         self.shared = shared
+        self.collective = collective
         self._workers: dict[str, _Worker] = {}
         # Set and replaced on every publish and replica change (WaitForVersion waits on it).
         self._changed = asyncio.Event()
@@ -270,6 +324,40 @@ class ReplicaSet:
 
     def replicas(self) -> list[Replica]:
         return [worker.replica for worker in self._workers.values()]
+
+    @property
+    def latest_policy_version(self) -> int:
+        """The latest version published, with its data or over a collective group; -1: none."""
+        announced = -1 if self.collective is None else self.collective.announced_policy_version
+        return max(self.store.latest_policy_version, announced)
+
+    def publish_collective(self, request: pb2.PublishCollectiveRequest) -> pb2.PublishCollectiveResponse:
+        """Announces a version broadcast by the trainer: the group it is broadcast in, each
+        member's task told to join, and whether the broadcaster needs the data too."""
+        host = self.collective
+        assert host is not None  # the servicer checks it
+        members = [
+            worker
+            for worker in self._workers.values()
+            if worker.replica.transport == pb2.TRANSPORT_NCCL
+            and worker.replica.reachable
+            and host.capability in worker.replica.capabilities
+        ]
+        name, world_size = host.group([worker.replica.replica_id for worker in members], new=request.new_group)
+        for rank, worker in enumerate(members, start=1):
+            worker.collective = replica_update(request, host.member_group(name, rank, world_size))
+            worker.wake.set()
+        host.announced_policy_version = request.begin.policy_version
+        self._notify()
+        return pb2.PublishCollectiveResponse(
+            group=host.member_group(name, 0, world_size),
+            replica_ids=[worker.replica.replica_id for worker in members],
+            send_data=host.settings.keep_data or len(members) < len(self._workers),
+        )
+
+    def collective_failed(self) -> None:
+        if self.collective is not None:
+            self.collective.invalidate()
 
     def num_at_version(self, policy_version: int) -> int:
         return sum(1 for r in self.replicas() if r.policy_version >= policy_version)
@@ -308,7 +396,7 @@ class ReplicaSet:
         return lambda: self._listeners.discard(listener)
 
     def _emit(self, event: pb2.WatchReplicasResponse) -> None:
-        event.latest_policy_version = self.store.latest_policy_version
+        event.latest_policy_version = self.latest_policy_version
         for listener in list(self._listeners):
             listener(event)
 

@@ -6,9 +6,15 @@ from primerl.common.v1 import tensor_pb2
 from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2, weight_broadcaster_pb2_grpc
 from primerl_common.server import ServiceDefinition
 from primerl_weight_broadcaster import __version__
+from primerl_weight_broadcaster.collective import CollectiveHost, CollectiveSettings
 from primerl_weight_broadcaster.config import WeightBroadcasterConfig
 from primerl_weight_broadcaster.replicas import PushSettings, Replica, ReplicaSet
-from primerl_weight_broadcaster.servicer import CAPABILITIES, CAPABILITY_SHARED_FS, WeightBroadcasterServicer
+from primerl_weight_broadcaster.servicer import (
+    CAPABILITIES,
+    CAPABILITY_NCCL,
+    CAPABILITY_SHARED_FS,
+    WeightBroadcasterServicer,
+)
 from primerl_weight_broadcaster.shared_fs import SharedFolders
 from primerl_weight_broadcaster.store import WeightStore
 
@@ -17,7 +23,10 @@ async def build(config: WeightBroadcasterConfig) -> ServiceDefinition:
     store = WeightStore()
     folder = config.shared_fs.folder
     shared = None if folder is None else SharedFolders(folder, keep_versions=config.shared_fs.keep_versions)
-    replicas = ReplicaSet(store, PushSettings(**config.push.model_dump()), shared)
+    collective = None
+    if config.collective.backend is not None:
+        collective = CollectiveHost(CollectiveSettings(**config.collective.model_dump()))
+    replicas = ReplicaSet(store, PushSettings(**config.push.model_dump()), shared, collective)
 
     async def register_configured() -> None:
         for replica in config.replicas:
@@ -39,7 +48,11 @@ async def build(config: WeightBroadcasterConfig) -> ServiceDefinition:
         name="weight_broadcaster",
         version=__version__,
         servicers=[],
-        capabilities=(*CAPABILITIES, *([CAPABILITY_SHARED_FS] if shared else [])),
+        capabilities=(
+            *CAPABILITIES,
+            *([CAPABILITY_SHARED_FS] if shared else []),
+            *([CAPABILITY_NCCL] if collective else []),
+        ),
         on_start=[prune_shared_folder, register_configured],
         on_stop=[replicas.close],
     )

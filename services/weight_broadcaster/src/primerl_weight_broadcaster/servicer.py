@@ -16,6 +16,7 @@ from primerl_common.errors import FailedPrecondition, InvalidArgument, NotFound,
 from primerl_common.observability import policy_version_var
 from primerl_common.server import ServiceDefinition
 from primerl_common.tensors import TensorAssembler
+from primerl_weight_broadcaster.collective import check_tensor_list
 from primerl_weight_broadcaster.replicas import Replica, ReplicaSet
 from primerl_weight_broadcaster.store import WeightStore
 
@@ -25,6 +26,7 @@ logger = logging.getLogger(__name__)
 
 CAPABILITIES = ("publish.full", "format.hf", "format.kernel", "format.kernel_fp8", "transport.grpc", "delta")
 CAPABILITY_SHARED_FS = "transport.shared_fs"  # listed when shared_fs.folder is configured
+CAPABILITY_NCCL = "transport.nccl"  # listed when collective.backend is configured
 _FORMATS = {
     tensor_pb2.WEIGHT_FORMAT_UNSPECIFIED: tensor_pb2.WEIGHT_FORMAT_HF,
     tensor_pb2.WEIGHT_FORMAT_HF: tensor_pb2.WEIGHT_FORMAT_HF,
@@ -69,9 +71,10 @@ class WeightBroadcasterServicer(weight_broadcaster_pb2_grpc.WeightBroadcasterSer
         if begin.kind not in (pb2.PUBLISH_KIND_UNSPECIFIED, pb2.PUBLISH_KIND_FULL):
             raise InvalidArgument("only PUBLISH_KIND_FULL is supported", field="begin.kind")
         # Refuse a stale version before receiving its bytes (checked again when storing).
-        self._store.check_version(begin.policy_version)
+        self._check_version(begin.policy_version, data=True)
         tensors = await _receive(requests, begin)
         async with self._publishing:
+            self._check_version(begin.policy_version, data=True)
             published = self._store.publish(begin.policy_version, tensors)
         self._replicas.published()
         logger.info(
@@ -88,6 +91,41 @@ class WeightBroadcasterServicer(weight_broadcaster_pb2_grpc.WeightBroadcasterSer
             num_changed_tensors=published.num_changed_tensors,
         )
 
+    async def PublishCollective(
+        self, request: pb2.PublishCollectiveRequest, context: grpc.aio.ServicerContext
+    ) -> pb2.PublishCollectiveResponse:
+        if self._replicas.collective is None:
+            raise FailedPrecondition(
+                "collective publishes need the broadcaster's collective.backend, which is not configured",
+                subject="collective.backend",
+            )
+        begin = request.begin
+        policy_version_var.set(begin.policy_version)
+        if begin.kind not in (pb2.PUBLISH_KIND_UNSPECIFIED, pb2.PUBLISH_KIND_FULL):
+            raise InvalidArgument("only PUBLISH_KIND_FULL is supported", field="begin.kind")
+        check_tensor_list(request)
+        async with self._publishing:
+            self._check_version(begin.policy_version, data=False)
+            response = self._replicas.publish_collective(request)
+        logger.info(
+            "policy version %d announced for a collective broadcast: %d tensors, %.1f MiB, group %s of %d (%s)%s",
+            begin.policy_version,
+            begin.num_tensors,
+            begin.num_bytes / 2**20,
+            response.group.group_name,
+            response.group.world_size,
+            ", ".join(response.replica_ids) or "no replica",
+            "; the data comes too" if response.send_data else "",
+        )
+        return response
+
+    def _check_version(self, policy_version: int, *, data: bool) -> None:
+        """Refuses a version not newer than the latest; `data`: a PublishWeights, which may carry
+        the data of the version just announced by PublishCollective."""
+        self._store.check_version(policy_version)
+        if self._replicas.collective is not None:
+            self._replicas.collective.check_version(policy_version, data=data)
+
     async def RegisterReplica(
         self, request: pb2.RegisterReplicaRequest, context: grpc.aio.ServicerContext
     ) -> pb2.RegisterReplicaResponse:
@@ -102,16 +140,16 @@ class WeightBroadcasterServicer(weight_broadcaster_pb2_grpc.WeightBroadcasterSer
             address=request.address,
             delta=request.delta,
             format=_FORMATS[request.format],
-            transport=self._transport(request.transport),
+            transport=self._transport(request.transport, _FORMATS[request.format]),
             policy_version=request.policy_version,
         )
         await self._replicas.register(replica)
         logger.info("replica %s registered at %s", replica.replica_id, replica.address)
         return pb2.RegisterReplicaResponse(
-            replica=replica.to_proto(), latest_policy_version=self._store.latest_policy_version
+            replica=replica.to_proto(), latest_policy_version=self._replicas.latest_policy_version
         )
 
-    def _transport(self, transport: int) -> int:
+    def _transport(self, transport: int, weight_format: int) -> int:
         if transport in (pb2.TRANSPORT_UNSPECIFIED, pb2.TRANSPORT_GRPC):
             return pb2.TRANSPORT_GRPC
         if transport == pb2.TRANSPORT_SHARED_FS:
@@ -121,9 +159,21 @@ class WeightBroadcasterServicer(weight_broadcaster_pb2_grpc.WeightBroadcasterSer
                     field="transport",
                 )
             return transport
+        if transport == pb2.TRANSPORT_NCCL:
+            if self._replicas.collective is None:
+                raise InvalidArgument(
+                    "TRANSPORT_NCCL needs the broadcaster's collective.backend, which is not configured",
+                    field="transport",
+                )
+            if weight_format != tensor_pb2.WEIGHT_FORMAT_HF:
+                raise InvalidArgument(
+                    "TRANSPORT_NCCL carries the trainer's HF tensors: use WEIGHT_FORMAT_HF", field="format"
+                )
+            return transport
         name = pb2.Transport.Name(transport) if transport in pb2.Transport.values() else str(transport)
         raise InvalidArgument(
-            f"{name} is not supported; supported: TRANSPORT_GRPC, TRANSPORT_SHARED_FS", field="transport"
+            f"{name} is not supported; supported: TRANSPORT_GRPC, TRANSPORT_SHARED_FS, TRANSPORT_NCCL",
+            field="transport",
         )
 
     async def DeregisterReplica(
@@ -138,7 +188,7 @@ class WeightBroadcasterServicer(weight_broadcaster_pb2_grpc.WeightBroadcasterSer
         self, request: pb2.GetStatusRequest, context: grpc.aio.ServicerContext
     ) -> pb2.GetStatusResponse:
         return pb2.GetStatusResponse(
-            latest_policy_version=self._store.latest_policy_version,
+            latest_policy_version=self._replicas.latest_policy_version,
             replicas=[replica.to_proto() for replica in self._replicas.replicas()],
         )
 
@@ -149,7 +199,7 @@ class WeightBroadcasterServicer(weight_broadcaster_pb2_grpc.WeightBroadcasterSer
         timeout_s = request.timeout_ms / 1000 if request.timeout_ms else context.time_remaining()
 
         def reached() -> bool:
-            return self._store.latest_policy_version >= version and (
+            return self._replicas.latest_policy_version >= version and (
                 min_replicas == 0 or self._replicas.num_at_version(version) >= min_replicas
             )
 
@@ -159,7 +209,7 @@ class WeightBroadcasterServicer(weight_broadcaster_pb2_grpc.WeightBroadcasterSer
         await self._replicas.wait_until(lambda: reached() or self._draining, timeout_s)
         return pb2.WaitForVersionResponse(
             reached=reached(),
-            latest_policy_version=self._store.latest_policy_version,
+            latest_policy_version=self._replicas.latest_policy_version,
             num_replicas_at_version=self._replicas.num_at_version(version),
         )
 
@@ -172,7 +222,7 @@ class WeightBroadcasterServicer(weight_broadcaster_pb2_grpc.WeightBroadcasterSer
         stop = self._replicas.listen(queue.put_nowait)
         self._watches.add(queue)
         try:
-            latest = self._store.latest_policy_version
+            latest = self._replicas.latest_policy_version
             for replica in self._replicas.replicas():
                 yield pb2.WatchReplicasResponse(replica=replica.to_proto(), latest_policy_version=latest)
             while (event := await queue.get()) is not None:

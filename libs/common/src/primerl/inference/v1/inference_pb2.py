@@ -27,15 +27,15 @@ from primerl.common.v1 import service_info_pb2 as primerl_dot_common_dot_v1_dot_
 from primerl.common.v1 import tensor_pb2 as primerl_dot_common_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$primerl/inference/v1/inference.proto\x12\x14primerl.inference.v1\x1a\"primerl/common/v1/generation.proto\x1a$primerl/common/v1/service_info.proto\x1a\x1eprimerl/common/v1/tensor.proto\"\x17\n\x15GetServiceInfoRequest\"F\n\x16GetServiceInfoResponse\x12,\n\x04info\x18\x01 \x01(\x0b\x32\x1e.primerl.common.v1.ServiceInfo\"D\n\x0fGenerateRequest\x12\x31\n\x05input\x18\x01 \x01(\x0b\x32\".primerl.common.v1.GenerationInput\"G\n\x10GenerateResponse\x12\x33\n\x06output\x18\x01 \x01(\x0b\x32#.primerl.common.v1.GenerationOutput\"\xc8\x01\n\x11WeightUpdateBegin\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12/\n\x06\x66ormat\x18\x02 \x01(\x0e\x32\x1f.primerl.common.v1.WeightFormat\x12\x13\n\x0bnum_tensors\x18\x03 \x01(\r\x12\x11\n\tnum_bytes\x18\x04 \x01(\x04\x12\r\n\x05\x64\x65lta\x18\x05 \x01(\x08\x12\x1b\n\x13\x62\x61se_policy_version\x18\x06 \x01(\x03\x12\x16\n\x0eshared_fs_path\x18\x07 \x01(\t\"\x89\x01\n\x14UpdateWeightsRequest\x12\x38\n\x05\x62\x65gin\x18\x01 \x01(\x0b\x32\'.primerl.inference.v1.WeightUpdateBeginH\x00\x12/\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x1e.primerl.common.v1.TensorChunkH\x00\x42\x06\n\x04item\"y\n\x15UpdateWeightsResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x13\n\x0bnum_tensors\x18\x02 \x01(\r\x12\x11\n\tnum_bytes\x18\x03 \x01(\x04\x12\x0f\n\x07pause_s\x18\x04 \x01(\x01\x12\x0f\n\x07total_s\x18\x05 \x01(\x01\"G\n\x16PauseGenerationRequest\x12-\n\x04mode\x18\x01 \x01(\x0e\x32\x1f.primerl.inference.v1.PauseMode\"F\n\x17PauseGenerationResponse\x12+\n\x04load\x18\x01 \x01(\x0b\x32\x1d.primerl.common.v1.LoadReport\"\x19\n\x17ResumeGenerationRequest\"G\n\x18ResumeGenerationResponse\x12+\n\x04load\x18\x01 \x01(\x0b\x32\x1d.primerl.common.v1.LoadReport\"\x19\n\x17ResetPrefixCacheRequest\")\n\x18ResetPrefixCacheResponse\x12\r\n\x05reset\x18\x01 \x01(\x08\"\x10\n\x0eGetLoadRequest\">\n\x0fGetLoadResponse\x12+\n\x04load\x18\x01 \x01(\x0b\x32\x1d.primerl.common.v1.LoadReport\"\'\n\x10WatchLoadRequest\x12\x13\n\x0binterval_ms\x18\x01 \x01(\r\"@\n\x11WatchLoadResponse\x12+\n\x04load\x18\x01 \x01(\x0b\x32\x1d.primerl.common.v1.LoadReport\"v\n\x0b\x41\x64\x61pterSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\r\n\x05\x61lpha\x18\x04 \x01(\x02\x12\x16\n\x0etarget_modules\x18\x05 \x03(\t\x12\x16\n\x0epolicy_version\x18\x06 \x01(\x03\"\x80\x01\n\x12LoadAdapterRequest\x12\x31\n\x04spec\x18\x01 \x01(\x0b\x32!.primerl.inference.v1.AdapterSpecH\x00\x12/\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x1e.primerl.common.v1.TensorChunkH\x00\x42\x06\n\x04item\"5\n\x13LoadAdapterResponse\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08replaced\x18\x02 \x01(\x08\"$\n\x14UnloadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\")\n\x15UnloadAdapterResponse\x12\x10\n\x08unloaded\x18\x01 \x01(\x08\"\x15\n\x13ListAdaptersRequest\"K\n\x14ListAdaptersResponse\x12\x33\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32!.primerl.inference.v1.AdapterSpec*g\n\tPauseMode\x12\x1a\n\x16PAUSE_MODE_UNSPECIFIED\x10\x00\x12\x13\n\x0fPAUSE_MODE_KEEP\x10\x01\x12\x13\n\x0fPAUSE_MODE_WAIT\x10\x02\x12\x14\n\x10PAUSE_MODE_ABORT\x10\x03\x32\x8d\t\n\x10InferenceService\x12k\n\x0eGetServiceInfo\x12+.primerl.inference.v1.GetServiceInfoRequest\x1a,.primerl.inference.v1.GetServiceInfoResponse\x12[\n\x08Generate\x12%.primerl.inference.v1.GenerateRequest\x1a&.primerl.inference.v1.GenerateResponse0\x01\x12j\n\rUpdateWeights\x12*.primerl.inference.v1.UpdateWeightsRequest\x1a+.primerl.inference.v1.UpdateWeightsResponse(\x01\x12n\n\x0fPauseGeneration\x12,.primerl.inference.v1.PauseGenerationRequest\x1a-.primerl.inference.v1.PauseGenerationResponse\x12q\n\x10ResumeGeneration\x12-.primerl.inference.v1.ResumeGenerationRequest\x1a..primerl.inference.v1.ResumeGenerationResponse\x12q\n\x10ResetPrefixCache\x12-.primerl.inference.v1.ResetPrefixCacheRequest\x1a..primerl.inference.v1.ResetPrefixCacheResponse\x12V\n\x07GetLoad\x12$.primerl.inference.v1.GetLoadRequest\x1a%.primerl.inference.v1.GetLoadResponse\x12^\n\tWatchLoad\x12&.primerl.inference.v1.WatchLoadRequest\x1a\'.primerl.inference.v1.WatchLoadResponse0\x01\x12\x64\n\x0bLoadAdapter\x12(.primerl.inference.v1.LoadAdapterRequest\x1a).primerl.inference.v1.LoadAdapterResponse(\x01\x12h\n\rUnloadAdapter\x12*.primerl.inference.v1.UnloadAdapterRequest\x1a+.primerl.inference.v1.UnloadAdapterResponse\x12\x65\n\x0cListAdapters\x12).primerl.inference.v1.ListAdaptersRequest\x1a*.primerl.inference.v1.ListAdaptersResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$primerl/inference/v1/inference.proto\x12\x14primerl.inference.v1\x1a\"primerl/common/v1/generation.proto\x1a$primerl/common/v1/service_info.proto\x1a\x1eprimerl/common/v1/tensor.proto\"\x17\n\x15GetServiceInfoRequest\"F\n\x16GetServiceInfoResponse\x12,\n\x04info\x18\x01 \x01(\x0b\x32\x1e.primerl.common.v1.ServiceInfo\"D\n\x0fGenerateRequest\x12\x31\n\x05input\x18\x01 \x01(\x0b\x32\".primerl.common.v1.GenerationInput\"G\n\x10GenerateResponse\x12\x33\n\x06output\x18\x01 \x01(\x0b\x32#.primerl.common.v1.GenerationOutput\"\xc0\x02\n\x11WeightUpdateBegin\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12/\n\x06\x66ormat\x18\x02 \x01(\x0e\x32\x1f.primerl.common.v1.WeightFormat\x12\x13\n\x0bnum_tensors\x18\x03 \x01(\r\x12\x11\n\tnum_bytes\x18\x04 \x01(\x04\x12\r\n\x05\x64\x65lta\x18\x05 \x01(\x08\x12\x1b\n\x13\x62\x61se_policy_version\x18\x06 \x01(\x03\x12\x16\n\x0eshared_fs_path\x18\x07 \x01(\t\x12\x39\n\ncollective\x18\x08 \x01(\x0b\x32%.primerl.inference.v1.CollectiveGroup\x12;\n\x12\x63ollective_tensors\x18\t \x03(\x0b\x32\x1f.primerl.common.v1.TensorHeader\"\x99\x01\n\x0f\x43ollectiveGroup\x12\x15\n\rstore_address\x18\x01 \x01(\t\x12\x12\n\ngroup_name\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x12\n\nworld_size\x18\x04 \x01(\r\x12\x0f\n\x07\x62\x61\x63kend\x18\x05 \x01(\t\x12\x12\n\ntimeout_ms\x18\x06 \x01(\r\x12\x14\n\x0c\x62ucket_bytes\x18\x07 \x01(\x04\"\x89\x01\n\x14UpdateWeightsRequest\x12\x38\n\x05\x62\x65gin\x18\x01 \x01(\x0b\x32\'.primerl.inference.v1.WeightUpdateBeginH\x00\x12/\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x1e.primerl.common.v1.TensorChunkH\x00\x42\x06\n\x04item\"y\n\x15UpdateWeightsResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x13\n\x0bnum_tensors\x18\x02 \x01(\r\x12\x11\n\tnum_bytes\x18\x03 \x01(\x04\x12\x0f\n\x07pause_s\x18\x04 \x01(\x01\x12\x0f\n\x07total_s\x18\x05 \x01(\x01\"G\n\x16PauseGenerationRequest\x12-\n\x04mode\x18\x01 \x01(\x0e\x32\x1f.primerl.inference.v1.PauseMode\"F\n\x17PauseGenerationResponse\x12+\n\x04load\x18\x01 \x01(\x0b\x32\x1d.primerl.common.v1.LoadReport\"\x19\n\x17ResumeGenerationRequest\"G\n\x18ResumeGenerationResponse\x12+\n\x04load\x18\x01 \x01(\x0b\x32\x1d.primerl.common.v1.LoadReport\"\x19\n\x17ResetPrefixCacheRequest\")\n\x18ResetPrefixCacheResponse\x12\r\n\x05reset\x18\x01 \x01(\x08\"\x10\n\x0eGetLoadRequest\">\n\x0fGetLoadResponse\x12+\n\x04load\x18\x01 \x01(\x0b\x32\x1d.primerl.common.v1.LoadReport\"\'\n\x10WatchLoadRequest\x12\x13\n\x0binterval_ms\x18\x01 \x01(\r\"@\n\x11WatchLoadResponse\x12+\n\x04load\x18\x01 \x01(\x0b\x32\x1d.primerl.common.v1.LoadReport\"v\n\x0b\x41\x64\x61pterSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\r\n\x05\x61lpha\x18\x04 \x01(\x02\x12\x16\n\x0etarget_modules\x18\x05 \x03(\t\x12\x16\n\x0epolicy_version\x18\x06 \x01(\x03\"\x80\x01\n\x12LoadAdapterRequest\x12\x31\n\x04spec\x18\x01 \x01(\x0b\x32!.primerl.inference.v1.AdapterSpecH\x00\x12/\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x1e.primerl.common.v1.TensorChunkH\x00\x42\x06\n\x04item\"5\n\x13LoadAdapterResponse\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08replaced\x18\x02 \x01(\x08\"$\n\x14UnloadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\")\n\x15UnloadAdapterResponse\x12\x10\n\x08unloaded\x18\x01 \x01(\x08\"\x15\n\x13ListAdaptersRequest\"K\n\x14ListAdaptersResponse\x12\x33\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32!.primerl.inference.v1.AdapterSpec*g\n\tPauseMode\x12\x1a\n\x16PAUSE_MODE_UNSPECIFIED\x10\x00\x12\x13\n\x0fPAUSE_MODE_KEEP\x10\x01\x12\x13\n\x0fPAUSE_MODE_WAIT\x10\x02\x12\x14\n\x10PAUSE_MODE_ABORT\x10\x03\x32\x8d\t\n\x10InferenceService\x12k\n\x0eGetServiceInfo\x12+.primerl.inference.v1.GetServiceInfoRequest\x1a,.primerl.inference.v1.GetServiceInfoResponse\x12[\n\x08Generate\x12%.primerl.inference.v1.GenerateRequest\x1a&.primerl.inference.v1.GenerateResponse0\x01\x12j\n\rUpdateWeights\x12*.primerl.inference.v1.UpdateWeightsRequest\x1a+.primerl.inference.v1.UpdateWeightsResponse(\x01\x12n\n\x0fPauseGeneration\x12,.primerl.inference.v1.PauseGenerationRequest\x1a-.primerl.inference.v1.PauseGenerationResponse\x12q\n\x10ResumeGeneration\x12-.primerl.inference.v1.ResumeGenerationRequest\x1a..primerl.inference.v1.ResumeGenerationResponse\x12q\n\x10ResetPrefixCache\x12-.primerl.inference.v1.ResetPrefixCacheRequest\x1a..primerl.inference.v1.ResetPrefixCacheResponse\x12V\n\x07GetLoad\x12$.primerl.inference.v1.GetLoadRequest\x1a%.primerl.inference.v1.GetLoadResponse\x12^\n\tWatchLoad\x12&.primerl.inference.v1.WatchLoadRequest\x1a\'.primerl.inference.v1.WatchLoadResponse0\x01\x12\x64\n\x0bLoadAdapter\x12(.primerl.inference.v1.LoadAdapterRequest\x1a).primerl.inference.v1.LoadAdapterResponse(\x01\x12h\n\rUnloadAdapter\x12*.primerl.inference.v1.UnloadAdapterRequest\x1a+.primerl.inference.v1.UnloadAdapterResponse\x12\x65\n\x0cListAdapters\x12).primerl.inference.v1.ListAdaptersRequest\x1a*.primerl.inference.v1.ListAdaptersResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'primerl.inference.v1.inference_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PAUSEMODE']._serialized_start=1865
-  _globals['_PAUSEMODE']._serialized_end=1968
+  _globals['_PAUSEMODE']._serialized_start=2141
+  _globals['_PAUSEMODE']._serialized_end=2244
   _globals['_GETSERVICEINFOREQUEST']._serialized_start=168
   _globals['_GETSERVICEINFOREQUEST']._serialized_end=191
   _globals['_GETSERVICEINFORESPONSE']._serialized_start=193
@@ -45,45 +45,47 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATERESPONSE']._serialized_start=335
   _globals['_GENERATERESPONSE']._serialized_end=406
   _globals['_WEIGHTUPDATEBEGIN']._serialized_start=409
-  _globals['_WEIGHTUPDATEBEGIN']._serialized_end=609
-  _globals['_UPDATEWEIGHTSREQUEST']._serialized_start=612
-  _globals['_UPDATEWEIGHTSREQUEST']._serialized_end=749
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=751
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=872
-  _globals['_PAUSEGENERATIONREQUEST']._serialized_start=874
-  _globals['_PAUSEGENERATIONREQUEST']._serialized_end=945
-  _globals['_PAUSEGENERATIONRESPONSE']._serialized_start=947
-  _globals['_PAUSEGENERATIONRESPONSE']._serialized_end=1017
-  _globals['_RESUMEGENERATIONREQUEST']._serialized_start=1019
-  _globals['_RESUMEGENERATIONREQUEST']._serialized_end=1044
-  _globals['_RESUMEGENERATIONRESPONSE']._serialized_start=1046
-  _globals['_RESUMEGENERATIONRESPONSE']._serialized_end=1117
-  _globals['_RESETPREFIXCACHEREQUEST']._serialized_start=1119
-  _globals['_RESETPREFIXCACHEREQUEST']._serialized_end=1144
-  _globals['_RESETPREFIXCACHERESPONSE']._serialized_start=1146
-  _globals['_RESETPREFIXCACHERESPONSE']._serialized_end=1187
-  _globals['_GETLOADREQUEST']._serialized_start=1189
-  _globals['_GETLOADREQUEST']._serialized_end=1205
-  _globals['_GETLOADRESPONSE']._serialized_start=1207
-  _globals['_GETLOADRESPONSE']._serialized_end=1269
-  _globals['_WATCHLOADREQUEST']._serialized_start=1271
-  _globals['_WATCHLOADREQUEST']._serialized_end=1310
-  _globals['_WATCHLOADRESPONSE']._serialized_start=1312
-  _globals['_WATCHLOADRESPONSE']._serialized_end=1376
-  _globals['_ADAPTERSPEC']._serialized_start=1378
-  _globals['_ADAPTERSPEC']._serialized_end=1496
-  _globals['_LOADADAPTERREQUEST']._serialized_start=1499
-  _globals['_LOADADAPTERREQUEST']._serialized_end=1627
-  _globals['_LOADADAPTERRESPONSE']._serialized_start=1629
-  _globals['_LOADADAPTERRESPONSE']._serialized_end=1682
-  _globals['_UNLOADADAPTERREQUEST']._serialized_start=1684
-  _globals['_UNLOADADAPTERREQUEST']._serialized_end=1720
-  _globals['_UNLOADADAPTERRESPONSE']._serialized_start=1722
-  _globals['_UNLOADADAPTERRESPONSE']._serialized_end=1763
-  _globals['_LISTADAPTERSREQUEST']._serialized_start=1765
-  _globals['_LISTADAPTERSREQUEST']._serialized_end=1786
-  _globals['_LISTADAPTERSRESPONSE']._serialized_start=1788
-  _globals['_LISTADAPTERSRESPONSE']._serialized_end=1863
-  _globals['_INFERENCESERVICE']._serialized_start=1971
-  _globals['_INFERENCESERVICE']._serialized_end=3136
+  _globals['_WEIGHTUPDATEBEGIN']._serialized_end=729
+  _globals['_COLLECTIVEGROUP']._serialized_start=732
+  _globals['_COLLECTIVEGROUP']._serialized_end=885
+  _globals['_UPDATEWEIGHTSREQUEST']._serialized_start=888
+  _globals['_UPDATEWEIGHTSREQUEST']._serialized_end=1025
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=1027
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=1148
+  _globals['_PAUSEGENERATIONREQUEST']._serialized_start=1150
+  _globals['_PAUSEGENERATIONREQUEST']._serialized_end=1221
+  _globals['_PAUSEGENERATIONRESPONSE']._serialized_start=1223
+  _globals['_PAUSEGENERATIONRESPONSE']._serialized_end=1293
+  _globals['_RESUMEGENERATIONREQUEST']._serialized_start=1295
+  _globals['_RESUMEGENERATIONREQUEST']._serialized_end=1320
+  _globals['_RESUMEGENERATIONRESPONSE']._serialized_start=1322
+  _globals['_RESUMEGENERATIONRESPONSE']._serialized_end=1393
+  _globals['_RESETPREFIXCACHEREQUEST']._serialized_start=1395
+  _globals['_RESETPREFIXCACHEREQUEST']._serialized_end=1420
+  _globals['_RESETPREFIXCACHERESPONSE']._serialized_start=1422
+  _globals['_RESETPREFIXCACHERESPONSE']._serialized_end=1463
+  _globals['_GETLOADREQUEST']._serialized_start=1465
+  _globals['_GETLOADREQUEST']._serialized_end=1481
+  _globals['_GETLOADRESPONSE']._serialized_start=1483
+  _globals['_GETLOADRESPONSE']._serialized_end=1545
+  _globals['_WATCHLOADREQUEST']._serialized_start=1547
+  _globals['_WATCHLOADREQUEST']._serialized_end=1586
+  _globals['_WATCHLOADRESPONSE']._serialized_start=1588
+  _globals['_WATCHLOADRESPONSE']._serialized_end=1652
+  _globals['_ADAPTERSPEC']._serialized_start=1654
+  _globals['_ADAPTERSPEC']._serialized_end=1772
+  _globals['_LOADADAPTERREQUEST']._serialized_start=1775
+  _globals['_LOADADAPTERREQUEST']._serialized_end=1903
+  _globals['_LOADADAPTERRESPONSE']._serialized_start=1905
+  _globals['_LOADADAPTERRESPONSE']._serialized_end=1958
+  _globals['_UNLOADADAPTERREQUEST']._serialized_start=1960
+  _globals['_UNLOADADAPTERREQUEST']._serialized_end=1996
+  _globals['_UNLOADADAPTERRESPONSE']._serialized_start=1998
+  _globals['_UNLOADADAPTERRESPONSE']._serialized_end=2039
+  _globals['_LISTADAPTERSREQUEST']._serialized_start=2041
+  _globals['_LISTADAPTERSREQUEST']._serialized_end=2062
+  _globals['_LISTADAPTERSRESPONSE']._serialized_start=2064
+  _globals['_LISTADAPTERSRESPONSE']._serialized_end=2139
+  _globals['_INFERENCESERVICE']._serialized_start=2247
+  _globals['_INFERENCESERVICE']._serialized_end=3412
 # @@protoc_insertion_point(module_scope)

@@ -44,7 +44,7 @@ class GenerateResponse(_message.Message):
     def __init__(self, output: _Optional[_Union[_generation_pb2.GenerationOutput, _Mapping]] = ...) -> None: ...
 
 class WeightUpdateBegin(_message.Message):
-    __slots__ = ("policy_version", "format", "num_tensors", "num_bytes", "delta", "base_policy_version", "shared_fs_path")
+    __slots__ = ("policy_version", "format", "num_tensors", "num_bytes", "delta", "base_policy_version", "shared_fs_path", "collective", "collective_tensors")
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     FORMAT_FIELD_NUMBER: _ClassVar[int]
     NUM_TENSORS_FIELD_NUMBER: _ClassVar[int]
@@ -52,6 +52,8 @@ class WeightUpdateBegin(_message.Message):
     DELTA_FIELD_NUMBER: _ClassVar[int]
     BASE_POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     SHARED_FS_PATH_FIELD_NUMBER: _ClassVar[int]
+    COLLECTIVE_FIELD_NUMBER: _ClassVar[int]
+    COLLECTIVE_TENSORS_FIELD_NUMBER: _ClassVar[int]
     policy_version: int
     format: _tensor_pb2.WeightFormat
     num_tensors: int
@@ -59,7 +61,27 @@ class WeightUpdateBegin(_message.Message):
     delta: bool
     base_policy_version: int
     shared_fs_path: str
-    def __init__(self, policy_version: _Optional[int] = ..., format: _Optional[_Union[_tensor_pb2.WeightFormat, str]] = ..., num_tensors: _Optional[int] = ..., num_bytes: _Optional[int] = ..., delta: _Optional[bool] = ..., base_policy_version: _Optional[int] = ..., shared_fs_path: _Optional[str] = ...) -> None: ...
+    collective: CollectiveGroup
+    collective_tensors: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.TensorHeader]
+    def __init__(self, policy_version: _Optional[int] = ..., format: _Optional[_Union[_tensor_pb2.WeightFormat, str]] = ..., num_tensors: _Optional[int] = ..., num_bytes: _Optional[int] = ..., delta: _Optional[bool] = ..., base_policy_version: _Optional[int] = ..., shared_fs_path: _Optional[str] = ..., collective: _Optional[_Union[CollectiveGroup, _Mapping]] = ..., collective_tensors: _Optional[_Iterable[_Union[_tensor_pb2.TensorHeader, _Mapping]]] = ...) -> None: ...
+
+class CollectiveGroup(_message.Message):
+    __slots__ = ("store_address", "group_name", "rank", "world_size", "backend", "timeout_ms", "bucket_bytes")
+    STORE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_NAME_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    store_address: str
+    group_name: str
+    rank: int
+    world_size: int
+    backend: str
+    timeout_ms: int
+    bucket_bytes: int
+    def __init__(self, store_address: _Optional[str] = ..., group_name: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., backend: _Optional[str] = ..., timeout_ms: _Optional[int] = ..., bucket_bytes: _Optional[int] = ...) -> None: ...
 
 class UpdateWeightsRequest(_message.Message):
     __slots__ = ("begin", "chunk")

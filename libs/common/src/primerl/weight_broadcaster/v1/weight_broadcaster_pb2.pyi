@@ -3,6 +3,7 @@ import datetime
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from primerl.common.v1 import service_info_pb2 as _service_info_pb2
 from primerl.common.v1 import tensor_pb2 as _tensor_pb2
+from primerl.inference.v1 import inference_pb2 as _inference_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -82,6 +83,26 @@ class PublishWeightsRequest(_message.Message):
     begin: PublishBegin
     chunk: _tensor_pb2.TensorChunk
     def __init__(self, begin: _Optional[_Union[PublishBegin, _Mapping]] = ..., chunk: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ...) -> None: ...
+
+class PublishCollectiveRequest(_message.Message):
+    __slots__ = ("begin", "tensors", "new_group")
+    BEGIN_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    NEW_GROUP_FIELD_NUMBER: _ClassVar[int]
+    begin: PublishBegin
+    tensors: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.TensorHeader]
+    new_group: bool
+    def __init__(self, begin: _Optional[_Union[PublishBegin, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[_tensor_pb2.TensorHeader, _Mapping]]] = ..., new_group: _Optional[bool] = ...) -> None: ...
+
+class PublishCollectiveResponse(_message.Message):
+    __slots__ = ("group", "replica_ids", "send_data")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_IDS_FIELD_NUMBER: _ClassVar[int]
+    SEND_DATA_FIELD_NUMBER: _ClassVar[int]
+    group: _inference_pb2.CollectiveGroup
+    replica_ids: _containers.RepeatedScalarFieldContainer[str]
+    send_data: bool
+    def __init__(self, group: _Optional[_Union[_inference_pb2.CollectiveGroup, _Mapping]] = ..., replica_ids: _Optional[_Iterable[str]] = ..., send_data: _Optional[bool] = ...) -> None: ...
 
 class PublishWeightsResponse(_message.Message):
     __slots__ = ("policy_version", "num_tensors", "num_bytes", "num_changed_tensors")

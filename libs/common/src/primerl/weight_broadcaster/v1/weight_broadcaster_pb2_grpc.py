@@ -48,6 +48,11 @@ class WeightBroadcasterServiceStub:
                 request_serializer=primerl_dot_weight__broadcaster_dot_v1_dot_weight__broadcaster__pb2.PublishWeightsRequest.SerializeToString,
                 response_deserializer=primerl_dot_weight__broadcaster_dot_v1_dot_weight__broadcaster__pb2.PublishWeightsResponse.FromString,
                 _registered_method=True)
+        self.PublishCollective = channel.unary_unary(
+                '/primerl.weight_broadcaster.v1.WeightBroadcasterService/PublishCollective',
+                request_serializer=primerl_dot_weight__broadcaster_dot_v1_dot_weight__broadcaster__pb2.PublishCollectiveRequest.SerializeToString,
+                response_deserializer=primerl_dot_weight__broadcaster_dot_v1_dot_weight__broadcaster__pb2.PublishCollectiveResponse.FromString,
+                _registered_method=True)
         self.RegisterReplica = channel.unary_unary(
                 '/primerl.weight_broadcaster.v1.WeightBroadcasterService/RegisterReplica',
                 request_serializer=primerl_dot_weight__broadcaster_dot_v1_dot_weight__broadcaster__pb2.RegisterReplicaRequest.SerializeToString,
@@ -91,6 +96,18 @@ class WeightBroadcasterServiceServicer:
     def PublishWeights(self, request_iterator, context):
         """The trainer publishes a version: `begin`, then the tensors (HF names).
         Returns once the version is stored; pushes to replicas run in background.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PublishCollective(self, request, context):
+        """The trainer publishes a version over a collective group (TRANSPORT_NCCL
+        replicas): it announces the tensors, no data, and learns the group in which
+        it broadcasts them as rank 0. The version counts as published at once.
+        When `send_data` comes back true the trainer also streams the same version
+        with PublishWeights (accepted for the version announced here), and the
+        broadcaster keeps and pushes it over gRPC like any other publish.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -143,6 +160,11 @@ def add_WeightBroadcasterServiceServicer_to_server(servicer, server):
                     servicer.PublishWeights,
                     request_deserializer=primerl_dot_weight__broadcaster_dot_v1_dot_weight__broadcaster__pb2.PublishWeightsRequest.FromString,
                     response_serializer=primerl_dot_weight__broadcaster_dot_v1_dot_weight__broadcaster__pb2.PublishWeightsResponse.SerializeToString,
+            ),
+            'PublishCollective': grpc.unary_unary_rpc_method_handler(
+                    servicer.PublishCollective,
+                    request_deserializer=primerl_dot_weight__broadcaster_dot_v1_dot_weight__broadcaster__pb2.PublishCollectiveRequest.FromString,
+                    response_serializer=primerl_dot_weight__broadcaster_dot_v1_dot_weight__broadcaster__pb2.PublishCollectiveResponse.SerializeToString,
             ),
             'RegisterReplica': grpc.unary_unary_rpc_method_handler(
                     servicer.RegisterReplica,
@@ -228,6 +250,33 @@ class WeightBroadcasterService:
             '/primerl.weight_broadcaster.v1.WeightBroadcasterService/PublishWeights',
             primerl_dot_weight__broadcaster_dot_v1_dot_weight__broadcaster__pb2.PublishWeightsRequest.SerializeToString,
             primerl_dot_weight__broadcaster_dot_v1_dot_weight__broadcaster__pb2.PublishWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PublishCollective(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/primerl.weight_broadcaster.v1.WeightBroadcasterService/PublishCollective',
+            primerl_dot_weight__broadcaster_dot_v1_dot_weight__broadcaster__pb2.PublishCollectiveRequest.SerializeToString,
+            primerl_dot_weight__broadcaster_dot_v1_dot_weight__broadcaster__pb2.PublishCollectiveResponse.FromString,
             options,
             channel_credentials,
             insecure,
