@@ -49,14 +49,16 @@ import sys
 import tempfile
 import time
 
-# vLLM reads these at import; values already in the environment win (as in conftest.py).
+from primerl_common.malloc import MALLOC_ENV
+
+# vLLM reads these at import (glibc the MALLOC ones when a process starts: the engine core's
+# and the client's); values already in the environment win (as in conftest.py).
 for _name, _value in {
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     "VLLM_NO_USAGE_STATS": "1",
     "HF_HUB_OFFLINE": "1",
-    "MALLOC_MMAP_THRESHOLD_": str(128 << 20),
-    "MALLOC_TRIM_THRESHOLD_": str(1 << 30),
+    **MALLOC_ENV,
 }.items():
     os.environ.setdefault(_name, _value)
 

@@ -43,13 +43,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from primerl.common.v1 import generation_pb2
 from primerl.inference.v1 import inference_pb2
 from primerl.router.v1 import router_pb2
+from primerl_common.malloc import MALLOC_ENV, reexec_with_malloc_env
 from primerl_common.server import channel_options, server_options
 from primerl_common.testing import ServiceProcess, free_port
 
 INFERENCE_SERVICE = "primerl.inference.v1.InferenceService"
 INFERENCE_GENERATE = f"/{INFERENCE_SERVICE}/Generate"
 ROUTER_GENERATE = "/primerl.router.v1.RouterService/Generate"
-MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(128 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
 ROUTER_CORE, LOAD_CORE = 0, 1
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 HERE = pathlib.Path(__file__).resolve()
@@ -357,9 +357,7 @@ def main() -> None:
         replica_id, port = args.serve_replica
         asyncio.run(serve_replica(replica_id, int(port)))
         return
-    if any(os.environ.get(key) != value for key, value in MALLOC_ENV.items()):
-        # glibc reads the thresholds at start-up: run again with them set.
-        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **MALLOC_ENV})
+    reexec_with_malloc_env()
     if len(os.sched_getaffinity(0)) < 2 or os.cpu_count() < 2:
         sys.exit("needs 2 cores: the router on one, load generator and replicas on the other")
     os.sched_setaffinity(0, {LOAD_CORE})

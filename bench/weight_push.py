@@ -46,13 +46,13 @@ from safetensors.torch import load_file
 from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2 as pb2
 from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2_grpc
 from primerl_common.client import make_channel
+from primerl_common.malloc import MALLOC_ENV, reexec_with_malloc_env
 from primerl_common.tensors import iter_tensor_chunks
 from primerl_common.testing import ServiceProcess, free_port
 from primerl_common.tiny_model import TinyModelSpec, make_tiny_model
 
 MiB = 1024 * 1024
 SEND_BYTES = 4 * MiB
-MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(128 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
 CACHE = pathlib.Path(os.environ.get("PRIMERL_BENCH_CACHE", pathlib.Path(tempfile.gettempdir()) / "primerl-bench"))
 # vLLM's caches: the tests' (keyed by the hash of vLLM's model files, so sharing them is safe); a
 # cold cache costs each engine start a model inspection in a subprocess.
@@ -296,9 +296,7 @@ def main() -> None:
     if args.receive:
         receive(args.receive, args.num_bytes)
         return
-    for name, value in MALLOC_ENV.items():
-        if os.environ.get(name) != value:  # glibc reads them at start: run again with them set
-            os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **MALLOC_ENV})
+    reexec_with_malloc_env()
     asyncio.run(bench(args))
 
 
