@@ -25,7 +25,6 @@ import collections
 import dataclasses
 import os
 import pathlib
-import re
 import tempfile
 from collections.abc import Iterable
 from typing import IO, Literal
@@ -34,6 +33,7 @@ import torch
 from safetensors import safe_open
 
 from primerl.common.v1 import tensor_pb2
+from primerl_common.engine_modules import engine_module
 from primerl_common.errors import InvalidArgument
 from primerl_common.tensors import FileTensorAssembler, dtype_to_proto
 from primerl_common.weight_manifest import ManifestError, read_manifest
@@ -47,7 +47,6 @@ __all__ = [
     "WeightUpdate",
     "WeightUpdateResult",
     "default_staging_dir",
-    "engine_module",
     "stage_shared_folder",
 ]
 
@@ -102,27 +101,6 @@ class WeightUpdateResult:
 def default_staging_dir() -> pathlib.Path:
     shm = pathlib.Path("/dev/shm")
     return shm if shm.is_dir() else pathlib.Path(tempfile.gettempdir())
-
-
-# HF projections that vLLM fuses into one module (Qwen3, Qwen3-MoE).
-_FUSED_MODULES = {
-    "q_proj": "qkv_proj",
-    "k_proj": "qkv_proj",
-    "v_proj": "qkv_proj",
-    "gate_proj": "gate_up_proj",
-    "up_proj": "gate_up_proj",
-}
-# An HF expert weight: <layer>.mlp.experts.<expert id>.<projection>.weight.
-_HF_EXPERT = re.compile(r"^(?P<experts>.+\.experts)\.\d+\.")
-
-
-def engine_module(name: str) -> str:
-    """The engine module an HF or kernel-format tensor loads into."""
-    if match := _HF_EXPERT.match(name):
-        return match["experts"]
-    module, _, _ = name.rpartition(".")
-    parent, _, leaf = module.rpartition(".")
-    return f"{parent}.{_FUSED_MODULES[leaf]}" if leaf in _FUSED_MODULES else module
 
 
 class WeightTable:

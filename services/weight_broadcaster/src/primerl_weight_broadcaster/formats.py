@@ -25,7 +25,7 @@ import torch
 from primerl.common.v1 import tensor_pb2
 from primerl_weight_broadcaster.fp8 import quantize_blockwise
 
-__all__ = ["FORMAT_NAMES", "ConvertedWeights", "convert", "engine_module", "format_name"]
+__all__ = ["FORMAT_NAMES", "ConvertedWeights", "convert", "format_name"]
 
 # Lower-case format names, as in the inference capabilities ("weights.format.<name>") and the config.
 FORMAT_NAMES = {
@@ -43,18 +43,6 @@ _PART = re.compile(r"^(?P<prefix>.+)\.(?P<part>q_proj|k_proj|v_proj|gate_proj|up
 _EXPERT = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<index>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 # Kernel-format names whose weights vLLM's block-FP8 linear and MoE methods hold in FP8.
 _QUANTIZED = re.compile(r"\.(qkv_proj|o_proj|gate_up_proj|down_proj)\.weight$|\.(w13_weight|w2_weight)$")
-
-
-def engine_module(name: str) -> str:
-    """The engine module an HF or kernel-format tensor loads into. A replica rebuilds a module
-    from all its tensors, so a delta carries whole modules: q/k/v_proj together, gate/up_proj
-    together, every expert of a layer (w13 and w2) together, a weight with its scale."""
-    if match := _EXPERT.match(name):
-        return match["prefix"]
-    if match := _PART.match(name):
-        return f"{match['prefix']}.{'qkv_proj' if match['part'] in _FUSED['qkv_proj'] else 'gate_up_proj'}"
-    module, dot, _ = name.rpartition(".")
-    return module if dot else name
 
 
 def format_name(weight_format: int) -> str:

@@ -16,8 +16,9 @@ import dataclasses
 import torch
 
 from primerl.common.v1 import tensor_pb2
+from primerl_common.engine_modules import engine_module
 from primerl_common.errors import FailedPrecondition, InvalidArgument
-from primerl_weight_broadcaster.formats import convert, engine_module
+from primerl_weight_broadcaster.formats import convert
 
 __all__ = ["PublishedVersion", "WeightStore"]
 
@@ -30,7 +31,7 @@ class PublishedVersion:
     policy_version: int
     tensors: dict[str, torch.Tensor]
     # Version at which each tensor, or another of its engine module, last changed value, shape
-    # or dtype: a delta carries whole modules (formats.engine_module).
+    # or dtype: a delta carries whole modules (primerl_common.engine_modules).
     last_changed: dict[str, int]
     # First version this process stored: deltas from an older base are not known.
     first_policy_version: int
