@@ -61,6 +61,7 @@ __all__ = [
     "ManifestFile",
     "ManifestTensor",
     "WeightManifest",
+    "group_by_size",
     "load_tensors",
     "read_manifest",
     "view_tensor",
@@ -156,7 +157,7 @@ def write_weights(
     staging.mkdir(parents=True)
     try:
         files, tensors = [], []
-        for index, group in enumerate(_group_by_size(named_tensors, max_file_bytes)):
+        for index, group in enumerate(group_by_size(named_tensors, max_file_bytes)):
             name = f"tensors-{index:05d}.safetensors"
             save_file(group, staging / name)
             files.append(ManifestFile(name, (staging / name).stat().st_size, _sha256_and_fsync(staging / name)))
@@ -214,9 +215,13 @@ def view_tensor(data: torch.Tensor, tensor: ManifestTensor) -> torch.Tensor:
     return raw.view(tensor.dtype).view(tensor.shape)
 
 
-def _group_by_size(
+def group_by_size(
     named_tensors: Iterable[tuple[str, torch.Tensor]], max_file_bytes: int
 ) -> Iterator[dict[str, torch.Tensor]]:
+    """Consecutive tensors in groups of at most `max_file_bytes` (a larger tensor alone), each
+    ready for one safetensors file: contiguous, on the CPU, no two sharing a storage (tied
+    weights are cloned). One empty group when there are no tensors; ValueError on a name
+    given twice."""
     group: dict[str, torch.Tensor] = {}
     group_bytes = 0
     storages: set[int] = set()  # of the group's tensors: safetensors refuses two sharing one

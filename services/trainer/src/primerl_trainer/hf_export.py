@@ -29,6 +29,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from primerl_common.tiny_model import STAMP_FILE
+from primerl_common.weight_manifest import group_by_size
 from primerl_trainer.export import exported_tensors, gather_state_dict
 
 __all__ = ["EXPORT_INFO_FILE", "export_dtype", "export_hf_model", "write_hf_folder"]
@@ -131,29 +132,13 @@ def _write_shards(
 ) -> dict[str, str]:
     """Writes the tensors into shard files; returns tensor name -> file name."""
     shard_names: list[list[str]] = []
-    seen: set[str] = set()
-    shard: dict[str, torch.Tensor] = {}
-    shard_bytes = total_bytes = 0
-
-    def flush() -> None:
-        nonlocal shard, shard_bytes
-        if shard:
-            save_file(shard, staging / f".shard-{len(shard_names)}", metadata={"format": "pt"})
-            shard_names.append(list(shard))
-            shard, shard_bytes = {}, 0
-
-    for name, tensor in tensors:
-        if name in seen:
-            raise ValueError(f"the export yields {name!r} twice")
-        seen.add(name)
-        num_bytes = tensor.numel() * tensor.element_size()
-        if shard and shard_bytes + num_bytes > max_shard_bytes:
-            flush()
-        # A copy of its own: safetensors refuses tensors that share storage (tied weights).
-        shard[name] = tensor.detach().to("cpu").contiguous().clone()
-        shard_bytes += num_bytes
-        total_bytes += num_bytes
-    flush()
+    total_bytes = 0
+    for shard in group_by_size(tensors, max_shard_bytes):
+        if not shard:
+            break
+        save_file(shard, staging / f".shard-{len(shard_names)}", metadata={"format": "pt"})
+        shard_names.append(list(shard))
+        total_bytes += sum(tensor.numel() * tensor.element_size() for tensor in shard.values())
     if not shard_names:
         raise ValueError("the model has no weights to export")
 
