@@ -19,6 +19,16 @@ other (needs 2 cores). glibc's malloc thresholds are raised in every process
 other core's processes: at high concurrency the router keeps up with direct
 calls only while its CPU per call stays below the other core's.
 
+Through the router the other core also spends more CPU per call (5-8% at
+concurrency 64, up to 13% per message of the long streams) and, being
+saturated, sets the routed throughput. That is the cost of crossing cores, not
+of what the router sends: per call the same TCP segments go each way as on the
+direct path (1 request; 3 response segments: two messages and the trailers),
+but each now wakes a thread on the other core, about 3 rescheduling interrupts
+per call each way (/proc/interrupts, RES) against none when everything is on
+one core. With no router at all, moving the load generator to the other core
+costs the replicas 5-7% more CPU per call, as the router does.
+
 Last line: RESULT added_p50_ms_c1=<a> added_p99_ms_c64=<b> throughput_ratio_c64=<c> stream_tokens_ratio=<d>
 """
 
@@ -35,7 +45,7 @@ import sys
 import tempfile
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -113,12 +123,28 @@ async def serve_replica(replica_id: str, port: int) -> None:
 
 
 @dataclass
-class Run:
-    calls_per_s: float
-    p50_ms: float
-    p99_ms: float
-    tokens_per_s: float
-    num_calls: int
+class Point:
+    """One path at one load: what its measured windows saw, merged."""
+
+    latencies: list[float] = field(default_factory=list)
+    messages: int = 0
+    window_s: float = 0.0
+    router_cpu_s: float = 0.0
+    load_cpu_s: float = 0.0
+
+    @property
+    def calls_per_s(self) -> float:
+        return len(self.latencies) / self.window_s
+
+    def percentile_ms(self, fraction: float) -> float:
+        ordered = sorted(self.latencies)
+        return ordered[min(len(ordered) - 1, int(len(ordered) * fraction))] * 1e3
+
+    def ms_per_call(self, seconds: float) -> float:
+        return seconds * 1e3 / len(self.latencies)
+
+    def us_per_message(self, seconds: float) -> float:
+        return seconds * 1e6 / self.messages
 
 
 def request_bytes(*, max_tokens: int, every_n: int, prompt_len: int) -> list[bytes]:
@@ -137,9 +163,20 @@ def request_bytes(*, max_tokens: int, every_n: int, prompt_len: int) -> list[byt
 
 
 async def drive(
-    methods: list, requests: list[bytes], *, concurrency: int, duration_s: float, warmup_s: float, tokens: int
-) -> Run:
-    latencies: list[float] = []
+    point: Point,
+    methods: list,
+    requests: list[bytes],
+    *,
+    concurrency: int,
+    duration_s: float,
+    warmup_s: float,
+    pids: dict[str, list[int]],
+) -> None:
+    """Runs `concurrency` callers for warm-up plus duration and adds to `point` what
+    happened in the window: the latency of each call that ended in it, the messages
+    that arrived in it, and each side's CPU time in it. Tokens are counted as their
+    messages arrive: counted when calls end, a 4096-token stream that ends just
+    outside the window would not count the tokens it streamed inside it."""
     recording = False
     stop_at = time.perf_counter() + warmup_s + duration_s
     turn = itertools.count()
@@ -150,29 +187,50 @@ async def drive(
             method = methods[index % len(methods)]
             started = time.perf_counter()
             async for _ in method(requests[index % len(requests)]):
-                pass
+                if recording:
+                    point.messages += 1
             if recording:
-                latencies.append(time.perf_counter() - started)
+                point.latencies.append(time.perf_counter() - started)
 
-    async def measure() -> float:
+    async def measure() -> None:
         nonlocal recording
         await asyncio.sleep(warmup_s)
-        recording = True
+        router_before, load_before = cpu_seconds(pids["router"]), cpu_seconds(pids["load"])
         began = time.perf_counter()
+        recording = True
         await asyncio.sleep(duration_s)
         recording = False
-        return time.perf_counter() - began
+        point.window_s += time.perf_counter() - began
+        point.router_cpu_s += cpu_seconds(pids["router"]) - router_before
+        point.load_cpu_s += cpu_seconds(pids["load"]) - load_before
 
-    window, *_ = await asyncio.gather(measure(), *(worker() for _ in range(concurrency)))
-    latencies.sort()
-    num = len(latencies)
-    return Run(
-        calls_per_s=num / window,
-        p50_ms=latencies[num // 2] * 1e3,
-        p99_ms=latencies[min(num - 1, int(num * 0.99))] * 1e3,
-        tokens_per_s=num * tokens / window,
-        num_calls=num,
-    )
+    await asyncio.gather(measure(), *(worker() for _ in range(concurrency)))
+
+
+async def compare(
+    paths: dict[str, list],
+    requests: list[bytes],
+    *,
+    concurrency: int,
+    args: argparse.Namespace,
+    pids: dict[str, list[int]],
+) -> dict[str, Point]:
+    """Each path's point, measured in slices that alternate between the paths: a change
+    in what else the machine runs then weighs on both paths alike, not on whichever
+    ran at that moment."""
+    points = {path: Point() for path in paths}
+    for _ in range(args.slices):
+        for path, methods in paths.items():
+            await drive(
+                points[path],
+                methods,
+                requests,
+                concurrency=concurrency,
+                duration_s=args.duration_s / args.slices,
+                warmup_s=args.warmup_s,
+                pids=pids,
+            )
+    return points
 
 
 def cpu_seconds(pids: list[int]) -> float:
@@ -268,37 +326,29 @@ async def run_all(
         assert replica.process is not None
         load_pids.append(replica.process.pid)
 
+    pids = {"router": router_pids, "load": load_pids}
+    paths = {"direct": direct, "router": routed}
+
     short = request_bytes(max_tokens=args.short_tokens, every_n=args.short_every_n, prompt_len=args.prompt_len)
     print(f"load average before: {os.getloadavg()[0]:.2f}   cores: {os.cpu_count()}   policy: {args.policy}")
     print(
         f"short calls: prompt {args.prompt_len} tokens, {args.short_tokens} tokens back in messages of "
-        f"{args.short_every_n}; {args.duration_s:.0f} s per point after {args.warmup_s:.0f} s warm-up"
+        f"{args.short_every_n}; {args.duration_s:g} s per point, in {args.slices} slices that alternate "
+        f"with the other path, each after {args.warmup_s:g} s warm-up"
     )
     print(
         f"{'path':>8} {'conc':>5} {'calls/s':>9} {'p50 ms':>8} {'p99 ms':>8} "
         f"{'router CPU ms/call':>19} {'load core CPU ms/call':>22}"
     )
-    results: dict[tuple[str, int], Run] = {}
+    results: dict[tuple[str, int], Point] = {}
     for concurrency in args.concurrency:
-        for path, methods in (("direct", direct), ("router", routed)):
-            router_before, load_before = cpu_seconds(router_pids), cpu_seconds(load_pids)
-            run = await drive(
-                methods,
-                short,
-                concurrency=concurrency,
-                duration_s=args.duration_s,
-                warmup_s=args.warmup_s,
-                tokens=args.short_tokens,
-            )
-            results[(path, concurrency)] = run
-            # Warm-up calls ran too: CPU time is spread over every call of the point.
-            num_calls = run.calls_per_s * (args.duration_s + args.warmup_s)
-            router_ms = (cpu_seconds(router_pids) - router_before) * 1e3 / num_calls
-            load_ms = (cpu_seconds(load_pids) - load_before) * 1e3 / num_calls
-            router_cpu = f"{router_ms:.3f}" if path == "router" else ""
+        points = await compare(paths, short, concurrency=concurrency, args=args, pids=pids)
+        for path, point in points.items():
+            results[(path, concurrency)] = point
+            router_cpu = f"{point.ms_per_call(point.router_cpu_s):.3f}" if path == "router" else ""
             print(
-                f"{path:>8} {concurrency:>5} {run.calls_per_s:>9.0f} {run.p50_ms:>8.2f} {run.p99_ms:>8.2f} "
-                f"{router_cpu:>19} {load_ms:>22.3f}"
+                f"{path:>8} {concurrency:>5} {point.calls_per_s:>9.0f} {point.percentile_ms(0.5):>8.2f} "
+                f"{point.percentile_ms(0.99):>8.2f} {router_cpu:>19} {point.ms_per_call(point.load_cpu_s):>22.3f}"
             )
 
     long = request_bytes(max_tokens=args.stream_tokens, every_n=args.stream_every_n, prompt_len=args.prompt_len)
@@ -306,25 +356,20 @@ async def run_all(
         f"long streams: {args.stream_concurrency} at a time, {args.stream_tokens} tokens each in messages of "
         f"{args.stream_every_n}"
     )
-    streams = {}
-    for path, methods in (("direct", direct), ("router", routed)):
-        streams[path] = await drive(
-            methods,
-            long,
-            concurrency=args.stream_concurrency,
-            duration_s=args.duration_s,
-            warmup_s=args.warmup_s,
-            tokens=args.stream_tokens,
-        )
-        print(f"{path:>8} {streams[path].tokens_per_s:>12.0f} tokens/s")
+    print(f"{'path':>8} {'tokens/s':>12} {'router CPU us/message':>22} {'load core CPU us/message':>25}")
+    streams = await compare(paths, long, concurrency=args.stream_concurrency, args=args, pids=pids)
+    tokens_per_s = {path: point.messages * args.stream_every_n / point.window_s for path, point in streams.items()}
+    for path, point in streams.items():
+        router_cpu = f"{point.us_per_message(point.router_cpu_s):.1f}" if path == "router" else ""
+        print(f"{path:>8} {tokens_per_s[path]:>12.0f} {router_cpu:>22} {point.us_per_message(point.load_cpu_s):>25.1f}")
     print(f"load average after: {os.getloadavg()[0]:.2f}")
 
     for channel in [*direct_channels, router_channel]:
         await channel.close()
-    added_p50_c1 = results[("router", 1)].p50_ms - results[("direct", 1)].p50_ms
-    added_p99_c64 = results[("router", 64)].p99_ms - results[("direct", 64)].p99_ms
+    added_p50_c1 = results[("router", 1)].percentile_ms(0.5) - results[("direct", 1)].percentile_ms(0.5)
+    added_p99_c64 = results[("router", 64)].percentile_ms(0.99) - results[("direct", 64)].percentile_ms(0.99)
     ratio_c64 = results[("router", 64)].calls_per_s / results[("direct", 64)].calls_per_s
-    stream_ratio = streams["router"].tokens_per_s / streams["direct"].tokens_per_s
+    stream_ratio = tokens_per_s["router"] / tokens_per_s["direct"]
     print(
         f"RESULT added_p50_ms_c1={added_p50_c1:.3f} added_p99_ms_c64={added_p99_c64:.3f} "
         f"throughput_ratio_c64={ratio_c64:.3f} stream_tokens_ratio={stream_ratio:.3f}"
@@ -342,8 +387,9 @@ def main() -> None:
         "comparison is the router's cost and not a policy's split of the 64 sessions",
     )
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 64, 256])
-    parser.add_argument("--duration-s", type=float, default=6.0)
-    parser.add_argument("--warmup-s", type=float, default=1.0)
+    parser.add_argument("--duration-s", type=float, default=6.0, help="measured seconds per path and point")
+    parser.add_argument("--slices", type=int, default=3, help="the duration split in slices that alternate the paths")
+    parser.add_argument("--warmup-s", type=float, default=0.5, help="warm-up before each slice")
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--short-tokens", type=int, default=16)
     parser.add_argument("--short-every-n", type=int, default=8, help="tokens per message of the short streams")
@@ -353,6 +399,10 @@ def main() -> None:
     args = parser.parse_args()
     if not {1, 64} <= set(args.concurrency):
         parser.error("--concurrency must include 1 and 64 (the RESULT line compares them)")
+    if args.slices < 1:
+        parser.error("--slices must be at least 1")
+    if args.stream_tokens % args.stream_every_n:
+        parser.error("--stream-tokens must be a multiple of --stream-every-n (tokens/s counts messages)")
     if args.serve_replica:
         replica_id, port = args.serve_replica
         asyncio.run(serve_replica(replica_id, int(port)))
