@@ -49,17 +49,13 @@ import sys
 import tempfile
 import time
 
+from primerl_common.local_vllm import set_local_vllm_env
 from primerl_common.malloc import MALLOC_ENV
 
-# vLLM reads these at import (glibc the MALLOC ones when a process starts: the engine core's
-# and the client's); values already in the environment win (as in conftest.py).
-for _name, _value in {
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    "VLLM_NO_USAGE_STATS": "1",
-    "HF_HUB_OFFLINE": "1",
-    **MALLOC_ENV,
-}.items():
+# vLLM reads its settings at import, glibc the MALLOC ones when a process starts (the engine
+# core's and the client's); values already in the environment win.
+set_local_vllm_env()
+for _name, _value in MALLOC_ENV.items():
     os.environ.setdefault(_name, _value)
 
 from safetensors.torch import load_file  # noqa: E402

@@ -30,12 +30,13 @@ from safetensors.torch import load_file
 from primerl.orchestrator.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 from primerl.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from primerl_common.client import make_channel
+from primerl_common.local_vllm import local_cache_dir
 from primerl_common.testing import ServiceProcess, free_port
 from primerl_common.tiny_model import make_tiny_model
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "custom_env" / "guessing_game.py"
-CACHE = pathlib.Path(os.environ.get("PRIMERL_TEST_CACHE", pathlib.Path(tempfile.gettempdir()) / "primerl-test-cache"))
+CACHE = local_cache_dir()
 MAX_MODEL_LEN = 512
 SEQ_LEN = 1024
 REPLICA_ID = "inference-0"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import io
 import json
 import logging
@@ -30,7 +31,7 @@ from primerl_common.observability import (
     setup_tracing,
     start_metrics_server,
 )
-from primerl_common.testing import eventually
+from primerl_common.testing import bare_server, eventually
 
 SERVICE = "primerl.test.v1.TestService"
 
@@ -135,14 +136,15 @@ def servicer() -> _TestServicer:
 
 @pytest_asyncio.fixture
 async def channel(tracer_provider, registry, servicer):
-    server = grpc.aio.server(interceptors=server_interceptors(tracer_provider=tracer_provider, registry=registry))
-    server.add_generic_rpc_handlers([servicer.generic_handler()])
-    health_pb2_grpc.add_HealthServicer_to_server(health_aio.HealthServicer(), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", interceptors=client_interceptors()) as channel:
+    async with (
+        bare_server(
+            lambda server: server.add_generic_rpc_handlers([servicer.generic_handler()]),
+            functools.partial(health_pb2_grpc.add_HealthServicer_to_server, health_aio.HealthServicer()),
+            interceptors=server_interceptors(tracer_provider=tracer_provider, registry=registry),
+        ) as address,
+        grpc.aio.insecure_channel(address, interceptors=client_interceptors()) as channel,
+    ):
         yield channel
-    await server.stop(grace=None)
 
 
 @pytest.fixture

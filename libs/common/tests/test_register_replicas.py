@@ -5,6 +5,7 @@ memory as the real services keep them)."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import shutil
 import signal
 import sys
@@ -18,7 +19,10 @@ import pytest
 from primerl.router.v1 import router_pb2, router_pb2_grpc
 from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2 as wb_pb2
 from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2_grpc as wb_pb2_grpc
-from primerl_common.testing import eventually, free_port
+from primerl_common.launcher import run as launcher_run
+from primerl_common.launcher.spec import ServiceSpec
+from primerl_common.register_replicas import RegistrationFailed
+from primerl_common.testing import bare_server, eventually, free_port
 
 REPLICAS = {"inference-0": "inference-0.inference:50053", "r1": "h:1"}
 REPLICA_ARGS = [f"--replica={replica_id}={address}" for replica_id, address in REPLICAS.items()]
@@ -78,13 +82,11 @@ class Peers:
 @pytest.fixture
 async def peers() -> AsyncIterator[Peers]:
     broadcaster, router = Broadcaster(), Router()
-    server = grpc.aio.server()
-    wb_pb2_grpc.add_WeightBroadcasterServiceServicer_to_server(broadcaster, server)
-    router_pb2_grpc.add_RouterServiceServicer_to_server(router, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    yield Peers(f"127.0.0.1:{port}", broadcaster, router)
-    await server.stop(0)
+    async with bare_server(
+        functools.partial(wb_pb2_grpc.add_WeightBroadcasterServiceServicer_to_server, broadcaster),
+        functools.partial(router_pb2_grpc.add_RouterServiceServicer_to_server, router),
+    ) as address:
+        yield Peers(address, broadcaster, router)
 
 
 def command() -> str:
@@ -159,3 +161,20 @@ async def test_once_gives_up_on_an_unreachable_broadcaster() -> None:
         in output
     )
     assert "gave up after 2 s" in output
+
+
+async def test_the_launcher_registers_as_the_command_does(peers: Peers) -> None:
+    specs = []
+    for replica_id, address in REPLICAS.items():
+        host, port = address.rsplit(":", 1)
+        table = {"replica": {"id": replica_id}, "server": {"host": host, "port": port}}
+        specs.append(ServiceSpec(replica_id, "inference", table, where="[[inference]]"))
+    await launcher_run.register_replicas(peers.address, specs)
+    assert peers.broadcaster.replicas == REPLICAS and peers.router.replicas == {}
+
+    peers.broadcaster.replicas.clear()
+    peers.broadcaster.refused.add("h:1")
+    with pytest.raises(
+        RegistrationFailed, match=r"registering r1 \(h:1\) with the weight broadcaster .*: INVALID_ARGUMENT"
+    ):
+        await launcher_run.register_replicas(peers.address, specs)

@@ -13,8 +13,8 @@ from prometheus_client import REGISTRY
 from primerl.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from primerl_common.client import make_channel
 from primerl_common.errors import error_details, field_violations
-from primerl_common.server import GrpcService, channel_options, server_options
-from primerl_common.testing import ServiceProcess, free_port
+from primerl_common.server import channel_options, server_options
+from primerl_common.testing import ServiceProcess, free_port, in_process_service
 
 from .servers import ProbeConfig, build_probe
 
@@ -24,11 +24,8 @@ HERE = pathlib.Path(__file__).parent
 @pytest.fixture
 async def probe():
     config = ProbeConfig(server={"host": "127.0.0.1", "port": 0, "grace_s": 5}, slow_call_s=0.5)
-    service = GrpcService(await build_probe(config), config)
-    port = await service.start()
-    async with make_channel(f"127.0.0.1:{port}") as channel:
-        yield service, channel
-    await service.stop(0)
+    async with in_process_service(await build_probe(config), config) as served:
+        yield served.service, served.channel
 
 
 async def test_health_info_and_reflection(probe):
@@ -92,32 +89,31 @@ async def test_unobserved_method_keeps_its_error_mapping_without_server_metrics(
     config = ProbeConfig(server={"host": "127.0.0.1", "port": 0})
     definition = await build_probe(config)
     definition.unobserved_methods = ["/primerl.trainer.v1.TrainerService/GetStatus"]
-    service = GrpcService(definition, config)
-    port = await service.start()
 
     def handled(method: str, code: str) -> float:
         labels = {"service": "primerl.trainer.v1.TrainerService", "method": method, "code": code}
         return REGISTRY.get_sample_value("primerl_grpc_server_handled_total", labels) or 0.0
 
     before = handled("GetStatus", "INVALID_ARGUMENT"), handled("GetServiceInfo", "OK")
-    try:
-        async with make_channel(f"127.0.0.1:{port}") as channel:
-            stub = trainer_pb2_grpc.TrainerServiceStub(channel)
-            for _ in range(2):  # the mapping, wrapped at the first call, serves the next ones
-                with pytest.raises(grpc.aio.AioRpcError) as info:
-                    await stub.GetStatus(trainer_pb2.GetStatusRequest())
-                assert field_violations(info.value) == {"micro_batch.advantages": "must be finite, got nan"}
-            await stub.GetServiceInfo(trainer_pb2.GetServiceInfoRequest())
-    finally:
-        await service.stop(0)
+    async with in_process_service(definition, config) as served:
+        stub = trainer_pb2_grpc.TrainerServiceStub(served.channel)
+        for _ in range(2):  # the mapping, wrapped at the first call, serves the next ones
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.GetStatus(trainer_pb2.GetStatusRequest())
+            assert field_violations(info.value) == {"micro_batch.advantages": "must be finite, got nan"}
+        await stub.GetServiceInfo(trainer_pb2.GetServiceInfoRequest())
     assert (handled("GetStatus", "INVALID_ARGUMENT"), handled("GetServiceInfo", "OK")) == (before[0], before[1] + 1)
 
 
 def test_servers_admit_the_keepalive_pings_of_clients():
     client, server = dict(channel_options(1 << 20)), dict(server_options(1 << 20))
-    # A server answers pings that come more often than it admits with GOAWAY "too_many_pings".
-    assert server["grpc.http2.min_recv_ping_interval_without_data_ms"] < client["grpc.keepalive_time_ms"]
+    # A server answers pings that come more often than it admits with GOAWAY "too_many_pings":
+    # keepalive pings come a keepalive time apart, less the delay of a late one, which is at
+    # most the keepalive timeout (then its sender closes the connection).
+    admitted = server["grpc.http2.min_recv_ping_interval_without_data_ms"]
+    assert 0 < admitted <= client["grpc.keepalive_time_ms"] - client["grpc.keepalive_timeout_ms"]
     assert client["grpc.keepalive_permit_without_calls"] == server["grpc.keepalive_permit_without_calls"] == 1
+    assert client["grpc.http2.max_pings_without_data"] == 0  # keepalive pings on a quiet stream too
 
 
 async def test_unimplemented_rpc(probe):

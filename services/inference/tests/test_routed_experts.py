@@ -3,9 +3,6 @@ conftest.py): the experts captured for each prompt and completion token are the 
 transformers float32 forward over the same tokens. `LLM` runs its engine in this process,
 `AsyncLLM` in a child process."""
 
-import contextlib
-import gc
-import os
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
@@ -19,6 +16,7 @@ from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.v1.engine.async_llm import AsyncLLM
 
+from primerl_common.local_vllm import in_process_llm, restored_process_state
 from primerl_common.tiny_model import TinyModelSpec, make_tiny_model
 from primerl_inference.routed_experts import (
     RoutedExpertsCapture,
@@ -82,21 +80,6 @@ def _num_equal(routed: np.ndarray, reference: np.ndarray) -> int:
     return int((np.sort(routed[:-1], axis=-1) == np.sort(reference[:-1], axis=-1)).sum())
 
 
-@contextlib.contextmanager
-def _restored_process_state() -> Iterator[None]:
-    # vLLM's CPU platform rewrites process state for its workers (os.environ, the torch
-    # thread count, torch.set_num_threads): put it back for the tests after.
-    environ, num_threads, set_num_threads = dict(os.environ), torch.get_num_threads(), torch.set_num_threads
-    try:
-        yield
-    finally:
-        gc.collect()
-        os.environ.clear()
-        os.environ.update(environ)
-        torch.set_num_threads = set_num_threads
-        torch.set_num_threads(num_threads)
-
-
 def _generate(llm: LLM, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[RequestOutput]:
     return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
 
@@ -116,15 +99,10 @@ def _token_ids(output: RequestOutput) -> list[int]:
 @pytest.fixture(scope="class")
 def moe(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LLM, RoutedExpertsCapture, Reference]]:
     model_dir = make_tiny_model(tmp_path_factory.mktemp("models") / "moe", kind="moe")
-    with _restored_process_state():
-        llm = LLM(model=str(model_dir), **ENGINE_ARGS)
-        try:
-            capture = RoutedExpertsCapture.install(llm)
-            assert capture is not None
-            yield llm, capture, _reference(model_dir)
-        finally:
-            llm.llm_engine.engine_core.shutdown()
-            del llm
+    with in_process_llm(model_dir, **ENGINE_ARGS) as llm:
+        capture = RoutedExpertsCapture.install(llm)
+        assert capture is not None
+        yield llm, capture, _reference(model_dir)
 
 
 @pytest_asyncio.fixture(scope="class", loop_scope="class")
@@ -132,7 +110,7 @@ async def wide(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> AsyncIterator[tuple[AsyncLLM, RoutedExpertsClient, Reference]]:
     model_dir = make_tiny_model(tmp_path_factory.mktemp("models") / "wide", kind="moe", spec=WIDE_SPEC)
-    with _restored_process_state():
+    with restored_process_state():
         engine = AsyncLLM.from_engine_args(
             AsyncEngineArgs(
                 model=str(model_dir),

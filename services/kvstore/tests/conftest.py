@@ -3,12 +3,14 @@ the address it advertises) and a client that talks to them through the real stub
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 from primerl.kvstore.v1 import kvstore_pb2
 from primerl_common.kvpool import KvStoreClient
 from primerl_common.server import GrpcService
-from primerl_common.testing import free_port
+from primerl_common.testing import free_port, in_process_service
 from primerl_kvstore.config import KvstoreConfig
 from primerl_kvstore.keys import BlockKey
 from primerl_kvstore.server import build
@@ -18,6 +20,7 @@ class Pool:
     def __init__(self) -> None:
         self.services: list[GrpcService] = []
         self.clients: list[KvStoreClient] = []
+        self._serving = contextlib.AsyncExitStack()
 
     async def start(self, **fields) -> str:
         """Starts one kvstore process-in-process; returns its address."""
@@ -25,10 +28,9 @@ class Pool:
         fields.setdefault("server", {})
         fields["server"] = {"host": "127.0.0.1", "port": port, "drain_delay_s": 0, **fields["server"]}
         config = KvstoreConfig(**fields)
-        service = GrpcService(await build(config), config)
-        await service.start()
-        self.services.append(service)
-        return f"127.0.0.1:{port}"
+        served = await self._serving.enter_async_context(in_process_service(await build(config), config))
+        self.services.append(served.service)
+        return served.address
 
     def client(self, metadata_address: str, **kwargs) -> KvStoreClient:
         client = KvStoreClient(metadata_address, **kwargs)
@@ -38,8 +40,7 @@ class Pool:
     async def close(self) -> None:
         for client in self.clients:
             await client.close()
-        for service in reversed(self.services):
-            await service.stop(0)
+        await self._serving.aclose()
 
 
 @pytest.fixture

@@ -4,13 +4,15 @@ the router is back (or the retry budget is spent); other failures are not retrie
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 
 import grpc
 import pytest
 
 from primerl.common.v1 import generation_pb2
 from primerl.router.v1 import router_pb2, router_pb2_grpc
-from primerl_common.testing import free_port
+from primerl_common.testing import bare_server, free_port
 from primerl_orchestrator.generation import GenerationError, GenerationRequest, RouterGeneration
 
 REQUEST = GenerationRequest(
@@ -48,48 +50,40 @@ class FakeRouter(router_pb2_grpc.RouterServiceServicer):
         )
 
 
-async def serve(router: FakeRouter, port: int) -> grpc.aio.Server:
-    server = grpc.aio.server()
-    router_pb2_grpc.add_RouterServiceServicer_to_server(router, server)
-    server.add_insecure_port(f"127.0.0.1:{port}")
-    await server.start()
-    return server
+def serving(router: FakeRouter, port: int) -> contextlib.AbstractAsyncContextManager[str]:
+    return bare_server(functools.partial(router_pb2_grpc.add_RouterServiceServicer_to_server, router), port=port)
 
 
 async def test_a_turn_waits_for_a_restarting_router():
     port = free_port()
     generation = RouterGeneration(f"127.0.0.1:{port}", timeout_s=30, retry_s=20)
     router = FakeRouter(num_unavailable=2)
-
-    async def start_later() -> grpc.aio.Server:
-        await asyncio.sleep(1.0)  # nothing listens meanwhile: the router is restarting
-        return await serve(router, port)
-
-    starting = asyncio.create_task(start_later())
+    turn = asyncio.create_task(generation.generate(REQUEST))
     try:
-        result = await generation.generate(REQUEST)
+        await asyncio.sleep(1.0)  # nothing listens meanwhile: the router is restarting
+        async with serving(router, port):
+            result = await turn
         assert (result.token_ids, result.policy_versions) == ([5, 6], [7, 7])
         assert router.num_calls == 3  # and two UNAVAILABLE answers once it was up
     finally:
+        turn.cancel()
         await generation.close()
-        await (await starting).stop(0)
 
 
 async def test_retries_end_with_the_budget_and_other_codes_are_not_retried():
     port = free_port()
     router = FakeRouter(num_unavailable=1000)
-    server = await serve(router, port)
     generation = RouterGeneration(f"127.0.0.1:{port}", timeout_s=30, retry_s=1.0)
     try:
-        with pytest.raises(GenerationError) as error:
-            await generation.generate(REQUEST)
-        assert error.value.code == grpc.StatusCode.UNAVAILABLE
-        assert router.num_calls >= 2
+        async with serving(router, port):
+            with pytest.raises(GenerationError) as error:
+                await generation.generate(REQUEST)
+            assert error.value.code == grpc.StatusCode.UNAVAILABLE
+            assert router.num_calls >= 2
 
-        router.num_calls, router.code = 0, grpc.StatusCode.FAILED_PRECONDITION
-        with pytest.raises(GenerationError) as error:
-            await generation.generate(REQUEST)
-        assert error.value.code == grpc.StatusCode.FAILED_PRECONDITION and router.num_calls == 1
+            router.num_calls, router.code = 0, grpc.StatusCode.FAILED_PRECONDITION
+            with pytest.raises(GenerationError) as error:
+                await generation.generate(REQUEST)
+            assert error.value.code == grpc.StatusCode.FAILED_PRECONDITION and router.num_calls == 1
     finally:
         await generation.close()
-        await server.stop(0)

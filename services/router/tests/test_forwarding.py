@@ -6,7 +6,7 @@ import pytest
 from primerl.common.v1 import generation_pb2
 from primerl.inference.v1 import inference_pb2
 from primerl.router.v1 import router_pb2
-from primerl_common.server import GrpcService
+from primerl_common.testing import bare_server, in_process_service
 from primerl_router.config import RouterConfig
 from primerl_router.server import build
 
@@ -21,24 +21,20 @@ RESPONSES = [
 
 async def through_router(generate, request: bytes, metadata=()) -> list[bytes]:
     """Generate of `request` through a real router to one replica server whose Generate is `generate`."""
-    replica = grpc.aio.server()
-    replica.add_registered_method_handlers(
-        "primerl.inference.v1.InferenceService", {"Generate": grpc.unary_stream_rpc_method_handler(generate)}
-    )
-    replica_port = replica.add_insecure_port("127.0.0.1:0")
-    await replica.start()
-    config = RouterConfig(
-        server={"host": "127.0.0.1", "port": 0}, replicas=[{"replica_id": "r0", "address": f"127.0.0.1:{replica_port}"}]
-    )
-    service = GrpcService(await build(config), config)
-    port = await service.start()
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+    handlers = {"Generate": grpc.unary_stream_rpc_method_handler(generate)}
+    async with bare_server(
+        lambda server: server.add_registered_method_handlers("primerl.inference.v1.InferenceService", handlers)
+    ) as replica:
+        config = RouterConfig(
+            server={"host": "127.0.0.1", "port": 0}, replicas=[{"replica_id": "r0", "address": replica}]
+        )
+        # A plain channel: the caller's metadata (a traceparent) goes as it is.
+        async with (
+            in_process_service(await build(config), config) as router,
+            grpc.aio.insecure_channel(router.address) as channel,
+        ):
             generate_raw = channel.unary_stream("/primerl.router.v1.RouterService/Generate")  # bytes both ways
             return [message async for message in generate_raw(request, metadata=metadata)]
-    finally:
-        await service.stop(0)
-        await replica.stop(0)
 
 
 REQUEST = router_pb2.GenerateRequest(

@@ -8,10 +8,8 @@ import pytest
 
 from primerl.common.v1 import generation_pb2
 from primerl.router.v1 import router_pb2, router_pb2_grpc
-from primerl_common.client import make_channel
 from primerl_common.errors import error_details
-from primerl_common.server import GrpcService
-from primerl_common.testing import free_port
+from primerl_common.testing import free_port, in_process_service
 from primerl_router.config import RouterConfig
 from primerl_router.server import build
 
@@ -26,11 +24,8 @@ async def router():
         health={"interval_s": 0.1, "timeout_s": 0.2, "unhealthy_threshold": 50},
         circuit_breaker={"failure_threshold": 2, "open_s": 60},
     )
-    service = GrpcService(await build(config), config)
-    port = await service.start()
-    async with make_channel(f"127.0.0.1:{port}", max_attempts=1) as channel:
-        yield router_pb2_grpc.RouterServiceStub(channel), channel, dead
-    await service.stop(0)
+    async with in_process_service(await build(config), config, max_attempts=1) as served:
+        yield router_pb2_grpc.RouterServiceStub(served.channel), served.channel, dead
 
 
 def generate_request(**fields) -> router_pb2.GenerateRequest:

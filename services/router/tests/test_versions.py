@@ -1,9 +1,9 @@
 import asyncio
-
-import grpc
+import functools
 
 from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2 as wb_pb2
 from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2_grpc as wb_pb2_grpc
+from primerl_common.testing import bare_server
 from primerl_router.replica import Replica
 from primerl_router.versions import BroadcasterFollower
 
@@ -66,24 +66,22 @@ async def test_follows_the_stream_and_clears_update_state_when_it_breaks():
             [update("a", "", wb_pb2.REPLICA_STATE_CURRENT, 4)],
         ]
     )
-    server = grpc.aio.server()
-    wb_pb2_grpc.add_WeightBroadcasterServiceServicer_to_server(broadcaster, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
     states = []
-    follower = BroadcasterFollower(
-        f"127.0.0.1:{port}",
-        lambda: [replica],
-        on_change=lambda: states.append((replica.policy_version, replica.updating, follower.connected)),
-    )
-    task = asyncio.create_task(follower.run())
-    try:
-        for _ in range(200):
-            if broadcaster.num_subscriptions == 2 and replica.policy_version == 4:
-                break
-            await asyncio.sleep(0.01)
-    finally:
-        task.cancel()
-        await server.stop(0)
+    async with bare_server(
+        functools.partial(wb_pb2_grpc.add_WeightBroadcasterServiceServicer_to_server, broadcaster)
+    ) as address:
+        follower = BroadcasterFollower(
+            address,
+            lambda: [replica],
+            on_change=lambda: states.append((replica.policy_version, replica.updating, follower.connected)),
+        )
+        task = asyncio.create_task(follower.run())
+        try:
+            for _ in range(200):
+                if broadcaster.num_subscriptions == 2 and replica.policy_version == 4:
+                    break
+                await asyncio.sleep(0.01)
+        finally:
+            task.cancel()
     # Updating at 3; the stream broke (updating cleared); reconnected; current at 4.
     assert states == [(3, True, True), (3, False, False), (4, False, True)]

@@ -27,9 +27,8 @@ from primerl.common.v1 import generation_pb2, tensor_pb2
 from primerl.inference.v1 import inference_pb2, inference_pb2_grpc
 from primerl.router.v1 import router_pb2, router_pb2_grpc
 from primerl_common.client import make_channel
-from primerl_common.server import GrpcService
 from primerl_common.tensors import iter_tensor_chunks
-from primerl_common.testing import ServiceProcess, free_port
+from primerl_common.testing import ServiceProcess, free_port, in_process_service
 from primerl_common.tiny_model import make_tiny_model
 from primerl_router.config import RouterConfig
 from primerl_router.server import build
@@ -95,13 +94,8 @@ async def running_router(
         load={"report_interval_ms": 50},
         **config,
     )
-    service = GrpcService(await build(config), config)
-    port = await service.start()
-    try:
-        async with make_channel(f"127.0.0.1:{port}", max_attempts=1) as channel:
-            yield router_pb2_grpc.RouterServiceStub(channel)
-    finally:
-        await service.stop(0)
+    async with in_process_service(await build(config), config, max_attempts=1) as served:
+        yield router_pb2_grpc.RouterServiceStub(served.channel)
 
 
 def prompt_of(seed: int, length: int = 64) -> list[int]:

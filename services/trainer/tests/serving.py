@@ -14,9 +14,8 @@ import pytest
 import torch
 
 from primerl.trainer.v1 import trainer_pb2, trainer_pb2_grpc
-from primerl_common.client import make_channel
-from primerl_common.server import GrpcService
 from primerl_common.tensors import tensor_to_proto
+from primerl_common.testing import in_process_service
 from primerl_trainer.batch import MicroBatch
 from primerl_trainer.config import TrainerConfig
 from primerl_trainer.optim import build_lr_scheduler, build_optimizer
@@ -70,13 +69,8 @@ def _toml(value: object) -> str:
 @contextlib.asynccontextmanager
 async def serving(config: TrainerConfig) -> AsyncIterator[trainer_pb2_grpc.TrainerServiceStub]:
     """The trainer service in this process (port 0) and a stub talking to it."""
-    service = GrpcService(await build(config), config)
-    port = await service.start()
-    try:
-        async with make_channel(f"127.0.0.1:{port}") as channel:
-            yield trainer_pb2_grpc.TrainerServiceStub(channel)
-    finally:
-        await service.stop(grace_s=5.0)
+    async with in_process_service(await build(config), config, grace_s=5.0) as served:
+        yield trainer_pb2_grpc.TrainerServiceStub(served.channel)
 
 
 def reference_metrics(model_dir: pathlib.Path, batches: list[list[MicroBatch]]) -> list[dict[str, float]]:

@@ -6,6 +6,8 @@ kept is no error."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import pathlib
 
 import grpc
@@ -15,7 +17,7 @@ from primerl.trainer.v1 import trainer_pb2
 from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2 as pb2
 from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2_grpc
 from primerl_common.errors import ErrorInterceptor, FailedPrecondition
-from primerl_common.testing import eventually
+from primerl_common.testing import bare_server, eventually
 from primerl_trainer.batch import MicroBatch
 
 from .serving import push, serving, trainer_config, watch
@@ -30,14 +32,11 @@ class FakeBroadcaster(weight_broadcaster_pb2_grpc.WeightBroadcasterServiceServic
         self.latest = -1
         self.available = True
         self.published: list[int] = []
-        self.server: grpc.aio.Server | None = None
 
-    async def start(self) -> str:
-        self.server = grpc.aio.server(interceptors=[ErrorInterceptor()])
-        weight_broadcaster_pb2_grpc.add_WeightBroadcasterServiceServicer_to_server(self, self.server)
-        port = self.server.add_insecure_port("127.0.0.1:0")
-        await self.server.start()
-        return f"127.0.0.1:{port}"
+    def serving(self) -> contextlib.AbstractAsyncContextManager[str]:
+        """Served on a free port (its address), its errors mapped as the real one maps them."""
+        register = functools.partial(weight_broadcaster_pb2_grpc.add_WeightBroadcasterServiceServicer_to_server, self)
+        return bare_server(register, interceptors=[ErrorInterceptor()])
 
     async def PublishWeights(self, request_iterator, context):
         requests = aiter(request_iterator)
@@ -73,14 +72,13 @@ async def test_the_latest_version_is_published_again_to_a_broadcaster_that_lost_
     dense_dir: pathlib.Path, rl_batches: list[list[MicroBatch]], tmp_path: pathlib.Path
 ) -> None:
     broadcaster = FakeBroadcaster()
-    address = await broadcaster.start()
-    # A failed publish would be retried after 30 s: the watch makes it sooner.
-    config = trainer_config(
-        dense_dir,
-        publish={"weight_broadcaster": address, "check_interval_s": 0.1, "initial_backoff_s": 30.0},
-        checkpoint={"dir": str(tmp_path / "checkpoints")},
-    )
-    try:
+    async with broadcaster.serving() as address:
+        # A failed publish would be retried after 30 s: the watch makes it sooner.
+        config = trainer_config(
+            dense_dir,
+            publish={"weight_broadcaster": address, "check_interval_s": 0.1, "initial_backoff_s": 30.0},
+            checkpoint={"dir": str(tmp_path / "checkpoints")},
+        )
         async with serving(config) as stub:
             await push(stub, 1, rl_batches[0])
             await watch(stub, after_step=0, count=1)
@@ -104,6 +102,3 @@ async def test_the_latest_version_is_published_again_to_a_broadcaster_that_lost_
             status = await status_when(stub, lambda status: status.published_policy_version == 2)
             assert (status.step, status.last_publish_error) == (2, "")
             assert broadcaster.published == [1, 1, 2]
-    finally:
-        assert broadcaster.server is not None
-        await broadcaster.server.stop(0)

@@ -20,9 +20,8 @@ from primerl.inference.v1 import inference_pb2, inference_pb2_grpc
 from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2 as pb2
 from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2_grpc
 from primerl_common.client import make_channel
-from primerl_common.server import GrpcService
 from primerl_common.tensors import iter_tensor_chunks
-from primerl_common.testing import ServiceProcess
+from primerl_common.testing import ServiceProcess, in_process_service
 from primerl_weight_broadcaster.config import WeightBroadcasterConfig
 from primerl_weight_broadcaster.server import build
 
@@ -40,13 +39,8 @@ async def running_broadcaster(
         replicas=replicas or [],
         shared_fs=shared_fs or {},
     )
-    service = GrpcService(await build(config), config)
-    port = await service.start()
-    try:
-        async with make_channel(f"127.0.0.1:{port}") as channel:
-            yield weight_broadcaster_pb2_grpc.WeightBroadcasterServiceStub(channel)
-    finally:
-        await service.stop(grace_s=0)
+    async with in_process_service(await build(config), config) as served:
+        yield weight_broadcaster_pb2_grpc.WeightBroadcasterServiceStub(served.channel)
 
 
 async def publish(
@@ -126,7 +120,7 @@ def replica(model_dir: pathlib.Path, port: int, *, initial_policy_version: int =
         *("--replica.initial_policy_version", str(initial_policy_version)),
         *("--server.host", "127.0.0.1", "--server.port", str(port), "--server.drain_delay_s", "0"),
     ]
-    return ServiceProcess(args, port=port, env={"VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": "1"})
+    return ServiceProcess(args, port=port)
 
 
 async def served_version(process: ServiceProcess) -> int:

@@ -4,7 +4,6 @@ replica that was down a long while pushed within a probe interval of coming back
 
 import asyncio
 import pathlib
-import time
 
 import pytest
 
@@ -37,8 +36,9 @@ async def test_replicas_follow_published_versions(tmp_path: pathlib.Path):
     started = [a, b]  # everything started, stopped at the end whatever happens
     try:
         await asyncio.gather(a.start(START_TIMEOUT_S), b.start(START_TIMEOUT_S))
-        # Failed pushes back off up to a minute; probes of a replica that is down must not.
-        async with running_broadcaster(probe_interval_s=0.5, retry_max_s=60.0) as stub:
+        # Failed pushes back off up to an hour (no push here fails: the replicas are up); probes
+        # of a replica that is down must not.
+        async with running_broadcaster(probe_interval_s=0.5, retry_max_s=3600.0) as stub:
             for process, name in ((a, "a"), (b, "b")):
                 await stub.RegisterReplica(pb2.RegisterReplicaRequest(replica_id=name, address=process.address))
             original = await logprobs(a)
@@ -52,18 +52,16 @@ async def test_replicas_follow_published_versions(tmp_path: pathlib.Path):
             assert max_difference(await logprobs(b), updated) <= TOLERANCE
 
             # b is killed and restarts on its checkpoint (version 0): it is brought back to 1 unasked.
-            # While it is down it is probed every probe interval: ten failures within seconds (with
-            # a push's backoff they would take 100 s), and it is pushed soon after it is back
-            # (the next backoff would be 51 s).
+            # While it is down it is probed every probe interval: sixteen failures within seconds
+            # (with a push's backoff they would take hours), and it is pushed once a probe finds it
+            # back (a push's backoff would be about an hour by then: the limits only guard a hang).
             b.process.kill()
             await b.wait()
-            await eventually(lambda: _failed_at_least(stub, "b", 10), timeout_s=60)
+            await eventually(lambda: _failed_at_least(stub, "b", 16), timeout_s=60)
             b = replica(model, b.port)
             started.append(b)
             await b.start(START_TIMEOUT_S)
-            back = time.monotonic()
-            await eventually(lambda: _serves(b, 1), timeout_s=60)
-            assert time.monotonic() - back < 30
+            await eventually(lambda: _serves(b, 1), timeout_s=120, what="the restarted b serves version 1")
             assert max_difference(await logprobs(b), updated) <= TOLERANCE
 
             # b is down while version 2 is pushed: a moves on, b is FAILED, then catches up on return.

@@ -9,8 +9,7 @@ import torch
 from primerl.common.v1 import tensor_pb2
 from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2 as pb2
 from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2_grpc
-from primerl_common.client import make_channel
-from primerl_common.server import GrpcService
+from primerl_common.testing import in_process_service
 from primerl_weight_broadcaster.config import WeightBroadcasterConfig
 from primerl_weight_broadcaster.server import build
 
@@ -90,10 +89,8 @@ async def test_a_graceful_stop_ends_watches_and_waits_at_once():
     """Streams that never end on their own (WatchReplicas, a long WaitForVersion) do not hold a
     graceful stop for its whole grace period: they end, and their clients ask the next process."""
     config = WeightBroadcasterConfig(server={"host": "127.0.0.1", "port": 0, "grace_s": 30, "drain_delay_s": 0})
-    service = GrpcService(await build(config), config)
-    port = await service.start()
-    async with make_channel(f"127.0.0.1:{port}", max_attempts=1) as channel:
-        stub = weight_broadcaster_pb2_grpc.WeightBroadcasterServiceStub(channel)
+    async with in_process_service(await build(config), config, max_attempts=1) as served:
+        stub = weight_broadcaster_pb2_grpc.WeightBroadcasterServiceStub(served.channel)
         watch = stub.WatchReplicas(pb2.WatchReplicasRequest())
         wait = asyncio.ensure_future(
             stub.WaitForVersion(pb2.WaitForVersionRequest(policy_version=1, timeout_ms=60_000))
@@ -101,7 +98,7 @@ async def test_a_graceful_stop_ends_watches_and_waits_at_once():
         await asyncio.sleep(0.2)  # both are open
         loop = asyncio.get_running_loop()
         started = loop.time()
-        await service.stop()
+        await served.service.stop()
         assert loop.time() - started < 5
         assert not (await wait).reached
         assert [event async for event in watch] == []

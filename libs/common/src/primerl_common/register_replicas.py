@@ -41,7 +41,7 @@ from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2_grpc as wb_pb2_
 from primerl_common import __version__, observability
 from primerl_common.server import channel_options
 
-__all__ = ["main", "parse_args"]
+__all__ = ["Broadcaster", "RegistrationFailed", "Router", "main", "parse_args", "register_once"]
 
 logger = logging.getLogger(__name__)
 
@@ -159,6 +159,18 @@ class Failure:
         )
 
 
+class RegistrationFailed(RuntimeError):
+    """register_once left replicas unregistered: a peer refused one, or stayed unreachable."""
+
+    def __init__(self, failures: Sequence[Failure], why: str = "") -> None:
+        self.failures = list(failures)
+        self.why = why
+        super().__init__("\n".join(self.lines()))
+
+    def lines(self) -> list[str]:
+        return [f"{failure} ({self.why})" if self.why else str(failure) for failure in self.failures]
+
+
 def register_missing(peers: Sequence[Peer], replicas: Sequence[tuple[str, str]]) -> list[Failure]:
     """One pass: registers each replica with each peer that does not list it; returns what failed."""
     failures = []
@@ -177,24 +189,19 @@ def register_missing(peers: Sequence[Peer], replicas: Sequence[tuple[str, str]])
 
 def register_once(
     peers: Sequence[Peer], replicas: Sequence[tuple[str, str]], timeout_s: float, stop: threading.Event
-) -> int:
-    """Registers every replica with every peer: 0 when done; 1 on a refusal, or when a peer is
-    still unreachable after `timeout_s` (or a signal came first)."""
+) -> None:
+    """Registers every replica with every peer. RegistrationFailed at once on a refusal, or
+    when a peer is still unreachable after `timeout_s` (or `stop` was set first)."""
     give_up_at = time.monotonic() + timeout_s
     while True:
         failures = register_missing(peers, replicas)
         if not failures:
-            return 0
+            return
         refused = [f for f in failures if f.code not in RETRYABLE]
         if refused:
-            for failure in refused:
-                logger.error("%s", failure)
-            return 1
+            raise RegistrationFailed(refused)
         if stop.is_set() or time.monotonic() + ONCE_RETRY_S > give_up_at:
-            why = "stopped" if stop.is_set() else f"gave up after {timeout_s:g} s"
-            for failure in failures:
-                logger.error("%s (%s)", failure, why)
-            return 1
+            raise RegistrationFailed(failures, "stopped" if stop.is_set() else f"gave up after {timeout_s:g} s")
         stop.wait(ONCE_RETRY_S)
 
 
@@ -236,7 +243,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         peers.append(Router(args.router))
     try:
         if args.once:
-            return register_once(peers, args.replica, args.timeout_s, stop)
+            try:
+                register_once(peers, args.replica, args.timeout_s, stop)
+            except RegistrationFailed as failed:
+                for line in failed.lines():
+                    logger.error("%s", line)
+                return 1
+            return 0
         keep_registered(peers, args.replica, args.interval, stop)
         if not args.no_deregister:
             deregister_all(peers, args.replica)

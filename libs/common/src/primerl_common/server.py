@@ -40,8 +40,10 @@ logger = logging.getLogger(__name__)
 Hook = Callable[[], Awaitable[None]]
 
 
-# Both sides ping an idle connection this often to notice a dead peer.
+# Both sides ping an idle connection this often to notice a dead peer, and close it when a
+# ping is not answered within the timeout.
 _KEEPALIVE_TIME_MS = 30_000
+_KEEPALIVE_TIMEOUT_MS = 20_000
 
 
 def _transport_options(max_message_bytes: int) -> list[tuple[str, Any]]:
@@ -53,6 +55,7 @@ def _transport_options(max_message_bytes: int) -> list[tuple[str, Any]]:
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.http2.lookahead_bytes", 16 * 1024 * 1024),
         ("grpc.keepalive_time_ms", _KEEPALIVE_TIME_MS),
+        ("grpc.keepalive_timeout_ms", _KEEPALIVE_TIMEOUT_MS),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
     ]
@@ -64,13 +67,15 @@ def channel_options(max_message_bytes: int) -> list[tuple[str, Any]]:
 
 
 def server_options(max_message_bytes: int) -> list[tuple[str, Any]]:
-    """Options of every primerl server. A gRPC server answers pings that come more
-    often than it allows (5 min by default while it sends no data) with GOAWAY
-    "too_many_pings": it admits the clients' keepalive pings, with room for timer
-    jitter, also on connections without calls."""
+    """Options of every primerl server. A gRPC server counts a ping that comes sooner
+    than it allows after the previous one (5 min by default, 2 h on a connection without
+    calls unless permitted) as a strike, and answers the third with GOAWAY
+    "too_many_pings" (strikes are forgotten when it writes data). The clients' keepalive pings come a keepalive
+    time apart; admitted down to that time less the keepalive timeout, they may be handled
+    late (a busy process, timer slack) by as much as a connection survives at all."""
     return [
         *_transport_options(max_message_bytes),
-        ("grpc.http2.min_recv_ping_interval_without_data_ms", _KEEPALIVE_TIME_MS // 2),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", _KEEPALIVE_TIME_MS - _KEEPALIVE_TIMEOUT_MS),
     ]
 
 

@@ -1,26 +1,76 @@
-"""Helpers for tests that run real services: free ports and service
-processes started, awaited until SERVING, and stopped with SIGTERM."""
+"""Helpers for tests that run real services: free ports, services served in this process
+on port 0 (and bare servers for stand-ins of a peer), and service processes started,
+awaited until SERVING, and stopped with SIGTERM."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import inspect
 import os
 import signal
 import socket
 import subprocess
 import tempfile
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
-from primerl_common.client import wait_for_serving
+import grpc
 
-__all__ = ["ServiceProcess", "eventually", "free_port"]
+from primerl_common.client import make_channel, wait_for_serving
+from primerl_common.config import ServiceConfig
+from primerl_common.server import GrpcService, ServiceDefinition, server_options
+
+__all__ = ["InProcessService", "ServiceProcess", "bare_server", "eventually", "free_port", "in_process_service"]
 
 
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+@dataclasses.dataclass
+class InProcessService:
+    service: GrpcService
+    address: str
+    channel: grpc.aio.Channel  # make_channel's, to `address`
+
+
+@contextlib.asynccontextmanager
+async def in_process_service(
+    definition: ServiceDefinition, config: ServiceConfig, *, grace_s: float = 0.0, max_attempts: int = 5
+) -> AsyncIterator[InProcessService]:
+    """`definition` served in this process as its binary serves it, on the config's port (0: a
+    free one), which must listen on 127.0.0.1 (the default 0.0.0.0 does); a channel to it.
+    Stopped with `grace_s` on exit."""
+    service = GrpcService(definition, config)
+    address = f"127.0.0.1:{await service.start()}"
+    try:
+        async with make_channel(address, max_attempts=max_attempts) as channel:
+            yield InProcessService(service, address, channel)
+    finally:
+        await service.stop(grace_s=grace_s)
+
+
+@contextlib.asynccontextmanager
+async def bare_server(
+    *register: Callable[[grpc.aio.Server], object],
+    port: int = 0,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+) -> AsyncIterator[str]:
+    """A plain gRPC server with primerl's server options on 127.0.0.1:`port` (0: a free one),
+    serving what each `register(server)` adds (say `functools.partial(add_XServicer_to_server,
+    fake)`): a stand-in for a peer. Its address; stopped at once on exit."""
+    server = grpc.aio.server(interceptors=interceptors, options=server_options(64 * 1024 * 1024))
+    for add in register:
+        add(server)
+    address = f"127.0.0.1:{server.add_insecure_port(f'127.0.0.1:{port}')}"
+    await server.start()
+    try:
+        yield address
+    finally:
+        await server.stop(0)
 
 
 async def eventually(

@@ -13,12 +13,12 @@ import json
 import os
 import pathlib
 import sys
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2, weight_broadcaster_pb2_grpc
-from primerl_common.client import make_channel
+from primerl_common import register_replicas as registration
 from primerl_common.launcher import _toml
 from primerl_common.launcher.processes import Fleet, ServiceDied, ServiceProcess, describe_exit
 from primerl_common.launcher.progress import Display, RunFailed, RunMonitor, RunPeers
@@ -106,15 +106,23 @@ async def validate_configs(
         raise LaunchConfigError("invalid configuration:\n" + "\n".join(errors))
 
 
-async def register_replicas(broadcaster: str, replicas: Sequence[ServiceSpec]) -> None:
-    """The broadcaster learns its replicas at run time; it then pushes them every version."""
-    async with make_channel(broadcaster) as channel:
-        stub = weight_broadcaster_pb2_grpc.WeightBroadcasterServiceStub(channel)
-        for spec in replicas:
-            request = weight_broadcaster_pb2.RegisterReplicaRequest(
-                replica_id=get_path(spec.table, "replica.id"), address=address_of(spec)
-            )
-            await stub.RegisterReplica(request, timeout=30)
+async def register_replicas(broadcaster: str, replicas: Sequence[ServiceSpec], *, timeout_s: float = 30.0) -> None:
+    """The broadcaster learns its replicas at run time; it then pushes them every version.
+    As `primerl-register-replicas --once` registers them (RegistrationFailed when it cannot)."""
+    pairs = [(get_path(spec.table, "replica.id"), address_of(spec)) for spec in replicas]
+    stop = threading.Event()
+
+    def register() -> None:
+        peer = registration.Broadcaster(broadcaster)
+        try:
+            registration.register_once([peer], pairs, timeout_s, stop)
+        finally:
+            peer.channel.close()
+
+    try:
+        await asyncio.to_thread(register)
+    finally:
+        stop.set()  # cancelled: the thread ends after the call in flight
 
 
 class Launcher:
@@ -167,7 +175,7 @@ class Launcher:
                 paths.update(write_configs(list(services.values()), config_dir))
             await self._start(services, paths)
             records = await self._follow(services)
-        except (ServiceDied, RunFailed, WarmStartFailed, TimeoutError) as exc:
+        except (ServiceDied, RunFailed, WarmStartFailed, registration.RegistrationFailed, TimeoutError) as exc:
             # Said before the others are stopped: their logs would bury it.
             print(f"error: {exc}", file=sys.stderr, flush=True)
             return EXIT_FAILED
