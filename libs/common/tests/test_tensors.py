@@ -9,11 +9,13 @@ from primerl_common import tensors
 from primerl_common.tensors import (
     DEFAULT_CHUNK_BYTES,
     TensorAssembler,
+    TensorChunkView,
     assemble_tensors,
     assemble_tensors_async,
     dtype_from_proto,
     dtype_to_proto,
     iter_tensor_chunks,
+    parse_tensor_chunk,
     tensor_from_proto,
     tensor_to_proto,
 )
@@ -198,6 +200,25 @@ def test_stream_survives_serialization():
         assert_bit_equal(got, want)
     msg = tensor_pb2.Tensor.FromString(tensor_to_proto(named[0][1], "a").SerializeToString())
     assert_bit_equal(tensor_from_proto(msg), named[0][1])
+
+
+def test_chunks_parse_as_views_of_their_bytes():
+    named = [("a", sample(torch.float32, 1000)), ("b", torch.empty(0, dtype=torch.int8)), ("c", torch.tensor(7))]
+    wire = [c.SerializeToString() for c in iter_tensor_chunks(named, chunk_bytes=300)]
+    views = [parse_tensor_chunk(memoryview(b)) for b in wire]
+    assert views == [TensorChunkView.of(tensor_pb2.TensorChunk.FromString(b)) for b in wire]
+    assert all(isinstance(v.data, memoryview) and v.data.obj is b for v, b in zip(views, wire, strict=True))
+    for (_, got), (_, want) in zip(assemble_tensors(views), named, strict=True):
+        assert_bit_equal(got, want)
+
+    # As protobuf parses it: unknown fields skipped, a repeated header merged, the last data kept.
+    odd = tensor_pb2.TensorChunk(header=tensor_pb2.TensorHeader(name="x"), data=b"old").SerializeToString()
+    odd += bytes([7 << 3 | 0, 0x96, 0x01, 9 << 3 | 5, 1, 2, 3, 4])  # unknown varint and fixed32
+    odd += tensor_pb2.TensorChunk(header=tensor_pb2.TensorHeader(num_bytes=3), data=b"new").SerializeToString()
+    assert parse_tensor_chunk(memoryview(odd)) == TensorChunkView.of(tensor_pb2.TensorChunk.FromString(odd))
+    for malformed in (wire[0][:-1], b"\x12\xff", b"\x0f", b"\x00\x01"):
+        with pytest.raises(ValueError):
+            parse_tensor_chunk(memoryview(malformed))
 
 
 def test_async_assembly():

@@ -16,8 +16,10 @@ from transformers import AutoModelForCausalLM
 
 from primerl.common.v1 import generation_pb2, tensor_pb2
 from primerl.inference.v1 import inference_pb2, inference_pb2_grpc
-from primerl_common.errors import field_violations
+from primerl_common.errors import InvalidArgument, field_violations
+from primerl_common.tensors import TensorChunkView
 from primerl_common.weight_manifest import write_weights
+from primerl_inference.servicer import parse_update_request
 
 from .serving import (
     TOLERANCE,
@@ -434,6 +436,21 @@ async def test_malformed_updates_are_refused_and_change_nothing(
 
     assert await policy_version(stub) == version
     assert await prompt_logprobs(stub) == before  # the served weights are the same, bit for bit
+
+
+async def test_update_requests_are_parsed_from_their_bytes_as_protobuf_would() -> None:
+    # The UpdateWeights handler takes serialized requests (server.py); chunk data stays a view.
+    chunk = tensor_pb2.TensorChunk(header=tensor_pb2.TensorHeader(name="w", num_bytes=4), data=b"\x00\x01\x02\x03")
+    begin = inference_pb2.UpdateWeightsRequest(begin=inference_pb2.WeightUpdateBegin(policy_version=3))
+    raw_chunk = inference_pb2.UpdateWeightsRequest(chunk=chunk).SerializeToString()
+
+    view = parse_update_request(raw_chunk)
+    assert isinstance(view, TensorChunkView) and view == TensorChunkView.of(chunk)
+    assert isinstance(view.data, memoryview) and view.data.obj is raw_chunk
+    assert parse_update_request(begin.SerializeToString()) == begin
+    with pytest.raises(InvalidArgument, match="not a serialized UpdateWeightsRequest") as refused:
+        parse_update_request(raw_chunk[:-1])
+    assert refused.value.field == "chunk"
 
 
 async def test_draining_refuses_new_requests(served: Served, stub) -> None:

@@ -2,7 +2,7 @@ import torch
 
 from primerl.inference.v1 import inference_pb2
 from primerl_common.tensors import iter_tensor_chunks
-from primerl_weight_broadcaster.wire import serialized_update
+from primerl_weight_broadcaster.wire import SharedSerializer, serialized_update
 
 
 def test_hand_serialized_requests_parse_as_the_codec_would_build_them():
@@ -23,3 +23,24 @@ def test_hand_serialized_requests_parse_as_the_codec_would_build_them():
     ]
     assert len(got) == len(expected) == 1 + 3 + 1 + 1 + 1 + 1
     assert got == expected
+
+
+def test_concurrent_pushes_share_each_serialized_chunk_within_a_bounded_window():
+    tensors = [("a", torch.randn(10_000)), ("b", torch.arange(3000, dtype=torch.int16))]
+    begin = inference_pb2.WeightUpdateBegin(policy_version=3, num_tensors=len(tensors))
+    expected = list(serialized_update(begin, tensors, chunk_bytes=1000))
+    serializer = SharedSerializer(chunk_bytes=1000, window=4)
+    ahead, behind = serializer.update("v3", begin, tensors), serializer.update("v3", begin, tensors)
+    first = [next(ahead), next(ahead)]  # begin, then chunk 0 before the other push started
+    second = [next(behind), next(behind)]
+    kept = []
+    for _ in range(6):  # the first push runs 6 chunks ahead: the next 4 are kept for the second
+        first.append(next(ahead))
+        kept.append(serializer.num_kept)
+    second += list(behind)
+    first += list(ahead)
+
+    assert first == second == expected
+    assert kept == [1, 2, 3, 4, 4, 4]  # chunks 1 to 4: `window` at most
+    assert sum(a is b for a, b in zip(first, second, strict=True)) >= 4
+    assert serializer.num_kept == 0  # both ended: nothing held

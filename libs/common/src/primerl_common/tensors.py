@@ -7,11 +7,15 @@ that chunk and the following ones fills it until `num_bytes` have arrived.
 
 Copies: the sender makes one `bytes` per chunk (grpcio accepts nothing else); the receiver
 copies each chunk once into a buffer preallocated from the header (or, with
-`FileTensorAssembler`, writes it once to a file). Tensors are moved to CPU.
+`FileTensorAssembler`, writes it once to a file). A receiver that takes a method's requests
+as bytes (no deserializer) can read a chunk with `parse_tensor_chunk`, its data a view of
+the received bytes: protobuf's own parse copies the data, and reading the field copies it
+again. Tensors are moved to CPU.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import sys
@@ -27,11 +31,14 @@ __all__ = [
     "DEFAULT_CHUNK_BYTES",
     "FileTensorAssembler",
     "TensorAssembler",
+    "TensorChunkView",
     "assemble_tensors",
     "assemble_tensors_async",
     "dtype_from_proto",
     "dtype_to_proto",
     "iter_tensor_chunks",
+    "iter_wire_fields",
+    "parse_tensor_chunk",
     "tensor_from_proto",
     "tensor_to_proto",
 ]
@@ -171,6 +178,76 @@ def iter_tensor_chunks(
             yield tensor_pb2.TensorChunk(header=header if start == 0 else None, data=data)
 
 
+@dataclasses.dataclass(frozen=True)
+class TensorChunkView:
+    """A `TensorChunk` whose data is a view of the bytes it was received in (no copy)."""
+
+    header: tensor_pb2.TensorHeader | None
+    data: bytes | memoryview
+
+    @classmethod
+    def of(cls, chunk: tensor_pb2.TensorChunk) -> TensorChunkView:
+        return cls(chunk.header if chunk.HasField("header") else None, chunk.data)
+
+
+_WIRE_VARINT, _WIRE_I64, _WIRE_LEN, _WIRE_I32 = 0, 1, 2, 5
+_CHUNK_HEADER_FIELD = tensor_pb2.TensorChunk.DESCRIPTOR.fields_by_name["header"].number
+_CHUNK_DATA_FIELD = tensor_pb2.TensorChunk.DESCRIPTOR.fields_by_name["data"].number
+
+
+def _read_varint(buffer: memoryview, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if pos >= len(buffer) or shift > 63:
+            raise ValueError("truncated or overlong varint")
+        byte = buffer[pos]
+        value |= (byte & 0x7F) << shift
+        pos, shift = pos + 1, shift + 7
+        if byte < 0x80:
+            return value, pos
+
+
+def iter_wire_fields(buffer: memoryview) -> Iterator[tuple[int, int, memoryview | None]]:
+    """(field number, wire type, value) of each field of a serialized protobuf message, in
+    order; the value of a length-delimited field is a view of `buffer` (no copy), that of
+    the others None. ValueError on malformed input."""
+    pos = 0
+    while pos < len(buffer):
+        key, pos = _read_varint(buffer, pos)
+        number, wire_type = key >> 3, key & 7
+        value = None
+        if wire_type == _WIRE_VARINT:
+            _, pos = _read_varint(buffer, pos)
+        elif wire_type in (_WIRE_I64, _WIRE_I32):
+            pos += 8 if wire_type == _WIRE_I64 else 4
+        elif wire_type == _WIRE_LEN:
+            length, pos = _read_varint(buffer, pos)
+            value = buffer[pos : pos + length]
+            pos += length
+        else:
+            raise ValueError(f"unsupported wire type {wire_type} (field {number})")
+        if number == 0 or pos > len(buffer):
+            raise ValueError("malformed or truncated message")
+        yield number, wire_type, value
+
+
+def parse_tensor_chunk(buffer: memoryview) -> TensorChunkView:
+    """A serialized `TensorChunk` whose data stays in `buffer` (protobuf's parse copies it,
+    and reading the field copies it again). Unknown fields are skipped, a repeated header
+    merged, the last data kept, as protobuf does."""
+    header, data = None, buffer[:0]
+    for number, wire_type, value in iter_wire_fields(buffer):
+        if wire_type != _WIRE_LEN:
+            continue
+        if number == _CHUNK_HEADER_FIELD:
+            if header is None:
+                header = tensor_pb2.TensorHeader()
+            header.MergeFromString(value)
+        elif number == _CHUNK_DATA_FIELD:
+            data = value
+    return TensorChunkView(header, data)
+
+
 class TensorAssembler:
     """Rebuilds tensors from a stream of `TensorChunk` messages, fed one at a time.
 
@@ -190,18 +267,20 @@ class TensorAssembler:
         """Whether a tensor has started and not yet received all its bytes."""
         return self._header is not None
 
-    def feed(self, chunk: tensor_pb2.TensorChunk) -> tuple[str, torch.Tensor] | None:
+    def feed(self, chunk: tensor_pb2.TensorChunk | TensorChunkView) -> tuple[str, torch.Tensor] | None:
         """Consume one chunk; return `(name, tensor)` if it completed a tensor, else None."""
-        data = chunk.data  # read once: every read of a protobuf bytes field copies it
-        if chunk.HasField("header"):
+        # Read once: every read of a protobuf bytes field copies it.
+        view = chunk if isinstance(chunk, TensorChunkView) else TensorChunkView.of(chunk)
+        data = view.data
+        if view.header is not None:
             if self._header is not None:
                 raise ValueError(
-                    f"tensor {self._header.name!r}: header of {chunk.header.name!r} arrived after only "
+                    f"tensor {self._header.name!r}: header of {view.header.name!r} arrived after only "
                     f"{self._num_received} of {self._header.num_bytes} bytes"
                 )
-            self._dtype, self._shape = _parse_header(chunk.header)
+            self._dtype, self._shape = _parse_header(view.header)
             self._header = tensor_pb2.TensorHeader()
-            self._header.CopyFrom(chunk.header)
+            self._header.CopyFrom(view.header)
             self._start(self._header.num_bytes)
             self._num_received = 0
         elif self._header is None:
@@ -223,7 +302,7 @@ class TensorAssembler:
     def _start(self, num_bytes: int) -> None:
         self._buf = torch.empty(num_bytes, dtype=torch.uint8)
 
-    def _store(self, start: int, data: bytes) -> None:
+    def _store(self, start: int, data: bytes | memoryview) -> None:
         self._buf.numpy()[start : start + len(data)] = np.frombuffer(data, dtype=np.uint8)
 
     def _complete(self, name: str) -> torch.Tensor:
@@ -259,7 +338,7 @@ class FileTensorAssembler(TensorAssembler):
         assert self._header is not None
         self.offsets[self._header.name] = self._file.tell()
 
-    def _store(self, start: int, data: bytes) -> None:
+    def _store(self, start: int, data: bytes | memoryview) -> None:
         if self._dtype == torch.bool:
             assert self._header is not None
             _check_bool(np.frombuffer(data, dtype=np.uint8), self._header.name)

@@ -36,6 +36,7 @@ from vllm.v1.engine.async_llm import AsyncLLM
 
 from primerl.common.v1 import tensor_pb2
 from primerl_common.errors import FailedPrecondition, InvalidArgument, Unavailable
+from primerl_common.tensors import TensorChunkView
 from primerl_inference import metrics
 from primerl_inference.adapters import AdapterRegistry, AdapterSpec, receive_adapter_tensors
 from primerl_inference.collective_receiver import CollectiveUpdate, check_collective_update, receive_collective
@@ -302,7 +303,7 @@ class InferenceEngine:
     async def update_weights(
         self,
         update: WeightUpdate,
-        chunks: AsyncIterable[tensor_pb2.TensorChunk],
+        chunks: AsyncIterable[tensor_pb2.TensorChunk | TensorChunkView],
         collective: CollectiveUpdate | None = None,
     ) -> WeightUpdateResult:
         """Receives an update (a tensor stream, or a folder on a shared filesystem) and swaps it

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import grpc
+
 from primerl.inference.v1 import inference_pb2, inference_pb2_grpc
 from primerl_common.server import ServiceDefinition
 from primerl_inference import __version__
@@ -12,6 +14,9 @@ from primerl_inference.config import InferenceConfig
 
 if TYPE_CHECKING:
     from primerl_inference.engine import InferenceEngine
+    from primerl_inference.servicer import InferenceServicer
+
+_SERVICE = inference_pb2.DESCRIPTOR.services_by_name["InferenceService"]
 
 
 async def build(config: InferenceConfig) -> ServiceDefinition:
@@ -42,6 +47,16 @@ def service_definition(engine: InferenceEngine, config: InferenceConfig) -> Serv
         on_stop=[stop],
     )
     servicer = InferenceServicer(definition, engine, watch_interval_ms=config.load_report.watch_interval_ms)
-    descriptor = inference_pb2.DESCRIPTOR.services_by_name["InferenceService"]
-    definition.servicers = [(inference_pb2_grpc.add_InferenceServiceServicer_to_server, servicer, descriptor)]
+    definition.servicers = [(_add_inference_service, servicer, _SERVICE)]
     return definition
+
+
+def _add_inference_service(servicer: InferenceServicer, server: grpc.aio.Server) -> None:
+    inference_pb2_grpc.add_InferenceServiceServicer_to_server(servicer, server)
+    # UpdateWeights again, with no request deserializer: its requests arrive as bytes, and
+    # weight data is staged from them without protobuf's copies (servicer.parse_update_request).
+    # A later registration of a method replaces the earlier one.
+    handler = grpc.stream_unary_rpc_method_handler(
+        servicer.UpdateWeights, response_serializer=inference_pb2.UpdateWeightsResponse.SerializeToString
+    )
+    server.add_registered_method_handlers(_SERVICE.full_name, {"UpdateWeights": handler})

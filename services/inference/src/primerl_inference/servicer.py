@@ -10,13 +10,14 @@ from typing import Any, TypeVar
 
 import grpc
 import torch
+from google.protobuf.message import DecodeError
 
 from primerl.common.v1 import generation_pb2, tensor_pb2
 from primerl.inference.v1 import inference_pb2, inference_pb2_grpc
 from primerl_common.errors import InvalidArgument, ServiceError
 from primerl_common.observability import policy_version_var
 from primerl_common.server import ServiceDefinition
-from primerl_common.tensors import tensor_to_proto
+from primerl_common.tensors import TensorChunkView, iter_wire_fields, parse_tensor_chunk, tensor_to_proto
 from primerl_inference.adapters import AdapterSpec
 from primerl_inference.collective_receiver import collective_update_from_proto
 from primerl_inference.engine import InferenceEngine, PauseMode
@@ -52,6 +53,8 @@ _PAUSE_MODES: dict[int, PauseMode] = {
     inference_pb2.PAUSE_MODE_WAIT: "wait",
     inference_pb2.PAUSE_MODE_ABORT: "abort",
 }
+_CHUNK_FIELD = inference_pb2.UpdateWeightsRequest.DESCRIPTOR.fields_by_name["chunk"].number
+_LENGTH_DELIMITED = 2  # protobuf's wire type of a message or bytes field
 _WEIGHT_FORMATS: dict[int, WeightFormat] = {
     tensor_pb2.WEIGHT_FORMAT_UNSPECIFIED: "unspecified",
     tensor_pb2.WEIGHT_FORMAT_HF: "hf",
@@ -84,21 +87,23 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                 yield response
 
     async def UpdateWeights(
-        self, request_iterator: AsyncIterable[inference_pb2.UpdateWeightsRequest], context: grpc.aio.ServicerContext
+        self, request_iterator: AsyncIterable[bytes], context: grpc.aio.ServicerContext
     ) -> inference_pb2.UpdateWeightsResponse:
+        """Registered with no request deserializer (server.py): requests arrive serialized, and
+        each chunk's data is staged from the bytes it came in (`parse_update_request`)."""
         policy_version_var.set(self._engine.policy_version)
-        requests = aiter(request_iterator)
-        return await _draining_on_error(requests, self._update_weights(requests))
+        raw_requests = aiter(request_iterator)
+        return await _draining_on_error(raw_requests, self._update_weights(_parsed(raw_requests)))
 
     async def _update_weights(
-        self, requests: AsyncIterator[inference_pb2.UpdateWeightsRequest]
+        self, requests: AsyncIterator[inference_pb2.UpdateWeightsRequest | TensorChunkView]
     ) -> inference_pb2.UpdateWeightsResponse:
         first = await anext(requests, None)
-        if first is None or first.WhichOneof("item") != "begin":
+        if not isinstance(first, inference_pb2.UpdateWeightsRequest) or first.WhichOneof("item") != "begin":
             raise InvalidArgument("the first message must be `begin`", field="begin")
         update = weight_update_from_proto(first.begin)
         collective = collective_update_from_proto(first.begin)
-        result = await self._engine.update_weights(update, _items(requests, "chunk", after="begin"), collective)
+        result = await self._engine.update_weights(update, _update_chunks(requests), collective)
         return inference_pb2.UpdateWeightsResponse(
             policy_version=result.policy_version,
             num_tensors=result.num_tensors,
@@ -182,6 +187,39 @@ async def _draining_on_error(requests: AsyncIterator[Any], work: Awaitable[T]) -
         async for _ in requests:
             pass
         raise
+
+
+def parse_update_request(raw: bytes) -> inference_pb2.UpdateWeightsRequest | TensorChunkView:
+    """A serialized UpdateWeightsRequest: one that holds a chunk alone (all but the first of a
+    stream) as a view of `raw`, its data not copied (protobuf's parse would copy it, and
+    reading the field again); any other as protobuf parses it."""
+    try:
+        fields = list(iter_wire_fields(memoryview(raw)))
+        if len(fields) == 1 and fields[0][:2] == (_CHUNK_FIELD, _LENGTH_DELIMITED):
+            return parse_tensor_chunk(fields[0][2])
+        return inference_pb2.UpdateWeightsRequest.FromString(raw)
+    except (ValueError, DecodeError) as exc:
+        raise InvalidArgument(f"not a serialized UpdateWeightsRequest: {exc}", field="chunk") from None
+
+
+async def _parsed(
+    raw_requests: AsyncIterator[bytes],
+) -> AsyncIterator[inference_pb2.UpdateWeightsRequest | TensorChunkView]:
+    async for raw in raw_requests:
+        yield parse_update_request(raw)
+
+
+async def _update_chunks(
+    requests: AsyncIterator[inference_pb2.UpdateWeightsRequest | TensorChunkView],
+) -> AsyncIterator[TensorChunkView]:
+    """The chunks of an UpdateWeights stream after its `begin`."""
+    async for request in requests:
+        if isinstance(request, TensorChunkView):
+            yield request
+        elif request.WhichOneof("item") == "chunk":
+            yield TensorChunkView.of(request.chunk)
+        else:
+            raise InvalidArgument("may only be the first message of the stream", field="begin")
 
 
 async def _items(requests: AsyncIterator[Any], field: str, *, after: str) -> AsyncIterator[Any]:

@@ -35,7 +35,7 @@ from safetensors import safe_open
 from primerl.common.v1 import tensor_pb2
 from primerl_common.engine_modules import engine_module
 from primerl_common.errors import InvalidArgument
-from primerl_common.tensors import FileTensorAssembler, dtype_to_proto
+from primerl_common.tensors import FileTensorAssembler, TensorChunkView, dtype_to_proto
 from primerl_common.weight_manifest import ManifestError, read_manifest
 
 __all__ = [
@@ -251,13 +251,14 @@ class WeightStaging:
         else:
             self._file.close()
 
-    async def feed(self, chunk: tensor_pb2.TensorChunk) -> None:
-        if chunk.HasField("header"):
-            self._check_header(chunk.header)
+    async def feed(self, chunk: tensor_pb2.TensorChunk | TensorChunkView) -> None:
+        view = chunk if isinstance(chunk, TensorChunkView) else TensorChunkView.of(chunk)
+        if view.header is not None:
+            self._check_header(view.header)
         try:
             # On the event loop: a chunk (a few MiB) is written in about a millisecond, less
             # than a hop to a worker thread and back costs in all.
-            completed = self._assembler.feed(chunk)
+            completed = self._assembler.feed(view)
         except ValueError as exc:
             raise InvalidArgument(str(exc), field="chunk") from None
         if completed is not None:
