@@ -73,12 +73,12 @@ async def serving(config: TrainerConfig) -> AsyncIterator[trainer_pb2_grpc.Train
         yield trainer_pb2_grpc.TrainerServiceStub(served.channel)
 
 
-def reference_metrics(model_dir: pathlib.Path, batches: list[list[MicroBatch]]) -> list[dict[str, float]]:
-    """What a plain Trainer (no service, no FSDP) reports for the batches, with the test config."""
+def reference_trainer(model_dir: pathlib.Path) -> Trainer:
+    """A plain Trainer (no service, no FSDP) with the test config."""
     config = trainer_config(model_dir)
     model = load_tiny_model(model_dir)
     optimizer = build_optimizer(model, config.optimizer)
-    trainer = Trainer(
+    return Trainer(
         model,
         optimizer,
         build_lr_scheduler(optimizer, config.schedule),
@@ -86,6 +86,11 @@ def reference_metrics(model_dir: pathlib.Path, batches: list[list[MicroBatch]]) 
         device=CPU,
         max_grad_norm=config.optimizer.max_grad_norm,
     )
+
+
+def reference_metrics(model_dir: pathlib.Path, batches: list[list[MicroBatch]]) -> list[dict[str, float]]:
+    """What a plain Trainer reports for the batches, with the test config."""
+    trainer = reference_trainer(model_dir)
     return [trainer.train_step(batch) for batch in batches]
 
 

@@ -15,11 +15,11 @@ import torch
 from primerl.common.v1 import tensor_pb2
 from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2 as pb2
 from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2_grpc
-from primerl_common.client import make_channel
-from primerl_common.server import GrpcService
-from primerl_common.testing import eventually, free_port
+from primerl_common.errors import FailedPrecondition
+from primerl_common.testing import eventually, free_port, in_process_service
 from primerl_common.tiny_model import make_tiny_model
 from primerl_trainer.publish import PublishError, WeightPublisher, tensor_headers
+from primerl_weight_broadcaster.collective import CollectiveHost, CollectiveSettings
 from primerl_weight_broadcaster.config import WeightBroadcasterConfig
 from primerl_weight_broadcaster.server import build
 
@@ -43,18 +43,15 @@ COLLECTIVE = {"backend": "gloo", "timeout_s": 20.0, "bucket_mib": 1}
 
 @contextlib.asynccontextmanager
 async def broadcaster(
-    **collective: object,
+    push: dict[str, float] | None = None, **collective: object
 ) -> AsyncIterator[tuple[weight_broadcaster_pb2_grpc.WeightBroadcasterServiceStub, str]]:
     config = WeightBroadcasterConfig(
-        server={"host": "127.0.0.1", "port": 0}, push=FAST_PUSH, collective={**COLLECTIVE, **collective}
+        server={"host": "127.0.0.1", "port": 0},
+        push={**FAST_PUSH, **(push or {})},
+        collective={**COLLECTIVE, **collective},
     )
-    service = GrpcService(await build(config), config)
-    address = f"127.0.0.1:{await service.start()}"
-    try:
-        async with make_channel(address) as channel:
-            yield weight_broadcaster_pb2_grpc.WeightBroadcasterServiceStub(channel), address
-    finally:
-        await service.stop(grace_s=0)
+    async with in_process_service(await build(config), config) as served:
+        yield weight_broadcaster_pb2_grpc.WeightBroadcasterServiceStub(served.channel), served.address
 
 
 async def register(stub, name: str, address: str, transport: int) -> None:
@@ -152,6 +149,21 @@ async def test_collective_publish_to_real_replicas(tmp_path: pathlib.Path):
 
 async def _state_is(stub, replica_id: str, state: int) -> bool:
     return (await replica_states(stub))[replica_id][0] == state
+
+
+def test_a_member_that_fails_the_latest_version_undoes_its_announcement():
+    """The broadcaster has no data of a version broadcast to every replica: a member that fails
+    to load it makes it count as not published, so that the trainer publishes it again."""
+    host = CollectiveHost(CollectiveSettings(backend="gloo"))
+    host.announce(1)
+    host.announce(2)
+    host.member_failed(1)  # a failure of an older version: the latest stands
+    assert host.announced_policy_version == 2
+    with pytest.raises(FailedPrecondition):
+        host.check_version(2, data=False)
+    host.member_failed(2)
+    assert host.announced_policy_version == 1
+    host.check_version(2, data=False)  # it may be announced again
 
 
 async def test_nccl_registration_is_checked():

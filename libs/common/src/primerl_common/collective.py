@@ -6,7 +6,9 @@ of its own: `ProcessGroupNCCL` for GPU buffers, `ProcessGroupGloo` for CPU ones,
 path either way. Rank 0 (the trainer) broadcasts the tensors of a version in an order every
 member knows beforehand (their `TensorSpec`s), packed as bytes into flat buffers of at most
 `bucket_bytes` (`buckets`), each tensor starting at a multiple of `ALIGNMENT` bytes so that a
-receiver views it in place as its dtype.
+receiver views it in place as its dtype. After the last buffer every member confirms the
+version (`_all_received`): rank 0 learns of a member that is gone even when each of its
+broadcasts returned.
 
 Only torch and the stubs here: the receiving side runs inside vLLM's engine process.
 """
@@ -166,6 +168,22 @@ def _broadcast(group: dist.ProcessGroup, buffer: torch.Tensor, timeout_s: float)
         raise RuntimeError(f"a broadcast did not complete within {timeout_s}s")
 
 
+def _all_received(group: dist.ProcessGroup, spec: GroupSpec) -> None:
+    """Every member's confirmation that the whole version arrived: one tiny all-reduce after the
+    last buffer (rank 0 contributes 1 as well). A broadcast can return on rank 0 before a member
+    that died shows up (gloo's sends land in socket buffers): this cannot, it fails (or times
+    out) without every member."""
+    flag = torch.ones(1, dtype=torch.int32, device=spec.device)
+    options = dist.AllreduceOptions()
+    options.reduceOp = dist.ReduceOp.SUM
+    options.timeout = datetime.timedelta(seconds=spec.timeout_s)
+    work = group.allreduce([flag], options)
+    if not work.wait(datetime.timedelta(seconds=spec.timeout_s)):
+        raise RuntimeError(f"the members did not confirm the version within {spec.timeout_s}s")
+    if int(flag.item()) != spec.world_size:
+        raise RuntimeError(f"{int(flag.item())} of {spec.world_size} members confirmed the version")
+
+
 def send_tensors(
     group: dist.ProcessGroup,
     spec: GroupSpec,
@@ -195,6 +213,7 @@ def send_tensors(
         _broadcast(group, buffer, spec.timeout_s)
     if next(source, None) is not None:
         raise ValueError(f"more tensors than the {len(specs)} announced")
+    _all_received(group, spec)
 
 
 def receive_tensors(
@@ -261,10 +280,19 @@ class CollectiveReceiver:
                 if device.type == "cuda":
                     torch.cuda.set_device(device)
                 group = self._groups.get(spec)
-                self._result = list(receive_tensors(group, spec, specs))
+                received = list(receive_tensors(group, spec, specs))
             except Exception as exc:  # reported through poll()
                 self._groups.drop()
                 self._error = f"{type(exc).__name__}: {exc}"
+                return
+            try:
+                _all_received(group, spec)
+            except RuntimeError as exc:
+                # Another member failed: this one has every tensor, and loads them; the group is
+                # not used again (rank 0 knows the broadcast failed, and forms a new one).
+                logger.warning("every tensor arrived, then group %s failed: %s", spec.group_name, str(exc))
+                self._groups.drop()
+            self._result = received
 
         self._thread = threading.Thread(target=run, name="primerl-collective-receive", daemon=True)
         self._thread.start()

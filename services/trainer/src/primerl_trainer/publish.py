@@ -153,6 +153,8 @@ class WeightPublisher:
         self._stub = weight_broadcaster_pb2_grpc.WeightBroadcasterServiceStub(self._channel)
         # The collective group of the latest generation (send_collective).
         self._groups = GroupCache()
+        # The latest version send_collective broadcast (or tried to): publishing it again sends its data.
+        self._broadcast_version: int | None = None
 
     def send(
         self, requests: Iterable[weight_broadcaster_pb2.PublishWeightsRequest]
@@ -208,9 +210,31 @@ class WeightPublisher:
         """Publishes over a collective group: announces `headers` (`tensor_headers` of what
         `named_tensors` yields), broadcasts the tensors to the group the broadcaster names,
         and streams them to it too when it asks for the data. Raises PublishError;
-        `named_tensors` is consumed to its end whatever happens (see `send`)."""
-        named_tensors = iter(named_tensors)
+        `named_tensors` is consumed to its end whatever happens (see `send`).
+
+        A version is broadcast once. Publishing it again (a retry of a failed attempt, announced
+        or not, or because the broadcaster lost it: a member failed to load it, or it restarted)
+        streams its data to the broadcaster instead, and the reply names no group: the
+        broadcaster pushes it over gRPC to every replica that lacks it (a member that died
+        mid-broadcast and restarts, or one the failure left behind)."""
         num_bytes = sum(header.num_bytes for header in headers)
+
+        def data_requests(tensors: Iterable[tuple[str, torch.Tensor]]):
+            return publish_requests(
+                tensors,
+                policy_version=policy_version,
+                kind=kind,
+                num_tensors=len(headers),
+                num_bytes=num_bytes,
+                adapter=adapter,
+                chunk_bytes=chunk_bytes,
+            )
+
+        if self._broadcast_version == policy_version:
+            self.send(data_requests(named_tensors))
+            return weight_broadcaster_pb2.PublishCollectiveResponse(send_data=True)
+        self._broadcast_version = policy_version
+        named_tensors = iter(named_tensors)
         begin = _begin(policy_version, kind, len(headers), num_bytes, adapter)
         request = weight_broadcaster_pb2.PublishCollectiveRequest(
             begin=begin, tensors=headers, new_group=not self._groups.holds_group
@@ -221,29 +245,27 @@ class WeightPublisher:
             for _ in named_tensors:
                 pass
             raise _publish_error(exc, f"PublishCollective to {self.address}") from None
-        failures: list[Exception] = []
+        failures: list[str] = []
         tensors = self._broadcast(response.group, headers, named_tensors, failures)
         if response.send_data:
-            self.send(
-                publish_requests(
-                    tensors,
-                    policy_version=policy_version,
-                    kind=kind,
-                    num_tensors=len(headers),
-                    num_bytes=num_bytes,
-                    adapter=adapter,
-                    chunk_bytes=chunk_bytes,
-                )
-            )
+            self.send(data_requests(tensors))
         else:
             for _ in tensors:
                 pass
-        if failures:
+        if failures and not response.send_data:
             raise PublishError(
                 f"broadcasting policy version {policy_version} in group {response.group.group_name!r} failed: "
-                f"{failures[0]}; its replicas get it over gRPC"
-                + (" (the broadcaster has the data)" if response.send_data else " with the next version"),
-                retryable=False,
+                f"{failures[0]}; a retry sends its data to the broadcaster",
+                retryable=True,
+                reason="COLLECTIVE_FAILED",
+            )
+        if failures:
+            logger.warning(
+                "broadcasting policy version %d in group %s failed (%s); the broadcaster has its data and "
+                "pushes it over gRPC to the replicas that missed it",
+                policy_version,
+                response.group.group_name,
+                failures[0],
             )
         return response
 
@@ -252,11 +274,12 @@ class WeightPublisher:
         group: inference_pb2.CollectiveGroup,
         headers: list[tensor_pb2.TensorHeader],
         named_tensors: Iterator[tuple[str, torch.Tensor]],
-        failures: list[Exception],
+        failures: list[str],
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """`named_tensors`, broadcast to `group` as they pass (nothing when no replica is in it).
         A failed broadcast is put in `failures`; the tensors still pass (the broadcaster may
-        need them, the export's collectives must finish), and the group is dropped."""
+        need them, the export's collectives must finish), and the group is dropped (its
+        connections close, so members still waiting fail at once rather than at the timeout)."""
         if group.world_size <= 1:
             yield from named_tensors
             return
@@ -265,10 +288,14 @@ class WeightPublisher:
         try:
             yield from send_tensors(self._groups.get(spec), spec, specs, named_tensors)
         except (RuntimeError, ValueError) as exc:
-            logger.warning("broadcasting in collective group %s failed: %s", spec.group_name, exc)
+            # Its text only: the exception's traceback holds the group (through the frames), which
+            # must close now, and a log record may outlive this call.
+            failures.append(str(exc))
+            logger.warning("broadcasting in collective group %s failed: %s", spec.group_name, failures[-1])
             self._groups.drop()
-            failures.append(exc)
-            yield from named_tensors
+        else:
+            return
+        yield from named_tensors
 
     def close(self) -> None:
         self._groups.drop()

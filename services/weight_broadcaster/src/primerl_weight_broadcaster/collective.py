@@ -9,7 +9,9 @@ membership stays the same; a change (a replica registers, leaves, stops answerin
 failed broadcast, or a trainer that holds no group (restarted) makes the next version form a
 new generation under a new name. The
 broadcaster receives no tensor data for a version broadcast to every replica; it asks the
-trainer for the data too (`send_data`) when some replica is not in the group.
+trainer for the data too (`send_data`) when some replica is not in the group. A member that
+fails to load the latest version undoes its announcement (`CollectiveHost.member_failed`), so
+that the trainer publishes it again.
 """
 
 from __future__ import annotations
@@ -58,16 +60,27 @@ class CollectiveHost:
         self._session = uuid.uuid4().hex[:12]
         self._generation = 0
         self._members: tuple[str, ...] | None = None
-        # The latest version announced by PublishCollective (-1: none).
+        # The latest version announced by PublishCollective (-1: none), and the one before it.
         self.announced_policy_version = -1
+        self._announced_before = -1
 
     @property
     def capability(self) -> str:
         return CAPABILITY_REPLICA_COLLECTIVE.format(self.settings.backend)
 
-    def invalidate(self) -> None:
-        """A broadcast failed: the next version forms a new generation."""
+    def announce(self, policy_version: int) -> None:
+        self._announced_before, self.announced_policy_version = self.announced_policy_version, policy_version
+
+    def member_failed(self, policy_version: int) -> None:
+        """A member did not load `policy_version` from its group: the next version forms a new
+        generation, and the announcement of the latest one is undone. The broadcaster has no data of
+        an announced version unless the trainer sent it too; undone, the version counts as not
+        published: the trainer's watch of GetStatus sees the broadcaster behind what it published
+        and publishes it again, with its data, which the broadcaster pushes over gRPC to the
+        replicas that lack it, instead of leaving the failed member behind until the next version."""
         self._members = None
+        if policy_version == self.announced_policy_version:
+            self.announced_policy_version = self._announced_before
 
     def check_version(self, policy_version: int, *, data: bool) -> None:
         """Refuses a version not newer than the announced one; `data`: the PublishWeights of

@@ -32,7 +32,7 @@ from primerl_weight_broadcaster.collective import CollectiveHost, replica_update
 from primerl_weight_broadcaster.formats import format_name
 from primerl_weight_broadcaster.shared_fs import SharedFolders
 from primerl_weight_broadcaster.store import PublishedVersion, WeightStore
-from primerl_weight_broadcaster.wire import serialized_update, update_weights_call
+from primerl_weight_broadcaster.wire import SharedSerializer, update_weights_call
 
 __all__ = ["CAPABILITY_REPLICA_DELTA", "PushSettings", "Replica", "ReplicaSet", "UnsupportedByReplica"]
 
@@ -240,7 +240,9 @@ class _Worker:
             tensors = latest.tensors_since(base)
             begin.num_tensors = len(tensors)
             begin.num_bytes = sum(t.numel() * t.element_size() for _, t in tensors)
-            await self._update_weights(serialized_update(begin, tensors), timeout=self._settings.push_timeout_s)
+            # The replicas pushed the same tensors at once share their serialization.
+            requests = self._replicas.serializer.update((latest.policy_version, latest.format, base), begin, tensors)
+            await self._update_weights(requests, timeout=self._settings.push_timeout_s)
         logger.info(
             "replica %s: pushed policy version %d (%d tensors, %.1f MiB, %s, %s%s)",
             replica.replica_id,
@@ -262,7 +264,7 @@ class _Worker:
                 iter([inference_pb2.UpdateWeightsRequest(begin=begin)]), timeout=self._settings.push_timeout_s
             )
         except BaseException:
-            self._replicas.collective_failed()
+            self._replicas.collective_failed(begin.policy_version)
             raise
         logger.info(
             "replica %s: received policy version %d over collective group %s (rank %d of %d)",
@@ -313,6 +315,7 @@ class ReplicaSet:
         self.settings = settings
         self.shared = shared
         self.collective = collective
+        self.serializer = SharedSerializer()
         self._workers: dict[str, _Worker] = {}
         # Set and replaced on every publish and replica change (WaitForVersion waits on it).
         self._changed = asyncio.Event()
@@ -347,7 +350,7 @@ class ReplicaSet:
         for rank, worker in enumerate(members, start=1):
             worker.collective = replica_update(request, host.member_group(name, rank, world_size))
             worker.wake.set()
-        host.announced_policy_version = request.begin.policy_version
+        host.announce(request.begin.policy_version)
         self._notify()
         return pb2.PublishCollectiveResponse(
             group=host.member_group(name, 0, world_size),
@@ -355,9 +358,9 @@ class ReplicaSet:
             send_data=host.settings.keep_data or len(members) < len(self._workers),
         )
 
-    def collective_failed(self) -> None:
+    def collective_failed(self, policy_version: int) -> None:
         if self.collective is not None:
-            self.collective.invalidate()
+            self.collective.member_failed(policy_version)
 
     def num_at_version(self, policy_version: int) -> int:
         return sum(1 for r in self.replicas() if r.policy_version >= policy_version)
