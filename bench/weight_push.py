@@ -9,11 +9,15 @@ times the push: from the publish's reply until both replicas serve the version
 (WaitForVersion), i.e. the broadcaster streaming it to both, each replica receiving,
 validating, staging and loading it into vLLM. The socket baseline sends the same bytes
 from this process to two receiver processes at once (4 MiB sendall / recv_into into a
-buffer of the model's size, as a replica keeps what it receives). GB/s count the bytes
+buffer of the model's size, as a replica keeps what it receives); the receivers live for
+the whole run and touch their buffers once before the first round, as a replica reuses
+its staging file (a fresh 1 GiB buffer per round cost 0.7 CPU-s of page faults here, a
+cost that moved with the machine's memory pressure). GB/s count the bytes
 delivered (2 x the model). Rounds alternate socket and gRPC, so that a shared machine
 disturbs both alike; the ratio is the median over rounds of the push rate over the same
 round's socket rate. CPU s/GB (from /proc: every process of the path, a replica's vLLM
-engine-core process included) is the steadier measure on a busy machine.
+engine-core process included; each round also prints it per role: broadcaster, replicas,
+engine cores) is the steadier measure on a busy machine.
 
 glibc's malloc thresholds are raised in every process (DESIGN.md).
 
@@ -26,6 +30,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import mmap
 import os
 import pathlib
 import platform
@@ -38,6 +44,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 
 import grpc
 import torch
@@ -46,6 +53,7 @@ from safetensors.torch import load_file
 from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2 as pb2
 from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2_grpc
 from primerl_common.client import make_channel
+from primerl_common.local_vllm import local_vllm_env
 from primerl_common.malloc import MALLOC_ENV, reexec_with_malloc_env
 from primerl_common.tensors import iter_tensor_chunks
 from primerl_common.testing import ServiceProcess, free_port
@@ -54,20 +62,8 @@ from primerl_common.tiny_model import TinyModelSpec, make_tiny_model
 MiB = 1024 * 1024
 SEND_BYTES = 4 * MiB
 CACHE = pathlib.Path(os.environ.get("PRIMERL_BENCH_CACHE", pathlib.Path(tempfile.gettempdir()) / "primerl-bench"))
-# vLLM's caches: the tests' (keyed by the hash of vLLM's model files, so sharing them is safe); a
-# cold cache costs each engine start a model inspection in a subprocess.
-VLLM_CACHE = pathlib.Path(
-    os.environ.get("PRIMERL_TEST_CACHE", pathlib.Path(tempfile.gettempdir()) / "primerl-test-cache")
-)
-VLLM_ENV = {
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "VLLM_CACHE_ROOT": str(VLLM_CACHE / "vllm"),
-    "TORCHINDUCTOR_CACHE_DIR": str(VLLM_CACHE / "torchinductor"),
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    "VLLM_NO_USAGE_STATS": "1",
-    "HF_HUB_OFFLINE": "1",
-    "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": "1",
-}
+# The tests' vLLM settings and caches (a cold cache costs each engine start a model inspection).
+VLLM_ENV = local_vllm_env()
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
@@ -103,55 +99,73 @@ def cpu_seconds(pids: list[int]) -> float:
 
 
 def receive(port_file: str, num_bytes: int) -> None:
-    """A receiver process: accepts one connection, reads num_bytes into one buffer, answers b"ok"."""
+    """A receiver process, alive for the whole run as a replica is: its buffer of the model's
+    size is allocated and touched once, before any round (a replica's staging file is reused
+    across updates too, so neither side pays first-touch page faults inside a round). Each
+    round it accepts one connection, reads num_bytes into the buffer and answers b"ok"."""
+    buffer = bytearray(num_bytes)
+    torch.frombuffer(buffer, dtype=torch.uint8)[:: mmap.PAGESIZE].fill_(1)
+    view = memoryview(buffer)
     listener = socket.create_server(("127.0.0.1", 0))
     pathlib.Path(port_file).write_text(str(listener.getsockname()[1]))
-    buffer = bytearray(num_bytes)
-    view = memoryview(buffer)
-    conn, _ = listener.accept()
-    with conn:
-        received = 0
-        while received < num_bytes:
-            n = conn.recv_into(view[received : received + SEND_BYTES])
-            if n == 0:
-                raise ConnectionError(f"sender closed after {received} of {num_bytes} bytes")
-            received += n
-        conn.sendall(b"ok")
+    while True:
+        conn, _ = listener.accept()
+        with conn:
+            received = 0
+            while received < num_bytes:
+                n = conn.recv_into(view[received : received + SEND_BYTES])
+                if n == 0:
+                    raise ConnectionError(f"sender closed after {received} of {num_bytes} bytes")
+                received += n
+            conn.sendall(b"ok")
 
 
-def socket_round(tensors: dict[str, torch.Tensor], num_bytes: int) -> tuple[float, float]:
-    """Sends every tensor's bytes to two receiver processes at once; (seconds, CPU seconds)."""
+@contextlib.contextmanager
+def socket_receivers(num_bytes: int) -> Iterator[list[tuple[int, int]]]:
+    """Two receiver processes for the whole run: (pid, port) of each."""
     with tempfile.TemporaryDirectory() as tmp:
-        receivers = []
+        processes, port_files = [], []
         for i in range(2):
-            port_file = f"{tmp}/port-{i}"
-            args = [sys.executable, __file__, "--receive", port_file, "--num-bytes", str(num_bytes)]
-            receivers.append((subprocess.Popen(args, env={**os.environ, **MALLOC_ENV}), pathlib.Path(port_file)))
-        while not all(port_file.exists() and port_file.read_text() for _, port_file in receivers):
-            time.sleep(0.02)
-        connections = [socket.create_connection(("127.0.0.1", int(p.read_text()))) for _, p in receivers]
-        pids = [process.pid for process, _ in receivers]
-        cpu_before, self_before = cpu_seconds(pids), time.process_time()
-        started = time.perf_counter()
+            port_files.append(pathlib.Path(f"{tmp}/port-{i}"))
+            args = [sys.executable, __file__, "--receive", str(port_files[-1]), "--num-bytes", str(num_bytes)]
+            processes.append(subprocess.Popen(args, env={**os.environ, **MALLOC_ENV}))
+        try:
+            while not all(port_file.exists() and port_file.read_text() for port_file in port_files):
+                assert all(process.poll() is None for process in processes), "a socket receiver exited"
+                time.sleep(0.02)
+            yield [
+                (process.pid, int(port_file.read_text()))
+                for process, port_file in zip(processes, port_files, strict=True)
+            ]
+        finally:
+            for process in processes:
+                process.kill()
+                process.wait()
 
-        def send(conn: socket.socket) -> None:
-            for tensor in tensors.values():
-                data = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
-                for start in range(0, len(data), SEND_BYTES):
-                    conn.sendall(data[start : start + SEND_BYTES])
-            assert conn.recv(2, socket.MSG_WAITALL) == b"ok"
 
-        threads = [threading.Thread(target=send, args=(conn,)) for conn in connections]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        seconds = time.perf_counter() - started
-        cpu = cpu_seconds(pids) - cpu_before + time.process_time() - self_before
-        for conn in connections:
-            conn.close()
-        for process, _ in receivers:
-            assert process.wait() == 0
+def socket_round(tensors: dict[str, torch.Tensor], receivers: list[tuple[int, int]]) -> tuple[float, float]:
+    """Sends every tensor's bytes to the two receivers at once; (seconds, CPU seconds)."""
+    connections = [socket.create_connection(("127.0.0.1", port)) for _, port in receivers]
+    pids = [pid for pid, _ in receivers]
+    cpu_before, self_before = cpu_seconds(pids), time.process_time()
+    started = time.perf_counter()
+
+    def send(conn: socket.socket) -> None:
+        for tensor in tensors.values():
+            data = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+            for start in range(0, len(data), SEND_BYTES):
+                conn.sendall(data[start : start + SEND_BYTES])
+        assert conn.recv(2, socket.MSG_WAITALL) == b"ok"
+
+    threads = [threading.Thread(target=send, args=(conn,)) for conn in connections]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    seconds = time.perf_counter() - started
+    cpu = cpu_seconds(pids) - cpu_before + time.process_time() - self_before
+    for conn in connections:
+        conn.close()
     return seconds, cpu
 
 
@@ -190,11 +204,17 @@ async def grpc_round(stub, policy_version: int, tensors, num_bytes: int, pids: l
     pushed = time.perf_counter()
     status = await stub.GetStatus(pb2.GetStatusRequest())
     assert all(r.num_bytes_last_push == num_bytes for r in status.replicas), status
+    # The processes that ran all along (not a helper that came or went meanwhile), by role:
+    # pids[-1] is the broadcaster, the others the replicas, whose children are vLLM's engine cores.
+    used = {pid: t - cpu_before[pid] for pid, t in cpu_times(list(cpu_before)).items()}
+    broadcaster, replicas = used.pop(pids[-1], 0.0), sum(used.pop(pid, 0.0) for pid in pids[:-1])
     return {
         "publish_s": published - started,
         "push_s": pushed - published,
-        # The processes that ran all along (not a helper that came or went meanwhile).
-        "push_cpu_s": sum(t - cpu_before[pid] for pid, t in cpu_times(list(cpu_before)).items()),
+        "push_cpu_s": broadcaster + replicas + sum(used.values()),
+        "broadcaster_cpu_s": broadcaster,
+        "replicas_cpu_s": replicas,
+        "engine_cores_cpu_s": sum(used.values()),
         "replica_push_s": max(r.last_push_s for r in status.replicas),
     }
 
@@ -243,21 +263,24 @@ async def bench(args: argparse.Namespace) -> None:
         env=MALLOC_ENV,
     )
     started = [*replicas, broadcaster]
-    try:
-        await asyncio.gather(*(process.start(1500) for process in started))
-        pids = [process.process.pid for process in started]
-        async with make_channel(broadcaster.address, max_attempts=1) as channel:
-            stub = weight_broadcaster_pb2_grpc.WeightBroadcasterServiceStub(channel)
-            for i, replica in enumerate(replicas):
-                await stub.RegisterReplica(pb2.RegisterReplicaRequest(replica_id=f"r{i}", address=replica.address))
-            rows = []
-            for round_index in range(args.rounds):
-                socket_s, socket_cpu = socket_round(tensors, num_bytes)
-                grpc_stats = await grpc_round(stub, round_index + 1, tensors, num_bytes, pids)
-                rows.append({"socket_s": socket_s, "socket_cpu_s": socket_cpu, **grpc_stats})
-                print(f"round {round_index + 1}: " + " ".join(f"{k}={v:.3f}" for k, v in rows[-1].items()), flush=True)
-    finally:
-        await asyncio.gather(*(process.stop() for process in started))
+    with socket_receivers(num_bytes) as receivers:
+        try:
+            await asyncio.gather(*(process.start(1500) for process in started))
+            pids = [process.process.pid for process in started]
+            async with make_channel(broadcaster.address, max_attempts=1) as channel:
+                stub = weight_broadcaster_pb2_grpc.WeightBroadcasterServiceStub(channel)
+                for i, replica in enumerate(replicas):
+                    await stub.RegisterReplica(pb2.RegisterReplicaRequest(replica_id=f"r{i}", address=replica.address))
+                rows = []
+                for round_index in range(args.rounds):
+                    socket_s, socket_cpu = socket_round(tensors, receivers)
+                    grpc_stats = await grpc_round(stub, round_index + 1, tensors, num_bytes, pids)
+                    rows.append({"socket_s": socket_s, "socket_cpu_s": socket_cpu, **grpc_stats})
+                    print(
+                        f"round {round_index + 1}: " + " ".join(f"{k}={v:.3f}" for k, v in rows[-1].items()), flush=True
+                    )
+        finally:
+            await asyncio.gather(*(process.stop() for process in started))
     report(rows, num_bytes, args)
 
 
