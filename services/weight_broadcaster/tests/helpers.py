@@ -129,8 +129,9 @@ async def served_version(process: ServiceProcess) -> int:
         return (await stub.GetLoad(inference_pb2.GetLoadRequest(), timeout=5)).load.policy_version
 
 
-async def logprobs(process: ServiceProcess) -> list[float]:
-    """Prompt logprobs and those of 4 tokens sampled with a fixed seed, over all PROMPTS."""
+async def logprobs(process: ServiceProcess, *, completion: bool = True) -> list[float]:
+    """Prompt logprobs and (with `completion`) those of 4 tokens sampled with a fixed seed,
+    over all PROMPTS."""
     values: list[float] = []
     async with make_channel(process.address) as channel:
         stub = inference_pb2_grpc.InferenceServiceStub(channel)
@@ -145,7 +146,9 @@ async def logprobs(process: ServiceProcess) -> list[float]:
             )
             outputs = [response.output async for response in stub.Generate(request, timeout=60)]
             assert outputs[-1].finished
-            values += list(outputs[-1].prompt_logprobs[1:]) + list(outputs[-1].logprobs)
+            values += list(outputs[-1].prompt_logprobs[1:])
+            if completion:
+                values += list(outputs[-1].logprobs)
     return values
 
 

@@ -14,19 +14,16 @@ import psutil
 import pytest
 import torch
 
-from primerl.common.v1 import generation_pb2
-from primerl.inference.v1 import inference_pb2, inference_pb2_grpc
 from primerl.trainer.v1 import trainer_pb2
 from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2 as pb2
 from primerl_common import collective
-from primerl_common.client import make_channel
 from primerl_common.testing import ServiceProcess, eventually, free_port
 from primerl_common.tiny_model import make_tiny_model
 from primerl_trainer import publish
 
 from ...trainer.tests.serving import push, reference_trainer, serving, trainer_config, watch
 from ...trainer.tests.tiny_training import load_tiny_model, make_samples, pack_into, reference_logprobs
-from .helpers import PROMPTS, START_TIMEOUT_S, TOLERANCE, replica, served_version, wait_for
+from .helpers import PROMPTS, START_TIMEOUT_S, TOLERANCE, logprobs, replica, served_version, wait_for
 from .test_collective_replicas import COLLECTIVE, _answered, broadcaster, register
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")]
@@ -54,24 +51,6 @@ def _reference(model_dir: pathlib.Path, batches) -> list[list[float]]:
         trainer.train_step(batch)
         versions.append(scored())
     return versions
-
-
-async def _prompt_logprobs(process: ServiceProcess) -> list[float]:
-    values: list[float] = []
-    async with make_channel(process.address) as channel:
-        stub = inference_pb2_grpc.InferenceServiceStub(channel)
-        for prompt in PROMPTS:
-            request = inference_pb2.GenerateRequest(
-                input=generation_pb2.GenerationInput(
-                    prompt_token_ids=prompt,
-                    sampling=generation_pb2.SamplingParams(temperature=1.0, max_tokens=1),
-                    stream=generation_pb2.StreamOptions(final_only=True),
-                    return_prompt_logprobs=True,
-                )
-            )
-            outputs = [response.output async for response in stub.Generate(request, timeout=60)]
-            values += list(outputs[-1].prompt_logprobs[1:])
-    return values
 
 
 def _kill(process: ServiceProcess) -> None:
@@ -126,7 +105,7 @@ async def test_the_trainer_publishes_over_a_collective_and_survives_a_replica_ki
                     assert (status.published_policy_version, status.last_publish_error) == (step, "")
                     await wait_for(stub, step, 2, timeout_s=120)
                     for process in (a, b):
-                        served = await _prompt_logprobs(process)
+                        served = await logprobs(process, completion=False)
                         assert _difference(served, reference[step]) <= TOLERANCE
                         assert _difference(served, reference[step - 1]) > 10 * TOLERANCE
                 broadcaster_status = await stub.GetStatus(pb2.GetStatusRequest())
@@ -157,7 +136,7 @@ async def test_the_trainer_publishes_over_a_collective_and_survives_a_replica_ki
                 # group, or pushed over gRPC if the failure cut its receive short), and so does b
                 # once restarted.
                 await wait_for(stub, 3, 1, timeout_s=120)
-                assert _difference(await _prompt_logprobs(a), reference[3]) <= TOLERANCE
+                assert _difference(await logprobs(a, completion=False), reference[3]) <= TOLERANCE
                 await eventually(lambda: _published(trainer, 3))
 
                 b = replica(model_dir, b.port)
@@ -165,6 +144,6 @@ async def test_the_trainer_publishes_over_a_collective_and_survives_a_replica_ki
                 await b.start(START_TIMEOUT_S)
                 await wait_for(stub, 3, 2, timeout_s=120)
                 assert await served_version(b) == 3
-                assert _difference(await _prompt_logprobs(b), reference[3]) <= TOLERANCE
+                assert _difference(await logprobs(b, completion=False), reference[3]) <= TOLERANCE
     finally:
         await asyncio.gather(*(process.stop() for process in started))
