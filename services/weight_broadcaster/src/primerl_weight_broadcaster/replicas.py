@@ -140,7 +140,8 @@ class _Worker:
             probed = False
             try:
                 if self.collective is not None:
-                    probed = True  # it answered the probe that made it a member
+                    # A failed group update leaves it unprobed: it joins no other group until a
+                    # probe answers again (a dead member would hold the next group to its timeout).
                     begin, self.collective = self.collective, None
                     await self._push_collective(begin)
                     continue
