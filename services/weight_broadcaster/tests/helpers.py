@@ -31,13 +31,17 @@ FAST_PUSH = {"probe_interval_s": 0.2, "retry_initial_s": 0.1, "retry_max_s": 0.5
 
 @contextlib.asynccontextmanager
 async def running_broadcaster(
-    replicas: list[dict[str, object]] | None = None, shared_fs: dict[str, object] | None = None, **push: float
+    replicas: list[dict[str, object]] | None = None,
+    shared_fs: dict[str, object] | None = None,
+    store: dict[str, object] | None = None,
+    **push: float,
 ) -> AsyncIterator[weight_broadcaster_pb2_grpc.WeightBroadcasterServiceStub]:
     config = WeightBroadcasterConfig(
         server={"host": "127.0.0.1", "port": 0},
         push={**FAST_PUSH, **push},
         replicas=replicas or [],
         shared_fs=shared_fs or {},
+        store=store or {},
     )
     async with in_process_service(await build(config), config) as served:
         yield weight_broadcaster_pb2_grpc.WeightBroadcasterServiceStub(served.channel)

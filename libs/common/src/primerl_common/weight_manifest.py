@@ -7,11 +7,12 @@ broadcaster) publishes a folder; a reader (an inference replica, told the folder
 API
 ---
     write_weights(path, named_tensors, *, policy_version, weight_format,
-                  delta=False, base_policy_version=0, max_file_bytes=...) -> WeightManifest
+                  delta=False, base_policy_version=0, max_file_bytes=..., metadata=None) -> WeightManifest
         Writes the tensors (torch, any device; names unique) and publishes the folder `path`
         atomically: everything is written into a hidden sibling folder, fsynced, then renamed
         to `path`. `path` must not exist yet (FileExistsError): use one folder per version,
         e.g. `<root>/v00000042`. `weight_format` is a `tensor_pb2.WeightFormat` value.
+        `metadata`: a JSON object of the writer's own, kept in the manifest.
     read_manifest(path, *, verify_checksums=True) -> WeightManifest
         Parses and checks `path/manifest.json` against the files beside it: sizes, byte
         ranges, dtypes, shapes, and (by default) each file's sha256. ManifestError (a
@@ -27,9 +28,10 @@ Folder layout
 
 manifest.json holds `manifest_version` (1), `policy_version`, `weight_format` (the enum name,
 e.g. "WEIGHT_FORMAT_KERNEL_FP8"), `delta`, `base_policy_version`, `files` (name, num_bytes,
-sha256) and `tensors` (name, file, dtype as a torch name without "torch.", shape, offset,
-num_bytes): `offset` is the absolute byte offset of the tensor's data in its file, so a reader
-may map the bytes without parsing the safetensors header.
+sha256), `tensors` (name, file, dtype as a torch name without "torch.", shape, offset,
+num_bytes) and, when the writer gave any, `metadata` (a JSON object of the writer's own, which
+readers may ignore): `offset` is the absolute byte offset of the tensor's data in its file, so
+a reader may map the bytes without parsing the safetensors header.
 
 A delta folder (delta=True) holds the changed tensors only, but whole engine modules: see
 `WeightUpdateBegin.delta` in protos/primerl/inference/v1/inference.proto.
@@ -103,6 +105,7 @@ class WeightManifest:
     base_policy_version: int
     files: tuple[ManifestFile, ...]
     tensors: tuple[ManifestTensor, ...]
+    metadata: dict[str, object] = dataclasses.field(default_factory=dict, hash=False)
 
     @property
     def num_tensors(self) -> int:
@@ -133,6 +136,7 @@ class WeightManifest:
                     }
                     for t in self.tensors
                 ],
+                **({"metadata": self.metadata} if self.metadata else {}),
             },
             indent=1,
         )
@@ -147,6 +151,7 @@ def write_weights(
     delta: bool = False,
     base_policy_version: int = 0,
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+    metadata: dict[str, object] | None = None,
 ) -> WeightManifest:
     """Writes the tensors and the manifest into a new folder `path`, published atomically."""
     path = pathlib.Path(path)
@@ -163,7 +168,13 @@ def write_weights(
             files.append(ManifestFile(name, (staging / name).stat().st_size, _sha256_and_fsync(staging / name)))
             tensors.extend(_safetensors_index(staging / name))
         manifest = WeightManifest(
-            policy_version, weight_format, delta, base_policy_version, tuple(files), tuple(tensors)
+            policy_version,
+            weight_format,
+            delta,
+            base_policy_version,
+            tuple(files),
+            tuple(tensors),
+            dict(metadata or {}),
         )
         write_synced(staging / MANIFEST_NAME, manifest.to_json().encode())
         fsync_dir(staging)
@@ -281,7 +292,14 @@ def _parse(raw: dict) -> WeightManifest:
         int(raw["base_policy_version"]),
         files,
         tensors,
+        _object(raw.get("metadata", {})),
     )
+
+
+def _object(value: object) -> dict[str, object]:
+    if not isinstance(value, dict):
+        raise ValueError(f"metadata must be a JSON object, got {type(value).__name__}")
+    return value
 
 
 def _torch_dtype(name: str) -> torch.dtype:

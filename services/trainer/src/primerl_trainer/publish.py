@@ -305,8 +305,9 @@ class WeightPublisher:
 class BroadcasterWatch:
     """Asks the broadcaster for its latest version every `interval_s` (on the event loop) and
     reports it with the version published before asking: `on_status(latest, published_before=)`.
-    A broadcaster that restarted holds nothing (its versions live in RAM) until the trainer
-    publishes again, and until then no replica gets the latest weights."""
+    A broadcaster that restarted holds nothing (its versions live in RAM, unless it spills them
+    to disk) until the trainer publishes again, and until then no replica gets the latest
+    weights."""
 
     def __init__(
         self,

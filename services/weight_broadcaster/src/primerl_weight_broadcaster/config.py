@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import tempfile
 from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -38,6 +39,29 @@ class ReplicaConfig(Section):
         description="UpdateWeights stream, a folder of shared_fs.folder named in the stream, or a collective "
         "group with the trainer (needs collective.backend and format hf)",
     )
+
+
+class StoreConfig(Section):
+    """Where the latest version is kept."""
+
+    spill_folder: pathlib.Path | None = Field(
+        default=None,
+        description="folder (created if missing) each published version is written to and memory-mapped from, "
+        "instead of held in RAM; a restarted broadcaster starts on the newest version there; empty: RAM only",
+    )
+
+    @field_validator("spill_folder")
+    @classmethod
+    def _usable_folder(cls, folder: pathlib.Path | None) -> pathlib.Path | None:
+        if folder is None:
+            return None
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryFile(dir=folder):  # permissions alone do not tell (root, read-only mounts)
+                pass
+        except OSError as exc:
+            raise ValueError(f"{folder} cannot be created or written: {exc}") from None
+        return folder.resolve()
 
 
 class SharedFsConfig(Section):
@@ -94,6 +118,7 @@ class WeightBroadcasterConfig(ServiceConfig):
 
     server: ServerConfig = ServerConfig(port=50055)
     push: PushConfig = PushConfig()
+    store: StoreConfig = StoreConfig()
     shared_fs: SharedFsConfig = SharedFsConfig()
     collective: CollectiveConfig = CollectiveConfig()
     replicas: list[ReplicaConfig] = Field(

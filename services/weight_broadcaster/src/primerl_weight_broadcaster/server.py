@@ -16,11 +16,14 @@ from primerl_weight_broadcaster.servicer import (
     WeightBroadcasterServicer,
 )
 from primerl_weight_broadcaster.shared_fs import SharedFolders
+from primerl_weight_broadcaster.spill import SpillFolder
 from primerl_weight_broadcaster.store import WeightStore
 
 
 async def build(config: WeightBroadcasterConfig) -> ServiceDefinition:
-    store = WeightStore()
+    spill = None if config.store.spill_folder is None else SpillFolder(config.store.spill_folder)
+    # Reads the newest spilled version, if any (checksums included): off the event loop.
+    store = await asyncio.to_thread(WeightStore, spill)
     folder = config.shared_fs.folder
     shared = None if folder is None else SharedFolders(folder, keep_versions=config.shared_fs.keep_versions)
     collective = None

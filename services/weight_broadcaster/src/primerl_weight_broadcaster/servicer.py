@@ -75,8 +75,14 @@ class WeightBroadcasterServicer(weight_broadcaster_pb2_grpc.WeightBroadcasterSer
         tensors = await _receive(requests, begin)
         async with self._publishing:
             self._check_version(begin.policy_version, data=True)
-            published = self._store.publish(begin.policy_version, tensors)
-        self._replicas.published()
+            # Off the event loop: comparing with the latest version, and spilling, take a while.
+            published = self._store.make_latest(
+                await asyncio.to_thread(self._store.prepare, begin.policy_version, tensors)
+            )
+            self._replicas.published()  # pushes start from the received tensors, not waiting for the disk
+            # Spilled before the reply and the next publish: a version the trainer saw stored is on
+            # disk (unless the write failed: logged, and the version stays in RAM).
+            self._store.hold_spilled(published, await asyncio.to_thread(self._store.spill, published))
         logger.info(
             "policy version %d published: %d tensors (%d changed), %.1f MiB",
             published.policy_version,

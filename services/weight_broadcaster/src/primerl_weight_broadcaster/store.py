@@ -1,17 +1,19 @@
-"""The latest published policy version, held in RAM, which tensors each version changed, and
-the version converted to each format a replica asked for (once per version and format).
+"""The latest published policy version, held in RAM (or, with a spill folder, mapped from its
+copy on disk: spill.py), which tensors each version changed, and the version converted to
+each format a replica asked for (once per version and format).
 
 Version rule: a publish must carry a version greater than the latest one; anything else is
 refused with FAILED_PRECONDITION. Replicas refuse versions not newer than the one they serve,
 so accepting a lower version (a trainer resumed from an older checkpoint) would strand every
 replica. Such a trainer must resume with versions above the latest, or the broadcaster and
-replicas must be restarted together.
+replicas must be restarted together (and the spill folder emptied).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 
 import torch
 
@@ -19,8 +21,11 @@ from primerl.common.v1 import tensor_pb2
 from primerl_common.engine_modules import engine_module
 from primerl_common.errors import FailedPrecondition, InvalidArgument
 from primerl_weight_broadcaster.formats import convert
+from primerl_weight_broadcaster.spill import SpilledVersion, SpillFolder
 
 __all__ = ["PublishedVersion", "WeightStore"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,7 +38,8 @@ class PublishedVersion:
     # Version at which each tensor, or another of its engine module, last changed value, shape
     # or dtype: a delta carries whole modules (primerl_common.engine_modules).
     last_changed: dict[str, int]
-    # First version this process stored: deltas from an older base are not known.
+    # First version since which every change is recorded (the first this process, or the one
+    # whose spill it loaded, stored): deltas from an older base are not known.
     first_policy_version: int
     num_changed_tensors: int
     num_bytes: int
@@ -55,21 +61,31 @@ def _whole_modules(last_changed: dict[str, int]) -> dict[str, int]:
     return {name: module_changed[engine_module(name)] for name in last_changed}
 
 
+def _version(
+    policy_version: int,
+    tensors: dict[str, torch.Tensor],
+    last_changed: dict[str, int],
+    first_policy_version: int,
+    weight_format: int = tensor_pb2.WEIGHT_FORMAT_HF,
+) -> PublishedVersion:
+    return PublishedVersion(
+        policy_version=policy_version,
+        tensors=tensors,
+        last_changed=last_changed,
+        first_policy_version=first_policy_version,
+        num_changed_tensors=sum(1 for v in last_changed.values() if v == policy_version),
+        num_bytes=sum(t.numel() * t.element_size() for t in tensors.values()),
+        format=weight_format,
+    )
+
+
 def _converted(hf: PublishedVersion, weight_format: int) -> PublishedVersion:
     """`hf` in `weight_format`: a converted tensor last changed when the last of its sources did."""
     converted = convert(hf.tensors, weight_format)
     last_changed = _whole_modules(
         {name: max(hf.last_changed[source] for source in sources) for name, sources in converted.sources.items()}
     )
-    return PublishedVersion(
-        policy_version=hf.policy_version,
-        tensors=converted.tensors,
-        last_changed=last_changed,
-        first_policy_version=hf.first_policy_version,
-        num_changed_tensors=sum(1 for v in last_changed.values() if v == hf.policy_version),
-        num_bytes=sum(t.numel() * t.element_size() for t in converted.tensors.values()),
-        format=weight_format,
-    )
+    return _version(hf.policy_version, converted.tensors, last_changed, hf.first_policy_version, weight_format)
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -77,17 +93,25 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 class WeightStore:
-    def __init__(self) -> None:
+    def __init__(self, spill: SpillFolder | None = None) -> None:
+        """With `spill`, starts on the newest version spilled there (blocking: it reads it)."""
+        self._spill = spill
         self.latest: PublishedVersion | None = None
         # The latest version's conversions, started by the first replica that needs each format.
         self._conversions: dict[int, asyncio.Future[PublishedVersion]] = {}
+        if spill is not None and (spilled := spill.load_latest()) is not None:
+            self.latest = _version(
+                spilled.policy_version, spilled.tensors, spilled.last_changed, spilled.first_policy_version
+            )
 
     async def in_format(self, version: PublishedVersion, weight_format: int) -> PublishedVersion:
         """`version` (HF) in `weight_format`, converted once (off the event loop) however many
         replicas ask; ValueError when the weights do not fit the format."""
         if weight_format == tensor_pb2.WEIGHT_FORMAT_HF:
             return version
-        if version is not self.latest:  # superseded while a push started: not worth caching
+        # Superseded while a push started: not worth caching. (Compared by version: the latest
+        # may since be held as views of its spilled files, the same data.)
+        if version.policy_version != self.latest_policy_version:
             return await asyncio.to_thread(_converted, version, weight_format)
         conversion = self._conversions.get(weight_format)
         if conversion is None:
@@ -113,7 +137,15 @@ class WeightStore:
             )
 
     def publish(self, policy_version: int, tensors: dict[str, torch.Tensor]) -> PublishedVersion:
-        """Stores `tensors` as the latest version and returns it."""
+        """Stores `tensors` as the latest version, spilled when the store spills, and returns it
+        (blocking: the servicer runs the steps apart, see PublishWeights)."""
+        version = self.make_latest(self.prepare(policy_version, tensors))
+        self.hold_spilled(version, self.spill(version))
+        return self.latest
+
+    def prepare(self, policy_version: int, tensors: dict[str, torch.Tensor]) -> PublishedVersion:
+        """The version `tensors` make on top of the latest (it compares them: blocking, so run
+        off the event loop, one at a time, and `make_latest` it before the next)."""
         self.check_version(policy_version)
         previous = self.latest
         if previous is None:
@@ -132,14 +164,32 @@ class WeightStore:
             if set(previous.tensors) - set(tensors):
                 # A tensor disappeared: a delta cannot express that, so older bases get everything.
                 first = policy_version
-        num_changed = sum(1 for v in last_changed.values() if v == policy_version)
+        return _version(policy_version, tensors, last_changed, first)
+
+    def make_latest(self, version: PublishedVersion) -> PublishedVersion:
+        """Stores a version `prepare` returned (on the event loop: pushes read `latest`)."""
+        self.check_version(version.policy_version)
         self._conversions = {}
-        self.latest = PublishedVersion(
-            policy_version=policy_version,
-            tensors=tensors,
-            last_changed=last_changed,
-            first_policy_version=first,
-            num_changed_tensors=num_changed,
-            num_bytes=sum(t.numel() * t.element_size() for t in tensors.values()),
+        self.latest = version
+        return version
+
+    def spill(self, version: PublishedVersion) -> PublishedVersion | None:
+        """`version` written to the spill folder, with its tensors views of the files; None
+        without a spill folder, or when the write failed (logged: the version stays in RAM, and
+        a restart loads an older one, which the trainer notices and publishes again). Blocking."""
+        if self._spill is None:
+            return None
+        spilled = SpilledVersion(
+            version.policy_version, version.tensors, version.last_changed, version.first_policy_version
         )
-        return self.latest
+        try:
+            return dataclasses.replace(version, tensors=self._spill.write(spilled).tensors)
+        except (OSError, RuntimeError) as exc:  # disk full, folder gone; torch's mapping failed
+            logger.error("spilling policy version %d to store.spill_folder failed: %s", version.policy_version, exc)
+            return None
+
+    def hold_spilled(self, version: PublishedVersion, spilled: PublishedVersion | None) -> None:
+        """Holds `spilled` instead of `version` (RAM copies), if that is still the latest (on
+        the event loop). Its conversions stay: they are of the same data."""
+        if spilled is not None and self.latest is version:
+            self.latest = spilled
