@@ -2,7 +2,7 @@ import torch
 
 from primerl.inference.v1 import inference_pb2
 from primerl_common.tensors import iter_tensor_chunks
-from primerl_weight_broadcaster.wire import SharedSerializer, serialized_update
+from primerl_weight_broadcaster.wire import SharedSerializer
 
 
 def test_hand_serialized_requests_parse_as_the_codec_would_build_them():
@@ -16,7 +16,7 @@ def test_hand_serialized_requests_parse_as_the_codec_would_build_them():
     begin = inference_pb2.WeightUpdateBegin(policy_version=7, num_tensors=len(tensors))
     got = [
         inference_pb2.UpdateWeightsRequest.FromString(data)
-        for data in serialized_update(begin, tensors, chunk_bytes=5000)
+        for data in SharedSerializer(chunk_bytes=5000).update("v7", begin, tensors)
     ]
     expected = [inference_pb2.UpdateWeightsRequest(begin=begin)] + [
         inference_pb2.UpdateWeightsRequest(chunk=chunk) for chunk in iter_tensor_chunks(tensors, chunk_bytes=5000)
@@ -28,8 +28,9 @@ def test_hand_serialized_requests_parse_as_the_codec_would_build_them():
 def test_concurrent_pushes_share_each_serialized_chunk_within_a_bounded_window():
     tensors = [("a", torch.randn(10_000)), ("b", torch.arange(3000, dtype=torch.int16))]
     begin = inference_pb2.WeightUpdateBegin(policy_version=3, num_tensors=len(tensors))
-    expected = list(serialized_update(begin, tensors, chunk_bytes=1000))
     serializer = SharedSerializer(chunk_bytes=1000, window=4)
+    expected = list(serializer.update("v3", begin, tensors))  # a push alone
+    assert serializer.num_kept == 0
     ahead, behind = serializer.update("v3", begin, tensors), serializer.update("v3", begin, tensors)
     first = [next(ahead), next(ahead)]  # begin, then chunk 0 before the other push started
     second = [next(behind), next(behind)]

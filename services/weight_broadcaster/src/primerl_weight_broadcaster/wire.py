@@ -24,7 +24,7 @@ from primerl.common.v1 import tensor_pb2
 from primerl.inference.v1 import inference_pb2
 from primerl_common.tensors import DEFAULT_CHUNK_BYTES, dtype_to_proto, iter_tensor_chunks
 
-__all__ = ["UPDATE_WEIGHTS_METHOD", "SharedSerializer", "serialized_update", "update_weights_call"]
+__all__ = ["UPDATE_WEIGHTS_METHOD", "SharedSerializer", "update_weights_call"]
 
 UPDATE_WEIGHTS_METHOD = "/primerl.inference.v1.InferenceService/UpdateWeights"
 _LENGTH_DELIMITED = 2
@@ -35,25 +35,12 @@ _WINDOW_CHUNKS = 8
 
 
 def update_weights_call(channel: grpc.aio.Channel) -> grpc.aio.StreamUnaryMultiCallable:
-    """UpdateWeights taking already serialized requests (see `serialized_update`)."""
+    """UpdateWeights taking already serialized requests (see `SharedSerializer.update`)."""
     return channel.stream_unary(
         UPDATE_WEIGHTS_METHOD,
         request_serializer=None,
         response_deserializer=inference_pb2.UpdateWeightsResponse.FromString,
     )
-
-
-def serialized_update(
-    begin: inference_pb2.WeightUpdateBegin,
-    named_tensors: Iterable[tuple[str, torch.Tensor]],
-    *,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-) -> Iterator[bytes]:
-    """The serialized requests of an UpdateWeights stream: `begin`, then the tensors' chunks
-    (lazily: each chunk is serialized as it is sent)."""
-    yield inference_pb2.UpdateWeightsRequest(begin=begin).SerializeToString()
-    for chunk in _ChunkPlan(named_tensors, chunk_bytes).chunks:
-        yield chunk.serialize()
 
 
 class SharedSerializer:
@@ -70,8 +57,9 @@ class SharedSerializer:
     def update(
         self, key: Hashable, begin: inference_pb2.WeightUpdateBegin, named_tensors: Iterable[tuple[str, torch.Tensor]]
     ) -> Iterator[bytes]:
-        """`serialized_update(begin, named_tensors)`, sharing chunks with the other streams of
-        the same `key`, which must stand for the same tensors (e.g. version, format, base)."""
+        """The serialized requests of an UpdateWeights stream: `begin`, then the tensors' chunks
+        (lazily: each chunk is serialized as it is sent, or taken from another stream of the
+        same `key`, which must stand for the same tensors: e.g. version, format, base)."""
         yield inference_pb2.UpdateWeightsRequest(begin=begin).SerializeToString()
         stream = self._streams.get(key)
         if stream is None:
