@@ -1,4 +1,4 @@
-"""Weights over a collective group (primerl_common.collective): rank 0's sender and the
+"""Weights over a collective group (primerl_common.weights.collective): rank 0's sender and the
 receiver the inference worker runs, over real process groups formed through a TCPStore:
 gloo between threads on CPU, NCCL between two processes on two GPUs."""
 
@@ -11,7 +11,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from primerl_common.collective import CollectiveReceiver, GroupCache, GroupSpec, TensorSpec, buckets, send_tensors
+from primerl_common.weights.collective import (
+    CollectiveReceiver,
+    GroupCache,
+    GroupSpec,
+    TensorSpec,
+    buckets,
+    send_tensors,
+)
 
 TENSORS = {
     "embed": torch.randn(33, 7),

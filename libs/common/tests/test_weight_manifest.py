@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from primerl.common.v1 import tensor_pb2
-from primerl_common.weight_manifest import ManifestError, load_tensors, read_manifest, write_weights
+from primerl_common.weights.manifest import ManifestError, load_tensors, read_manifest, write_weights
 
 KERNEL = tensor_pb2.WEIGHT_FORMAT_KERNEL
 

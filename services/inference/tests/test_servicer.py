@@ -18,7 +18,7 @@ from primerl.common.v1 import generation_pb2, tensor_pb2
 from primerl.inference.v1 import inference_pb2, inference_pb2_grpc
 from primerl_common.errors import InvalidArgument, field_violations
 from primerl_common.tensors import TensorChunkView
-from primerl_common.weight_manifest import write_weights
+from primerl_common.weights.manifest import write_weights
 from primerl_inference.servicer import parse_update_request
 
 from .serving import (

@@ -11,7 +11,7 @@ import torch
 from primerl.common.v1 import tensor_pb2
 from primerl_common.errors import InvalidArgument
 from primerl_common.tensors import iter_tensor_chunks
-from primerl_common.weight_manifest import write_weights
+from primerl_common.weights.manifest import write_weights
 from primerl_inference.weights import WeightStaging, WeightTable, WeightUpdate, stage_shared_folder
 from primerl_inference.worker_extension import _map_staged_tensors
 

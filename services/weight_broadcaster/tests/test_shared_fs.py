@@ -3,7 +3,7 @@ import pathlib
 import torch
 
 from primerl.common.v1 import tensor_pb2
-from primerl_common.weight_manifest import load_tensors, read_manifest
+from primerl_common.weights.manifest import load_tensors, read_manifest
 from primerl_weight_broadcaster.shared_fs import SharedFolders
 from primerl_weight_broadcaster.store import WeightStore
 

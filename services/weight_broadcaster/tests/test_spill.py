@@ -18,7 +18,7 @@ from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2 as pb2
 from primerl_common.errors import error_details
 from primerl_common.tensors import TensorAssembler
 from primerl_common.testing import bare_server
-from primerl_common.weight_manifest import load_tensors, read_manifest
+from primerl_common.weights.manifest import load_tensors, read_manifest
 from primerl_weight_broadcaster.config import WeightBroadcasterConfig
 from primerl_weight_broadcaster.spill import SpillFolder
 from primerl_weight_broadcaster.store import WeightStore

@@ -15,9 +15,9 @@ from vllm.v1.engine.async_llm import AsyncLLM
 
 from primerl.common.v1 import tensor_pb2
 from primerl.inference.v1 import inference_pb2
-from primerl_common.collective import GroupSpec, TensorSpec
 from primerl_common.errors import InvalidArgument, Unavailable
 from primerl_common.tensors import dtype_from_proto, dtype_to_proto
+from primerl_common.weights.collective import GroupSpec, TensorSpec
 from primerl_inference.weights import StagedTensor, StagedWeights, WeightTable, WeightUpdate
 
 __all__ = ["CollectiveUpdate", "check_collective_update", "collective_update_from_proto", "receive_collective"]

@@ -9,7 +9,7 @@ An update arrives as a tensor stream (`WeightStaging`: each tensor is checked as
 arrives, before a byte of the model is touched, and the accepted ones go into one staging
 file, in /dev/shm by default: memory, not disk), or as a folder on a shared filesystem
 (`stage_shared_folder`: its manifest is checked the same way, see
-primerl_common.weight_manifest). Either way the result is a `StagedWeights`, an index of
+primerl_common.weights.manifest). Either way the result is a `StagedWeights`, an index of
 validated tensors in files that the engine process maps and loads from (see
 worker_extension.py). An update that fails any check is refused as a whole.
 
@@ -33,10 +33,10 @@ import torch
 from safetensors import safe_open
 
 from primerl.common.v1 import tensor_pb2
-from primerl_common.engine_modules import engine_module
 from primerl_common.errors import InvalidArgument
 from primerl_common.tensors import FileTensorAssembler, TensorChunkView, dtype_to_proto
-from primerl_common.weight_manifest import ManifestError, read_manifest
+from primerl_common.weights.engine_modules import engine_module
+from primerl_common.weights.manifest import ManifestError, read_manifest
 
 __all__ = [
     "StagedTensor",
@@ -85,7 +85,7 @@ class WeightUpdate:
     num_bytes: int
     delta: bool = False
     base_policy_version: int = 0
-    # A published folder (primerl_common.weight_manifest) to load from; no chunks follow.
+    # A published folder (primerl_common.weights.manifest) to load from; no chunks follow.
     shared_fs_path: str = ""
 
 

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from vllm.platforms import current_platform
 
-from primerl_common.collective import CollectiveReceiver, GroupSpec, TensorSpec
+from primerl_common.weights.collective import CollectiveReceiver, GroupSpec, TensorSpec
 from primerl_inference.routed_experts import RoutedExpertsWorkerExtension
 
 __all__ = ["WorkerExtension"]

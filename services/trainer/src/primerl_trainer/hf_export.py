@@ -29,7 +29,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from primerl_common.tiny_model import STAMP_FILE
-from primerl_common.weight_manifest import group_by_size
+from primerl_common.weights.manifest import group_by_size
 from primerl_trainer.export import exported_tensors, gather_state_dict
 
 __all__ = ["EXPORT_INFO_FILE", "export_dtype", "export_hf_model", "write_hf_folder"]

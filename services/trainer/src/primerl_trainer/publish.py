@@ -6,7 +6,7 @@ time, by collectives every rank takes part in (export.py), so `send` always cons
 stream, also after the call failed: the other ranks are waiting in those collectives.
 
 `WeightPublisher.send_collective` publishes over a collective group instead (TRANSPORT_NCCL
-replicas, primerl_common.collective): the broadcaster gets the tensor list, names the group,
+replicas, primerl_common.weights.collective): the broadcaster gets the tensor list, names the group,
 and the trainer broadcasts the tensors to the replicas in it as rank 0; it streams them to the
 broadcaster as well, in the same pass, when the broadcaster asks for the data.
 """
@@ -28,10 +28,10 @@ from primerl.common.v1 import tensor_pb2
 from primerl.inference.v1 import inference_pb2
 from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2, weight_broadcaster_pb2_grpc
 from primerl_common.client import make_channel
-from primerl_common.collective import GroupCache, GroupSpec, TensorSpec, send_tensors
 from primerl_common.errors import error_details
 from primerl_common.server import channel_options
 from primerl_common.tensors import DEFAULT_CHUNK_BYTES, dtype_from_proto, dtype_to_proto, iter_tensor_chunks
+from primerl_common.weights.collective import GroupCache, GroupSpec, TensorSpec, send_tensors
 from primerl_trainer.export import PublishKind
 
 __all__ = [

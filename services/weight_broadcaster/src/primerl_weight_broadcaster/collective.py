@@ -1,6 +1,6 @@
 """The TRANSPORT_NCCL side of the broadcaster: it hosts the TCPStore every member of a
 collective group connects to, decides who joins each version's broadcast, and names the
-group (primerl_common.collective has the plumbing the trainer and the replicas share).
+group (primerl_common.weights.collective has the plumbing the trainer and the replicas share).
 
 Membership: every TRANSPORT_NCCL replica that answered its last probe and lists the
 capability "weights.collective.<backend>", in registration order, ranks 1..N after the

@@ -1,5 +1,5 @@
 """The shared-filesystem transport: each version written once per format (and per delta base)
-into a folder of the configured root, which replicas read (primerl_common.weight_manifest).
+into a folder of the configured root, which replicas read (primerl_common.weights.manifest).
 
 Folders are named `v<version>-<format>` (full) or `v<version>-<format>-delta<base>`, written
 aside and renamed into place by `write_weights`, so a replica never sees a partial folder.
@@ -19,7 +19,7 @@ import re
 import shutil
 from collections.abc import AsyncIterator
 
-from primerl_common.weight_manifest import WeightManifest, write_weights
+from primerl_common.weights.manifest import WeightManifest, write_weights
 from primerl_weight_broadcaster.formats import format_name
 from primerl_weight_broadcaster.store import PublishedVersion
 

@@ -1,5 +1,5 @@
 """The store's copy on disk (`store.spill_folder`): each published version, as published (HF
-names), written as a primerl_common.weight_manifest folder with the version each tensor last
+names), written as a primerl_common.weights.manifest folder with the version each tensor last
 changed, and held from then on as memory-mapped views of those files instead of RAM copies.
 At start, the newest complete folder is loaded back, so a restarted broadcaster holds the
 current version at once.
@@ -25,7 +25,7 @@ import threading
 import torch
 
 from primerl.common.v1 import tensor_pb2
-from primerl_common.weight_manifest import ManifestError, WeightManifest, load_tensors, read_manifest, write_weights
+from primerl_common.weights.manifest import ManifestError, WeightManifest, load_tensors, read_manifest, write_weights
 
 __all__ = ["SpillFolder", "SpilledVersion"]
 

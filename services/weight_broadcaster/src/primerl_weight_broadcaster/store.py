@@ -18,8 +18,8 @@ import logging
 import torch
 
 from primerl.common.v1 import tensor_pb2
-from primerl_common.engine_modules import engine_module
 from primerl_common.errors import FailedPrecondition, InvalidArgument
+from primerl_common.weights.engine_modules import engine_module
 from primerl_weight_broadcaster.formats import convert
 from primerl_weight_broadcaster.spill import SpilledVersion, SpillFolder
 
@@ -36,7 +36,7 @@ class PublishedVersion:
     policy_version: int
     tensors: dict[str, torch.Tensor]
     # Version at which each tensor, or another of its engine module, last changed value, shape
-    # or dtype: a delta carries whole modules (primerl_common.engine_modules).
+    # or dtype: a delta carries whole modules (primerl_common.weights.engine_modules).
     last_changed: dict[str, int]
     # First version since which every change is recorded (the first this process, or the one
     # whose spill it loaded, stored): deltas from an older base are not known.

@@ -1,0 +1,4 @@
+"""Weight transport shared by the trainer, the weight broadcaster and inference replicas:
+`manifest` (a version's weights as a published folder of safetensors files), `collective`
+(a version broadcast over a process group) and `engine_modules` (which engine module a
+tensor name loads into, so a delta carries whole modules)."""
