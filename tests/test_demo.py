@@ -204,7 +204,7 @@ def test_primerl_up_runs_rl_through_all_six_services(tmp_path):
     config.write_text(LAUNCH_FILE)
     with out.open("w") as log:
         launcher = subprocess.Popen(
-            [sys.executable, "-m", "primerl_common.launcher", "up", "-c", str(config), "--run-dir", str(run_dir)],
+            [sys.executable, "-m", "primerl_launcher", "up", "-c", str(config), "--run-dir", str(run_dir)],
             stdout=log,
             stderr=subprocess.STDOUT,
             text=True,

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from primerl_common.register_replicas import parse_args
+from primerl_launcher.register_replicas import parse_args
 
 from . import deploy_helpers
 from .deploy_helpers import (

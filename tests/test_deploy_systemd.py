@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from primerl_common.register_replicas import parse_args
+from primerl_launcher.register_replicas import parse_args
 
 from . import deploy_helpers
 from .deploy_helpers import (

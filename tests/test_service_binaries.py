@@ -18,7 +18,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from primerl_common.client import make_channel
 from primerl_common.testing import ServiceProcess, free_port
-from primerl_common.tiny_model import make_tiny_model
+from primerl_launcher.tiny_model import make_tiny_model
 
 # service -> (proto service, an RPC the skeleton does not implement yet, its request);
 # None where the service implements every RPC of its contract.

@@ -21,9 +21,9 @@ from primerl_common.local_vllm import in_process_llm, restored_process_state
 from primerl_common.server import GrpcService
 from primerl_common.tensors import iter_tensor_chunks
 from primerl_common.testing import in_process_service
-from primerl_common.tiny_model import make_tiny_model
 from primerl_inference.config import InferenceConfig
 from primerl_inference.server import build
+from primerl_launcher.tiny_model import make_tiny_model
 
 # Small enough to start fast and fit beside other engines on a shared 2-core box.
 ENGINE_SETTINGS: dict[str, Any] = {"enforce_eager": True, "max_model_len": 512, "max_num_seqs": 8}

@@ -5,8 +5,8 @@ import pathlib
 import pytest
 
 from primerl_common.config import ConfigError, load_config
-from primerl_common.tiny_model import make_tiny_model
 from primerl_inference.config import InferenceConfig
+from primerl_launcher.tiny_model import make_tiny_model
 
 
 @pytest.fixture(scope="module")

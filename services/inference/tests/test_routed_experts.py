@@ -17,13 +17,13 @@ from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.v1.engine.async_llm import AsyncLLM
 
 from primerl_common.local_vllm import in_process_llm, restored_process_state
-from primerl_common.tiny_model import TinyModelSpec, make_tiny_model
 from primerl_inference.routed_experts import (
     RoutedExpertsCapture,
     RoutedExpertsClient,
     RoutedExpertsUnavailableError,
     routed_experts_from_vllm_output,
 )
+from primerl_launcher.tiny_model import TinyModelSpec, make_tiny_model
 
 # Small enough that prompts are prefilled in several chunks and prefix-cache hits need few
 # tokens (32 is the smallest block the CPU attention takes).

@@ -19,8 +19,8 @@ import pytest_asyncio
 from primerl.common.v1 import generation_pb2, tensor_pb2
 from primerl.inference.v1 import inference_pb2
 from primerl_common.tensors import tensor_from_proto
-from primerl_common.tiny_model import SPECS
 from primerl_common.weights.manifest import write_weights
+from primerl_launcher.tiny_model import SPECS
 
 from .serving import (
     TOLERANCE,

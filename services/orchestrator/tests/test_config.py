@@ -1,7 +1,7 @@
 import pytest
 
 from primerl_common.config import ConfigError, load_config
-from primerl_common.tiny_model import save_tokenizer
+from primerl_launcher.tiny_model import save_tokenizer
 from primerl_orchestrator.config import OrchestratorConfig
 
 

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from primerl_common.tiny_model import save_tokenizer
+from primerl_launcher.tiny_model import save_tokenizer
 from primerl_orchestrator.config import OrchestratorConfig
 from primerl_orchestrator.episodes import Rollout
 from primerl_orchestrator.loop import BatchLoop

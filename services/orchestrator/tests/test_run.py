@@ -10,7 +10,7 @@ import pytest
 
 from primerl_common.errors import FailedPrecondition, InvalidArgument, NotFound
 from primerl_common.testing import free_port
-from primerl_common.tiny_model import save_tokenizer
+from primerl_launcher.tiny_model import save_tokenizer
 from primerl_orchestrator.config import OrchestratorConfig
 from primerl_orchestrator.environments import Task
 from primerl_orchestrator.generation import RouterGeneration

@@ -29,7 +29,7 @@ from primerl.router.v1 import router_pb2, router_pb2_grpc
 from primerl_common.client import make_channel
 from primerl_common.tensors import iter_tensor_chunks
 from primerl_common.testing import ServiceProcess, free_port, in_process_service
-from primerl_common.tiny_model import make_tiny_model
+from primerl_launcher.tiny_model import make_tiny_model
 from primerl_router.config import RouterConfig
 from primerl_router.server import build
 

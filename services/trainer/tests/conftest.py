@@ -5,7 +5,7 @@ import pathlib
 import pytest
 import torch
 
-from primerl_common.tiny_model import make_tiny_model
+from primerl_launcher.tiny_model import make_tiny_model
 from primerl_trainer.batch import MicroBatch
 
 from .tiny_training import load_tiny_model, make_samples, pack_into, tiny_model_dir

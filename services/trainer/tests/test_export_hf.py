@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from primerl_common.config import ConfigError, load_config
-from primerl_common.tiny_model import STAMP_FILE
+from primerl_launcher.tiny_model import STAMP_FILE
 from primerl_trainer.config import TrainerConfig
 from primerl_trainer.export import hf_converter
 from primerl_trainer.hf_export import EXPORT_INFO_FILE, export_hf_model

@@ -15,7 +15,7 @@ from pydantic import ValidationError
 from transformers import AutoTokenizer
 
 from primerl.trainer.v1 import trainer_pb2
-from primerl_common.tiny_model import EOS_TOKEN_ID
+from primerl_launcher.tiny_model import EOS_TOKEN_ID
 from primerl_trainer.config import TrainerConfig
 from primerl_trainer.sft_data import SFTDataset, load_sft_samples, pack_samples, tokenize_example
 

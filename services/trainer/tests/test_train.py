@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from primerl_common.errors import InvalidArgument
-from primerl_common.tiny_model import make_tiny_model
+from primerl_launcher.tiny_model import make_tiny_model
 from primerl_trainer.batch import BatchSpec
 from primerl_trainer.losses import token_logprobs
 from primerl_trainer.optim import LRScheduleConfig, OptimizerConfig, build_lr_scheduler, build_optimizer

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from primerl_common.tiny_model import make_tiny_model
+from primerl_launcher.tiny_model import make_tiny_model
 from primerl_trainer.batch import BatchSpec, MicroBatch
 from primerl_trainer.models import load_model
 from primerl_trainer.optim import LRScheduleConfig, OptimizerConfig

@@ -17,7 +17,7 @@ from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2 as pb2
 from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2_grpc
 from primerl_common.errors import FailedPrecondition
 from primerl_common.testing import eventually, free_port, in_process_service
-from primerl_common.tiny_model import make_tiny_model
+from primerl_launcher.tiny_model import make_tiny_model
 from primerl_trainer.publish import PublishError, WeightPublisher, tensor_headers
 from primerl_weight_broadcaster.collective import CollectiveHost, CollectiveSettings
 from primerl_weight_broadcaster.config import WeightBroadcasterConfig

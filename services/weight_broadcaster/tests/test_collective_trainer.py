@@ -17,8 +17,8 @@ import torch
 from primerl.trainer.v1 import trainer_pb2
 from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2 as pb2
 from primerl_common.testing import ServiceProcess, eventually, free_port
-from primerl_common.tiny_model import make_tiny_model
 from primerl_common.weights import collective
+from primerl_launcher.tiny_model import make_tiny_model
 from primerl_trainer import publish
 
 from ...trainer.tests.serving import push, reference_trainer, serving, trainer_config, watch

@@ -28,7 +28,6 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from primerl_common.tiny_model import STAMP_FILE
 from primerl_common.weights.manifest import group_by_size
 from primerl_trainer.export import exported_tensors, gather_state_dict
 
@@ -37,10 +36,17 @@ __all__ = ["EXPORT_INFO_FILE", "export_dtype", "export_hf_model", "write_hf_fold
 logger = logging.getLogger(__name__)
 
 EXPORT_INFO_FILE = "primerl_export.json"
+# The stamp primerl-make-tiny-model writes (primerl_launcher.tiny_model.STAMP_FILE; test_export_hf checks they agree).
+TINY_MODEL_STAMP_FILE = "primerl_tiny_model.json"
 # Weights of the source checkpoint (replaced) and its tiny-model stamp (which would claim the
 # folder holds the seed's untrained weights).
 _NOT_COPIED_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack")
-_NOT_COPIED_NAMES = {"model.safetensors.index.json", "pytorch_model.bin.index.json", STAMP_FILE, EXPORT_INFO_FILE}
+_NOT_COPIED_NAMES = {
+    "model.safetensors.index.json",
+    "pytorch_model.bin.index.json",
+    TINY_MODEL_STAMP_FILE,
+    EXPORT_INFO_FILE,
+}
 
 
 def export_dtype(name: str, hf_config: dict[str, Any]) -> torch.dtype:

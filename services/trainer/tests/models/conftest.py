@@ -5,7 +5,7 @@ import pathlib
 import pytest
 import torch
 
-from primerl_common.tiny_model import VOCAB_SIZE, make_tiny_model
+from primerl_launcher.tiny_model import VOCAB_SIZE, make_tiny_model
 
 
 @pytest.fixture(scope="session")

@@ -6,7 +6,7 @@ import pathlib
 import pytest
 import torch
 
-from primerl_common.tiny_model import make_tiny_model
+from primerl_launcher.tiny_model import make_tiny_model
 from primerl_trainer.models import export_hf_state_dict, load_model, read_hf_state_dict
 from primerl_trainer.models.qwen3.model import Qwen3Model, Qwen3ModelArgs
 

@@ -8,7 +8,7 @@ import socket
 from collections.abc import Mapping
 from typing import Any
 
-from primerl_common.launcher.spec import ServiceSpec
+from primerl_launcher.spec import ServiceSpec
 
 __all__ = ["address_of", "assign_ports", "get_path", "set_default", "set_model", "wire"]
 

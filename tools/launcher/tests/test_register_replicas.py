@@ -19,10 +19,10 @@ import pytest
 from primerl.router.v1 import router_pb2, router_pb2_grpc
 from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2 as wb_pb2
 from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2_grpc as wb_pb2_grpc
-from primerl_common.launcher import run as launcher_run
-from primerl_common.launcher.spec import ServiceSpec
-from primerl_common.register_replicas import RegistrationFailed
 from primerl_common.testing import bare_server, eventually, free_port
+from primerl_launcher import run as launcher_run
+from primerl_launcher.register_replicas import RegistrationFailed
+from primerl_launcher.spec import ServiceSpec
 
 REPLICAS = {"inference-0": "inference-0.inference:50053", "r1": "h:1"}
 REPLICA_ARGS = [f"--replica={replica_id}={address}" for replica_id, address in REPLICAS.items()]

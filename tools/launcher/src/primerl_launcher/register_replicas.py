@@ -38,8 +38,9 @@ import grpc
 from primerl.router.v1 import router_pb2, router_pb2_grpc
 from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2 as wb_pb2
 from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2_grpc as wb_pb2_grpc
-from primerl_common import __version__, observability
+from primerl_common import observability
 from primerl_common.server import channel_options
+from primerl_launcher import __version__
 
 __all__ = ["Broadcaster", "RegistrationFailed", "Router", "main", "parse_args", "register_once"]
 

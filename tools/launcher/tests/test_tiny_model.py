@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from primerl_common.local_vllm import in_process_llm
-from primerl_common.tiny_model import (
+from primerl_launcher.tiny_model import (
     CHAT_TEMPLATE,
     EOS_TOKEN_ID,
     IM_START_TOKEN_ID,

@@ -18,15 +18,15 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from primerl_common import register_replicas as registration
-from primerl_common.launcher import _toml
-from primerl_common.launcher.processes import Fleet, ServiceDied, ServiceProcess, describe_exit
-from primerl_common.launcher.progress import Display, RunFailed, RunMonitor, RunPeers
-from primerl_common.launcher.report import format_summary, summary, write_plot
-from primerl_common.launcher.spec import TINY_MODELS, LaunchConfigError, LauncherConfig, LaunchFile, ServiceSpec
-from primerl_common.launcher.warm_start import WarmStartFailed, run_warm_start, sft_trainer_spec
-from primerl_common.launcher.wiring import address_of, get_path, set_model, wire
 from primerl_common.malloc import MALLOC_ENV
+from primerl_launcher import _toml
+from primerl_launcher import register_replicas as registration
+from primerl_launcher.processes import Fleet, ServiceDied, ServiceProcess, describe_exit
+from primerl_launcher.progress import Display, RunFailed, RunMonitor, RunPeers
+from primerl_launcher.report import format_summary, summary, write_plot
+from primerl_launcher.spec import TINY_MODELS, LaunchConfigError, LauncherConfig, LaunchFile, ServiceSpec
+from primerl_launcher.warm_start import WarmStartFailed, run_warm_start, sft_trainer_spec
+from primerl_launcher.wiring import address_of, get_path, set_model, wire
 
 __all__ = ["Launcher", "prepare_model", "validate_configs"]
 
@@ -41,7 +41,7 @@ def prepare_model(launcher: LauncherConfig) -> pathlib.Path | None:
         return None
     if launcher.model not in TINY_MODELS:
         return pathlib.Path(launcher.model).resolve()
-    from primerl_common import tiny_model
+    from primerl_launcher import tiny_model
 
     kind = TINY_MODELS[launcher.model]
     options = dict(launcher.tiny_model)

@@ -12,8 +12,8 @@ import signal
 import sys
 from collections.abc import Sequence
 
-from primerl_common.launcher.run import Launcher, default_run_dir
-from primerl_common.launcher.spec import LaunchConfigError, LaunchFile, parse_launch_file, read_launch_file
+from primerl_launcher.run import Launcher, default_run_dir
+from primerl_launcher.spec import LaunchConfigError, LaunchFile, parse_launch_file, read_launch_file
 
 __all__ = ["demo_config_text", "main"]
 
@@ -21,7 +21,7 @@ EXIT_CONFIG, EXIT_INTERRUPTED = 2, 130
 
 
 def demo_config_text() -> str:
-    return importlib.resources.files("primerl_common.launcher").joinpath("demo.toml").read_text()
+    return importlib.resources.files("primerl_launcher").joinpath("demo.toml").read_text()
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -10,10 +10,10 @@ import contextlib
 import pathlib
 import sys
 
-from primerl_common.launcher.processes import Fleet, ServiceProcess, log_tail
-from primerl_common.launcher.progress import Display, watch_trainer_steps
-from primerl_common.launcher.spec import LaunchFile, ServiceSpec, deep_merge
-from primerl_common.launcher.wiring import address_of, get_path, set_default
+from primerl_launcher.processes import Fleet, ServiceProcess, log_tail
+from primerl_launcher.progress import Display, watch_trainer_steps
+from primerl_launcher.spec import LaunchFile, ServiceSpec, deep_merge
+from primerl_launcher.wiring import address_of, get_path, set_default
 
 __all__ = ["WarmStartFailed", "run_warm_start", "sft_trainer_spec"]
 

@@ -15,13 +15,13 @@ import tomllib
 
 import pytest
 
-from primerl_common.launcher import _toml
-from primerl_common.launcher.cli import demo_config_text
-from primerl_common.launcher.spec import LaunchConfigError, parse_launch_file
-from primerl_common.launcher.warm_start import sft_trainer_spec
-from primerl_common.launcher.wiring import address_of, wire
+from primerl_launcher import _toml
+from primerl_launcher.cli import demo_config_text
+from primerl_launcher.spec import LaunchConfigError, parse_launch_file
+from primerl_launcher.warm_start import sft_trainer_spec
+from primerl_launcher.wiring import address_of, wire
 
-PRIMERL = [sys.executable, "-m", "primerl_common.launcher"]
+PRIMERL = [sys.executable, "-m", "primerl_launcher"]
 CHEAP = "[router.policy]\nname = 'round_robin'\n[kvstore]\n[weight_broadcaster]\n"
 
 

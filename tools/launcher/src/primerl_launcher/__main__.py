@@ -1,0 +1,5 @@
+import sys
+
+from primerl_launcher.cli import main
+
+sys.exit(main())
