@@ -33,20 +33,42 @@ from primerl_common import observability
 from primerl_common.config import ConfigError, ServiceConfig, parse_command_line
 from primerl_common.errors import ErrorInterceptor, Unimplemented
 
-__all__ = ["GrpcService", "ServiceDefinition", "channel_options", "prepare", "run_main", "server_options"]
+__all__ = [
+    "KEEPALIVE",
+    "GrpcService",
+    "Keepalive",
+    "ServiceDefinition",
+    "channel_options",
+    "prepare",
+    "run_main",
+    "server_options",
+]
 
 logger = logging.getLogger(__name__)
 
 Hook = Callable[[], Awaitable[None]]
 
 
-# Both sides ping an idle connection this often to notice a dead peer, and close it when a
-# ping is not answered within the timeout.
-_KEEPALIVE_TIME_MS = 30_000
-_KEEPALIVE_TIMEOUT_MS = 20_000
+@dataclass(frozen=True)
+class Keepalive:
+    """Both sides ping an idle connection every `time_ms` to notice a dead peer, and close it
+    when a ping is not answered within `timeout_ms`."""
+
+    time_ms: int = 30_000
+    timeout_ms: int = 20_000
+
+    @property
+    def min_ping_interval_ms(self) -> int:
+        """The shortest gap between two pings a server admits. Keepalive pings come `time_ms`
+        apart, less the delay of a late one (a busy process, timer slack), which is at most
+        `timeout_ms` (by then its sender has given the connection up)."""
+        return self.time_ms - self.timeout_ms
 
 
-def _transport_options(max_message_bytes: int) -> list[tuple[str, Any]]:
+KEEPALIVE = Keepalive()
+
+
+def _transport_options(max_message_bytes: int, keepalive: Keepalive) -> list[tuple[str, Any]]:
     # Message limits sized for tensor chunks and large flow-control windows (gRPC streams
     # reach about half of a raw socket only with both raised); keepalive pings also while
     # no call is open (a follower's stream may be the only one, and quiet for minutes).
@@ -54,28 +76,29 @@ def _transport_options(max_message_bytes: int) -> list[tuple[str, Any]]:
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.http2.lookahead_bytes", 16 * 1024 * 1024),
-        ("grpc.keepalive_time_ms", _KEEPALIVE_TIME_MS),
-        ("grpc.keepalive_timeout_ms", _KEEPALIVE_TIMEOUT_MS),
+        ("grpc.keepalive_time_ms", keepalive.time_ms),
+        ("grpc.keepalive_timeout_ms", keepalive.timeout_ms),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
     ]
 
 
-def channel_options(max_message_bytes: int) -> list[tuple[str, Any]]:
+def channel_options(max_message_bytes: int, *, keepalive: Keepalive = KEEPALIVE) -> list[tuple[str, Any]]:
     """Options of every channel to a primerl server (see server_options)."""
-    return _transport_options(max_message_bytes)
+    return _transport_options(max_message_bytes, keepalive)
 
 
-def server_options(max_message_bytes: int) -> list[tuple[str, Any]]:
-    """Options of every primerl server. A gRPC server counts a ping that comes sooner
-    than it allows after the previous one (5 min by default, 2 h on a connection without
-    calls unless permitted) as a strike, and answers the third with GOAWAY
-    "too_many_pings" (strikes are forgotten when it writes data). The clients' keepalive pings come a keepalive
-    time apart; admitted down to that time less the keepalive timeout, they may be handled
-    late (a busy process, timer slack) by as much as a connection survives at all."""
+def server_options(max_message_bytes: int, *, keepalive: Keepalive = KEEPALIVE) -> list[tuple[str, Any]]:
+    """Options of every primerl server. A gRPC server counts a ping that comes sooner than
+    it admits after the previous one (5 min by default, 2 h on a connection without calls
+    unless permitted) as a strike, and answers the third with GOAWAY "too_many_pings"
+    (strikes are forgotten when it writes data): it admits the clients' keepalive pings
+    (Keepalive.min_ping_interval_ms). gRPC ignores option names it does not know: the
+    admitted interval is read from "grpc.http2.min_ping_interval_without_data_ms" (the
+    value of GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS)."""
     return [
-        *_transport_options(max_message_bytes),
-        ("grpc.http2.min_recv_ping_interval_without_data_ms", _KEEPALIVE_TIME_MS - _KEEPALIVE_TIMEOUT_MS),
+        *_transport_options(max_message_bytes, keepalive),
+        ("grpc.http2.min_ping_interval_without_data_ms", keepalive.min_ping_interval_ms),
     ]
 
 

@@ -1,0 +1,61 @@
+"""A client and a server built with the shared options idle past the keepalive time: the
+server admits the client's keepalive pings (no GOAWAY "too_many_pings"), so the connection
+stays READY and the next call needs no reconnect. The times are the production ones scaled
+down 30 times; a server that admitted pings only 5 minutes apart (gRPC's default, also what an
+unknown option name leaves) sends GOAWAY at the third ping, within about 3 keepalive times."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from primerl_common.server import KEEPALIVE, Keepalive, channel_options, server_options
+
+SCALED = Keepalive(time_ms=KEEPALIVE.time_ms // 30, timeout_ms=KEEPALIVE.timeout_ms // 30)
+IDLE_S = 5 * SCALED.time_ms / 1000
+
+
+async def connectivity(channel: grpc.aio.Channel, states: list[grpc.ChannelConnectivity]) -> None:
+    """Appends each state the channel goes through."""
+    state = channel.get_state()
+    while True:
+        states.append(state)
+        await channel.wait_for_state_change(state)
+        state = channel.get_state()
+
+
+@pytest.mark.parametrize("quiet_stream", [False, True], ids=["no call open", "a quiet stream open"])
+async def test_an_idle_connection_past_the_keepalive_time_is_not_sent_goaway(quiet_stream):
+    server = grpc.aio.server(options=server_options(1 << 20, keepalive=SCALED))
+    servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    await servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=channel_options(1 << 20, keepalive=SCALED))
+    stub = health_pb2_grpc.HealthStub(channel)
+    states: list[grpc.ChannelConnectivity] = []
+    watcher = None
+    try:
+        await stub.Check(health_pb2.HealthCheckRequest(), timeout=5)
+        watcher = asyncio.create_task(connectivity(channel, states))
+        stream = stub.Watch(health_pb2.HealthCheckRequest()) if quiet_stream else None
+        if stream is not None:
+            assert (await stream.read()).status == health_pb2.HealthCheckResponse.SERVING
+        await asyncio.sleep(IDLE_S)
+        if stream is not None:
+            assert not stream.done(), await stream.details()
+            stream.cancel()
+        assert (await stub.Check(health_pb2.HealthCheckRequest(), timeout=5)).status == (
+            health_pb2.HealthCheckResponse.SERVING
+        )
+        # One connection all along: READY from the first call to the last.
+        assert states == [grpc.ChannelConnectivity.READY], [state.name for state in states]
+    finally:
+        if watcher is not None:
+            watcher.cancel()
+        await channel.close()
+        await server.stop(None)
