@@ -19,6 +19,7 @@ __all__ = [
     "ExportConfig",
     "LoRAConfig",
     "ModelConfig",
+    "ParallelConfig",
     "PublishConfig",
     "SFTConfig",
     "TrainerConfig",
@@ -34,8 +35,29 @@ class ModelConfig(Section):
     compute_dtype: DTypeName = Field(default="bfloat16", description="dtype the layers compute in (FSDP's)")
     attn_backend: AttentionBackend = Field(default="sdpa", description="sdpa (everywhere) or flex (GPU, packed)")
     experts_impl: ExpertsImpl = "auto"
+    ep_comm_backend: Literal["torch", "deepep"] = Field(
+        default="torch",
+        description="how expert parallel moves tokens: torch (all-to-all-v through torch.distributed, gloo or NCCL) "
+        "or deepep (DeepEP's kernels; needs the deep_ep package)",
+    )
     activation_checkpointing: bool = False
     compile: bool = False
+
+
+class ParallelConfig(Section):
+    """Degrees of the device mesh. FSDP2 shards over all ranks; the batch is split over world / cp of them."""
+
+    ep: int = Field(
+        default=1,
+        gt=0,
+        description="expert parallel: each MoE layer's experts are split over this many ranks, which exchange "
+        "tokens all-to-all; must divide the world size and the number of experts (and be a multiple of cp)",
+    )
+    cp: int = Field(
+        default=1,
+        gt=0,
+        description="context parallel: each sequence is split over this many ranks; must divide the world size",
+    )
 
 
 class CheckpointConfig(Section):
@@ -131,6 +153,7 @@ class TrainerConfig(ServiceConfig):
     model: ModelConfig
     mode: TrainingMode = Field(default="rl", description="rl: PushBatch with advantages; sft: cross-entropy")
     device: DeviceType = Field(default="auto", description="auto: CUDA when present, else the CPU")
+    parallel: ParallelConfig = ParallelConfig()
     seq_len: int = Field(default=4096, gt=0, description="most tokens per micro-batch")
     router_replay: bool = Field(default=False, description="replay the experts inference routed to (MoE)")
     max_queued_batches: int = Field(default=4, gt=0, description="PushBatch answers RESOURCE_EXHAUSTED beyond")
