@@ -33,7 +33,9 @@ import sys
 import time
 
 from primerl.kvstore.v1 import kvstore_pb2
-from primerl_common.kvpool import BlockKey, BulkClient, KvStoreClient
+from primerl_common.kvpool.bulk import BulkClient
+from primerl_common.kvpool.client import KvStoreClient
+from primerl_common.kvpool.keys import BlockKey
 from primerl_common.malloc import MALLOC_ENV, reexec_with_malloc_env
 from primerl_common.testing import ServiceProcess, free_port
 

@@ -8,7 +8,7 @@ import grpc
 import pytest
 
 from primerl.kvstore.v1 import kvstore_pb2
-from primerl_common.kvpool import BulkClient, BulkError
+from primerl_common.kvpool.bulk import BulkClient, BulkError
 
 from .conftest import key
 

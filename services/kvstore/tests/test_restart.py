@@ -6,7 +6,7 @@ import shutil
 import sys
 
 from primerl.kvstore.v1 import kvstore_pb2
-from primerl_common.kvpool import KvStoreClient
+from primerl_common.kvpool.client import KvStoreClient
 from primerl_common.testing import ServiceProcess, free_port
 
 from .conftest import key

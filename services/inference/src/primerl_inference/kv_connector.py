@@ -56,7 +56,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.platforms import current_platform
 
 from primerl.kvstore.v1 import kvstore_pb2
-from primerl_common.kvpool import BlockKey, KvStoreClient
+from primerl_common.kvpool.client import KvStoreClient
+from primerl_common.kvpool.keys import BlockKey
 from primerl_common.tensors import tensor_from_proto, tensor_to_proto
 
 if TYPE_CHECKING:

@@ -37,8 +37,7 @@ from google.rpc import status_pb2
 
 from primerl.kvstore.v1 import kvstore_pb2
 from primerl_common.errors import InvalidArgument, ResourceExhausted, ServiceError
-from primerl_common.kvpool import (
-    DATA_TAG,
+from primerl_common.kvpool.bulk import (
     EXISTING,
     OP_GET,
     OP_PUT,
@@ -49,12 +48,12 @@ from primerl_common.kvpool import (
     U32,
     recv_exact,
     recv_into,
-    varint,
 )
-from primerl_kvstore.keys import BlockKey, keys_from_proto
+from primerl_common.kvpool.framing import DATA_TAG, data_view, varint
+from primerl_common.kvpool.keys import BlockKey, keys_from_proto
 from primerl_kvstore.metadata import StoredBlock
 from primerl_kvstore.storage import Reservation, StorageNode
-from primerl_kvstore.wire import Block, check_put_header, data_view
+from primerl_kvstore.wire import Block, check_put_header
 
 __all__ = ["BulkServer"]
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from primerl.kvstore.v1 import kvstore_pb2
 from primerl_common.durable import fsync_dir
-from primerl_kvstore.keys import BlockKey
+from primerl_common.kvpool.keys import BlockKey
 
 __all__ = ["CorruptBlockError", "DiskEntry", "DiskTier"]
 

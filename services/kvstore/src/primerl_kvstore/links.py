@@ -12,7 +12,7 @@ import grpc
 
 from primerl.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
 from primerl_common.client import make_channel
-from primerl_kvstore.keys import BlockKey
+from primerl_common.kvpool.keys import BlockKey
 from primerl_kvstore.metadata import Metadata, NodeRecord, StorageLink, StoredBlock
 from primerl_kvstore.storage import NodeNotRegisteredError, StorageNode
 

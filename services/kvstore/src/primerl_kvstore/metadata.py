@@ -26,7 +26,7 @@ from google.protobuf import timestamp_pb2
 
 from primerl.kvstore.v1 import kvstore_pb2
 from primerl_common.errors import InvalidArgument, NotFound
-from primerl_kvstore.keys import BlockKey
+from primerl_common.kvpool.keys import BlockKey
 
 __all__ = ["Metadata", "NodeRecord", "StorageLink", "StoredBlock"]
 

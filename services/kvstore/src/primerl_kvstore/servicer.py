@@ -16,11 +16,12 @@ import grpc
 
 from primerl.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
 from primerl_common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from primerl_common.kvpool.framing import data_view, parse_put_message
+from primerl_common.kvpool.keys import BlockKey, keys_from_proto
 from primerl_common.server import ServiceDefinition
-from primerl_kvstore.keys import BlockKey, keys_from_proto, namespace_from_request
 from primerl_kvstore.metadata import Metadata, StoredBlock
 from primerl_kvstore.storage import Reservation, StorageNode
-from primerl_kvstore.wire import check_put_header, data_view, header_frame, parse_put_message
+from primerl_kvstore.wire import check_put_header, header_frame
 
 __all__ = ["KvstoreServicer"]
 
@@ -177,7 +178,9 @@ class KvstoreServicer(kvstore_pb2_grpc.KvStoreServiceServicer):
     async def RemoveNamespace(
         self, request: kvstore_pb2.RemoveNamespaceRequest, context: grpc.aio.ServicerContext
     ) -> kvstore_pb2.RemoveNamespaceResponse:
-        model, namespace = namespace_from_request(request)
+        if not request.model:
+            raise InvalidArgument("must not be empty", field="model")
+        model, namespace = request.model, request.namespace
         if self._metadata is not None:
             num_blocks, num_bytes = await self._metadata.remove_namespace(model, namespace)
         else:

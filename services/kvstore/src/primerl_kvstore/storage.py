@@ -18,10 +18,11 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from primerl.kvstore.v1 import kvstore_pb2
+from primerl_common.kvpool.framing import data_frames
+from primerl_common.kvpool.keys import BlockKey
 from primerl_kvstore.disk import CorruptBlockError, DiskEntry, DiskTier
-from primerl_kvstore.keys import BlockKey
 from primerl_kvstore.metadata import StoredBlock
-from primerl_kvstore.wire import Block, data_frames
+from primerl_kvstore.wire import Block
 
 __all__ = ["MetadataLink", "NodeNotRegisteredError", "Reservation", "StorageNode"]
 

@@ -3,7 +3,7 @@
 `PutBlocksRequest` and `GetBlocksResponse` share their wire layout (header = 1,
 data = 2), so a put message that carries only data (`0x12 <varint len> <bytes>`)
 is exactly the `GetBlocksResponse` that serves those bytes back (the framing itself
-is shared with the pool's clients, in primerl_common.kvpool). The servicer
+is shared with the pool's clients, in primerl_common.kvpool.framing). The servicer
 handles PutBlocks and GetBlocks with raw bytes (no protobuf parsing or
 serializing of the data): a data message is kept as it arrived and written back
 as it is, so the bytes are copied only by gRPC itself.
@@ -18,16 +18,13 @@ from dataclasses import dataclass, field
 from primerl.common.v1 import tensor_pb2
 from primerl.kvstore.v1 import kvstore_pb2
 from primerl_common.errors import InvalidArgument
-from primerl_common.kvpool import BlockKey, data_frame, data_frames, data_view, parse_put_message
+from primerl_common.kvpool.framing import data_view
+from primerl_common.kvpool.keys import BlockKey
 
 __all__ = [
     "Block",
     "check_put_header",
-    "data_frame",
-    "data_frames",
-    "data_view",
     "header_frame",
-    "parse_put_message",
     "validate_routed_experts",
 ]
 

@@ -1,10 +1,11 @@
+"""primerl_common.kvpool.framing: data-only messages are the bytes protobuf writes, and put messages parse back."""
+
 import pytest
 
 from primerl.kvstore.v1 import kvstore_pb2
 from primerl_common.errors import InvalidArgument
-from primerl_kvstore.wire import data_frame, data_frames, data_view, parse_put_message
-
-from .conftest import key
+from primerl_common.kvpool.framing import data_frame, data_frames, data_view, parse_put_message
+from primerl_common.kvpool.keys import BlockKey
 
 
 @pytest.mark.parametrize("size", [0, 1, 127, 128, 300, 1 << 20])
@@ -19,7 +20,7 @@ def test_a_data_frame_is_the_message_protobuf_writes(size):
 
 
 def test_put_messages_with_a_header_are_parsed():
-    header = kvstore_pb2.BlockHeader(key=key(1).to_proto(), num_bytes=3)
+    header = kvstore_pb2.BlockHeader(key=BlockKey("tiny", 0, "v1", b"hash").to_proto(), num_bytes=3)
     message = kvstore_pb2.PutBlocksRequest(header=header, data=b"abc").SerializeToString()
     parsed, frame = parse_put_message(message)
     assert parsed == header and bytes(data_view(frame)) == b"abc"
