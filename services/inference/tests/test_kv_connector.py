@@ -36,7 +36,7 @@ from primerl.kvstore.v1 import kvstore_pb2
 from primerl.router.v1 import router_pb2, router_pb2_grpc
 from primerl_common.client import make_channel
 from primerl_common.errors import field_violations
-from primerl_common.kvpool import KvStoreClient
+from primerl_common.kvpool.client import KvStoreClient
 from primerl_common.local_vllm import restored_process_state
 from primerl_common.tensors import tensor_from_proto
 from primerl_common.testing import ServiceProcess, free_port, in_process_service
