@@ -16,18 +16,9 @@ from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2 as pb2
 from primerl_common.testing import ServiceProcess, eventually, free_port
 from primerl_launcher.tiny_model import make_tiny_model
 from primerl_weight_broadcaster.formats import convert
+from services.weight_broadcaster.tests.helpers import publish, running_broadcaster, wait_for
 
-from .helpers import (
-    START_TIMEOUT_S,
-    TOLERANCE,
-    logprobs,
-    max_difference,
-    perturbed,
-    publish,
-    replica,
-    running_broadcaster,
-    wait_for,
-)
+from .replicas import START_TIMEOUT_S, TOLERANCE, logprobs, max_difference, perturbed, replica
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 

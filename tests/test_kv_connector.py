@@ -25,7 +25,6 @@ import grpc
 import numpy as np
 import pytest
 import pytest_asyncio
-from pydantic import ValidationError
 from vllm import SamplingParams
 from vllm.inputs.engine import tokens_input
 from vllm.outputs import RequestOutput
@@ -40,14 +39,12 @@ from primerl_common.kvpool.client import KvStoreClient
 from primerl_common.local_vllm import restored_process_state
 from primerl_common.tensors import tensor_from_proto
 from primerl_common.testing import ServiceProcess, free_port, in_process_service
-from primerl_inference.config import InferenceConfig, KvCachePoolConfig
+from primerl_inference.config import InferenceConfig
 from primerl_inference.engine import InferenceEngine
-from primerl_inference.kv_connector import kv_transfer_config
 from primerl_inference.server import service_definition
 from primerl_router.config import RouterConfig
 from primerl_router.server import build as build_router
-
-from .serving import ENGINE_SETTINGS, tiny_model
+from services.inference.tests.serving import ENGINE_SETTINGS, tiny_model
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -100,9 +97,9 @@ async def replica(model_dir: pathlib.Path, pool: str, role: str) -> AsyncIterato
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def replicas(model_root: pathlib.Path, pool: str) -> AsyncIterator[tuple[Replica, Replica]]:
+async def replicas(tmp_path_factory: pytest.TempPathFactory, pool: str) -> AsyncIterator[tuple[Replica, Replica]]:
     """The prefill and the decode replica."""
-    model_dir = tiny_model(model_root, "moe")
+    model_dir = tiny_model(tmp_path_factory.mktemp("tiny-models"), "moe")
     async with replica(model_dir, pool, "prefill") as prefill, replica(model_dir, pool, "decode") as decode:
         yield prefill, decode
 
@@ -168,15 +165,6 @@ async def test_another_policy_version_gets_no_hit(replicas: tuple[Replica, Repli
 
     assert fresh.num_cached_tokens == 0
     assert (await namespace_blocks(pool)).get("v1", 0) >= 1  # what it computed is pooled under v1
-
-
-async def test_an_enabled_pool_needs_its_metadata_address() -> None:
-    with pytest.raises(ValidationError, match=r"kv_cache_pool\.metadata_address is required"):
-        KvCachePoolConfig(enabled=True)
-    assert kv_transfer_config(KvCachePoolConfig(), model="m") is None
-    transfer = kv_transfer_config(KvCachePoolConfig(enabled=True, metadata_address="h:1", mode="load"), model="m")
-    assert transfer is not None and transfer.is_kv_consumer and not transfer.is_kv_producer
-    assert transfer.kv_connector_extra_config["model"] == "m"
 
 
 # ---------------------------------------------------------------------------- through gRPC

@@ -29,9 +29,8 @@ from primerl_launcher.tiny_model import make_tiny_model
 from primerl_trainer.batch import MicroBatch
 from primerl_trainer.losses import token_logprobs
 from primerl_trainer.models import load_model
-
-from .serving import push, serving, trainer_config, watch
-from .tiny_training import Sample, pack
+from services.trainer.tests.serving import push, serving, trainer_config, watch
+from services.trainer.tests.tiny_training import Sample, pack
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")]
 

@@ -22,19 +22,9 @@ from primerl_trainer.publish import PublishError, WeightPublisher, tensor_header
 from primerl_weight_broadcaster.collective import CollectiveHost, CollectiveSettings
 from primerl_weight_broadcaster.config import WeightBroadcasterConfig
 from primerl_weight_broadcaster.server import build
+from services.weight_broadcaster.tests.helpers import FAST_PUSH, replica_states, wait_for
 
-from .helpers import (
-    FAST_PUSH,
-    START_TIMEOUT_S,
-    TOLERANCE,
-    logprobs,
-    max_difference,
-    perturbed,
-    replica,
-    replica_states,
-    served_version,
-    wait_for,
-)
+from .replicas import START_TIMEOUT_S, TOLERANCE, logprobs, max_difference, perturbed, replica, served_version
 
 BroadcasterStub = weight_broadcaster_pb2_grpc.WeightBroadcasterServiceStub
 # Small buckets: a version of the tiny model goes out in several broadcasts.

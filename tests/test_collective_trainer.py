@@ -20,10 +20,11 @@ from primerl_common.testing import ServiceProcess, eventually, free_port
 from primerl_common.weights import collective
 from primerl_launcher.tiny_model import make_tiny_model
 from primerl_trainer import publish
+from services.trainer.tests.serving import push, reference_trainer, serving, trainer_config, watch
+from services.trainer.tests.tiny_training import load_tiny_model, make_samples, pack_into, reference_logprobs
+from services.weight_broadcaster.tests.helpers import wait_for
 
-from ...trainer.tests.serving import push, reference_trainer, serving, trainer_config, watch
-from ...trainer.tests.tiny_training import load_tiny_model, make_samples, pack_into, reference_logprobs
-from .helpers import PROMPTS, START_TIMEOUT_S, TOLERANCE, logprobs, replica, served_version, wait_for
+from .replicas import PROMPTS, START_TIMEOUT_S, TOLERANCE, logprobs, replica, served_version
 from .test_collective_replicas import COLLECTIVE, _answered, broadcaster, register
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")]

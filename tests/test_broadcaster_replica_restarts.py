@@ -10,20 +10,9 @@ import pytest
 from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2 as pb2
 from primerl_common.testing import ServiceProcess, eventually, free_port
 from primerl_launcher.tiny_model import make_tiny_model
+from services.weight_broadcaster.tests.helpers import publish, replica_states, running_broadcaster, wait_for
 
-from .helpers import (
-    START_TIMEOUT_S,
-    TOLERANCE,
-    logprobs,
-    max_difference,
-    perturbed,
-    publish,
-    replica,
-    replica_states,
-    running_broadcaster,
-    served_version,
-    wait_for,
-)
+from .replicas import START_TIMEOUT_S, TOLERANCE, logprobs, max_difference, perturbed, replica, served_version
 
 pytestmark = pytest.mark.slow
 
