@@ -1,6 +1,8 @@
 """InferenceConfig: required model folder, validated ranges, precedence as every service."""
 
+import json
 import pathlib
+import shutil
 
 import pytest
 
@@ -59,3 +61,40 @@ def test_bad_values_name_the_field(model_dir: pathlib.Path, args: list[str], mes
 
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         load_config(InferenceConfig, args)
+
+
+@pytest.mark.parametrize(
+    ("saved", "written", "served"),
+    [
+        ({"torch_dtype": "float32"}, None, "float32"),  # vLLM's own auto would serve it in bfloat16
+        ({"dtype": "bfloat16"}, None, "bfloat16"),
+        ({}, None, "float32"),  # config.json names none: as the trainer loads it
+        ({"torch_dtype": "float32"}, "bfloat16", "bfloat16"),  # set: as set
+    ],
+)
+def test_the_engine_dtype_follows_the_checkpoint_unless_set(
+    model_dir: pathlib.Path, tmp_path: pathlib.Path, saved: dict[str, str], written: str | None, served: str
+) -> None:
+    model = tmp_path / "model"
+    shutil.copytree(model_dir, model)
+    hf_config = json.loads((model / "config.json").read_text())
+    hf_config = {k: v for k, v in hf_config.items() if k not in ("dtype", "torch_dtype")} | saved
+    (model / "config.json").write_text(json.dumps(hf_config))
+    args = ["--engine.model", str(model), *(["--engine.dtype", written] if written else [])]
+
+    assert load_config(InferenceConfig, args).engine.dtype == served
+
+
+def test_a_checkpoint_dtype_the_engine_cannot_serve_is_refused_unless_set(
+    model_dir: pathlib.Path, tmp_path: pathlib.Path
+) -> None:
+    model = tmp_path / "model"
+    shutil.copytree(model_dir, model)
+    hf_config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**hf_config, "dtype": "float64", "torch_dtype": "float64"}))
+
+    with pytest.raises(ConfigError, match=r"engine.dtype: Value error, .*names dtype 'float64'"):
+        load_config(InferenceConfig, ["--engine.model", str(model)])
+    assert (
+        load_config(InferenceConfig, ["--engine.model", str(model), "--engine.dtype=float16"]).engine.dtype == "float16"
+    )

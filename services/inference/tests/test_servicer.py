@@ -49,7 +49,8 @@ def model_dir(model_root: pathlib.Path) -> pathlib.Path:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def served(model_dir: pathlib.Path):
-    async with running_service(model=model_dir, dtype="float32") as served:
+    # engine.dtype unset: the engine serves the checkpoint's float32 (asserted by test_service_info_...).
+    async with running_service(model=model_dir) as served:
         yield served
 
 

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import pathlib
-from typing import Literal
+from typing import Literal, get_args
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from primerl_common.config import Section, ServerConfig, ServiceConfig, service_settings
 
@@ -19,7 +20,10 @@ class EngineConfig(Section):
     model: pathlib.Path = Field(description="local Hugging Face model folder (config.json + safetensors)")
     dtype: EngineDtype = Field(
         default="auto",
-        description="weights and activations; auto: vLLM's choice (the checkpoint's, but float32 ones in 16 bits)",
+        validate_default=True,
+        description="weights and activations; auto: the checkpoint's (config.json's dtype or torch_dtype, float32 "
+        "when it names none; float32 too, where vLLM's own auto would take 16 bits), the dtype a trainer "
+        "starting from the same checkpoint trains in",
     )
     max_model_len: int | None = Field(
         default=None, ge=2, description="prompt + completion tokens per request; unset: the model's maximum"
@@ -51,6 +55,18 @@ class EngineConfig(Section):
         if not any(model.glob("*.safetensors")):
             raise ValueError(f"{model} holds no *.safetensors file")
         return model
+
+    @field_validator("dtype")
+    @classmethod
+    def _auto_is_the_checkpoints(cls, dtype: EngineDtype, info: ValidationInfo) -> EngineDtype:
+        model = info.data.get("model")
+        if dtype != "auto" or model is None:  # no model: its own error says why
+            return dtype
+        hf_config = json.loads((model / "config.json").read_text())
+        name = hf_config.get("dtype") or hf_config.get("torch_dtype") or "float32"
+        if name not in get_args(EngineDtype):
+            raise ValueError(f"{model}/config.json names dtype {name!r}, which the engine does not serve: set it")
+        return name
 
 
 class ReplicaConfig(Section):
