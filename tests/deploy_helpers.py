@@ -41,17 +41,17 @@ MODEL_FLAG = {"orchestrator": "--model.path", "trainer": "--model.path", "infere
 
 
 def scripts_of(project: Path) -> set[str]:
-    return set(tomllib.loads((project / "pyproject.toml").read_text())["project"]["scripts"])
+    return set(tomllib.loads((project / "pyproject.toml").read_text())["project"].get("scripts", {}))
 
 
-def common_scripts() -> set[str]:
-    """The console scripts of primerl-common (every image and install has them)."""
-    return scripts_of(REPO / "libs" / "common")
+def launcher_scripts() -> set[str]:
+    """The console scripts of primerl-launcher (installed beside the services; the tools image)."""
+    return scripts_of(REPO / "tools" / "launcher")
 
 
 def console_scripts() -> set[str]:
-    """The console scripts an install of primerl-common and every service has."""
-    names = common_scripts()
+    """The console scripts an install of every service and primerl-launcher has."""
+    names = scripts_of(REPO / "libs" / "common") | launcher_scripts()
     for service in SERVICES:
         names |= scripts_of(REPO / "services" / service)
     return names

