@@ -46,7 +46,7 @@ cache_dir = "{CACHE / "launcher"}"
 poll_interval_s = 0.5
 start_timeout_s = 240
 # The services' own validation (--check-config) is tested with cheap services in
-# libs/common/tests/test_launcher.py; here it would import torch and transformers twice more.
+# tools/launcher/tests/test_launcher.py; here it would import torch and transformers twice more.
 check_config = false
 
 [orchestrator.model]

@@ -60,7 +60,8 @@ chroot "$ROOTFS" /bin/sh -ec '
   apt-get upgrade -y -q
   apt-get clean
 '
-umount "$ROOTFS/proc"
+# Lazily when busy: a process outside the chroot (dockerd started meanwhile) can hold it.
+umount "$ROOTFS/proc" 2>/dev/null || umount --lazy "$ROOTFS/proc"
 trap - EXIT
 
 # Slim down: package caches and lists, docs (copyright notices stay), man pages,
