@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from primerl_common.errors import FailedPrecondition, InvalidArgument, NotFound
-from primerl_common.testing import free_port
+from primerl_common.processes import free_port
 from primerl_launcher.tiny_model import save_tokenizer
 from primerl_orchestrator.config import OrchestratorConfig
 from primerl_orchestrator.environments import Task
@@ -88,7 +88,12 @@ async def test_refusals_leave_the_run_going(run):
     with pytest.raises(InvalidArgument, match=r"metrics\[turns\]"):
         run.finish_episode(first.episode_id, reward=1.0, metrics={"turns": math.nan}, discard=False)
 
-    assert run.finish_episode(first.episode_id, reward=1.0, metrics={}, discard=False).num_samples == 0
+    # A reward needs a turn to score; refused, the episode stays open.
+    with pytest.raises(FailedPrecondition) as no_turn:
+        run.finish_episode(first.episode_id, reward=1.0, metrics={}, discard=False)
+    assert no_turn.value.reason == "NO_TURN_GENERATED"
+    record_turn(first, version=0)
+    assert run.finish_episode(first.episode_id, reward=1.0, metrics={}, discard=False).num_samples == 1
     with pytest.raises(FailedPrecondition) as twice:
         run.finish_episode(first.episode_id, reward=1.0, metrics={}, discard=False)
     assert twice.value.reason == "EPISODE_FINISHED"
@@ -100,8 +105,11 @@ async def test_refusals_leave_the_run_going(run):
     with pytest.raises(FailedPrecondition):
         run.finish_episode(first.episode_id, reward=1.0, metrics={}, discard=False)
     assert run.state == RunState.RUNNING
-    status = {env.name: env for env in run.status().environments}
-    assert (status["guess"].episodes_started, status["guess"].episodes_finished) == (2, 1)
+    status = run.status()
+    guess = {env.name: env for env in status.environments}["guess"]
+    assert (guess.episodes_started, guess.episodes_finished) == (2, 1)
+    # The discarded episode leaves its group incomplete; the one reward left is filtered.
+    assert (status.groups.finished, status.groups.incomplete, status.groups.filtered_equal_rewards) == (0, 1, 1)
 
 
 async def test_groups_become_batches_with_advantages_and_stale_rollouts_are_dropped(run):
@@ -121,6 +129,8 @@ async def test_groups_become_batches_with_advantages_and_stale_rollouts_are_drop
     rollouts = await asyncio.wait_for(run.next_batch(1), 1)
     assert sorted(r.advantage for r in rollouts) == [-0.5, 0.5]
     assert run.dispatcher.next_step == 2
+    groups = run.status().groups
+    assert (groups.finished, groups.filtered_equal_rewards, groups.incomplete, groups.batched) == (2, 1, 0, 1)
 
     # Step 3 takes versions >= 2 (max_off_policy_steps 1): version-0 rollouts are dropped.
     run.set_policy_version(2)

@@ -80,12 +80,21 @@ class Episode:
                 subject=self.episode_id,
             )
 
-    def check_can_finish(self) -> None:
+    def check_can_finish(self, *, discard: bool) -> None:
+        """Raises unless the episode may end now: with a reward once it has generated a turn
+        (a reward with no token scores nothing), discarded at any time."""
         self.check_not_ended()
         if self.turn_in_progress:
             raise FailedPrecondition(
                 f"episode {self.episode_id} has a turn running; finish it after the turn returns",
                 reason="TURN_IN_PROGRESS",
+                subject=self.episode_id,
+            )
+        if not discard and self.num_turns == 0:
+            raise FailedPrecondition(
+                f"episode {self.episode_id} has generated no turn, so a reward would score nothing: "
+                "call Generate first, or FinishEpisode with discard to abandon it",
+                reason="NO_TURN_GENERATED",
                 subject=self.episode_id,
             )
 

@@ -213,6 +213,12 @@ class BatchLoop:
             "batch_reward_std": reward_std,
             "num_dropped_off_policy": sum(env["dropped_off_policy"] for env in per_env.values()),
             "num_errors": sum(env["errors"] + env["timed_out"] for env in per_env.values()),
+            # Since the previous step, as GetRunStatus's GroupCounts count them since the start.
+            "num_groups_finished": sum(env["groups_finished"] for env in per_env.values()),
+            "num_groups_filtered_equal_rewards": sum(env["groups_filtered_zero_advantage"] for env in per_env.values()),
+            "num_groups_incomplete": sum(env["groups_incomplete"] for env in per_env.values()),
+            "num_episodes_timed_out": sum(env["timed_out"] for env in per_env.values()),
+            "num_groups_batched": sum(env["groups_batched"] for env in per_env.values()),
             "samples_per_s": packed.num_samples / elapsed_s,
             "tokens_per_s": sum(env["completion_tokens"] for env in per_env.values()) / elapsed_s,
             "truncated_fraction": sum(env["turns_length_limited"] for env in per_env.values()) / max(turns, 1),

@@ -31,7 +31,12 @@ class EnvironmentCounters:
     timed_out: int = 0
     # Failed model turns and failed built-in episodes.
     errors: int = 0
+    # Groups whose episodes all ended: all with a reward (finished) or not (incomplete), then
+    # those dropped for equal rewards, and those cut into a batch (GroupCounts in the proto).
+    groups_finished: int = 0
+    groups_incomplete: int = 0
     groups_filtered_zero_advantage: int = 0
+    groups_batched: int = 0
     turns: int = 0
     # Turns that ended at max_tokens or the context length, and those cut by the context.
     turns_length_limited: int = 0

@@ -1,9 +1,10 @@
 """Rollouts of completed groups, waiting for a batch.
 
-A completed group's episodes that finished with a reward get their advantages (advantages.py);
-a group whose advantages are all zero may be filtered out (counted). Groups wait here oldest
-first; rollouts that have become too old for the step being cut are dropped (counted) before
-each cut, and a batch takes whole groups until it holds batch_size rollouts.
+A completed group is counted finished (every episode got a reward) or incomplete; its
+episodes that finished with a reward get their advantages (advantages.py); a group whose
+advantages are all zero may be filtered out (counted). Groups wait here oldest first; rollouts
+that have become too old for the step being cut are dropped (counted) before each cut, and a
+batch takes whole groups (counted) until it holds batch_size rollouts.
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ class ReadyRollouts:
     def add(self, group: Group) -> None:
         """The rollouts of a completed group, with their advantages (unless filtered out)."""
         scored = [e for e in group.episodes if e.state == EpisodeState.FINISHED and e.reward is not None]
+        finished = len(scored) == len(group.episodes)
+        self._counters.count(group.environment, "groups_finished" if finished else "groups_incomplete")
         advantages = group_advantages([e.reward for e in scored], std_normalize=self._advantage.std_normalize)
         rollouts = [
             Rollout(e.episode_id, group.environment, group.group_id, e.reward, advantage, e.tokens.samples)
@@ -71,7 +74,9 @@ class ReadyRollouts:
             return None
         taken: list[Rollout] = []
         while len(taken) < batch_size:
-            taken += self._groups.pop(0).rollouts
+            group = self._groups.pop(0)
+            taken += group.rollouts
+            self._counters.count(group.environment, "groups_batched")
         self._on_change(self.num_rollouts)
         return taken
 

@@ -33,7 +33,7 @@ from primerl_orchestrator.staleness import is_stale
 from primerl_orchestrator.trainer_client import BatchSpec
 from primerl_orchestrator.turns import sampling_params, turn_error
 
-__all__ = ["EnvironmentStatus", "FinishResult", "Run", "RunState", "RunStatus", "TurnResult"]
+__all__ = ["EnvironmentStatus", "FinishResult", "GroupStatus", "Run", "RunState", "RunStatus", "TurnResult"]
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +79,17 @@ class EnvironmentStatus:
 
 
 @dataclass(frozen=True)
+class GroupStatus:
+    """What became of the run's groups (GroupCounts in the proto says what each counts)."""
+
+    finished: int
+    filtered_equal_rewards: int
+    incomplete: int
+    episodes_timed_out: int
+    batched: int
+
+
+@dataclass(frozen=True)
 class RunStatus:
     state: RunState
     # The last step whose batch went to the trainer.
@@ -91,6 +102,7 @@ class RunStatus:
     off_policy_steps_mean: float
     off_policy_steps_max: int
     environments: list[EnvironmentStatus]
+    groups: GroupStatus
     error: str
 
 
@@ -200,6 +212,14 @@ class Run:
                     errors=totals.errors + totals.timed_out,
                 )
             )
+        totals = self.counters.totals.values()
+        groups = GroupStatus(
+            finished=sum(t.groups_finished for t in totals),
+            filtered_equal_rewards=sum(t.groups_filtered_zero_advantage for t in totals),
+            incomplete=sum(t.groups_incomplete for t in totals),
+            episodes_timed_out=sum(t.timed_out for t in totals),
+            batched=sum(t.groups_batched for t in totals),
+        )
         run = self.config.run
         return RunStatus(
             state=self.state,
@@ -212,6 +232,7 @@ class Run:
             off_policy_steps_mean=self.off_policy_steps_mean,
             off_policy_steps_max=self.off_policy_steps_max,
             environments=environments,
+            groups=groups,
             error=self.error,
         )
 
@@ -409,7 +430,7 @@ class Run:
         for key, value in metrics.items():
             if not math.isfinite(value):
                 raise InvalidArgument(f"{value} is not a finite number", field=f"metrics[{key}]")
-        episode.check_can_finish()
+        episode.check_can_finish(discard=discard)
         env = episode.environment
         previous = episode.state
         if discard:

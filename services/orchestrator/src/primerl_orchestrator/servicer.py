@@ -122,6 +122,13 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
                 for env in status.environments
             ],
             error=status.error,
+            groups=orchestrator_pb2.GroupCounts(
+                finished=status.groups.finished,
+                filtered_equal_rewards=status.groups.filtered_equal_rewards,
+                incomplete=status.groups.incomplete,
+                episodes_timed_out=status.groups.episodes_timed_out,
+                batched=status.groups.batched,
+            ),
         )
 
     async def PauseRun(

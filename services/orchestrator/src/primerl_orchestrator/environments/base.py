@@ -69,7 +69,7 @@ class BuiltinEnvironment(abc.ABC):
 
     @abc.abstractmethod
     async def play(self, task: Task, generate: Generate) -> Outcome:
-        """Plays one episode of `task`; returns its reward."""
+        """Plays one episode of `task` (at least one turn: a reward needs one); returns its reward."""
 
     def reference_answer(self, task: Task) -> str | None:
         """A correct answer to `task` (what SFT data trains on); None: this environment knows none."""

@@ -210,12 +210,26 @@ class EnvironmentStats(_message.Message):
     num_errors: int
     def __init__(self, name: _Optional[str] = ..., num_episodes_started: _Optional[int] = ..., num_episodes_finished: _Optional[int] = ..., num_episodes_running: _Optional[int] = ..., reward_mean: _Optional[float] = ..., reward_std: _Optional[float] = ..., num_dropped_off_policy: _Optional[int] = ..., num_errors: _Optional[int] = ...) -> None: ...
 
+class GroupCounts(_message.Message):
+    __slots__ = ("finished", "filtered_equal_rewards", "incomplete", "episodes_timed_out", "batched")
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    FILTERED_EQUAL_REWARDS_FIELD_NUMBER: _ClassVar[int]
+    INCOMPLETE_FIELD_NUMBER: _ClassVar[int]
+    EPISODES_TIMED_OUT_FIELD_NUMBER: _ClassVar[int]
+    BATCHED_FIELD_NUMBER: _ClassVar[int]
+    finished: int
+    filtered_equal_rewards: int
+    incomplete: int
+    episodes_timed_out: int
+    batched: int
+    def __init__(self, finished: _Optional[int] = ..., filtered_equal_rewards: _Optional[int] = ..., incomplete: _Optional[int] = ..., episodes_timed_out: _Optional[int] = ..., batched: _Optional[int] = ...) -> None: ...
+
 class GetRunStatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class GetRunStatusResponse(_message.Message):
-    __slots__ = ("state", "step", "max_steps", "policy_version", "max_async_level", "max_off_policy_steps", "num_dropped_off_policy_total", "off_policy_steps_mean", "off_policy_steps_max", "environments", "error")
+    __slots__ = ("state", "step", "max_steps", "policy_version", "max_async_level", "max_off_policy_steps", "num_dropped_off_policy_total", "off_policy_steps_mean", "off_policy_steps_max", "environments", "error", "groups")
     STATE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     MAX_STEPS_FIELD_NUMBER: _ClassVar[int]
@@ -227,6 +241,7 @@ class GetRunStatusResponse(_message.Message):
     OFF_POLICY_STEPS_MAX_FIELD_NUMBER: _ClassVar[int]
     ENVIRONMENTS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
     state: RunState
     step: int
     max_steps: int
@@ -238,7 +253,8 @@ class GetRunStatusResponse(_message.Message):
     off_policy_steps_max: int
     environments: _containers.RepeatedCompositeFieldContainer[EnvironmentStats]
     error: str
-    def __init__(self, state: _Optional[_Union[RunState, str]] = ..., step: _Optional[int] = ..., max_steps: _Optional[int] = ..., policy_version: _Optional[int] = ..., max_async_level: _Optional[int] = ..., max_off_policy_steps: _Optional[int] = ..., num_dropped_off_policy_total: _Optional[int] = ..., off_policy_steps_mean: _Optional[float] = ..., off_policy_steps_max: _Optional[int] = ..., environments: _Optional[_Iterable[_Union[EnvironmentStats, _Mapping]]] = ..., error: _Optional[str] = ...) -> None: ...
+    groups: GroupCounts
+    def __init__(self, state: _Optional[_Union[RunState, str]] = ..., step: _Optional[int] = ..., max_steps: _Optional[int] = ..., policy_version: _Optional[int] = ..., max_async_level: _Optional[int] = ..., max_off_policy_steps: _Optional[int] = ..., num_dropped_off_policy_total: _Optional[int] = ..., off_policy_steps_mean: _Optional[float] = ..., off_policy_steps_max: _Optional[int] = ..., environments: _Optional[_Iterable[_Union[EnvironmentStats, _Mapping]]] = ..., error: _Optional[str] = ..., groups: _Optional[_Union[GroupCounts, _Mapping]] = ...) -> None: ...
 
 class PauseRunRequest(_message.Message):
     __slots__ = ()

@@ -129,7 +129,13 @@ class OrchestratorServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def FinishEpisode(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Ends an episode with its reward, or abandons it (discard). A reward needs
+        a generated turn to score: FinishEpisode without discard on an episode
+        that has generated none is refused with FAILED_PRECONDITION (reason
+        NO_TURN_GENERATED) and the episode stays open, for the environment to
+        generate a turn or abandon it (discard, always accepted; its group then
+        is incomplete).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')

@@ -1,0 +1,184 @@
+"""The orchestrator served in this process, through its real stub; its peers (trainer and router)
+are bare servers standing in for them. What GetRunStatus says of the run's groups (why steps
+come or not), and FinishEpisode on an episode that never generated a turn."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import pathlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import pytest
+from google.rpc import error_details_pb2
+
+from primerl.common.v1 import generation_pb2
+from primerl.orchestrator.v1 import orchestrator_pb2, orchestrator_pb2_grpc
+from primerl.router.v1 import router_pb2, router_pb2_grpc
+from primerl.trainer.v1 import trainer_pb2, trainer_pb2_grpc
+from primerl_common.errors import error_details
+from primerl_common.testing import bare_server, eventually, in_process_service
+from primerl_launcher.tiny_model import save_tokenizer
+from primerl_orchestrator.config import OrchestratorConfig
+from primerl_orchestrator.server import build
+
+
+class StandInTrainer(trainer_pb2_grpc.TrainerServiceServicer):
+    """An RL trainer that has completed no step (policy version 0 is the latest) and takes batches."""
+
+    def __init__(self) -> None:
+        self.pushed: list[int] = []
+
+    async def GetBatchSpec(self, request, context):
+        return trainer_pb2.GetBatchSpecResponse(
+            seq_len=256, vocab_size=320, next_step=len(self.pushed) + 1, mode=trainer_pb2.TRAINING_MODE_RL
+        )
+
+    async def GetStatus(self, request, context):
+        return trainer_pb2.GetStatusResponse(mode=trainer_pb2.TRAINING_MODE_RL, step=0, published_policy_version=0)
+
+    async def PushBatch(self, request_iterator, context):
+        steps = [request.begin.step async for request in request_iterator if request.HasField("begin")]
+        self.pushed += steps
+        return trainer_pb2.PushBatchResponse(step=steps[0])
+
+
+class StandInRouter(router_pb2_grpc.RouterServiceServicer):
+    """Answers every turn with the same two tokens, sampled by policy version 0."""
+
+    async def Generate(self, request, context):
+        yield router_pb2.GenerateResponse(
+            output=generation_pb2.GenerationOutput(
+                token_ids=[65, 66],
+                logprobs=[-0.1, -0.2],
+                policy_versions=[0, 0],
+                finished=True,
+                finish_reason=generation_pb2.FINISH_REASON_STOP,
+            )
+        )
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    path = tmp_path_factory.mktemp("tokenizer")
+    save_tokenizer(path)
+    return path
+
+
+@contextlib.asynccontextmanager
+async def orchestrator(
+    model_dir: pathlib.Path, trainer: StandInTrainer, output: dict[str, Any] | None = None, **run: Any
+) -> AsyncIterator[orchestrator_pb2_grpc.OrchestratorServiceStub]:
+    async with (
+        bare_server(functools.partial(trainer_pb2_grpc.add_TrainerServiceServicer_to_server, trainer)) as trainer_at,
+        bare_server(
+            functools.partial(router_pb2_grpc.add_RouterServiceServicer_to_server, StandInRouter())
+        ) as router_at,
+    ):
+        config = OrchestratorConfig(
+            server={"host": "127.0.0.1", "port": 0},
+            peers={"router": router_at, "trainer": trainer_at, "poll_interval_s": 0.05},
+            model={"path": model_dir, "max_model_len": 64},
+            environments=[{"name": "guess", "group_size": 2}],
+            run={"batch_size": 2, "max_steps": 3, **run},
+            output=output or {},
+        )
+        async with in_process_service(await build(config), config) as served:
+            stub = orchestrator_pb2_grpc.OrchestratorServiceStub(served.channel)
+
+            async def running() -> bool:
+                status = await stub.GetRunStatus(orchestrator_pb2.GetRunStatusRequest())
+                return status.state == orchestrator_pb2.RUN_STATE_RUNNING and status.policy_version == 0
+
+            await eventually(running, timeout_s=30, what="the run is running at policy version 0")
+            yield stub
+
+
+async def start_group(stub: orchestrator_pb2_grpc.OrchestratorServiceStub, task_id: str) -> list[str]:
+    request = orchestrator_pb2.StartEpisodeRequest(environment="guess", task=orchestrator_pb2.Task(task_id=task_id))
+    return [episode.episode_id for episode in (await stub.StartEpisode(request, timeout=10)).episodes]
+
+
+async def turn(stub: orchestrator_pb2_grpc.OrchestratorServiceStub, episode_id: str) -> None:
+    messages = orchestrator_pb2.ChatMessages(messages=[orchestrator_pb2.ChatMessage(role="user", content="hi")])
+    await stub.Generate(orchestrator_pb2.GenerateRequest(episode_id=episode_id, messages=messages), timeout=10)
+
+
+async def finish(
+    stub: orchestrator_pb2_grpc.OrchestratorServiceStub, episode_id: str, reward: float = 0.0, *, discard: bool = False
+) -> orchestrator_pb2.FinishEpisodeResponse:
+    request = orchestrator_pb2.FinishEpisodeRequest(episode_id=episode_id, reward=reward, discard=discard)
+    return await stub.FinishEpisode(request, timeout=10)
+
+
+async def play_group(stub: orchestrator_pb2_grpc.OrchestratorServiceStub, task_id: str, rewards: list[float]) -> None:
+    for episode_id, reward in zip(await start_group(stub, task_id), rewards, strict=True):
+        await turn(stub, episode_id)
+        await finish(stub, episode_id, reward)
+
+
+async def groups(stub: orchestrator_pb2_grpc.OrchestratorServiceStub) -> orchestrator_pb2.GroupCounts:
+    return (await stub.GetRunStatus(orchestrator_pb2.GetRunStatusRequest())).groups
+
+
+async def refusal(call) -> tuple[grpc.StatusCode, str]:
+    """The status code and ErrorInfo reason a call fails with."""
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await call
+    reasons = [d.reason for d in error_details(info.value) if isinstance(d, error_details_pb2.ErrorInfo)]
+    return info.value.code(), reasons[0] if reasons else ""
+
+
+async def test_groups_with_equal_rewards_are_filtered_and_no_step_comes_until_one_differs(model_dir, tmp_path):
+    trainer = StandInTrainer()
+    metrics = tmp_path / "metrics.jsonl"
+    async with orchestrator(model_dir, trainer, output={"metrics_jsonl": metrics}) as stub:
+        for index in range(3):
+            await play_group(stub, f"equal-{index}", [0.5, 0.5])
+        status = await stub.GetRunStatus(orchestrator_pb2.GetRunStatusRequest())
+        assert (status.groups.finished, status.groups.filtered_equal_rewards, status.groups.batched) == (3, 3, 0)
+        assert (status.groups.incomplete, status.groups.episodes_timed_out) == (0, 0)
+        assert status.step == 0 and trainer.pushed == []
+
+        await play_group(stub, "informative", [1.0, 0.0])
+        await eventually(lambda: trainer.pushed == [1], timeout_s=30, what="the trainer got the batch of step 1")
+        counts = await groups(stub)
+        assert (counts.finished, counts.filtered_equal_rewards, counts.batched) == (4, 3, 1)
+    # The step's metrics count the same since the step before (here: since the start).
+    [record] = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert {key: value for key, value in record.items() if "groups" in key or "timed_out" in key} == {
+        "num_groups_finished": 4,
+        "num_groups_filtered_equal_rewards": 3,
+        "num_groups_incomplete": 0,
+        "num_episodes_timed_out": 0,
+        "num_groups_batched": 1,
+    }
+
+
+async def test_a_reward_before_any_turn_is_refused_and_the_episode_stays_open(model_dir):
+    async with orchestrator(model_dir, StandInTrainer()) as stub:
+        first, second = await start_group(stub, "no-turn")
+        assert await refusal(finish(stub, first, 1.0)) == (grpc.StatusCode.FAILED_PRECONDITION, "NO_TURN_GENERATED")
+        # Still open: it can generate, then finish with its reward.
+        await turn(stub, first)
+        assert (await finish(stub, first, 1.0)).num_samples == 1
+        # Abandoning an episode that generated nothing is accepted: its group is incomplete.
+        assert (await finish(stub, second, discard=True)).group_complete
+        counts = await groups(stub)
+        assert (counts.finished, counts.incomplete) == (0, 1)
+
+
+async def test_an_episode_abandoned_to_the_timeout_leaves_its_group_incomplete(model_dir):
+    async with orchestrator(model_dir, StandInTrainer(), episode_timeout_s=0.5) as stub:
+        episode_id, _ = await start_group(stub, "abandoned")
+
+        async def timed_out() -> bool:
+            return (await groups(stub)).episodes_timed_out == 2
+
+        await eventually(timed_out, timeout_s=30, what="both episodes timed out")
+        counts = await groups(stub)
+        assert (counts.finished, counts.incomplete) == (0, 1)
+        assert await refusal(turn(stub, episode_id)) == (grpc.StatusCode.FAILED_PRECONDITION, "EPISODE_DROPPED")
