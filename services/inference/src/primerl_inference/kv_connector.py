@@ -70,7 +70,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
     from primerl_inference.config import KvCachePoolConfig
-    from primerl_inference.routed_experts import RoutedExpertsCapture
+    from primerl_inference.routed_experts.capture import RoutedExpertsCapture
 
 __all__ = ["PrimerlKVConnector", "kv_transfer_config"]
 

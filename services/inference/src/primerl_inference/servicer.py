@@ -103,7 +103,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             raise InvalidArgument("the first message must be `begin`", field="begin")
         update = weight_update_from_proto(first.begin)
         collective = collective_update_from_proto(first.begin)
-        result = await self._engine.update_weights(update, _update_chunks(requests), collective)
+        result = await self._engine.weight_updater.update(update, _update_chunks(requests), collective)
         return inference_pb2.UpdateWeightsResponse(
             policy_version=result.policy_version,
             num_tensors=result.num_tensors,

