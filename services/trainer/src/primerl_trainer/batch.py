@@ -13,13 +13,13 @@ import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
 from primerl.trainer.v1 import trainer_pb2
 from primerl_common.errors import InvalidArgument
 from primerl_common.tensors import tensor_from_proto
+from primerl_trainer.config_types import TrainingMode
 
 __all__ = [
     "BatchSpec",
@@ -30,8 +30,6 @@ __all__ = [
     "validate_batch",
     "validate_micro_batch",
 ]
-
-TrainingMode = Literal["rl", "sft"]
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
 _EXPERT_DTYPES = (torch.uint8, torch.uint16)

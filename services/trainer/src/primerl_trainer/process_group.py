@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import os
-from typing import Literal
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["DeviceType", "init_distributed", "launched_by_torchrun"]
+from primerl_trainer.config_types import DeviceType
 
-DeviceType = Literal["auto", "cpu", "cuda"]
+__all__ = ["DeviceType", "init_distributed", "launched_by_torchrun"]
 
 
 def launched_by_torchrun() -> bool:

@@ -14,12 +14,13 @@ import os
 import pathlib
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, Literal, get_args
+from typing import Any
 
 import torch
 from safetensors.torch import load_file
 from torch import nn
 
+from primerl_trainer.config_types import IMPLS, Impl
 from primerl_trainer.models.common.attention import AttentionBackend
 from primerl_trainer.models.hf import HFCausalLM
 from primerl_trainer.models.moe import ExpertsImpl
@@ -29,9 +30,6 @@ from primerl_trainer.models.qwen3.state_dict_adapter import Qwen3StateDictAdapte
 from primerl_trainer.models.qwen3_moe.model import Qwen3MoeModel, Qwen3MoeModelArgs
 from primerl_trainer.models.qwen3_moe.parallelize import parallelize_qwen3_moe
 from primerl_trainer.models.qwen3_moe.state_dict_adapter import Qwen3MoeStateDictAdapter
-
-Impl = Literal["auto", "custom", "hf"]
-IMPLS: tuple[str, ...] = get_args(Impl)
 
 
 @dataclass(frozen=True)

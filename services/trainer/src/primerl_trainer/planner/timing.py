@@ -1,0 +1,151 @@
+"""Step time of one optimizer step, from the measured per-kernel rates.
+
+Per micro-batch on one GPU (t = seq_len / cp tokens):
+- linear layers: 2 * t * parameters FLOPs forward, twice that backward, at the matmul rate of the
+  nearest measured shape; routed experts at the grouped-matmul rate (t * top_k rows over the
+  local experts); with activation checkpointing the blocks' forward runs twice.
+- attention core: 2 * heads * (qk + v dims) * seq^2 / 2 causal FLOPs per sequence, a cp-th of it
+  per GPU, at the measured forward and backward rates (backward counted as 2.5x the forward).
+- FSDP: each block all-gathered in forward and again in backward, its gradient reduce-scattered
+  in float32, every micro-batch; overlapped with compute, so only what exceeds it counts.
+- expert parallel: dispatch and combine all-to-alls per MoE layer, forward and backward (and the
+  recomputed forward), on the critical path.
+- context parallel: each layer's K/V all-gather forward (and recomputed forward) and the
+  reduce-scatter of their gradients backward, on the critical path.
+Then the optimizer: AdamW and gradient clipping read and write the local shard at HBM speed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from primerl_trainer.planner.memory import block_params
+from primerl_trainer.planner.mesh import Mesh, Workload
+from primerl_trainer.planner.rates import GpuRates
+from primerl_trainer.planner.shapes import ModelShape
+
+__all__ = ["StepTime", "estimate_step_time", "model_flops_per_token"]
+
+_ATTENTION_BACKWARD_FLOPS = 2.5  # backward FLOPs over forward FLOPs of attention (rates' convention)
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Seconds per optimizer step, by part (fsdp: only what compute does not hide)."""
+
+    compute: float
+    fsdp: float
+    ep: float
+    cp: float
+    optimizer: float
+
+    @property
+    def total(self) -> float:
+        return sum(getattr(self, f.name) for f in fields(self))
+
+
+def model_flops_per_token(shape: ModelShape, seq_len: int) -> float:
+    """Training FLOPs per token, forward and backward, without recomputation (MFU's numerator):
+    6 * matrix parameters a token passes + causal attention."""
+    attention = 3 * shape.num_layers * shape.num_heads * (shape.qk_head_dim + shape.v_head_dim) * seq_len / 2
+    return 6 * shape.matmul_params_per_token + attention
+
+
+def _spans_nodes(group_size: int, stride: int, rates: GpuRates) -> bool:
+    """Whether a group of `group_size` ranks `stride` apart leaves one node."""
+    return group_size > 1 and group_size * stride > rates.gpus_per_node
+
+
+def _collective_s(total_bytes: float, group_size: int, gbps: float) -> float:
+    if group_size <= 1:
+        return 0.0
+    return total_bytes * (group_size - 1) / group_size / (gbps * 1e9)
+
+
+def _linear_s(tokens: float, k: int, n: int, rates: GpuRates) -> float:
+    return 2 * tokens * k * n / (rates.matmul_tflops(int(tokens), k, n) * 1e12)
+
+
+def _forward_compute_s(shape: ModelShape, mesh: Mesh, workload: Workload, rates: GpuRates) -> tuple[float, float]:
+    """(the blocks' forward seconds, the head's forward seconds) of one micro-batch on one GPU."""
+    t = workload.seq_len / mesh.cp
+    dim, heads = shape.hidden_size, shape.num_heads
+    attention_proj = _linear_s(t, dim, shape.attention_params // dim, rates)
+    causal_flops = 2 * heads * (shape.qk_head_dim + shape.v_head_dim) * workload.seq_len**2 / 2 / mesh.cp
+    attention_fwd_tflops, _ = rates.attention_tflops(workload.seq_len, shape.qk_head_dim)
+    attention_core = causal_flops / (attention_fwd_tflops * 1e12)
+    dense_mlp = _linear_s(t, dim, 2 * shape.intermediate_size, rates) + _linear_s(
+        t, shape.intermediate_size, dim, rates
+    )
+    blocks = shape.num_layers * (attention_proj + attention_core) + shape.num_dense_layers * dense_mlp
+    if shape.num_moe_layers:
+        f = shape.moe_intermediate_size
+        rows = t * shape.top_k  # routed copies this GPU computes (balanced routing)
+        rows_per_expert = rows / (shape.num_experts / mesh.ep)
+        experts = 2 * rows * dim * 2 * f / (rates.grouped_mm_tflops(rows_per_expert, dim, 2 * f) * 1e12)
+        experts += 2 * rows * f * dim / (rates.grouped_mm_tflops(rows_per_expert, f, dim) * 1e12)
+        shared = shape.num_shared_experts * (_linear_s(t, dim, 2 * f, rates) + _linear_s(t, f, dim, rates))
+        router = _linear_s(t, dim, shape.num_experts, rates)
+        blocks += shape.num_moe_layers * (experts + shared + router)
+    head = _linear_s(t, dim, shape.vocab_size, rates)
+    return blocks, head
+
+
+def _attention_backward_extra_s(shape: ModelShape, mesh: Mesh, workload: Workload, rates: GpuRates) -> float:
+    """The attention core's backward minus twice its forward (the linear layers' convention)."""
+    causal_flops = 2 * shape.num_heads * (shape.qk_head_dim + shape.v_head_dim) * workload.seq_len**2 / 2 / mesh.cp
+    fwd_tflops, bwd_tflops = rates.attention_tflops(workload.seq_len, shape.qk_head_dim)
+    backward = _ATTENTION_BACKWARD_FLOPS * causal_flops / (bwd_tflops * 1e12)
+    return shape.num_layers * (backward - 2 * causal_flops / (fwd_tflops * 1e12))
+
+
+def estimate_step_time(shape: ModelShape, mesh: Mesh, workload: Workload, rates: GpuRates) -> StepTime:
+    micro_batches = workload.micro_batches_per_rank(mesh)
+    t = workload.seq_len / mesh.cp
+    b_c = workload.compute_bytes
+
+    blocks_fwd, head_fwd = _forward_compute_s(shape, mesh, workload, rates)
+    forward_passes = 2 if workload.activation_checkpointing else 1
+    compute = blocks_fwd * (2 + forward_passes) + head_fwd * 3
+    compute += _attention_backward_extra_s(shape, mesh, workload, rates)
+
+    # FSDP: every block's non-expert part over all N ranks, its experts over N / ep ranks, ep apart.
+    dense_link = rates.link(mesh.world, spans_nodes=_spans_nodes(mesh.world, 1, rates))
+    expert_group = mesh.world // mesh.ep
+    expert_link = rates.link(expert_group, spans_nodes=_spans_nodes(expert_group, mesh.ep, rates))
+    fsdp = 0.0
+    for moe, count in ((False, shape.num_dense_layers), (True, shape.num_moe_layers)):
+        dense_params, expert_params = block_params(shape, mesh, moe=moe)
+        for params, group, link in ((dense_params, mesh.world, dense_link), (expert_params, expert_group, expert_link)):
+            gather = 2 * _collective_s(params * b_c, group, link.all_gather_gbps)
+            scatter = _collective_s(params * 4, group, link.reduce_scatter_gbps)
+            fsdp += count * (gather + scatter)
+    head = shape.vocab_size * shape.hidden_size * (1 if shape.tie_embeddings else 2)
+    fsdp += 2 * _collective_s(head * b_c, mesh.world, dense_link.all_gather_gbps)
+    fsdp += _collective_s(head * 4, mesh.world, dense_link.reduce_scatter_gbps)
+    fsdp_exposed = max(0.0, fsdp - compute)
+
+    ep = 0.0
+    if mesh.ep > 1 and shape.num_moe_layers:
+        link = rates.link(mesh.ep, spans_nodes=_spans_nodes(mesh.ep, 1, rates))
+        send_bytes = t * shape.top_k * shape.hidden_size * b_c
+        all_to_alls = 2 * (forward_passes + 1)  # dispatch + combine, per forward and the backward
+        ep = shape.num_moe_layers * all_to_alls * _collective_s(send_bytes, mesh.ep, link.all_to_all_gbps)
+
+    cp = 0.0
+    if mesh.cp > 1:
+        link = rates.link(mesh.cp, spans_nodes=_spans_nodes(mesh.cp, 1, rates))
+        kv_bytes = workload.seq_len * shape.num_kv_heads * (shape.qk_head_dim + shape.v_head_dim) * b_c
+        gathers = forward_passes * _collective_s(kv_bytes, mesh.cp, link.all_gather_gbps)
+        cp = shape.num_layers * (gathers + _collective_s(kv_bytes, mesh.cp, link.reduce_scatter_gbps))
+
+    # AdamW reads parameter, gradient and both moments and writes three back; clipping reads the
+    # gradient once more.
+    optimizer = 8 * workload.master_bytes * shape.total_params / mesh.world / (rates.hbm_gbps * 1e9)
+    return StepTime(
+        compute=micro_batches * compute,
+        fsdp=micro_batches * fsdp_exposed,
+        ep=micro_batches * ep,
+        cp=micro_batches * cp,
+        optimizer=optimizer,
+    )

@@ -1,0 +1,56 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+from primerl_trainer.planner.cli import main
+from primerl_trainer.planner.shapes import BUILTIN_SHAPES
+
+
+def test_plan_of_a_builtin_shape_lists_fitting_meshes_first(capsys):
+    code = main(["--shape", "Kimi-K2", "--gpus", "256", "--gpu", "h200", "--seq-len", "65536",
+                 "--tokens-per-step", str(64 * 65536), "--top", "0", "--json"])  # fmt: skip
+    assert code == 0
+    rows = json.loads(capsys.readouterr().out)
+    fits = [row["fits"] for row in rows]
+    assert any(fits) and not all(fits)
+    assert fits == sorted(fits, reverse=True)
+    fitting = [row["time"] for row in rows if row["fits"]]
+    totals = [sum(part.values()) for part in fitting]
+    assert totals == sorted(totals)
+
+
+def test_plan_reads_the_config_and_its_model_path(tmp_path, capsys):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(BUILTIN_SHAPES["Qwen3-30B-A3B"]))
+    config = tmp_path / "trainer.toml"
+    config.write_text(f'seq_len = 8192\n[model]\npath = "{model}"\ndtype = "bfloat16"\n')
+    assert main(["-c", str(config), "--gpus", "8", "--gpu", "h100"]) == 0
+    out = capsys.readouterr().out
+    assert "model: 30.5B parameters" in out and "rows of 8,192" in out and "master weights 16-bit" in out
+    assert "dp8 cp1 ep8" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--gpus", "8"], "--shape"),
+        (["--shape", "Qwen3-30B-A3B", "--gpus", "8", "--gpu", "a100"], "--gpu 'a100'"),
+        (["--shape", "nope", "--gpus", "8"], "unknown shape"),
+    ],
+)
+def test_bad_arguments_exit_2_naming_the_flag(argv, message, capsys):
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_plan_imports_no_torch():
+    code = (
+        "import sys; from primerl_trainer.__main__ import main; "
+        "assert main(['plan', '--shape', 'GLM-5', '--gpus', '64', '--top', '3']) == 0; "
+        "print('torch' in sys.modules)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip().splitlines()[-1] == "False"
