@@ -59,6 +59,9 @@ def test_mla_attention_parameters_by_hand():
     out = 64 * 128 * 7168
     assert shape.attention_params == q + kv + out
     assert shape.is_mla and "MLA" in shape.note
+    # Context parallel gathers the latent and the rope key, not 64 heads of K and V.
+    assert shape.kv_elements_per_token == 512 + 64
+    assert builtin_shape("Qwen3-30B-A3B").kv_elements_per_token == 4 * (128 + 128)
 
 
 def test_model_path_reads_config_json(tmp_path):

@@ -10,7 +10,8 @@ What each part counts (bytes, per GPU, B_m = master bytes, B_c = compute bytes):
   over the seq_len / cp tokens of one micro-batch on this GPU; with activation checkpointing only
   each block's input, plus one block recomputed. Then the backward's working set: one layer's
   activations again (their gradients).
-- cp: the K and V of the whole sequence, gathered by each layer's attention, beyond the local part.
+- cp: the K and V (MLA: the latent) of the whole sequence, gathered by each layer's attention,
+  beyond the local part.
 - ep: the all-to-all send and receive buffers of one MoE layer's dispatch (balanced routing).
 - logits: the trainer's loss path materialises [tokens, vocab] logits in B_c and their gradient.
 """
@@ -110,7 +111,7 @@ def estimate_memory(shape: ModelShape, mesh: Mesh, workload: Workload, rates: Gp
 
     cp = 0.0
     if mesh.cp > 1:
-        kv_bytes = workload.seq_len * shape.num_kv_heads * (shape.qk_head_dim + shape.v_head_dim) * b_c
+        kv_bytes = workload.seq_len * shape.kv_elements_per_token * b_c
         remote = kv_bytes * (mesh.cp - 1) / mesh.cp
         saved_layers = 1 if workload.activation_checkpointing else shape.num_layers
         cp = remote * saved_layers + kv_bytes  # the gathered K/V kept per layer; one layer's gradient

@@ -3,9 +3,11 @@ Face config.json (Qwen3, Qwen3-MoE, GLM-4.5 MoE, DeepSeek-V3 / Kimi-K2 and GLM-5
 named built-ins.
 
 Multi-head latent attention (MLA: DeepSeek-V3, Kimi-K2, GLM-5) is counted exactly for parameters
-(its low-rank q and kv projections). The trainer has no MLA implementation yet, so for FLOPs,
-activations and context-parallel K/V it is taken as the attention the training form computes:
-`num_heads` heads of query/key dim qk_nope + qk_rope and value dim v_head_dim, K and V per head.
+(its low-rank q and kv projections). The trainer has no MLA implementation yet, so for FLOPs and
+activations it is taken as the attention the training form computes: `num_heads` heads of
+query/key dim qk_nope + qk_rope and value dim v_head_dim, K and V per head; context parallel is
+taken to gather the compressed latent (kv_lora_rank + qk_rope_head_dim per token), as an MLA
+implementation would.
 GLM-5's DeepSeek sparse attention (DSA) indexer is counted in the parameters; its sparsity is not
 modelled (attention is costed as dense causal, an over-estimate at long context).
 """
@@ -87,6 +89,14 @@ class ModelShape:
         if self.qk_norm:
             params += 2 * self.qk_head_dim
         return params
+
+    @property
+    def kv_elements_per_token(self) -> int:
+        """What context parallel gathers per token and layer: K and V of every KV head, or MLA's
+        compressed latent and rope key (each rank expands them into heads itself)."""
+        if self.is_mla:
+            return self.kv_lora_rank + self.qk_rope_head_dim
+        return self.num_kv_heads * (self.qk_head_dim + self.v_head_dim)
 
     @property
     def dense_mlp_params(self) -> int:

@@ -135,7 +135,7 @@ def estimate_step_time(shape: ModelShape, mesh: Mesh, workload: Workload, rates:
     cp = 0.0
     if mesh.cp > 1:
         link = rates.link(mesh.cp, spans_nodes=_spans_nodes(mesh.cp, 1, rates))
-        kv_bytes = workload.seq_len * shape.num_kv_heads * (shape.qk_head_dim + shape.v_head_dim) * b_c
+        kv_bytes = workload.seq_len * shape.kv_elements_per_token * b_c
         gathers = forward_passes * _collective_s(kv_bytes, mesh.cp, link.all_gather_gbps)
         cp = shape.num_layers * (gathers + _collective_s(kv_bytes, mesh.cp, link.reduce_scatter_gbps))
 
