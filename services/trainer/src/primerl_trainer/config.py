@@ -7,11 +7,16 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from primerl_common.config import Section, ServerConfig, ServiceConfig, service_settings
-from primerl_trainer.batch import TrainingMode
-from primerl_trainer.losses import RLLossConfig
-from primerl_trainer.models import AttentionBackend, ExpertsImpl, Impl
-from primerl_trainer.optim import LRScheduleConfig, OptimizerConfig
-from primerl_trainer.process_group import DeviceType
+from primerl_trainer.config_types import (
+    AttentionBackend,
+    DeviceType,
+    ExpertsImpl,
+    Impl,
+    LRScheduleConfig,
+    OptimizerConfig,
+    RLLossConfig,
+    TrainingMode,
+)
 
 __all__ = [
     "CheckpointConfig",

@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from typing import Literal
 
 import torch
-from pydantic import Field, model_validator
 from torch.distributed.tensor import DTensor
 
-from primerl_common.config import Section
+from primerl_trainer.config_types import LRScheduleConfig, OptimizerConfig
 
 try:
     import triton
@@ -34,32 +32,6 @@ __all__ = [
     "clip_grad_norm_",
     "lr_factor",
 ]
-
-
-class OptimizerConfig(Section):
-    lr: float = Field(default=1e-6, gt=0)
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = Field(default=1e-8, gt=0)
-    weight_decay: float = Field(default=0.0, ge=0, description="applied to matrices only, not to norms or biases")
-    max_grad_norm: float = Field(default=1.0, gt=0, description="gradients are clipped to this global L2 norm")
-
-
-class LRScheduleConfig(Section):
-    """Linear warmup from lr / warmup_steps to lr, then constant or a decay to min_lr_ratio * lr at total_steps."""
-
-    decay: Literal["constant", "linear", "cosine"] = "constant"
-    warmup_steps: int = Field(default=0, ge=0)
-    total_steps: int | None = Field(default=None, gt=0, description="required by the linear and cosine decays")
-    min_lr_ratio: float = Field(default=0.0, ge=0, le=1)
-
-    @model_validator(mode="after")
-    def _check_total_steps(self) -> LRScheduleConfig:
-        if self.decay != "constant":
-            if self.total_steps is None:
-                raise ValueError(f"decay {self.decay!r} needs total_steps")
-            if self.total_steps <= self.warmup_steps:
-                raise ValueError(f"total_steps {self.total_steps} must exceed warmup_steps {self.warmup_steps}")
-        return self
 
 
 def build_optimizer(model: torch.nn.Module, config: OptimizerConfig) -> torch.optim.AdamW:
@@ -215,14 +187,22 @@ def clip_grad_norm_(parameters: Iterable[torch.nn.Parameter], max_norm: float) -
     """Clip gradients to a global L2 norm; return the norm before clipping (a plain 0-d tensor).
 
     With FSDP2 the gradients are shards (DTensors) and their norm is a DTensor: `full_tensor()`
-    reduces it across ranks so every rank clips by the same global norm. A non-finite norm is
-    returned as is (the caller skips the update) and the gradients are left untouched.
+    reduces it across ranks so every rank clips by the same global norm. Under expert parallel
+    the expert gradients live on another mesh than the rest: each mesh's norm is reduced over
+    its own ranks and the norms are combined. A non-finite norm is returned as is (the caller
+    skips the update) and the gradients are left untouched.
     """
     params = [p for p in parameters if p.grad is not None]
-    total_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-    if isinstance(total_norm, DTensor):
-        total_norm = total_norm.full_tensor()
+    groups: dict[object, list[torch.nn.Parameter]] = {}
+    for param in params:
+        groups.setdefault(param.device_mesh if isinstance(param, DTensor) else None, []).append(param)
+    norms = []
+    for group in groups.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group])
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    total_norm = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
     # A device-to-host sync, needed anyway: the norm is a metric of every step.
     if torch.isfinite(total_norm):
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total_norm)
+        for group in groups.values():
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total_norm)
     return total_norm

@@ -8,7 +8,9 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import DTensor, Shard
+
+from primerl_trainer.models.moe import GroupedExperts
 
 
 def apply_fsdp(
@@ -20,24 +22,69 @@ def apply_fsdp(
     reshard_after_forward: bool = True,
     cpu_offload: bool = False,
     shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
+    experts_mesh: DeviceMesh | None = None,
+    gradient_divide_factor: float | None = None,
 ) -> None:
     """Shards each block as one unit, then the embedding and the head, then the root.
 
     param_dtype is the dtype blocks compute in (None: the parameters' own); gradients are
     reduced in reduce_dtype. `shard_placement_fn` picks a parameter's sharded dim (None:
-    dim 0), e.g. for expert weights when there are more ranks than experts."""
+    dim 0), e.g. for expert weights when there are more ranks than experts.
+
+    `experts_mesh` (expert parallel): each block's routed experts (models.moe.GroupedExperts,
+    their weights DTensors on the ep mesh) become a unit of their own sharded over this mesh
+    (efsdp), on dim 0, or dim 1 where the mesh is larger than a rank's experts.
+
+    Gradients: FSDP sums each gradient over its mesh and divides the sum by
+    `gradient_divide_factor` (None: the mesh's size, a mean). Expert gradients are summed over
+    experts_mesh only, but already hold the tokens of every ep rank: they are divided by the same
+    factor as the others (the size of `mesh` when None), so that every gradient is the same sum
+    over all ranks' tokens, scaled alike."""
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    offload_policy = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
     config = {
         "mesh": mesh,
-        "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
-        "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
+        "mp_policy": policy,
+        "offload_policy": offload_policy,
         "shard_placement_fn": shard_placement_fn,
     }
+    # (module, its mesh) of every FSDP unit.
+    units = []
     for block in model.layers.values():
-        fully_shard(block, reshard_after_forward=reshard_after_forward, **config)
+        if experts_mesh is not None:
+            for experts in (m for m in block.modules() if isinstance(m, GroupedExperts)):
+                fully_shard(
+                    experts,
+                    mesh=experts_mesh,
+                    mp_policy=policy,
+                    offload_policy=offload_policy,
+                    reshard_after_forward=reshard_after_forward,
+                    shard_placement_fn=_experts_placement(experts_mesh.size()),
+                )
+                units.append((experts, experts_mesh))
+        units.append((fully_shard(block, reshard_after_forward=reshard_after_forward, **config), mesh))
     if model.lm_head is not None:
-        fully_shard(model.tok_embeddings, reshard_after_forward=reshard_after_forward, **config)
+        units.append((fully_shard(model.tok_embeddings, reshard_after_forward=reshard_after_forward, **config), mesh))
         # Backward needs the head first: keeping it gathered after forward saves an all-gather.
         fully_shard([model.norm, model.lm_head], reshard_after_forward=False, **config)
+        units.append((model.norm, mesh))  # the pair's one FSDP state
     # A tied head reads the embedding's weight outside the embedding's forward, so both stay
     # with the root, whose parameters are gathered for the whole forward.
-    fully_shard(model, **config)
+    units.append((fully_shard(model, **config), mesh))
+    factor = gradient_divide_factor or float(mesh.size())
+    for unit, unit_mesh in units:
+        if factor == unit_mesh.size():
+            continue
+        unit.set_gradient_divide_factor(factor)
+        # NCCL reduces with PREMUL_SUM(1 / factor), which gloo lacks: on the CPU the sum is
+        # divided afterwards. (A mesh of one rank divides by the factor without reducing.)
+        unit.set_force_sum_reduction_for_comms(unit_mesh.device_type == "cpu" and unit_mesh.size() > 1)
+
+
+def _experts_placement(mesh_size: int) -> Callable[[nn.Parameter], Shard | None]:
+    def placement(param: nn.Parameter) -> Shard:
+        num_rows = param.to_local().shape[0] if isinstance(param, DTensor) else param.shape[0]
+        # Dim 0 would leave ranks empty and padded when there are more ranks than experts.
+        return Shard(1) if mesh_size > num_rows else Shard(0)
+
+    return placement

@@ -5,21 +5,20 @@ Shape letters: T tokens, D model dim, F expert hidden dim, E experts, K experts 
 N = T * K routed token copies.
 """
 
-from typing import Literal, get_args
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from primerl_trainer.config_types import EXPERTS_IMPLS, ExpertsImpl
+
 try:
     import triton
     import triton.language as tl
 except ImportError:  # CPU-only installs: autograd's own weight gradients
     triton = None
-
-ExpertsImpl = Literal["auto", "grouped_mm", "loop"]
-EXPERTS_IMPLS: tuple[str, ...] = get_args(ExpertsImpl)
 
 
 class TokenChoiceTopKRouter(nn.Module):
@@ -66,22 +65,30 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
 
     def forward(self, x_ND: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
-        """x_ND sorted by expert; offsets_E [E] int32: the end of each expert's rows."""
+        """x_ND sorted by expert; offsets_E [E] int32: the end of each expert's rows.
+
+        Under expert parallel the weights are DTensors sharded on the expert dim: E is then this
+        rank's experts, and the products read its rows (`to_local`, through which gradients flow)."""
+        w13, w2 = _local(self.w13), _local(self.w2)
         if self._use_grouped_mm(x_ND):
-            gate, up = _grouped_linear(x_ND, self.w13, offsets_E).chunk(2, dim=-1)
-            return _grouped_linear(F.silu(gate) * up, self.w2, offsets_E)
+            gate, up = _grouped_linear(x_ND, w13, offsets_E).chunk(2, dim=-1)
+            return _grouped_linear(F.silu(gate) * up, w2, offsets_E)
         # Reference path: one matmul pair per expert, with a device sync for the sizes.
         sizes = torch.diff(offsets_E, prepend=offsets_E.new_zeros(1)).tolist()
         outs = []
         for expert, x in enumerate(torch.split(x_ND, sizes)):
-            gate, up = F.linear(x, self.w13[expert]).chunk(2, dim=-1)
-            outs.append(F.linear(F.silu(gate) * up, self.w2[expert]))
+            gate, up = F.linear(x, w13[expert]).chunk(2, dim=-1)
+            outs.append(F.linear(F.silu(gate) * up, w2[expert]))
         return torch.cat(outs)
 
     def _use_grouped_mm(self, x: torch.Tensor) -> bool:
         if self.experts_impl != "auto":
             return self.experts_impl == "grouped_mm"
         return grouped_mm_supported(x.device, x.dtype)
+
+
+def _local(weight: torch.Tensor) -> torch.Tensor:
+    return weight.to_local() if isinstance(weight, DTensor) else weight
 
 
 def _grouped_linear(x_NI: torch.Tensor, w_EOI: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
@@ -226,7 +233,13 @@ def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
 
 class MoE(nn.Module):
     """Router + routed experts. Tokens are permuted so that each expert's rows are contiguous,
-    run through the grouped experts, put back in token order and mixed by their scores."""
+    run through the grouped experts, put back in token order and mixed by their scores.
+
+    `dispatcher` (set by expert parallel, distributed.expert_parallel) runs the experts when they
+    are spread over ranks: called with the expert-sorted token copies, their counts per expert and
+    the local experts, it returns the copies' outputs in the same order."""
+
+    dispatcher: Callable[[torch.Tensor, torch.Tensor, Callable[..., torch.Tensor]], torch.Tensor] | None = None
 
     def __init__(
         self,
@@ -263,9 +276,13 @@ class MoE(nn.Module):
         # inverse_N[copy] = the row of (token, k) copy `copy` in expert order.
         inverse_N = torch.empty_like(order_N).scatter_(0, order_N, torch.arange(order_N.numel(), device=x.device))
 
-        routed_ND = self.experts(_DispatchToExperts.apply(x_TD, order_N, inverse_N, top_k), offsets_E)
-        out_TD = _CombineFromExperts.apply(routed_ND, scores_TK, order_N, inverse_N)
         tokens_per_expert_E = torch.diff(offsets_E, prepend=offsets_E.new_zeros(1)).long()
+        x_ND = _DispatchToExperts.apply(x_TD, order_N, inverse_N, top_k)
+        if self.dispatcher is None:
+            routed_ND = self.experts(x_ND, offsets_E)
+        else:
+            routed_ND = self.dispatcher(x_ND, tokens_per_expert_E, self.experts)
+        out_TD = _CombineFromExperts.apply(routed_ND, scores_TK, order_N, inverse_N)
         return out_TD.view_as(x), expert_ids_TK, tokens_per_expert_E
 
 

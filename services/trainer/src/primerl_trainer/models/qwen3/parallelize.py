@@ -19,20 +19,31 @@ def parallelize_qwen3(
     model: Model,
     *,
     dp_mesh: DeviceMesh | None = None,
+    ep_mesh: DeviceMesh | None = None,
     param_dtype: torch.dtype | None = torch.bfloat16,
     reduce_dtype: torch.dtype | None = torch.float32,
     activation_checkpointing: bool = False,
     compile: bool = False,
     reshard_after_forward: bool = True,
     cpu_offload: bool = False,
+    gradient_divide_factor: float | None = None,
     shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
+    experts_mesh: DeviceMesh | None = None,
+    compile_fullgraph: bool = True,
 ) -> Model:
     """In place; returns the model (a Qwen3 composition: `model.layers` are its blocks).
-    Without `dp_mesh` no FSDP is applied."""
+
+    dp_mesh: the FSDP2 mesh (all ranks: ParallelDims' "dp_shard_cp"); None: no FSDP.
+    ep_mesh: a dense model has no experts to split, so only None or a mesh of one rank.
+    gradient_divide_factor: FSDP divides summed gradients by it (None: dp_mesh's size).
+    shard_placement_fn, experts_mesh, compile_fullgraph: for the models built on this one
+    (Qwen3-MoE; see distributed.apply_fsdp)."""
+    if ep_mesh is not None and ep_mesh.size() > 1:
+        raise ValueError(f"parallel.ep {ep_mesh.size()} needs a mixture-of-experts model; this one is dense")
     if activation_checkpointing:
         apply_activation_checkpointing(model.layers)
     if compile:
-        apply_compile(model.layers)
+        apply_compile(model.layers, fullgraph=compile_fullgraph)
     if dp_mesh is not None:
         apply_fsdp(
             model,
@@ -42,5 +53,7 @@ def parallelize_qwen3(
             reshard_after_forward=reshard_after_forward,
             cpu_offload=cpu_offload,
             shard_placement_fn=shard_placement_fn,
+            experts_mesh=experts_mesh,
+            gradient_divide_factor=gradient_divide_factor,
         )
     return model

@@ -1,0 +1,103 @@
+"""Run by test_expert_parallel.py under torchrun: trains the tiny MoE model with expert parallel on
+the mesh of ParallelDims(world, ep) (gloo on the CPU, NCCL on GPUs) and has rank 0 save what the
+test compares with one process.
+
+    torchrun --standalone --nproc-per-node N ep_worker.py MODEL_DIR BATCHES_FILE OUT_DIR EP
+
+Three steps: two plain ones (checkpointed after the second), then the probe's per-token logprobs
+and expert choice with replayed experts, then a third step with router replay. With OUT_DIR/resume
+set up (EP = world size), the checkpoint of step 2 is then loaded into the model sharded by plain
+FSDP over the same ranks (ep 1), which trains the third step again.
+"""
+
+import pathlib
+import sys
+
+import torch
+import torch.distributed as dist
+from tiny_training import DP_SCHEDULE, load_tiny_model, micro_batches_from_dicts
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from primerl_trainer.batch import BatchSpec
+from primerl_trainer.checkpoint import Checkpointer
+from primerl_trainer.config_types import OptimizerConfig
+from primerl_trainer.distributed.parallel_dims import ParallelDims
+from primerl_trainer.export import gather_state_dict
+from primerl_trainer.losses import token_logprobs
+from primerl_trainer.models import model_spec_of
+from primerl_trainer.optim import build_lr_scheduler, build_optimizer
+from primerl_trainer.process_group import init_distributed
+from primerl_trainer.train import Trainer
+
+
+def build_trainer(
+    model_dir: pathlib.Path,
+    device: torch.device,
+    dims: ParallelDims,
+    spec: BatchSpec,
+    optimizer_config: OptimizerConfig,
+) -> Trainer:
+    model = load_tiny_model(model_dir).to(device)
+    dims.build_mesh(device.type)
+    model_spec_of(model).parallelize_fn(
+        model,
+        dp_mesh=dims.mesh("dp_shard_cp"),
+        ep_mesh=dims.mesh("ep") if dims.ep_enabled else None,
+        efsdp_mesh=dims.mesh("efsdp"),
+        param_dtype=torch.float32,  # as the one-process reference computes
+    )
+    optimizer = build_optimizer(model, optimizer_config)
+    scheduler = build_lr_scheduler(optimizer, DP_SCHEDULE)
+    return Trainer(model, optimizer, scheduler, spec=spec, device=device, dp_group=dims.group("dp_shard"))
+
+
+def main(model_dir: pathlib.Path, batches_file: pathlib.Path, out_dir: pathlib.Path, ep: int) -> None:
+    device = init_distributed()
+    world_size = dist.get_world_size()
+    data = torch.load(batches_file)
+    batches = [micro_batches_from_dicts(batch) for batch in data["batches"]]
+    probe = micro_batches_from_dicts([data["probe"]])[0]
+    plain_spec, replay_spec = BatchSpec(**data["spec"]), BatchSpec(**data["replay_spec"])
+    optimizer_config = OptimizerConfig(**data["optimizer"])
+    trainer = build_trainer(model_dir, device, ParallelDims(world_size=world_size, ep=ep), plain_spec, optimizer_config)
+    checkpointer = Checkpointer(out_dir / "checkpoints", interval=2)
+    metrics = []
+    for batch in batches[:2]:
+        metrics.append(trainer.train_step(batch))
+        checkpointer.maybe_save(trainer)
+
+    with torch.no_grad():
+        output = trainer.model(
+            probe.input_ids[None].to(device),
+            probe.position_ids[None].to(device),
+            routed_experts=probe.routed_experts.to(device),
+        )
+        logprobs, _ = token_logprobs(output.logits[0], probe.input_ids.to(device), probe.temperatures.to(device))
+    trainer.spec = replay_spec
+    metrics.append(trainer.train_step(batches[2]))
+
+    weights = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    is_rank0 = dist.get_rank() == 0
+    published = {name: t.cpu() for name, t in gather_state_dict(trainer.model, kind="full", is_destination=is_rank0)}
+
+    resumed_metrics = None
+    if data["resume"]:
+        # The ep checkpoint of step 2 into plain FSDP over the same ranks.
+        resumed = build_trainer(model_dir, device, ParallelDims(world_size=world_size), replay_spec, optimizer_config)
+        assert Checkpointer(out_dir / "checkpoints").load_latest(resumed) == 2
+        resumed_metrics = resumed.train_step(batches[2])
+    if is_rank0:
+        result = {
+            "metrics": metrics,
+            "logprobs": logprobs.cpu(),
+            "routed_experts": output.routed_experts.cpu(),
+            "weights": weights,
+            "published": published,
+            "resumed_metrics": resumed_metrics,
+        }
+        torch.save(result, out_dir / "result.pt")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(*(pathlib.Path(arg) for arg in sys.argv[1:4]), int(sys.argv[4]))

@@ -1,0 +1,188 @@
+"""Expert parallel on the CPU (gloo, torchrun): the tiny MoE model with its experts split over 2
+ranks (ep=2), and over 2 x 2 (FSDP 2 x ep 2, 4 ranks), trains as one process does: same losses,
+per-token logprobs (with replayed experts) and updated weights; router replay decides the
+dispatch; a checkpoint saved at ep=2 resumes under plain FSDP on 2 ranks. Also the backend switch."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from primerl_trainer.batch import BatchSpec
+from primerl_trainer.config_types import OptimizerConfig
+from primerl_trainer.distributed.expert_parallel import check_ep_comm_backend
+from primerl_trainer.losses import token_logprobs
+from primerl_trainer.optim import build_lr_scheduler, build_optimizer
+from primerl_trainer.train import Trainer
+
+from .tiny_training import (
+    DP_SCHEDULE,
+    SEQ_LEN,
+    load_tiny_model,
+    make_samples,
+    micro_batches_to_dicts,
+    pack,
+    pack_into,
+    parameters,
+)
+
+HERE = pathlib.Path(__file__).parent
+CPU = torch.device("cpu")
+METRICS = ("loss", "grad_norm", "lr", "entropy", "mismatch_kl", "masked_fraction", "num_loss_tokens")
+# Adam's first steps move each weight by about lr * sign(gradient): with the default eps, a gradient
+# that is rounding noise (summed in another order on other ranks) can flip its sign and move the
+# weight by 2 * lr. An eps above that noise keeps such steps small, so updated weights compare at 1e-5.
+EP_OPTIMIZER = OptimizerConfig(lr=1e-3, eps=1e-4, weight_decay=0.01)
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
+
+def _specs(model: torch.nn.Module) -> tuple[BatchSpec, BatchSpec]:
+    args = model.args
+    plain = BatchSpec(seq_len=SEQ_LEN, vocab_size=args.vocab_size)
+    replay = BatchSpec(
+        seq_len=SEQ_LEN,
+        vocab_size=args.vocab_size,
+        router_replay=True,
+        num_moe_layers=len(args.moe_layers),
+        num_experts_per_token=args.top_k,
+        num_experts=args.num_experts,
+    )
+    return plain, replay
+
+
+@torch.no_grad()
+def _logprobs(model: torch.nn.Module, micro_batch) -> torch.Tensor:
+    output = model(
+        micro_batch.input_ids[None], micro_batch.position_ids[None], routed_experts=micro_batch.routed_experts
+    )
+    return token_logprobs(output.logits[0], micro_batch.input_ids, micro_batch.temperatures)[0]
+
+
+def _replayed(micro_batch, model: torch.nn.Module, generator: torch.Generator):
+    """The micro-batch with experts drawn at random (not the router's top-k): K distinct per token."""
+    args = model.args
+    scores = torch.rand(micro_batch.num_tokens, len(args.moe_layers), args.num_experts, generator=generator)
+    routed = scores.topk(args.top_k, dim=-1).indices.to(torch.uint8)
+    return dataclasses.replace(micro_batch, routed_experts=routed)
+
+
+@pytest.fixture(scope="module")
+def ep_data(moe_dir: pathlib.Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[pathlib.Path, dict]:
+    """Three batches of 4 micro-batches (the third with replayed experts), a replayed probe, and
+    the one-process reference: metrics of the 3 steps, probe logprobs after step 2, weights."""
+    model = load_tiny_model(moe_dir)
+    plain_spec, replay_spec = _specs(model)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        batches = [pack_into(make_samples(model, seed=seed, num_samples=4), 4) for seed in range(3)]
+        probe = _replayed(pack(make_samples(model, seed=10, num_samples=2)), model, generator)
+
+    optimizer = build_optimizer(model, EP_OPTIMIZER)
+    trainer = Trainer(model, optimizer, build_lr_scheduler(optimizer, DP_SCHEDULE), spec=plain_spec, device=CPU)
+    metrics = [trainer.train_step(batch) for batch in batches[:2]]
+    logprobs = _logprobs(model, probe)
+    # Inference's logprobs of the replayed batch are the model's own under that routing (plus
+    # noise), as an engine that routed so would give: far-off ones make the loss's ratios explode.
+    batches[2] = [_replayed(micro_batch, model, generator) for micro_batch in batches[2]]
+    batches[2] = [
+        dataclasses.replace(
+            mb,
+            inference_logprobs=(_logprobs(model, mb) + 0.05 * torch.randn(mb.num_tokens, generator=generator)).clamp(
+                max=0.0
+            ),
+        )
+        for mb in batches[2]
+    ]
+    trainer.spec = replay_spec
+    metrics.append(trainer.train_step(batches[2]))
+    reference = {"metrics": metrics, "logprobs": logprobs, "weights": parameters(model)}
+
+    path = tmp_path_factory.mktemp("ep") / "batches.pt"
+    data = {
+        "batches": [micro_batches_to_dicts(batch) for batch in batches],
+        "probe": micro_batches_to_dicts([probe])[0],
+        "spec": dataclasses.asdict(plain_spec),
+        "replay_spec": dataclasses.asdict(replay_spec),
+        "optimizer": EP_OPTIMIZER.model_dump(),
+    }
+    torch.save(data, path)
+    return path, data | {"reference": reference, "probe_routed_experts": probe.routed_experts}
+
+
+def _run_workers(moe_dir: pathlib.Path, batches: pathlib.Path, out: pathlib.Path, *, nproc: int, ep: int) -> dict:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    env = os.environ | {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [*command, str(HERE / "ep_worker.py"), str(moe_dir), str(batches), str(out), str(ep)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert result.returncode == 0, (result.stdout + result.stderr)[-5000:]
+    return torch.load(out / "result.pt")
+
+
+def _assert_matches_one_process(result: dict, reference: dict, probe_routed_experts: torch.Tensor) -> None:
+    for step, (got, wanted) in enumerate(zip(result["metrics"], reference["metrics"], strict=True)):
+            print(step, {k: (got[k] - wanted[k]) / max(abs(wanted[k]), 1e-9) for k in METRICS})
+        print("logprobs", (result["logprobs"] - reference["logprobs"]).abs().max())
+        print("weights", max((result["weights"][n] - w).abs().max().item() for n, w in reference["weights"].items()))
+        print(
+            "resumed",
+            {k: result["resumed_metrics"][k] - reference["metrics"][2][k] for k in METRICS}
+            if result["resumed_metrics"]
+            else None,
+        )
+    for step, (got, wanted) in enumerate(zip(result["metrics"], reference["metrics"], strict=True)):
+        for key in METRICS:
+            # The gradient norm sums squares in another order (1e-5 relative seen after an Adam step).
+            rel = 1e-4 if key == "grad_norm" else 1e-5
+            assert got[key] == pytest.approx(wanted[key], rel=rel, abs=1e-5), (step, key)
+    # Replay: the replayed experts are the ones used, and give one process's logprobs.
+    assert torch.equal(result["routed_experts"], probe_routed_experts.long())
+    torch.testing.assert_close(result["logprobs"], reference["logprobs"], rtol=0, atol=1e-5)
+    assert result["weights"].keys() == reference["weights"].keys()
+    for name, weight in reference["weights"].items():
+        torch.testing.assert_close(
+            result["weights"][name], weight, rtol=0, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}"
+        )
+        # A publish gathers the same full tensors to rank 0.
+        assert torch.equal(result["published"][name], result["weights"][name]), name
+
+
+def test_ep2_trains_as_one_process_and_its_checkpoint_resumes_under_fsdp2(
+    moe_dir: pathlib.Path, ep_data: tuple[pathlib.Path, dict], tmp_path: pathlib.Path
+) -> None:
+    batches, data = ep_data
+    data_file = tmp_path / "batches.pt"
+    torch.save(torch.load(batches) | {"resume": True}, data_file)
+    result = _run_workers(moe_dir, data_file, tmp_path, nproc=2, ep=2)
+    _assert_matches_one_process(result, data["reference"], data["probe_routed_experts"])
+    # The third step again, from the ep=2 checkpoint of step 2 loaded into FSDP over 2 ranks.
+    for key in METRICS:
+        wanted = data["reference"]["metrics"][2][key]
+        assert result["resumed_metrics"][key] == pytest.approx(wanted, rel=1e-5, abs=1e-5), key
+
+
+@pytest.mark.slow
+def test_fsdp2_x_ep2_on_four_ranks_trains_as_one_process(
+    moe_dir: pathlib.Path, ep_data: tuple[pathlib.Path, dict], tmp_path: pathlib.Path
+) -> None:
+    batches, data = ep_data
+    data_file = tmp_path / "batches.pt"
+    torch.save(torch.load(batches) | {"resume": False}, data_file)
+    result = _run_workers(moe_dir, data_file, tmp_path, nproc=4, ep=2)
+    _assert_matches_one_process(result, data["reference"], data["probe_routed_experts"])
+
+
+def test_deepep_is_refused_clearly_when_not_importable() -> None:
+    check_ep_comm_backend("torch")
+    with pytest.raises(ValueError, match=r"model\.ep_comm_backend 'deepep' needs DeepEP"):
+        check_ep_comm_backend("deepep")
