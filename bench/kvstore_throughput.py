@@ -37,7 +37,7 @@ from primerl_common.kvpool.bulk import BulkClient
 from primerl_common.kvpool.client import KvStoreClient
 from primerl_common.kvpool.keys import BlockKey
 from primerl_common.malloc import MALLOC_ENV, reexec_with_malloc_env
-from primerl_common.testing import ServiceProcess, free_port
+from primerl_common.processes import ServiceProcess, free_port
 
 MiB = 1024 * 1024
 _COMMAND_BYTES = 32
@@ -149,7 +149,7 @@ async def bench(args: argparse.Namespace) -> None:
     try:
         process = ServiceProcess(kvstore_args, port=kv_port, env=MALLOC_ENV)
         async with process, KvStoreClient(process.address, chunk_bytes=args.chunk_bytes) as client:
-            meter = CpuMeter([process.process.pid, socket_peer.pid])
+            meter = CpuMeter([process.pid, socket_peer.pid])
             await bench_rounds(args, client, process.address, sock_port, total, meter)
     finally:
         socket_peer.kill()

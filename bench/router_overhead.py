@@ -54,8 +54,8 @@ from primerl.common.v1 import generation_pb2
 from primerl.inference.v1 import inference_pb2
 from primerl.router.v1 import router_pb2
 from primerl_common.malloc import MALLOC_ENV, reexec_with_malloc_env
+from primerl_common.processes import ServiceProcess, free_port
 from primerl_common.server import channel_options, server_options
-from primerl_common.testing import ServiceProcess, free_port
 
 INFERENCE_SERVICE = "primerl.inference.v1.InferenceService"
 INFERENCE_GENERATE = f"/{INFERENCE_SERVICE}/Generate"
@@ -319,12 +319,12 @@ async def run_all(
     direct = [channel.unary_stream(INFERENCE_GENERATE, _registered_method=True) for channel in direct_channels]
     routed = [router_channel.unary_stream(ROUTER_GENERATE, _registered_method=True)]
     # CPU time of each side: the router's core, and the load generator plus the replicas on the other.
-    assert router.process is not None
-    router_pids = [router.process.pid]
+    assert router.pid is not None
+    router_pids = [router.pid]
     load_pids = [os.getpid()]
     for replica in replicas:
-        assert replica.process is not None
-        load_pids.append(replica.process.pid)
+        assert replica.pid is not None
+        load_pids.append(replica.pid)
 
     pids = {"router": router_pids, "load": load_pids}
     paths = {"direct": direct, "router": routed}

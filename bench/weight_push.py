@@ -56,9 +56,9 @@ from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2_grpc
 from primerl_common.client import make_channel
 from primerl_common.local_vllm import local_vllm_env
 from primerl_common.malloc import MALLOC_ENV, reexec_with_malloc_env
+from primerl_common.processes import ServiceProcess, free_port
 from primerl_common.server import channel_options, server_options
 from primerl_common.tensors import iter_tensor_chunks
-from primerl_common.testing import ServiceProcess, free_port
 from primerl_launcher.tiny_model import TinyModelSpec, make_tiny_model
 
 MiB = 1024 * 1024
@@ -318,7 +318,7 @@ async def bench(args: argparse.Namespace) -> None:
     with receivers(num_bytes, "socket") as sockets, receivers(num_bytes, "grpc") as sinks:
         try:
             await asyncio.gather(*(process.start(1500) for process in started))
-            pids = [process.process.pid for process in started]
+            pids = [process.pid for process in started]
             async with make_channel(broadcaster.address, max_attempts=1) as channel:
                 stub = weight_broadcaster_pb2_grpc.WeightBroadcasterServiceStub(channel)
                 for i, replica in enumerate(replicas):

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from primerl.common.v1 import generation_pb2
 from primerl.inference.v1 import inference_pb2, inference_pb2_grpc
 from primerl_common.client import make_channel
-from primerl_common.testing import ServiceProcess
+from primerl_common.processes import ServiceProcess
 
 PROMPTS = [list(range(40, 72)), [(5 * i) % 200 + 30 for i in range(24)]]
 # float32 engines on the same weights agree to rounding.

@@ -31,7 +31,7 @@ from primerl.orchestrator.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 from primerl.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from primerl_common.client import make_channel
 from primerl_common.local_vllm import local_cache_dir
-from primerl_common.testing import ServiceProcess, free_port
+from primerl_common.processes import ServiceProcess, free_port
 from primerl_launcher.tiny_model import make_tiny_model
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -179,9 +179,8 @@ async def restart(
 ) -> ServiceProcess:
     """`process` stopped (SIGTERM, which must exit 0; or SIGKILL) and started again on the same
     arguments and port, with `env` added to its environment; its output is kept in `log`."""
-    assert process.process is not None
     if kill:
-        process.process.kill()
+        process.kill()
         await process.wait()
     else:
         code = await process.stop()

@@ -13,7 +13,8 @@ import torch
 
 from primerl.common.v1 import tensor_pb2
 from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2 as pb2
-from primerl_common.testing import ServiceProcess, eventually, free_port
+from primerl_common.processes import ServiceProcess, free_port
+from primerl_common.testing import eventually
 from primerl_launcher.tiny_model import make_tiny_model
 from primerl_weight_broadcaster.formats import convert
 from services.weight_broadcaster.tests.helpers import publish, running_broadcaster, wait_for

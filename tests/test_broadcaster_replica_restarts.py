@@ -8,7 +8,8 @@ import pathlib
 import pytest
 
 from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2 as pb2
-from primerl_common.testing import ServiceProcess, eventually, free_port
+from primerl_common.processes import ServiceProcess, free_port
+from primerl_common.testing import eventually
 from primerl_launcher.tiny_model import make_tiny_model
 from services.weight_broadcaster.tests.helpers import publish, replica_states, running_broadcaster, wait_for
 
@@ -44,7 +45,7 @@ async def test_replicas_follow_published_versions(tmp_path: pathlib.Path):
             # While it is down it is probed every probe interval: sixteen failures within seconds
             # (with a push's backoff they would take hours), and it is pushed once a probe finds it
             # back (a push's backoff would be about an hour by then: the limits only guard a hang).
-            b.process.kill()
+            b.kill()
             await b.wait()
             await eventually(lambda: _failed_at_least(stub, "b", 16), timeout_s=60)
             b = replica(model, b.port)
@@ -54,7 +55,7 @@ async def test_replicas_follow_published_versions(tmp_path: pathlib.Path):
             assert max_difference(await logprobs(b), updated) <= TOLERANCE
 
             # b is down while version 2 is pushed: a moves on, b is FAILED, then catches up on return.
-            b.process.kill()
+            b.kill()
             await b.wait()
             await publish(stub, 2, version_2)
             await wait_for(stub, 2, 1)

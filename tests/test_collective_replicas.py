@@ -16,7 +16,8 @@ from primerl.common.v1 import tensor_pb2
 from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2 as pb2
 from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2_grpc
 from primerl_common.errors import FailedPrecondition
-from primerl_common.testing import eventually, free_port, in_process_service
+from primerl_common.processes import free_port
+from primerl_common.testing import eventually, in_process_service
 from primerl_launcher.tiny_model import make_tiny_model
 from primerl_trainer.publish import PublishError, WeightPublisher, tensor_headers
 from primerl_weight_broadcaster.collective import CollectiveHost, CollectiveSettings
@@ -114,7 +115,7 @@ async def test_collective_publish_to_real_replicas(tmp_path: pathlib.Path):
 
             # b is killed: version 3 goes to a over the collective and to the broadcaster as data,
             # and b, restarted on its checkpoint, catches up to 3 over gRPC without help.
-            b.process.kill()
+            b.kill()
             await b.wait()
             await eventually(lambda: _state_is(stub, "b", pb2.REPLICA_STATE_FAILED))
             reply_3 = await publish_collective(address, 3, version_1)

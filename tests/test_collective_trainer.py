@@ -10,13 +10,13 @@ import asyncio
 import pathlib
 import time
 
-import psutil
 import pytest
 import torch
 
 from primerl.trainer.v1 import trainer_pb2
 from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2 as pb2
-from primerl_common.testing import ServiceProcess, eventually, free_port
+from primerl_common.processes import free_port
+from primerl_common.testing import eventually
 from primerl_common.weights import collective
 from primerl_launcher.tiny_model import make_tiny_model
 from primerl_trainer import publish
@@ -52,15 +52,6 @@ def _reference(model_dir: pathlib.Path, batches) -> list[list[float]]:
         trainer.train_step(batch)
         versions.append(scored())
     return versions
-
-
-def _kill(process: ServiceProcess) -> None:
-    """SIGKILL to the service and to vLLM's engine process it started (a replica dying whole)."""
-    assert process.process is not None
-    service = psutil.Process(process.process.pid)
-    for member in [*service.children(recursive=True), service]:
-        member.kill()
-    process.process.wait()
 
 
 async def _published(trainer, policy_version: int) -> bool:
@@ -122,7 +113,10 @@ async def test_the_trainer_publishes_over_a_collective_and_survives_a_replica_ki
                     def source():
                         for index, item in enumerate(named_tensors):
                             if index == second and not killed:
-                                _kill(b)
+                                # A replica dying whole: the service and vLLM's engine process.
+                                b.kill(with_children=True)
+                                assert b.popen is not None
+                                b.popen.wait()
                                 killed.append(time.monotonic())
                             yield item
 

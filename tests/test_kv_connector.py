@@ -37,8 +37,9 @@ from primerl_common.client import make_channel
 from primerl_common.errors import field_violations
 from primerl_common.kvpool.client import KvStoreClient
 from primerl_common.local_vllm import restored_process_state
+from primerl_common.processes import ServiceProcess, free_port
 from primerl_common.tensors import tensor_from_proto
-from primerl_common.testing import ServiceProcess, free_port, in_process_service
+from primerl_common.testing import in_process_service
 from primerl_inference.config import InferenceConfig
 from primerl_inference.engine import InferenceEngine
 from primerl_inference.server import service_definition

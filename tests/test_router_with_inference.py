@@ -11,9 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import pathlib
 import random
-import signal
 import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -27,8 +25,9 @@ from primerl.common.v1 import generation_pb2, tensor_pb2
 from primerl.inference.v1 import inference_pb2, inference_pb2_grpc
 from primerl.router.v1 import router_pb2, router_pb2_grpc
 from primerl_common.client import make_channel
+from primerl_common.processes import ServiceProcess, free_port
 from primerl_common.tensors import iter_tensor_chunks
-from primerl_common.testing import ServiceProcess, free_port, in_process_service
+from primerl_common.testing import in_process_service
 from primerl_launcher.tiny_model import make_tiny_model
 from primerl_router.config import RouterConfig
 from primerl_router.server import build
@@ -293,19 +292,6 @@ async def test_a_registered_replica_takes_traffic_and_a_drained_one_finishes_its
         assert {c.replica_id for c in after} == {first.replica_id, second.replica_id}
 
 
-def descendants(pid: int) -> list[int]:
-    children = pathlib.Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    return [descendant for child in map(int, children) for descendant in [child, *descendants(child)]]
-
-
-def kill_with_children(process: ServiceProcess) -> None:
-    """SIGKILL, as a crash: the replica and its vLLM engine-core child."""
-    assert process.process is not None
-    for pid in [*descendants(process.process.pid), process.process.pid]:
-        os.kill(pid, signal.SIGKILL)
-    process.process.wait(30)
-
-
 async def in_flight(stub, replica: InferenceReplica) -> int:
     replicas = (await stub.ListReplicas(router_pb2.ListReplicasRequest())).replicas
     return next(r.num_in_flight for r in replicas if r.replica_id == replica.replica_id)
@@ -336,7 +322,9 @@ async def test_killing_a_replica_loses_no_request_that_had_not_streamed(replicas
             await asyncio.sleep(0.02)
         else:
             pytest.fail(f"the victim never had its requests in flight: {await in_flight(stub, victim)}")
-        kill_with_children(victim.process)
+        # A crash: the replica and its vLLM engine-core child.
+        victim.process.kill(with_children=True)
+        await victim.process.wait(30)
         await asyncio.gather(*streaming_tasks, *tasks)
 
         for completion in not_streamed:

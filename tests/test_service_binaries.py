@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from primerl_common.client import make_channel
-from primerl_common.testing import ServiceProcess, free_port
+from primerl_common.processes import ServiceProcess, free_port
 from primerl_launcher.tiny_model import make_tiny_model
 
 # service -> (proto service, an RPC the skeleton does not implement yet, its request);
@@ -152,9 +152,10 @@ async def test_inference_killed_outright_takes_its_engine_process_with_it(tmp_pa
     port = free_port()
     args = [binary("inference"), "--server.host", "127.0.0.1", "--server.port", str(port)]
     async with ServiceProcess([*args, *start_flags("inference", tmp_path)], port=port) as process:
-        engine = _children(process.process.pid)
+        assert process.pid is not None
+        engine = _children(process.pid)
         assert engine, "the engine core runs in a child process"
-        process.process.kill()
+        process.kill()
         await process.wait()
         deadline = asyncio.get_running_loop().time() + 30
         while any(map(_alive, engine)):

@@ -34,7 +34,8 @@ from primerl.router.v1 import router_pb2, router_pb2_grpc
 from primerl.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2, weight_broadcaster_pb2_grpc
 from primerl_common.client import call_with_retry, make_channel
-from primerl_common.testing import ServiceProcess, eventually
+from primerl_common.processes import ServiceProcess
+from primerl_common.testing import eventually
 
 from .stack import REPLICA_ID, REPO, Stack, orchestrator_config, orchestrator_process, restart, trainer_next_step
 

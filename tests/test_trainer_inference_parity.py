@@ -23,8 +23,8 @@ import torch
 from primerl.common.v1 import generation_pb2
 from primerl.inference.v1 import inference_pb2, inference_pb2_grpc
 from primerl_common.client import make_channel
+from primerl_common.processes import ServiceProcess, free_port
 from primerl_common.tensors import tensor_from_proto
-from primerl_common.testing import ServiceProcess, free_port
 from primerl_launcher.tiny_model import make_tiny_model
 from primerl_trainer.batch import MicroBatch
 from primerl_trainer.losses import token_logprobs

@@ -13,8 +13,9 @@ from prometheus_client import REGISTRY
 from primerl.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from primerl_common.client import make_channel
 from primerl_common.errors import error_details, field_violations
+from primerl_common.processes import ServiceProcess, free_port
 from primerl_common.server import channel_options, server_options
-from primerl_common.testing import ServiceProcess, free_port, in_process_service
+from primerl_common.testing import in_process_service
 
 from .servers import ProbeConfig, build_probe
 

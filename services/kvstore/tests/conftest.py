@@ -10,8 +10,9 @@ import pytest
 from primerl.kvstore.v1 import kvstore_pb2
 from primerl_common.kvpool.client import KvStoreClient
 from primerl_common.kvpool.keys import BlockKey
+from primerl_common.processes import free_port
 from primerl_common.server import GrpcService
-from primerl_common.testing import free_port, in_process_service
+from primerl_common.testing import in_process_service
 from primerl_kvstore.config import KvstoreConfig
 from primerl_kvstore.server import build
 

@@ -7,7 +7,7 @@ import sys
 
 from primerl.kvstore.v1 import kvstore_pb2
 from primerl_common.kvpool.client import KvStoreClient
-from primerl_common.testing import ServiceProcess, free_port
+from primerl_common.processes import ServiceProcess, free_port
 
 from .conftest import key
 
@@ -42,7 +42,7 @@ async def test_disk_tier_survives_a_kill_and_restart(tmp_path):
             on_disk = {i for i, loc in enumerate(located.locations) if loc.tier == kvstore_pb2.TIER_DISK}
             assert len(on_disk) >= 20 and all(loc.found for loc in located.locations)
     finally:
-        process.process.kill()
+        process.kill()
         await process.wait()
 
     # What a crash can leave: a half-written file aside, a truncated block, a flipped bit.

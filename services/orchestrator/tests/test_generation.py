@@ -12,7 +12,8 @@ import pytest
 
 from primerl.common.v1 import generation_pb2
 from primerl.router.v1 import router_pb2, router_pb2_grpc
-from primerl_common.testing import bare_server, free_port
+from primerl_common.processes import free_port
+from primerl_common.testing import bare_server
 from primerl_orchestrator.generation import GenerationError, GenerationRequest, RouterGeneration
 
 REQUEST = GenerationRequest(

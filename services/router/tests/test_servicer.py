@@ -9,7 +9,8 @@ import pytest
 from primerl.common.v1 import generation_pb2
 from primerl.router.v1 import router_pb2, router_pb2_grpc
 from primerl_common.errors import error_details
-from primerl_common.testing import free_port, in_process_service
+from primerl_common.processes import free_port
+from primerl_common.testing import in_process_service
 from primerl_router.config import RouterConfig
 from primerl_router.server import build
 

@@ -13,7 +13,7 @@ import pytest
 
 from primerl.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from primerl_common.client import make_channel
-from primerl_common.testing import ServiceProcess, free_port
+from primerl_common.processes import ServiceProcess, free_port
 from primerl_trainer.batch import MicroBatch
 
 from .serving import METRICS, config_toml, push, serving, trainer_config, watch
@@ -61,7 +61,7 @@ async def test_two_ranks_train_pushed_batches_as_one_process(
     finally:
         await process.stop()
     output = process.output()
-    process._log.close()
+    process.close()
     assert "stopped trainer" in output and "rank 1 stopped" in output, output[-5000:]
     assert "ChildFailedError" not in output, output[-5000:]
 

@@ -12,8 +12,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from primerl.trainer.v1 import trainer_pb2
 from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2
+from primerl_common.processes import free_port
 from primerl_common.tensors import TensorAssembler
-from primerl_common.testing import free_port
 from primerl_trainer.batch import MicroBatch
 from primerl_trainer.export import exported_tensors, gather_state_dict
 from primerl_trainer.lora import merge_lora

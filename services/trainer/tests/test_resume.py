@@ -10,7 +10,7 @@ import pytest
 
 from primerl.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from primerl_common.client import make_channel
-from primerl_common.testing import ServiceProcess, free_port
+from primerl_common.processes import ServiceProcess, free_port
 from primerl_trainer.batch import MicroBatch
 
 from .serving import assert_metrics_equal, config_toml, push, reference_metrics, serving, trainer_config, watch
@@ -41,8 +41,7 @@ async def test_killed_after_a_checkpoint_the_restarted_trainer_continues_as_if_u
                 await push(stub, step, batch)
             killed_steps = await watch(stub, after_step=0, count=3)
             assert (await stub.GetStatus(trainer_pb2.GetStatusRequest())).last_checkpoint_step == 2
-        assert first.process is not None
-        first.process.kill()  # no graceful stop: step 3 is lost with the process
+        first.kill()  # no graceful stop: step 3 is lost with the process
         await first.wait()
     finally:
         await first.stop()

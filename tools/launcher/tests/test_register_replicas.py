@@ -19,7 +19,8 @@ import pytest
 from primerl.router.v1 import router_pb2, router_pb2_grpc
 from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2 as wb_pb2
 from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2_grpc as wb_pb2_grpc
-from primerl_common.testing import bare_server, eventually, free_port
+from primerl_common.processes import free_port
+from primerl_common.testing import bare_server, eventually
 from primerl_launcher import run as launcher_run
 from primerl_launcher.register_replicas import RegistrationFailed
 from primerl_launcher.spec import ServiceSpec

@@ -19,11 +19,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from primerl_common.malloc import MALLOC_ENV
+from primerl_common.processes import ServiceDied, ServiceProcess, describe_exit
 from primerl_launcher import _toml
 from primerl_launcher import register_replicas as registration
-from primerl_launcher.processes import Fleet, ServiceDied, ServiceProcess, describe_exit
 from primerl_launcher.progress import Display, RunFailed, RunMonitor, RunPeers
 from primerl_launcher.report import format_summary, summary, write_plot
+from primerl_launcher.service_group import ServiceGroup
 from primerl_launcher.spec import TINY_MODELS, LaunchConfigError, LauncherConfig, LaunchFile, ServiceSpec
 from primerl_launcher.warm_start import WarmStartFailed, run_warm_start, sft_trainer_spec
 from primerl_launcher.wiring import address_of, get_path, set_model, wire
@@ -129,7 +130,7 @@ class Launcher:
     def __init__(self, launch: LaunchFile, run_dir: pathlib.Path) -> None:
         self.launch = launch
         self.run_dir = run_dir.resolve()
-        self.fleet = Fleet(log_tail_lines=launch.launcher.log_tail_lines)
+        self.group = ServiceGroup(log_tail_lines=launch.launcher.log_tail_lines)
         self.env = {**MALLOC_ENV, **os.environ, **launch.launcher.env}
         self.interrupted = False
         self.final_versions: dict[str, int] = {}
@@ -138,7 +139,7 @@ class Launcher:
         """First call: True (the caller cancels the run, which stops the services gracefully).
         Later calls: every process is killed at once."""
         if self.interrupted:
-            self.fleet.kill()
+            self.group.kill()
             return False
         self.interrupted = True
         return True
@@ -168,7 +169,7 @@ class Launcher:
                     orchestrator_config=paths["orchestrator"],
                     trainer_config=paths[sft.name],
                     run_dir=run_dir,
-                    fleet=self.fleet,
+                    group=self.group,
                     env=self.env,
                 )
                 set_model(services, model, force=True)
@@ -195,10 +196,10 @@ class Launcher:
 
     async def _start(self, services: Mapping[str, ServiceSpec], paths: Mapping[str, pathlib.Path]) -> None:
         for name, spec in services.items():
-            self.fleet.add(
+            self.group.add(
                 ServiceProcess(
-                    name,
                     service_command(spec, paths[name]),
+                    name=name,
                     log_path=self.run_dir / "logs" / f"{name}.log",
                     address=address_of(spec),
                     env=self.env,
@@ -207,7 +208,7 @@ class Launcher:
         # All at once: each service waits for its peers (the orchestrator dispatches nothing before
         # the broadcaster reports a replica serving the first version).
         print("starting " + ", ".join(services) + f" (logs in {self.run_dir / 'logs'})")
-        await self.fleet.start(list(services), timeout_s=self.launch.launcher.start_timeout_s)
+        await self.group.start(list(services), timeout_s=self.launch.launcher.start_timeout_s)
         replicas = [spec for spec in services.values() if spec.service == "inference"]
         if "weight_broadcaster" in services and replicas:
             await register_replicas(address_of(services["weight_broadcaster"]), replicas)
@@ -215,9 +216,9 @@ class Launcher:
             name: {
                 "service": spec.service,
                 "address": address_of(spec),
-                "pid": self.fleet.processes[name].pid,
+                "pid": self.group.processes[name].pid,
                 "config": str(paths[name]),
-                "log": str(self.fleet.processes[name].log_path),
+                "log": str(self.group.processes[name].log_path),
             }
             for name, spec in services.items()
         }
@@ -227,7 +228,7 @@ class Launcher:
     async def _follow(self, services: Mapping[str, ServiceSpec]) -> list[dict[str, Any]] | None:
         """Until the run is over (None without an orchestrator: until Ctrl-C); ServiceDied
         as soon as any process exits."""
-        watch = asyncio.ensure_future(self.fleet.watch())
+        watch = asyncio.ensure_future(self.group.watch())
         if "orchestrator" not in services:
             print("no [orchestrator]: the services run until Ctrl-C")
             await watch
@@ -264,11 +265,11 @@ class Launcher:
                     await task
 
     async def _stop(self) -> None:
-        live = [p.name for p in self.fleet.processes.values() if p.returncode is None]
+        live = [p.name for p in self.group.processes.values() if p.returncode is None]
         if not live:
             return
         print("stopping " + ", ".join(live))
-        codes = await self.fleet.stop(_STOP_ORDER, grace_s=self.launch.launcher.stop_grace_s)
+        codes = await self.group.stop(_STOP_ORDER, grace_s=self.launch.launcher.stop_grace_s)
         unclean = {name: code for name, code in codes.items() if name in live and code}
         if unclean:
             print("not a clean exit: " + ", ".join(f"{name} {describe_exit(code)}" for name, code in unclean.items()))

@@ -10,8 +10,9 @@ import contextlib
 import pathlib
 import sys
 
-from primerl_launcher.processes import Fleet, ServiceProcess, log_tail
+from primerl_common.processes import ServiceProcess
 from primerl_launcher.progress import Display, watch_trainer_steps
+from primerl_launcher.service_group import ServiceGroup
 from primerl_launcher.spec import LaunchFile, ServiceSpec, deep_merge
 from primerl_launcher.wiring import address_of, get_path, set_default
 
@@ -48,7 +49,7 @@ async def run_warm_start(
     orchestrator_config: pathlib.Path,
     trainer_config: pathlib.Path,
     run_dir: pathlib.Path,
-    fleet: Fleet,
+    group: ServiceGroup,
     env: dict[str, str],
 ) -> pathlib.Path:
     """Runs both steps; returns the exported model folder."""
@@ -61,7 +62,6 @@ async def run_warm_start(
     log = run_dir / "logs" / "sft_export.log"
     print(f"warm start: {warm_start.num_samples} SFT samples from environment {environment!r} -> {dataset}")
     export = ServiceProcess(
-        "sft_export",
         [
             sys.executable,
             "-m",
@@ -75,29 +75,29 @@ async def run_warm_start(
             "--output",
             str(dataset),
         ],
+        name="sft_export",
         log_path=log,
-        address=None,
         env=env,
     )
-    fleet.add(export)
-    export.start()
-    code = await export.wait_exit()
-    del fleet.processes[export.name]
+    group.add(export)
+    export.launch()
+    code = await export.wait()
+    del group.processes[export.name]
     if code != 0:
         raise WarmStartFailed(str(export.died(launch.launcher.log_tail_lines)))
 
     hf_dir = pathlib.Path(get_path(spec.table, "export.hf_dir"))
-    trainer = fleet.add(
+    trainer = group.add(
         ServiceProcess(
-            SFT_NAME,
             [sys.executable, "-m", spec.module, "-c", str(trainer_config)],
+            name=SFT_NAME,
             log_path=run_dir / "logs" / f"{SFT_NAME}.log",
             address=address_of(spec),
             env=env,
         )
     )
     print(f"warm start: SFT on {dataset} ({trainer.log_path}), final weights -> {hf_dir}")
-    trainer.start()
+    trainer.launch()
     steps: dict[int, dict[str, float]] = {}
     watcher = asyncio.ensure_future(watch_trainer_steps(address_of(spec), steps))
     total = get_path(spec.table, "sft.max_steps")
@@ -117,11 +117,11 @@ async def run_warm_start(
         with contextlib.suppress(asyncio.CancelledError):
             await watcher
         display.close()
-    del fleet.processes[SFT_NAME]
+    del group.processes[SFT_NAME]
     if trainer.returncode != 0:
         raise WarmStartFailed(str(trainer.died(launch.launcher.log_tail_lines)))
     if not (hf_dir / "config.json").is_file():
-        tail = log_tail(trainer.log_path, launch.launcher.log_tail_lines)
+        tail = trainer.log_tail(launch.launcher.log_tail_lines)
         raise WarmStartFailed(f"the SFT job exited 0 but wrote no model to {hf_dir} (log {trainer.log_path}):\n{tail}")
     print(f"warm start: the SFT job finished; RL starts on {hf_dir}")
     return hf_dir

@@ -4,10 +4,10 @@ unset: ports, every peer address, the model path, the orchestrator's metrics fil
 from __future__ import annotations
 
 import pathlib
-import socket
 from collections.abc import Mapping
 from typing import Any
 
+from primerl_common.processes import free_ports
 from primerl_launcher.spec import ServiceSpec
 
 __all__ = ["address_of", "assign_ports", "get_path", "set_default", "set_model", "wire"]
@@ -38,22 +38,10 @@ def set_default(table: dict[str, Any], dotted: str, value: Any, *, force: bool =
     return table[last]
 
 
-def _free_ports(count: int) -> list[int]:
-    # Held open together, so that no two are the same.
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
-
-
 def assign_ports(services: Mapping[str, ServiceSpec], *, host: str) -> None:
     """Every service without server.port (or with 0) gets a free one; server.host defaults to `host`."""
     missing = [spec for spec in services.values() if not get_path(spec.table, "server.port")]
-    for spec, port in zip(missing, _free_ports(len(missing)), strict=True):
+    for spec, port in zip(missing, free_ports(len(missing)), strict=True):
         set_default(spec.table, "server.port", port, force=True)
     for spec in services.values():
         set_default(spec.table, "server.host", host)
