@@ -22,9 +22,9 @@ from .deploy_helpers import (
     IN_CI,
     PORTS,
     SERVICES,
-    launcher_scripts,
     drain_s,
     env_file,
+    launcher_scripts,
     load_service_config,
 )
 
