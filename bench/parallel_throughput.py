@@ -123,7 +123,11 @@ class Run:
     micro_batches: int = 8  # in the whole batch (each dp rank takes its share)
     activation_checkpointing: bool = False
     dtype: str = "bfloat16"
-    lengths: tuple[int, ...] = ()  # dense one-GPU run: try these seq_len in turn, keep the longest that fits
+    warmup: int = 2  # steps left out of the timing (compiling included)
+    steps: int = 3  # timed steps
+    # The dense one-GPU run: the seq_len to try, in order (the planner's pick, longer ones, then shorter
+    # ones); it keeps the longest that fits.
+    lengths: tuple[int, ...] = ()
     # measured
     ok: bool = False
     error: str = ""
@@ -175,7 +179,7 @@ def write_checkpoints(root: pathlib.Path, smoke: bool) -> None:
         )
 
 
-def train_run(run: Run, checkpoint: pathlib.Path, *, device: str, compile: bool, warmup: int, steps: int) -> None:
+def train_run(run: Run, checkpoint: pathlib.Path, *, device: str, compile: bool) -> None:
     """Trains `run` in this process (a rank of a torchrun, or a group of one) and fills its
     measured fields on rank 0."""
     import torch
@@ -185,8 +189,12 @@ def train_run(run: Run, checkpoint: pathlib.Path, *, device: str, compile: bool,
     from primerl_trainer.config import TrainerConfig
     from primerl_trainer.runtime import build_runtime, shutdown_runtime
 
-    lengths = run.lengths or (run.seq_len,)
-    for length in lengths:
+    too_long = None  # the shortest length that ran out of memory
+    for length in run.lengths or (run.seq_len,):
+        if too_long is not None and length >= too_long:
+            continue
+        if run.ok and length < run.seq_len:
+            break
         config = TrainerConfig(
             model={
                 "path": str(checkpoint),
@@ -218,9 +226,9 @@ def train_run(run: Run, checkpoint: pathlib.Path, *, device: str, compile: bool,
             runtime = build_runtime(config)
             rank = runtime.rank
             times, peaks = [], []
-            for step in range(warmup + steps):
+            for step in range(run.warmup + run.steps):
                 metrics = runtime.trainer.train_step(batch)
-                if step >= warmup:
+                if step >= run.warmup:
                     times.append(metrics["step_time_s"])
                     peaks.append(metrics["peak_memory_bytes"])
             peak = torch.tensor([max(peaks)], dtype=torch.float64, device=runtime.device)
@@ -241,7 +249,9 @@ def train_run(run: Run, checkpoint: pathlib.Path, *, device: str, compile: bool,
                 raise
             run.tried[str(length)] = "out of memory"
             print(f"  {run.name} seq {length}: out of memory", flush=True)
-            break
+            too_long = length
+            if run.ok:
+                break
         except Exception as exc:
             if run.nproc > 1:
                 raise
@@ -268,10 +278,6 @@ def launch(run: Run, checkpoint: pathlib.Path, args: argparse.Namespace) -> Run:
         str(checkpoint),
         "--result",
         str(result),
-        "--warmup",
-        str(args.warmup),
-        "--steps",
-        str(args.steps),
     ]
     worker += ["--smoke"] if args.smoke else []
     worker += ["--no-compile"] if args.no_compile else []
@@ -308,8 +314,6 @@ def worker_main(args: argparse.Namespace) -> None:
         pathlib.Path(args.checkpoint),
         device="cpu" if args.smoke else "cuda",
         compile=not (args.no_compile or args.smoke),
-        warmup=args.warmup,
-        steps=args.steps,
     )
     if int(os.environ.get("RANK", "0")) == 0:
         pathlib.Path(args.result).write_text(json.dumps(dataclasses.asdict(run)))
@@ -351,8 +355,9 @@ def predict(run: Run, rates, smoke: bool) -> None:
     run.mfu = model_flops_per_token(shape, run.seq_len) * run.tokens_per_s_per_gpu / (rates.peak_tflops * 1e12)
 
 
-def first_length_to_try(rates, smoke: bool, dtype: str) -> tuple[int, ...]:
-    """The dense lengths from the longest the planner expects to fit one GPU (with a 10% margin)."""
+def dense_lengths_to_try(rates, smoke: bool, dtype: str) -> tuple[int, ...]:
+    """From the longest length the planner expects to fit one GPU (with a 10% margin) upwards,
+    then downwards."""
     if smoke:
         return (256,)
     from primerl_trainer.planner import Mesh, Workload, estimate_memory, shape_from_hf_config
@@ -371,7 +376,7 @@ def first_length_to_try(rates, smoke: bool, dtype: str) -> tuple[int, ...]:
         <= 0.9 * rates.usable_bytes
     ]
     start = DENSE_LENGTHS.index(fitting[-1]) if fitting else 0
-    return DENSE_LENGTHS[start:]
+    return DENSE_LENGTHS[start:] + DENSE_LENGTHS[:start][::-1]
 
 
 def relative_error(predicted: float, measured: float) -> float:
@@ -393,9 +398,14 @@ def bench_main(args: argparse.Namespace) -> None:
             micro_batches=1,
             activation_checkpointing=True,
             dtype=args.dense_dtype,
-            lengths=first_length_to_try(rates, smoke, args.dense_dtype),
+            lengths=dense_lengths_to_try(rates, smoke, args.dense_dtype),
+            warmup=1,
+            steps=2,
         ),
     ]
+    for run in runs:
+        run.warmup = run.warmup if args.warmup is None else args.warmup
+        run.steps = run.steps if args.steps is None else args.steps
     print(f"planner rates: {rates.gpu} ({rates.source})", flush=True)
     shm = pathlib.Path("/dev/shm")
     tmp_root = shm if shm.is_dir() and shutil.disk_usage(shm).free > 60 * 2**30 else None
@@ -419,6 +429,8 @@ def bench_main(args: argparse.Namespace) -> None:
                 micro_batches=1,
                 activation_checkpointing=True,
                 dtype=args.dense_dtype,
+                warmup=dense.warmup,
+                steps=dense.steps,
             )
             print(f"{cp_run.name}: seq {cp_run.seq_len}", flush=True)
             runs.append(launch(cp_run, root / checkpoint_name("dense", 0), args))
@@ -750,8 +762,8 @@ def main() -> None:
         choices=["float32", "bfloat16"],
         help="master weights of the dense runs (the trainer's default: float32)",
     )
-    parser.add_argument("--warmup", type=int, default=2, help="steps left out of the timing (compiling included)")
-    parser.add_argument("--steps", type=int, default=4, help="timed steps; medians are reported")
+    parser.add_argument("--warmup", type=int, help="steps left out of the timing (default: MoE 2, dense 1)")
+    parser.add_argument("--steps", type=int, help="timed steps, whose median counts (default: MoE 3, dense 2)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--checkpoint", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
