@@ -26,11 +26,15 @@ def test_plan_reads_the_config_and_its_model_path(tmp_path, capsys):
     model.mkdir()
     (model / "config.json").write_text(json.dumps(BUILTIN_SHAPES["Qwen3-30B-A3B"]))
     config = tmp_path / "trainer.toml"
-    config.write_text(f'seq_len = 8192\n[model]\npath = "{model}"\ndtype = "bfloat16"\n')
-    assert main(["-c", str(config), "--gpus", "8", "--gpu", "h100"]) == 0
+    config.write_text(f'seq_len = 8192\n[model]\npath = "{model}"\ndtype = "bfloat16"\n[parallel]\nep = 2\ncp = 2\n')
+    assert main(["-c", str(config), "--gpus", "8", "--gpu", "h100", "--top", "1"]) == 0
     out = capsys.readouterr().out
     assert "model: 30.5B parameters" in out and "rows of 8,192" in out and "master weights 16-bit" in out
-    assert "dp8 cp1 ep8" in out
+    # The best row, and the config's mesh (with and without checkpointing) marked, however it ranks.
+    rows = [line for line in out.splitlines() if line.startswith("dp")]
+    marked = [line for line in rows if line.startswith("dp4 cp2 ep2 *")]
+    assert len(marked) == 2 and len(rows) == (2 if rows[0] in marked else 3)
+    assert "* the config's mesh (parallel.cp 2, parallel.ep 2)" in out
 
 
 @pytest.mark.parametrize(

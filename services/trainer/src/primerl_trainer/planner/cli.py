@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 
 from primerl_common.config import ConfigError, load_config
-from primerl_trainer.planner.mesh import Workload
+from primerl_trainer.planner.mesh import Mesh, Workload
 from primerl_trainer.planner.plan import format_table, plan
 from primerl_trainer.planner.rates import load_rates
 from primerl_trainer.planner.shapes import BUILTIN_SHAPES, ModelShape, builtin_shape, shape_from_model_path
@@ -51,7 +51,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        shape, workload = _resolve(args)
+        shape, workload, configured = _resolve(args)
         rates = load_rates(args.rates or args.gpu)
     except (ValueError, ConfigError) as exc:
         print(f"primerl-trainer plan: {exc}", file=sys.stderr)
@@ -60,15 +60,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         print(json.dumps([asdict(row) | {"mesh": str(row.mesh)} for row in rows], indent=1))
     else:
-        print(format_table(rows, shape, args.gpus, workload, rates, limit=args.top or None))
+        print(format_table(rows, shape, args.gpus, workload, rates, limit=args.top or None, configured=configured))
     return 0
 
 
-def _resolve(args: argparse.Namespace) -> tuple[ModelShape, Workload]:
+def _resolve(args: argparse.Namespace) -> tuple[ModelShape, Workload, Mesh | None]:
     if args.gpus <= 0:
         raise ValueError("--gpus must be positive")
     seq_len, master, compute = 4096, "float32", "bfloat16"
     shape = builtin_shape(args.shape) if args.shape else None
+    configured = None
     if args.config is not None:
         from primerl_trainer.config import TrainerConfig
 
@@ -77,6 +78,7 @@ def _resolve(args: argparse.Namespace) -> tuple[ModelShape, Workload]:
         seq_len, master, compute = config.seq_len, config.model.dtype, config.model.compute_dtype
         if shape is None:
             shape = shape_from_model_path(config.model.path)
+        configured = Mesh(world=args.gpus, ep=config.parallel.ep, cp=config.parallel.cp)
     if shape is None:
         raise ValueError("give -c CONFIG (its model.path) or --shape NAME")
     seq_len = args.seq_len or seq_len
@@ -87,4 +89,4 @@ def _resolve(args: argparse.Namespace) -> tuple[ModelShape, Workload]:
         compute_bytes=_DTYPE_BYTES[compute],
         loss=args.loss,
     )
-    return shape, workload
+    return shape, workload, configured

@@ -44,8 +44,16 @@ def plan(shape: ModelShape, world: int, workload: Workload, rates: GpuRates) -> 
 
 
 def format_table(
-    rows: list[PlanRow], shape: ModelShape, world: int, workload: Workload, rates: GpuRates, *, limit: int | None = None
+    rows: list[PlanRow],
+    shape: ModelShape,
+    world: int,
+    workload: Workload,
+    rates: GpuRates,
+    *,
+    limit: int | None = None,
+    configured: Mesh | None = None,
 ) -> str:
+    """The rows as a table; `configured` (the config's mesh) is marked with a *."""
     lines = [
         f"{shape.name}: {shape.total_params / 1e9:.1f}B parameters, {shape.active_params / 1e9:.1f}B active"
         + (f" ({shape.note})" if shape.note else ""),
@@ -57,17 +65,22 @@ def format_table(
         f"{'tok/s/GPU':>9} {'MFU':>6}",
     ]
     shown = rows if limit is None else rows[:limit]
+    if configured is not None:
+        shown += [row for row in rows if row.mesh == configured and row not in shown]
     for row in shown:
         m, t = row.memory, row.time
+        label = f"{row.mesh} *" if row.mesh == configured else str(row.mesh)
         lines.append(
-            f"{row.mesh!s:<17} {'on' if row.activation_checkpointing else 'off':<3} {m.total / _GIB:>8.1f} "
+            f"{label:<17} {'on' if row.activation_checkpointing else 'off':<3} {m.total / _GIB:>8.1f} "
             f"{m.states / _GIB:>7.1f} {m.fsdp / _GIB:>6.1f} {m.activations / _GIB:>6.1f} {m.cp / _GIB:>5.1f} "
             f"{m.ep / _GIB:>5.1f} {m.logits / _GIB:>6.1f} {'yes' if row.fits else 'no':<4} {t.total:>8.2f} "
             f"{t.compute:>7.2f} {t.fsdp:>6.2f} {t.ep:>6.2f} {t.cp:>6.2f} {t.optimizer:>5.2f} "
             f"{row.tokens_per_s_per_gpu:>9.0f} {row.mfu:>6.1%}"
         )
-    if limit is not None and len(rows) > limit:
-        lines.append(f"... {len(rows) - limit} more (--top 0 shows all)")
+    if limit is not None and len(rows) > len(shown):
+        lines.append(f"... {len(rows) - len(shown)} more (--top 0 shows all)")
+    if configured is not None:
+        lines.append(f"* the config's mesh (parallel.cp {configured.cp}, parallel.ep {configured.ep})")
     if not any(row.fits for row in rows):
         lines.append(f"no mesh of {world} GPUs fits: more GPUs, a shorter seq_len or bfloat16 master weights")
     return "\n".join(lines)
