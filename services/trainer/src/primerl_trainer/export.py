@@ -15,7 +15,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from primerl_trainer.lora import is_lora_key, lora_adapter_tensors, merge_lora
 from primerl_trainer.models import HFCausalLM, model_spec_of
@@ -68,16 +68,36 @@ def gather_to_rank0(tensor: torch.Tensor, *, is_destination: bool) -> torch.Tens
     """The whole of a (possibly sharded) tensor on rank 0, None elsewhere. Collective for a DTensor.
 
     FSDP2 shards a parameter on one dim in torch.chunk's pieces (the last ones may be short or
-    empty); each rank pads its piece to the full chunk size and rank 0 gathers them."""
+    empty); each rank pads its piece to the full chunk size and rank 0 gathers them.
+
+    Expert weights under expert parallel live on a 2-D mesh (efsdp, ep): FSDP's sharding is
+    undone over efsdp first (each rank then holds its ep shard, 1/ep of the tensor), and only
+    rank 0's ep group gathers the ep shards, so no rank but rank 0 ever holds the whole tensor."""
     if not isinstance(tensor, DTensor):
         return tensor if is_destination else None
-    (placement,) = tensor.placements if tensor.device_mesh.ndim == 1 else (None,)
-    if type(placement) is not Shard:  # another layout (replicated, strided, 2-D mesh): gather it everywhere
+    mesh, placements = tensor.device_mesh, tensor.placements
+    if mesh.ndim == 2 and type(placements[1]) is Shard:
+        ep_shard = tensor.redistribute(mesh, [Replicate(), placements[1]]).to_local()
+        group = mesh.get_group(1)
+        if 0 not in dist.get_process_group_ranks(group):
+            return None
+        return _gather_shards(ep_shard, placements[1].dim, tensor.shape, group, is_destination=is_destination)
+    (placement,) = placements if mesh.ndim == 1 else (None,)
+    if type(placement) is not Shard:  # another layout (replicated, strided, other meshes): gather it everywhere
         full = tensor.full_tensor()
         return full if is_destination else None
-    dim, size, world_size = placement.dim, tensor.shape[placement.dim], tensor.device_mesh.size()
+    return _gather_shards(
+        tensor.to_local(), placement.dim, tensor.shape, mesh.get_group(), is_destination=is_destination
+    )
+
+
+def _gather_shards(
+    local: torch.Tensor, dim: int, shape: torch.Size, group: dist.ProcessGroup, *, is_destination: bool
+) -> torch.Tensor | None:
+    """The tensor of `shape` whose torch.chunk pieces on `dim` the ranks of `group` hold, on the
+    group's first rank (the destination); None elsewhere."""
+    size, world_size = shape[dim], dist.get_world_size(group)
     chunk = -(-size // world_size)
-    local = tensor.to_local()
     if size == 0:
         return local if is_destination else None
     padded_shape = (*local.shape[:dim], chunk, *local.shape[dim + 1 :])
@@ -86,7 +106,6 @@ def gather_to_rank0(tensor: torch.Tensor, *, is_destination: bool) -> torch.Tens
     else:
         padded = local.new_zeros(padded_shape)
         padded.narrow(dim, 0, local.shape[dim]).copy_(local)
-    group = tensor.device_mesh.get_group()
     if not is_destination:
         dist.gather(padded, None, group=group, group_dst=0)
         return None

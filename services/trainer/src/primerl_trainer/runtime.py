@@ -9,13 +9,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from primerl_trainer.batch import BatchSpec
 from primerl_trainer.checkpoint import Checkpointer
 from primerl_trainer.commands import CommandChannel
 from primerl_trainer.config import TrainerConfig
+from primerl_trainer.distributed.expert_parallel import check_ep_comm_backend
+from primerl_trainer.distributed.parallel_dims import ParallelDims
 from primerl_trainer.export import PublishKind, plan_export
 from primerl_trainer.hf_export import export_dtype
 from primerl_trainer.lora import apply_lora
@@ -36,6 +37,8 @@ class TrainingRuntime:
     trainer: Trainer
     spec: BatchSpec
     channel: CommandChannel
+    # The device mesh and its named sub-meshes (dp_shard, cp, dp_shard_cp, ep, efsdp).
+    parallel_dims: ParallelDims
     checkpointer: Checkpointer | None
     # Step of the checkpoint the run resumed from (None: a fresh start).
     restored_step: int | None
@@ -76,6 +79,12 @@ def _build(config: TrainerConfig, device: torch.device) -> TrainingRuntime:
     channel = CommandChannel()
     model_config = config.model
     hf_config = read_hf_config(model_config.path)
+    dims = ParallelDims(world_size=dist.get_world_size(), cp=config.parallel.cp, ep=config.parallel.ep)
+    check_ep_comm_backend(model_config.ep_comm_backend)
+    if dims.ep_enabled and hf_config.get("num_experts"):  # before loading: a dense model is refused by its parallelize
+        dims.check_num_experts(hf_config["num_experts"])
+    if dims.cp_enabled:
+        raise ValueError("parallel.cp > 1: context parallel is not wired into the trainer yet")
     dtype = getattr(torch, model_config.dtype)
     # Loaded on the CPU: fully_shard moves each block to the device as it shards it, so a GPU
     # never holds more than its shards plus one block.
@@ -91,8 +100,8 @@ def _build(config: TrainerConfig, device: torch.device) -> TrainingRuntime:
     if config.lora.enabled:
         apply_lora(model, config.lora)
         lora_scale = config.lora.alpha / config.lora.rank
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    _parallelize(model, mesh, config)
+    dims.build_mesh(device.type)
+    _parallelize(model, dims, config)
 
     optimizer = build_optimizer(model, config.optimizer)
     spec = _batch_spec(model, hf_config, config)
@@ -105,6 +114,7 @@ def _build(config: TrainerConfig, device: torch.device) -> TrainingRuntime:
         mode=config.mode,
         loss_config=config.loss,
         max_grad_norm=config.optimizer.max_grad_norm,
+        dp_group=dims.group("dp_shard"),
     )
     checkpointer = restored_step = None
     if config.checkpoint.dir is not None:
@@ -131,6 +141,7 @@ def _build(config: TrainerConfig, device: torch.device) -> TrainingRuntime:
         trainer=trainer,
         spec=spec,
         channel=channel,
+        parallel_dims=dims,
         checkpointer=checkpointer,
         restored_step=restored_step,
         publish_kind=config.publish.kind,
@@ -141,17 +152,26 @@ def _build(config: TrainerConfig, device: torch.device) -> TrainingRuntime:
     )
 
 
-def _parallelize(model: nn.Module, mesh: DeviceMesh, config: TrainerConfig) -> None:
-    """FSDP2 over every rank (one rank included: the same code path, and mixed precision)."""
+def _parallelize(model: nn.Module, dims: ParallelDims, config: TrainerConfig) -> None:
+    """FSDP2 over every rank (one rank included: the same code path, and mixed precision); the
+    experts split over the ep ranks with parallel.ep > 1."""
     compute_dtype = getattr(torch, config.model.compute_dtype)
+    mesh = dims.mesh("dp_shard_cp")
     if isinstance(model, HFCausalLM):
         if config.model.activation_checkpointing or config.model.compile:
             raise ValueError("activation_checkpointing and compile need the own model implementation")
+        if dims.ep_enabled:
+            raise ValueError("parallel.ep > 1 needs the own model implementation (model.impl 'auto' or 'custom')")
         policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
         for layer in getattr(getattr(model.hf_model, "model", None), "layers", []):
             fully_shard(layer, mesh=mesh, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)
         return
+    expert_parallel = {}
+    if dims.ep_enabled:
+        expert_parallel["ep_mesh"] = dims.mesh("ep")
+        if getattr(model.args, "num_experts", 0):  # a dense model's parallelize refuses the ep mesh
+            expert_parallel |= {"efsdp_mesh": dims.mesh("efsdp"), "ep_comm_backend": config.model.ep_comm_backend}
     model_spec_of(model).parallelize_fn(
         model,
         dp_mesh=mesh,
@@ -159,6 +179,7 @@ def _parallelize(model: nn.Module, mesh: DeviceMesh, config: TrainerConfig) -> N
         reduce_dtype=torch.float32,
         activation_checkpointing=config.model.activation_checkpointing,
         compile=config.model.compile,
+        **expert_parallel,
     )
 
 

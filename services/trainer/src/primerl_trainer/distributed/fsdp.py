@@ -1,6 +1,6 @@
 """FSDP2 (torch.distributed.fsdp.fully_shard) for decoder models laid out the torchtitan way:
-`tok_embeddings`, `layers` (a ModuleDict of blocks), `norm` and `lm_head` (None when the head
-is tied to the embedding)."""
+`tok_embeddings`, `layers` (a ModuleDict of blocks, mixture-of-experts ones with their routed
+experts at `moe.experts`), `norm` and `lm_head` (None when the head is tied to the embedding)."""
 
 from collections.abc import Callable
 
@@ -9,8 +9,6 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
-
-from primerl_trainer.models.moe import GroupedExperts
 
 
 def apply_fsdp(
@@ -31,8 +29,8 @@ def apply_fsdp(
     reduced in reduce_dtype. `shard_placement_fn` picks a parameter's sharded dim (None:
     dim 0), e.g. for expert weights when there are more ranks than experts.
 
-    `experts_mesh` (expert parallel): each block's routed experts (models.moe.GroupedExperts,
-    their weights DTensors on the ep mesh) become a unit of their own sharded over this mesh
+    `experts_mesh` (expert parallel): each block's routed experts (`moe.experts`, their weights
+    DTensors on the ep mesh) become a unit of their own sharded over this mesh
     (efsdp), on dim 0, or dim 1 where the mesh is larger than a rank's experts.
 
     Gradients: FSDP sums each gradient over its mesh and divides the sum by
@@ -52,7 +50,9 @@ def apply_fsdp(
     units = []
     for block in model.layers.values():
         if experts_mesh is not None:
-            for experts in (m for m in block.modules() if isinstance(m, GroupedExperts)):
+            # Checkpoint wrappers pass attribute lookups through to the block they wrap.
+            experts = getattr(getattr(block, "moe", None), "experts", None)
+            if experts is not None:
                 fully_shard(
                     experts,
                     mesh=experts_mesh,
