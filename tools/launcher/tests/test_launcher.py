@@ -14,10 +14,19 @@ import time
 import tomllib
 
 import pytest
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from primerl.orchestrator.v1 import orchestrator_pb2
+from primerl_common.processes import free_port
+from primerl_common.testing import bare_server
 from primerl_launcher import _toml
+from primerl_launcher.checks import check_dtypes, check_outside_peers
 from primerl_launcher.cli import demo_config_text
+from primerl_launcher.progress import StallWatch, describe_groups
+from primerl_launcher.report import format_summary, summary
+from primerl_launcher.run import validate_configs, write_configs
 from primerl_launcher.spec import LaunchConfigError, parse_launch_file
+from primerl_launcher.tiny_model import make_tiny_model
 from primerl_launcher.warm_start import sft_trainer_spec
 from primerl_launcher.wiring import address_of, wire
 
@@ -121,6 +130,7 @@ def test_wiring_fills_every_link_that_is_unset(tmp_path):
 def test_warm_start_job_is_the_trainer_with_overrides_in_sft_mode(tmp_path):
     launch = parse_launch_file(
         {
+            "launcher": {"model": "tiny-dense"},
             "orchestrator": {"environments": [{"name": "e"}]},
             "trainer": {"optimizer": {"lr": 1e-6, "weight_decay": 0.1}, "checkpoint": {"dir": "/ckpt"}},
             "weight_broadcaster": {},
@@ -146,6 +156,159 @@ def test_toml_writer_round_trips():
         "environments": [{"name": "e", "sampling": {"max_tokens": 3}}, {"name": "f", "options": {}}],
     }
     assert tomllib.loads(_toml.dumps(data)) == data
+
+
+# ---------------------------------------------------------------------------- what a run needs
+
+# A newcomer's first run file: one replica asked for, an external environment, a trainer.
+NEWCOMER = {
+    "launcher": {"model": "tiny-dense", "inference_replicas": 1},
+    "orchestrator": {"environments": [{"name": "env"}]},
+    "trainer": {},
+}
+
+
+def test_the_serving_side_a_run_needs_is_started_on_its_defaults(tmp_path):
+    launch = parse_launch_file(NEWCOMER)
+    assert set(launch.services) == {"inference-0", "router", "weight_broadcaster", "trainer", "orchestrator"}
+    # Said at start, with why.
+    assert [added.split()[0] for added in launch.added] == ["[inference]", "[router]", "[weight_broadcaster]"]
+    wire(launch.services, run_dir=tmp_path, model=tmp_path / "model", host="127.0.0.1")
+    tables = {name: spec.table for name, spec in launch.services.items()}
+    addresses = {name: address_of(spec) for name, spec in launch.services.items()}
+    assert tables["orchestrator"]["peers"]["router"] == addresses["router"]
+    assert tables["router"]["replicas"] == [{"replica_id": "inference-0", "address": addresses["inference-0"]}]
+    assert tables["trainer"]["publish"]["weight_broadcaster"] == addresses["weight_broadcaster"]
+    # A peer address the file sets stands for one outside the run: nothing is started for it.
+    outside = parse_launch_file(NEWCOMER | {"orchestrator": {"peers": {"router": "elsewhere:1"}}})
+    assert "router" not in outside.services and "inference-0" in outside.services
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (
+            {"launcher": {"model": "tiny-dense"}, "orchestrator": {}},
+            r"\[orchestrator\] needs a trainer: add a \[trainer\] table",
+        ),
+        (
+            {"orchestrator": {}, "trainer": {}},
+            r"\[orchestrator\] generates through a router that needs replicas but no \[inference\] table: add one "
+            r"\(engine.model\), or set \[launcher\] model",
+        ),
+        (
+            {"launcher": {"inference_replicas": 2}, "router": {}},
+            r"\[launcher\] inference_replicas = 2 but no \[inference\] table",
+        ),
+    ],
+)
+def test_a_run_file_missing_what_it_needs_is_refused_naming_it(data, message):
+    with pytest.raises(LaunchConfigError, match=message):
+        parse_launch_file(data)
+
+
+def test_a_peer_outside_the_run_that_nothing_serves_is_refused_before_anything_starts(tmp_path):
+    port = free_port()
+    text = f"[router]\nreplicas = [{{replica_id = 'a', address = '127.0.0.1:{port}'}}]\n"
+    result = subprocess.run(
+        [*PRIMERL, "up", "-c", str(launch_file(tmp_path, text)), "--run-dir", str(tmp_path / "run")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2, result
+    assert f"[router] replicas[0].address = '127.0.0.1:{port}': nothing serves there" in result.stderr
+    assert not (tmp_path / "run" / "logs").exists()
+
+
+async def test_a_peer_outside_the_run_that_serves_is_accepted():
+    servicer = health.aio.HealthServicer()
+    await servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    async with bare_server(lambda server: health_pb2_grpc.add_HealthServicer_to_server(servicer, server)) as address:
+        launch = parse_launch_file(
+            {"trainer": {"publish": {"weight_broadcaster": address}}, "router": {}, "weight_broadcaster": {}}
+        )
+        wire(launch.services, run_dir=pathlib.Path("unused"), model=None, host="127.0.0.1")
+        # The router's broadcaster is the run's own (wired); the trainer's is the outside one.
+        assert await check_outside_peers(launch.services) == [f"[trainer] publish.weight_broadcaster = {address}"]
+
+
+@pytest.fixture(scope="module")
+def float32_model(tmp_path_factory) -> pathlib.Path:
+    return make_tiny_model(tmp_path_factory.mktemp("model") / "tiny-dense", kind="dense", dtype="float32")
+
+
+async def validated(tmp_path, float32_model, data) -> tuple[dict, dict]:
+    launch = parse_launch_file(data)
+    wire(launch.services, run_dir=tmp_path, model=float32_model, host="127.0.0.1")
+    paths = write_configs(list(launch.services.values()), tmp_path / "config")
+    return launch.services, await validate_configs(list(launch.services.values()), paths, dict(os.environ))
+
+
+async def test_inference_in_another_dtype_than_the_trainer_computes_in_is_refused_unless_allowed(
+    tmp_path, float32_model
+):
+    # engine.dtype auto is the model's (float32); the trainer computes in bfloat16 unless told.
+    services, configs = await validated(tmp_path, float32_model, {"trainer": {}, "inference": {}})
+    message = (
+        r"\[inference\] engine.dtype = float32 \(auto: the model's config.json\) differs from \[trainer\] "
+        r"model.compute_dtype = bfloat16"
+    )
+    with pytest.raises(LaunchConfigError, match=message + r".*allow_dtype_mismatch = true to run like this"):
+        check_dtypes(services, configs, allowed=False)
+    assert "mismatch_kl > 0" in check_dtypes(services, configs, allowed=True)
+
+    same = {"trainer": {"model": {"compute_dtype": "float32"}}, "inference": {}}
+    services, configs = await validated(tmp_path, float32_model, same)
+    assert check_dtypes(services, configs, allowed=False) is None
+
+
+def test_the_launcher_refuses_the_dtype_mismatch_before_anything_starts(tmp_path, float32_model):
+    text = f"[launcher]\nmodel = '{float32_model}'\n[trainer]\n[inference.engine]\ndtype = 'float32'\n"
+    result = subprocess.run(
+        [*PRIMERL, "up", "-c", str(launch_file(tmp_path, text)), "--run-dir", str(tmp_path / "run")],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert result.returncode == 2, result
+    assert "[inference] engine.dtype = float32 differs from [trainer] model.compute_dtype = bfloat16" in result.stderr
+    assert not (tmp_path / "run" / "logs").exists()
+
+
+def groups(**counts: int) -> orchestrator_pb2.GetRunStatusResponse:
+    return orchestrator_pb2.GetRunStatusResponse(
+        state=orchestrator_pb2.RUN_STATE_RUNNING, max_steps=6, groups=orchestrator_pb2.GroupCounts(**counts)
+    )
+
+
+def test_groups_that_end_without_a_batch_are_shown_and_warned_about_once_a_minute_has_passed():
+    watch = StallWatch(warn_after_s=60)
+    assert watch.update(groups(), now=0.0) is None and watch.shows_groups(groups())  # no step yet
+    status = groups(finished=12, filtered_equal_rewards=10, incomplete=2, episodes_timed_out=1)
+    assert watch.update(status, now=59.0) is None  # not a minute yet
+    warning = watch.update(status, now=61.0)
+    assert warning is not None and warning.startswith("no batch for 61s while 14 groups ended (12 finished)")
+    assert "10 filtered for equal rewards" in warning and "advantage.filter_zero_advantage = false" in warning
+    assert "2 incomplete" in warning and "1 episodes timed out ([orchestrator] run.episode_timeout_s)" in warning
+    assert watch.update(status, now=200.0) is None  # said once per stall
+    assert describe_groups(status.groups) == (
+        "groups 12 finished, 10 filtered (equal rewards), 2 incomplete, 0 batched, 1 episodes timed out"
+    )
+    # A step resets it; groups ending after it are shown again, and warned about a minute later.
+    stepped = groups(finished=13, filtered_equal_rewards=10, incomplete=2, episodes_timed_out=1, batched=1)
+    stepped.step = 1
+    assert watch.update(stepped, now=201.0) is None and not watch.shows_groups(stepped)
+    later = groups(finished=15, filtered_equal_rewards=12, incomplete=2, episodes_timed_out=1, batched=1)
+    later.step = 1
+    assert watch.update(later, now=230.0) is None and watch.shows_groups(later)
+    assert watch.update(later, now=262.0).startswith("no batch for 61s while 2 groups ended (2 finished): 2 filtered")
+
+
+def test_the_run_report_counts_the_groups():
+    status = groups(finished=40, filtered_equal_rewards=36, incomplete=3, episodes_timed_out=2, batched=4)
+    text = format_summary(summary([], wall_time_s=1.0, groups=status.groups))
+    assert "groups: 40 finished, 36 filtered for equal rewards, 3 incomplete (2 episodes timed out), 4 batched" in text
 
 
 # ---------------------------------------------------------------------------- real processes

@@ -150,6 +150,7 @@ class CommandLine:
     config_file: pathlib.Path | None
     config_section: str | None
     check_config: bool
+    print_config: bool = False
 
 
 def load_config(cls: type[C], argv: Sequence[str] | None = None, *, prog: str | None = None) -> C:
@@ -175,6 +176,11 @@ def parse_command_line(
         f"env {cls.env_prefix()}{_SECTION_ENV})",
     )
     parser.add_argument("--check-config", action="store_true", help="validate the configuration and exit")
+    parser.add_argument(
+        "--print-config",
+        action="store_true",
+        help="validate the configuration, print it as JSON (defaults and environment applied) and exit",
+    )
     cli_source = CliSettingsSource(cls, root_parser=parser)
     parsed = parser.parse_args(list(argv) if argv is not None else None)
     toml_path = parsed.config
@@ -193,7 +199,7 @@ def parse_command_line(
     finally:
         _toml_path.reset(path_token)
         _toml_section.reset(section_token)
-    return config, CommandLine(toml_path, parsed.config_section, parsed.check_config)
+    return config, CommandLine(toml_path, parsed.config_section, parsed.check_config, parsed.print_config)
 
 
 def _check_toml(toml_path: pathlib.Path, section: tuple[str, ...]) -> None:

@@ -301,7 +301,7 @@ def prepare(
     """What every service process does first: the config from its command line, then
     logging, tracing and (unless `serve_metrics` is false) the metrics endpoint. An int is
     the exit code to return at once: 2 for an invalid config (said on stderr), 0 after
-    `--check-config` found it valid."""
+    `--check-config` found it valid (`--print-config`: and printed it as JSON on stdout)."""
     try:
         config, command_line = parse_command_line(config_cls, argv)
     except ConfigError as exc:
@@ -309,6 +309,9 @@ def prepare(
         return 2
     if command_line.check_config:
         print(f"{config_cls.service_name}: configuration is valid")
+        return 0
+    if command_line.print_config:
+        print(config.model_dump_json())
         return 0
     obs = config.observability
     observability.setup_observability(

@@ -25,12 +25,14 @@ from primerl.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2, weight_broadcaster_pb2_grpc
 from primerl_common.client import make_channel
 
-__all__ = ["Display", "RunFailed", "RunMonitor", "RunPeers", "watch_trainer_steps"]
+__all__ = ["Display", "RunFailed", "RunMonitor", "RunPeers", "StallWatch", "describe_groups", "watch_trainer_steps"]
 
 _RPC_TIMEOUT_S = 10.0
 _THROUGHPUT_WINDOW_S = 10.0
 # A trained step waits this long for the orchestrator's record of it before it is written without.
 _JOIN_WAIT_S = 10.0
+# Groups finishing this long with no batch cut is said (once per stall).
+STALL_WARNING_S = 60.0
 
 
 class RunFailed(RuntimeError):
@@ -38,13 +40,18 @@ class RunFailed(RuntimeError):
 
 
 class Display:
-    """A tqdm bar on a terminal; elsewhere (logs, tests) one line per change of step."""
+    """A tqdm bar on a terminal; elsewhere (logs, tests) one line per change of step, and one
+    every `heartbeat_s` while the step stands still and the rest of the line changes."""
 
-    def __init__(self, desc: str, total: int | None, stream: TextIO | None = None) -> None:
+    def __init__(
+        self, desc: str, total: int | None, stream: TextIO | None = None, *, heartbeat_s: float = 30.0
+    ) -> None:
         self.desc = desc
         self.stream = stream or sys.stderr
+        self.heartbeat_s = heartbeat_s
         self._bar = None
-        self._last: tuple[int, int | None] | None = None
+        self._last: tuple[int, int | None, str] | None = None
+        self._last_at = 0.0
         if self.stream.isatty():
             from tqdm import tqdm
 
@@ -56,9 +63,14 @@ class Display:
             self._bar.n = step
             self._bar.set_postfix_str(postfix, refresh=False)
             self._bar.refresh()
-        elif self._last != (step, total):
-            self._last = (step, total)
+        elif self._due(step, total, postfix):
+            self._last, self._last_at = (step, total, postfix), time.monotonic()
             print(f"{self.desc} step {step}/{total if total else '?'} | {postfix}", file=self.stream, flush=True)
+
+    def _due(self, step: int, total: int | None, postfix: str) -> bool:
+        if self._last is None or self._last[:2] != (step, total):
+            return True
+        return postfix != self._last[2] and time.monotonic() - self._last_at >= self.heartbeat_s
 
     def write(self, message: str) -> None:
         if self._bar is not None:
@@ -69,6 +81,73 @@ class Display:
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
+
+
+def describe_groups(groups: orchestrator_pb2.GroupCounts) -> str:
+    """The orchestrator's group counts (GetRunStatus.groups), as on the progress line."""
+    text = (
+        f"groups {groups.finished} finished, {groups.filtered_equal_rewards} filtered (equal rewards), "
+        f"{groups.incomplete} incomplete, {groups.batched} batched"
+    )
+    return text + (f", {groups.episodes_timed_out} episodes timed out" if groups.episodes_timed_out else "")
+
+
+def _ended(groups: orchestrator_pb2.GroupCounts) -> int:
+    return groups.finished + groups.incomplete
+
+
+class StallWatch:
+    """Why no step comes: fed each GetRunStatus, it says when the group counts belong on the
+    progress line (no step yet, or groups ending since the last step), and once per stall, when
+    groups have ended for `warn_after_s` without a batch, what kept them out of one."""
+
+    def __init__(self, *, warn_after_s: float = STALL_WARNING_S) -> None:
+        self.warn_after_s = warn_after_s
+        self._step: int | None = None
+        self._since = 0.0
+        self._at_step = orchestrator_pb2.GroupCounts()
+        self._warned = False
+        self.stalled_s = 0.0
+
+    def update(self, status: orchestrator_pb2.GetRunStatusResponse, now: float | None = None) -> str | None:
+        """The warning to give now, if any."""
+        now = time.monotonic() if now is None else now
+        if status.step != self._step:
+            self._step, self._since, self._warned = status.step, now, False
+            self._at_step.CopyFrom(status.groups)
+        ended = _ended(status.groups) - _ended(self._at_step)
+        self.stalled_s = now - self._since if ended > 0 else 0.0
+        if self._warned or self.stalled_s < self.warn_after_s:
+            return None
+        self._warned = True
+        return self._warning(status.groups)
+
+    def shows_groups(self, status: orchestrator_pb2.GetRunStatusResponse) -> bool:
+        return status.step == 0 or _ended(status.groups) > _ended(self._at_step)
+
+    def _warning(self, groups: orchestrator_pb2.GroupCounts) -> str:
+        at_step = self._at_step
+        finished = groups.finished - at_step.finished
+        filtered = groups.filtered_equal_rewards - at_step.filtered_equal_rewards
+        incomplete = groups.incomplete - at_step.incomplete
+        timed_out = groups.episodes_timed_out - at_step.episodes_timed_out
+        reasons = []
+        if filtered:
+            reasons.append(
+                f"{filtered} filtered for equal rewards (every episode of the group got the same reward: "
+                "[orchestrator] advantage.filter_zero_advantage = false keeps them, or a larger group_size "
+                "or an easier task makes rewards differ)"
+            )
+        if incomplete:
+            reasons.append(f"{incomplete} incomplete (an episode ended without a reward: discarded, failed or dropped)")
+        if timed_out:
+            reasons.append(f"{timed_out} episodes timed out ([orchestrator] run.episode_timeout_s)")
+        if not reasons:
+            reasons.append("the kept ones do not fill a batch yet ([orchestrator] run.batch_size rollouts)")
+        return (
+            f"no batch for {self.stalled_s:.0f}s while {finished + incomplete} groups ended "
+            f"({finished} finished): " + "; ".join(reasons)
+        )
 
 
 async def watch_trainer_steps(address: str, steps: dict[int, dict[str, float]], *, after_step: int = 0) -> None:
@@ -118,6 +197,7 @@ class RunMonitor:
         orchestrator_metrics: pathlib.Path | None,
         poll_interval_s: float,
         finish_timeout_s: float,
+        stall_warning_s: float = STALL_WARNING_S,
     ) -> None:
         self.peers = peers
         self.metrics_path = metrics_path
@@ -135,6 +215,12 @@ class RunMonitor:
         self._throughput = _Throughput()
         self._started = time.monotonic()
         self._status = orchestrator_pb2.GetRunStatusResponse()
+        self.stall = StallWatch(warn_after_s=stall_warning_s)
+
+    @property
+    def status(self) -> orchestrator_pb2.GetRunStatusResponse:
+        """The orchestrator's last answer to GetRunStatus."""
+        return self._status
 
     async def run(self, display: Display) -> list[dict[str, Any]]:
         self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
@@ -159,6 +245,9 @@ class RunMonitor:
                 self._read_orchestrator_metrics()
                 self._write_ready(final=False)
                 status = self._status
+                warning = self.stall.update(status)
+                if warning is not None:
+                    display.write(f"warning: {warning}")
                 display.update(self.trained_step, status.max_steps or None, self.postfix())
                 if status.state == orchestrator_pb2.RUN_STATE_FAILED:
                     raise RunFailed(f"the orchestrator reports the run failed: {status.error or 'no reason given'}")
@@ -199,6 +288,10 @@ class RunMonitor:
         parts.append(f"dropped {status.num_dropped_off_policy_total}")
         parts.append(f"{self.tokens_per_s:,.0f} tok/s")
         parts.append("versions " + " ".join(f"{name}={v}" for name, v in self.versions.items()))
+        if self.stall.shows_groups(status):
+            parts.append(describe_groups(status.groups))
+        if self.stall.stalled_s >= self.stall.warn_after_s:
+            parts.append(f"no batch for {self.stall.stalled_s:.0f}s")
         return " | ".join(parts)
 
     async def _poll_replicas(self, replicas: dict[str, inference_pb2_grpc.InferenceServiceStub]) -> None:

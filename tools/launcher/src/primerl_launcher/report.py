@@ -45,7 +45,13 @@ def write_plot(records: Sequence[dict[str, Any]], path: pathlib.Path, *, title: 
     return path
 
 
-def summary(records: Sequence[dict[str, Any]], *, wall_time_s: float, window: int = 5) -> dict[str, Any]:
+GROUP_COUNTS = ("finished", "filtered_equal_rewards", "incomplete", "episodes_timed_out", "batched")
+
+
+def summary(
+    records: Sequence[dict[str, Any]], *, wall_time_s: float, groups: Any = None, window: int = 5
+) -> dict[str, Any]:
+    """`groups`: the orchestrator's GroupCounts at the end (GetRunStatus.groups), if known."""
     _, rewards = _series(records, "reward_mean")
     _, kls = _series(records, "mismatch_kl")
     return {
@@ -54,6 +60,7 @@ def summary(records: Sequence[dict[str, Any]], *, wall_time_s: float, window: in
         "reward_mean_first": _mean(rewards[:window]),
         "reward_mean_last": _mean(rewards[-window:]),
         "mismatch_kl_mean": _mean(kls),
+        "groups": {name: getattr(groups, name) for name in GROUP_COUNTS} if groups is not None else None,
     }
 
 
@@ -67,5 +74,16 @@ def format_summary(values: dict[str, Any], *, window: int = 5) -> str:
             f"reward mean: first {window} steps {number(values['reward_mean_first'], '.3f')}, "
             f"last {window} steps {number(values['reward_mean_last'], '.3f')}",
             f"mismatch_kl mean: {number(values['mismatch_kl_mean'], '.3e')}",
+            *_groups_line(values.get("groups")),
         ]
     )
+
+
+def _groups_line(groups: dict[str, int] | None) -> list[str]:
+    if not groups:
+        return []
+    return [
+        f"groups: {groups['finished']} finished, {groups['filtered_equal_rewards']} filtered for equal rewards, "
+        f"{groups['incomplete']} incomplete ({groups['episodes_timed_out']} episodes timed out), "
+        f"{groups['batched']} batched"
+    ]

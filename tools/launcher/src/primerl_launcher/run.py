@@ -18,11 +18,13 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from primerl.orchestrator.v1 import orchestrator_pb2
 from primerl_common.malloc import MALLOC_ENV
 from primerl_common.processes import ServiceDied, ServiceProcess, describe_exit
 from primerl_launcher import _toml
 from primerl_launcher import register_replicas as registration
-from primerl_launcher.progress import Display, RunFailed, RunMonitor, RunPeers
+from primerl_launcher.checks import check_dtypes, check_outside_peers
+from primerl_launcher.progress import Display, RunFailed, RunMonitor, RunPeers, describe_groups
 from primerl_launcher.report import format_summary, summary, write_plot
 from primerl_launcher.service_group import ServiceGroup
 from primerl_launcher.spec import TINY_MODELS, LaunchConfigError, LauncherConfig, LaunchFile, ServiceSpec
@@ -79,32 +81,35 @@ def service_command(spec: ServiceSpec, config: pathlib.Path) -> list[str]:
 
 async def validate_configs(
     specs: Sequence[ServiceSpec], paths: Mapping[str, pathlib.Path], env: dict[str, str]
-) -> None:
-    """Each service validates its own table (`--check-config`), all at once; one error
-    lists every bad field as `[table] field: message`."""
+) -> dict[str, dict[str, Any]]:
+    """Each service validates its own table (`--print-config`), all at once; one error
+    lists every bad field as `[table] field: message`. Each service's config as it will
+    run it (defaults and environment applied), by name."""
 
-    async def check(spec: ServiceSpec) -> list[str]:
+    async def check(spec: ServiceSpec) -> tuple[dict[str, Any], list[str]]:
         process = await asyncio.create_subprocess_exec(
             *service_command(spec, paths[spec.name]),
-            "--check-config",
+            "--print-config",
             stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
             env=env,
         )
-        _, stderr = await process.communicate()
+        stdout, stderr = await process.communicate()
         if process.returncode == 0:
-            return []
+            return json.loads(stdout.decode().strip().splitlines()[-1]), []
         lines = stderr.decode(errors="replace").splitlines()
         fields = [f"  {spec.where} {line.strip()}" for line in lines if line.startswith("  ")]
         if fields:
-            return fields
+            return {}, fields
         tail = "\n".join(f"    | {line}" for line in lines[-15:])
-        return [f"  {spec.where}: {spec.module} --check-config exited with {process.returncode}:\n{tail}"]
+        return {}, [f"  {spec.where}: {spec.module} --print-config exited with {process.returncode}:\n{tail}"]
 
-    errors = [line for lines in await asyncio.gather(*(check(spec) for spec in specs)) for line in lines]
+    results = await asyncio.gather(*(check(spec) for spec in specs))
+    errors = [line for _, lines in results for line in lines]
     if errors:
         raise LaunchConfigError("invalid configuration:\n" + "\n".join(errors))
+    return {spec.name: config for spec, (config, _) in zip(specs, results, strict=True)}
 
 
 async def register_replicas(broadcaster: str, replicas: Sequence[ServiceSpec], *, timeout_s: float = 30.0) -> None:
@@ -134,6 +139,7 @@ class Launcher:
         self.env = {**MALLOC_ENV, **os.environ, **launch.launcher.env}
         self.interrupted = False
         self.final_versions: dict[str, int] = {}
+        self.groups: orchestrator_pb2.GroupCounts | None = None
 
     def interrupt(self) -> bool:
         """First call: True (the caller cancels the run, which stops the services gracefully).
@@ -153,14 +159,21 @@ class Launcher:
         model = await asyncio.to_thread(prepare_model, settings)
         if model is not None:
             print(f"model: {model}")
+        if launch.added:
+            print("not in the run file, added on their defaults: " + ", ".join(launch.added))
         wire(services, run_dir=run_dir, model=model, host=settings.host)
         sft = sft_trainer_spec(launch, run_dir) if launch.warm_start is not None else None
         config_dir = run_dir / "config"
         paths = write_configs([*services.values(), *([sft] if sft else [])], config_dir)
+        for peer in await check_outside_peers(services):
+            print(f"outside the run, serving: {peer}")
         if settings.check_config:
             checked_at = time.monotonic()
-            await validate_configs([*services.values(), *([sft] if sft else [])], paths, self.env)
+            configs = await validate_configs([*services.values(), *([sft] if sft else [])], paths, self.env)
             print(f"configuration: valid ({', '.join(services)}; checked in {time.monotonic() - checked_at:.1f}s)")
+            warning = check_dtypes(services, configs, allowed=settings.allow_dtype_mismatch)
+            if warning:
+                print(f"warning: {warning}", file=sys.stderr)
         try:
             if sft is not None:
                 model = await run_warm_start(
@@ -185,7 +198,9 @@ class Launcher:
         wall_time_s = time.monotonic() - started
         if records is None:
             return 0
-        values = summary(records, wall_time_s=wall_time_s) | {"replica_policy_versions": self.final_versions}
+        values = summary(records, wall_time_s=wall_time_s, groups=self.groups) | {
+            "replica_policy_versions": self.final_versions
+        }
         plot = write_plot(records, run_dir / "metrics.png", title=f"primerl run {run_dir.name}")
         (run_dir / "summary.json").write_text(json.dumps(values, indent=2) + "\n")
         print(format_summary(values))
@@ -256,9 +271,15 @@ class Launcher:
                 watch.result()  # raises ServiceDied
             records = follow.result()
             self.final_versions = dict(monitor.versions)
+            self.groups = monitor.status.groups
             return records
         finally:
             display.close()
+            finished = follow.done() and not follow.cancelled() and follow.exception() is None
+            if not finished and monitor.status.ByteSize():
+                # The run did not finish: what the orchestrator had done by then says why.
+                status = monitor.status
+                print(f"run status at the end: step {status.step}/{status.max_steps}, {describe_groups(status.groups)}")
             for task in (watch, follow):
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import pathlib
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -52,7 +52,14 @@ class LauncherConfig(BaseModel):
     cache_dir: pathlib.Path = Field(default=pathlib.Path(".cache/primerl"), description="where tiny models are kept")
     host: str = Field(default="127.0.0.1", description="interface the services listen on, unless they say")
     inference_replicas: int = Field(default=1, ge=1, description="copies of a single [inference] table")
-    check_config: bool = Field(default=True, description="validate every service's config before starting any")
+    check_config: bool = Field(
+        default=True,
+        description="validate every service's config, and the trainer/inference dtype rule, before starting any",
+    )
+    allow_dtype_mismatch: bool = Field(
+        default=False,
+        description="start inference in a dtype other than the trainer's model.compute_dtype (mismatch_kl > 0)",
+    )
     start_timeout_s: float = Field(default=300.0, gt=0, description="per service, until it is SERVING")
     finish_timeout_s: float = Field(
         default=300.0, gt=0, description="after the last batch: until it is trained and served by every replica"
@@ -95,6 +102,8 @@ class LaunchFile:
     warm_start: WarmStartConfig | None
     services: dict[str, ServiceSpec]
     path: pathlib.Path | None = None
+    # Tables the file leaves out that the run needs, started with their defaults (said at start).
+    added: list[str] = field(default_factory=list)
 
 
 def read_launch_file(path: pathlib.Path) -> LaunchFile:
@@ -123,6 +132,9 @@ def parse_launch_file(data: dict[str, Any]) -> LaunchFile:
         raise LaunchConfigError("[warm_start] needs a [trainer] table (the SFT job is the trainer in SFT mode)")
     if warm_start is not None and "orchestrator" not in data:
         raise LaunchConfigError("[warm_start] needs an [orchestrator] table (its environments make the data)")
+    if not any(service in data for service in SERVICES):
+        raise LaunchConfigError(f"no service table; add some of: {', '.join(f'[{s}]' for s in SERVICES)}")
+    added = _add_needed_tables(data, launcher)
     services: dict[str, ServiceSpec] = {}
     for service in SERVICES:
         if service not in data:
@@ -131,8 +143,6 @@ def parse_launch_file(data: dict[str, Any]) -> LaunchFile:
             services.update(_inference_replicas(data["inference"], launcher.inference_replicas))
         else:
             services[service] = ServiceSpec(service, service, data[service], f"[{service}]")
-    if not services:
-        raise LaunchConfigError(f"no service table; add some of: {', '.join(f'[{s}]' for s in SERVICES)}")
     if launcher.model is not None and launcher.model not in TINY_MODELS:
         model = pathlib.Path(launcher.model)
         if not (model / "config.json").is_file():
@@ -140,7 +150,56 @@ def parse_launch_file(data: dict[str, Any]) -> LaunchFile:
                 f"[launcher] model: {launcher.model!r} is neither {' nor '.join(TINY_MODELS)} "
                 "nor a model folder (no config.json)"
             )
-    return LaunchFile(launcher, warm_start, services)
+    return LaunchFile(launcher, warm_start, services, added=added)
+
+
+def _is_set(data: dict[str, Any], table: str, dotted: str) -> bool:
+    value: Any = data.get(table, {})
+    for part in dotted.split("."):
+        if not isinstance(value, dict) or value.get(part) is None:
+            return False
+        value = value[part]
+    return True
+
+
+def _add_needed_tables(data: dict[str, Any], launcher: LauncherConfig) -> list[str]:
+    """A run file that leaves out what it needs either gets it (the serving side: inference,
+    router, weight broadcaster, which run on their defaults and the model) or is refused (the
+    trainer: what is trained and how is the file's to say). A peer address set in a table
+    stands for a peer outside the run: nothing is added for it (it is probed before the start).
+    Adds the tables to `data`; returns what it added, as said at start."""
+    added = []
+
+    def add_inference(why: str) -> None:
+        if launcher.model is None:
+            raise LaunchConfigError(
+                f"{why} but no [inference] table: add one (engine.model), "
+                "or set [launcher] model for the launcher to start them on"
+            )
+        data["inference"] = {}
+        added.append(f"[inference] x{launcher.inference_replicas} ({why})")
+
+    if "inference" not in data and "inference_replicas" in launcher.model_fields_set:
+        add_inference(f"[launcher] inference_replicas = {launcher.inference_replicas}")
+    if "orchestrator" not in data:
+        return added
+    if "trainer" not in data and not _is_set(data, "orchestrator", "peers.trainer"):
+        raise LaunchConfigError(
+            "[orchestrator] needs a trainer: add a [trainer] table (its model and loss), "
+            "or set [orchestrator] peers.trainer to a trainer that runs"
+        )
+    if "router" not in data and not _is_set(data, "orchestrator", "peers.router"):
+        data["router"] = {}
+        added.append("[router] (the orchestrator generates through it)")
+    if "router" in data and "inference" not in data and not _is_set(data, "router", "replicas"):
+        add_inference("[orchestrator] generates through a router that needs replicas")
+    publishes = _is_set(data, "orchestrator", "peers.weight_broadcaster") or _is_set(
+        data, "trainer", "publish.weight_broadcaster"
+    )
+    if "weight_broadcaster" not in data and "trainer" in data and "inference" in data and not publishes:
+        data["weight_broadcaster"] = {}
+        added.append("[weight_broadcaster] (new weights reach the replicas through it)")
+    return added
 
 
 def _inference_replicas(value: Any, copies: int) -> dict[str, ServiceSpec]:
