@@ -46,6 +46,7 @@ import io
 import json
 import os
 import pathlib
+import re
 import shutil
 import statistics
 import subprocess
@@ -224,6 +225,8 @@ def train_run(run: Run, checkpoint: pathlib.Path, *, device: str, compile: bool)
         runtime = None
         try:
             runtime = build_runtime(config)
+            dims = runtime.parallel_dims
+            assert (dims.world_size, dims.ep, dims.cp) == (run.nproc, run.ep, run.cp), dims
             rank = runtime.rank
             times, peaks = [], []
             for step in range(run.warmup + run.steps):
@@ -298,7 +301,7 @@ def launch(run: Run, checkpoint: pathlib.Path, args: argparse.Namespace) -> Run:
     result.unlink()
     if returncode != 0 or not text:
         lines = [line.strip() for line in errors.splitlines() if line.strip()]
-        raised = [line for line in lines if "Error" in line or "Exception" in line]
+        raised = [line for line in lines if re.match(r"(\[rank\d+\]: )?\w+(Error|Exception)\b", line)]
         run.error = f"worker exited {returncode}: {(raised or lines or ['no output'])[-1][:300]}"
         print(errors[-4000:], file=sys.stderr)
         return run
