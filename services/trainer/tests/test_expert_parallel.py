@@ -14,6 +14,7 @@ import sys
 import pytest
 import torch
 
+from primerl_launcher.tiny_model import TinyModelSpec, make_tiny_model
 from primerl_trainer.batch import BatchSpec
 from primerl_trainer.config_types import OptimizerConfig
 from primerl_trainer.distributed.expert_parallel import check_ep_comm_backend
@@ -70,6 +71,24 @@ def _replayed(micro_batch, model: torch.nn.Module, generator: torch.Generator):
     scores = torch.rand(micro_batch.num_tokens, len(args.moe_layers), args.num_experts, generator=generator)
     routed = scores.topk(args.top_k, dim=-1).indices.to(torch.uint8)
     return dataclasses.replace(micro_batch, routed_experts=routed)
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    """A smaller MoE than the shared tiny one (2 layers, dim 64, 8 experts, top 2): 2 and 4 ranks
+    on a 2-core machine."""
+    spec = TinyModelSpec(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        intermediate_size=128,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+    )
+    return make_tiny_model(tmp_path_factory.getbasetemp() / "ep-tiny-moe", kind="moe", dtype="float32", spec=spec)
 
 
 @pytest.fixture(scope="module")
