@@ -100,6 +100,10 @@ def check_modules() -> None:
     absent += [wheel for module, wheel in NEEDED.items() if "." in module and not _has_submodule(module)]
     if absent:
         sys.exit(f"missing Python packages: {' '.join(sorted(set(absent)))} (pip install them, then run again)")
+    try:  # generated stubs refuse a protobuf runtime older than the protoc that made them
+        importlib.import_module("primerl.trainer.v1.trainer_pb2")
+    except Exception as exc:
+        sys.exit(f"the trainer's protobuf stubs do not load: {exc} (pip install a newer protobuf)")
 
 
 def _has_submodule(module: str) -> bool:
