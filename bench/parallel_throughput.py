@@ -251,19 +251,18 @@ def train_run(run: Run, checkpoint: pathlib.Path, *, device: str, compile: bool)
                     f"  {run.name} seq {length}: {run.step_s * 1e3:.0f} ms/step, peak {run.peak_bytes / 2**30:.1f} GiB",
                     flush=True,
                 )
-        except torch.OutOfMemoryError:
+        except Exception as exc:
             if run.nproc > 1:  # the other rank waits in a collective: let torchrun stop both
                 raise
+            # Compiled code may wrap the allocator's error in its own.
+            if not (isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()):
+                run.ok, run.error = False, f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+                break
             run.tried[str(length)] = "out of memory"
             print(f"  {run.name} seq {length}: out of memory", flush=True)
             too_long = length
             if run.ok:
                 break
-        except Exception as exc:
-            if run.nproc > 1:
-                raise
-            run.ok, run.error = False, f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
-            break
         finally:
             del batch
             if runtime is not None:
