@@ -256,7 +256,8 @@ def train_run(run: Run, checkpoint: pathlib.Path, *, device: str, compile: bool)
                 raise
             # Compiled code may wrap the allocator's error in its own.
             if not (isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()):
-                run.ok, run.error = False, f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+                run.tried[str(length)] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+                run.error = "" if run.ok else run.tried[str(length)]
                 break
             run.tried[str(length)] = "out of memory"
             print(f"  {run.name} seq {length}: out of memory", flush=True)
