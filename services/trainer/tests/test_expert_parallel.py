@@ -18,6 +18,7 @@ from primerl_launcher.tiny_model import TinyModelSpec, make_tiny_model
 from primerl_trainer.batch import BatchSpec
 from primerl_trainer.config_types import OptimizerConfig
 from primerl_trainer.distributed.expert_parallel import check_ep_comm_backend
+from primerl_trainer.expert_load import load_metrics
 from primerl_trainer.losses import token_logprobs
 from primerl_trainer.optim import build_lr_scheduler, build_optimizer
 from primerl_trainer.train import Trainer
@@ -154,6 +155,10 @@ def _assert_matches_one_process(result: dict, reference: dict, probe_routed_expe
             # The gradient norm sums squares in another order (1e-5 relative seen after an Adam step).
             rel = 1e-4 if key == "grad_norm" else 1e-5
             assert got[key] == pytest.approx(wanted[key], rel=rel, abs=1e-5), (step, key)
+        # Load balance: the counts of all ranks' tokens, as one process counts them.
+        moe_keys = {key for key in wanted if key.startswith("moe/")}
+        assert moe_keys and {key: got[key] for key in moe_keys} == {key: wanted[key] for key in moe_keys}, step
+        assert "moe/max_ep_rank_load_ratio" in got
     # Replay: the replayed experts are the ones used, and give one process's logprobs.
     assert torch.equal(result["routed_experts"], probe_routed_experts.long())
     torch.testing.assert_close(result["logprobs"], reference["logprobs"], rtol=0, atol=1e-5)
@@ -195,3 +200,22 @@ def test_deepep_is_refused_clearly_when_not_importable() -> None:
     check_ep_comm_backend("torch")
     with pytest.raises(ValueError, match=r"model\.ep_comm_backend 'deepep' needs DeepEP"):
         check_ep_comm_backend("deepep")
+
+
+def test_load_metrics_from_routed_token_counts() -> None:
+    # Two MoE layers (model layers 1 and 3) of 4 experts, split over 2 ep ranks.
+    counts = torch.tensor([[4, 4, 4, 4], [8, 0, 6, 2]])
+    metrics = load_metrics(counts, moe_layers=(1, 3), ep=2)
+    assert metrics == {
+        "moe/max_load_ratio": 2.0,
+        "moe/mean_max_load_ratio": 1.5,
+        "moe/min_load_ratio": 0.0,
+        "moe/unused_expert_fraction": 1 / 8,
+        "moe/tokens_per_expert_max": 8.0,
+        "moe/tokens_per_expert_min": 0.0,
+        "moe/max_ep_rank_load_ratio": 1.0,
+        "moe/layer_1/max_load_ratio": 1.0,
+        "moe/layer_3/max_load_ratio": 2.0,
+    }
+    # A step without tokens is balanced.
+    assert load_metrics(torch.zeros(1, 4), moe_layers=(0,))["moe/max_load_ratio"] == 1.0

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from primerl_trainer.batch import BatchSpec, MicroBatch, TrainingMode, shard_micro_batches, validate_batch
+from primerl_trainer.expert_load import ExpertLoad
 from primerl_trainer.losses import RLLossConfig, rl_loss, sft_loss, token_logprobs
 from primerl_trainer.optim import clip_grad_norm_
 
@@ -72,6 +73,8 @@ class Trainer:
         distributed = dist.is_available() and dist.is_initialized()
         self._dp_rank = dist.get_rank(dp_group) if distributed else 0
         self._dp_size = dist.get_world_size(dp_group) if distributed else 1
+        # Routed-token counts of MoE models, reported as load-balance metrics (None: dense).
+        self._expert_load = ExpertLoad.of(model)
 
     def train_step(
         self, micro_batches: Sequence[MicroBatch], *, num_loss_tokens: int | None = None
@@ -90,6 +93,8 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         keys = _SUM_KEYS[self.mode]
         sums = torch.zeros(len(keys), dtype=torch.float64, device=self.device)
+        if self._expert_load is not None:
+            self._expert_load.start()
         for micro_batch in shard_micro_batches(micro_batches, rank=self._dp_rank, world_size=self._dp_size):
             sums += self._forward_backward(micro_batch, num_loss_tokens=total_loss_tokens)
 
@@ -129,6 +134,9 @@ class Trainer:
                 "masked_high_fraction": totals["masked_high"] / total_loss_tokens,
                 "masked_low_fraction": totals["masked_low"] / total_loss_tokens,
             }
+        if self._expert_load is not None:
+            # This rank's own micro-batches come first; the fillers after them repeat one.
+            metrics |= self._expert_load.metrics(len(micro_batches[self._dp_rank :: self._dp_size]))
         return metrics
 
     def _forward_backward(self, micro_batch: MicroBatch, *, num_loss_tokens: int) -> torch.Tensor:
