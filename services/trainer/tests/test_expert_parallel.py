@@ -1,7 +1,8 @@
 """Expert parallel on the CPU (gloo, torchrun): the tiny MoE model with its experts split over 2
 ranks (ep=2), and over 2 x 2 (FSDP 2 x ep 2, 4 ranks), trains as one process does: same losses,
 per-token logprobs (with replayed experts) and updated weights; router replay decides the
-dispatch; a checkpoint saved at ep=2 resumes under plain FSDP on 2 ranks. Also the backend switch."""
+dispatch; a checkpoint saved at ep=2 resumes under plain FSDP on 2 ranks. Also the load-balance
+metrics, and what the runtime refuses (degrees, the deepep backend, a dense model under ep)."""
 
 from __future__ import annotations
 
@@ -13,16 +14,24 @@ import sys
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from primerl_common.config import ConfigError, load_config
 from primerl_launcher.tiny_model import TinyModelSpec, make_tiny_model
 from primerl_trainer.batch import BatchSpec
+from primerl_trainer.config import TrainerConfig
 from primerl_trainer.config_types import OptimizerConfig
 from primerl_trainer.distributed.expert_parallel import check_ep_comm_backend
+from primerl_trainer.distributed.parallel_dims import ParallelDims
 from primerl_trainer.expert_load import load_metrics
 from primerl_trainer.losses import token_logprobs
+from primerl_trainer.models import model_spec_of
 from primerl_trainer.optim import build_lr_scheduler, build_optimizer
+from primerl_trainer.runtime import build_runtime
 from primerl_trainer.train import Trainer
 
+from .serving import trainer_config
 from .tiny_training import (
     DP_SCHEDULE,
     SEQ_LEN,
@@ -219,3 +228,39 @@ def test_load_metrics_from_routed_token_counts() -> None:
     }
     # A step without tokens is balanced.
     assert load_metrics(torch.zeros(1, 4), moe_layers=(0,))["moe/max_load_ratio"] == 1.0
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"parallel": {"ep": 2}}, r"parallel\.ep 2 must divide the world size 1"),
+        ({"parallel": {"cp": 2}}, r"parallel\.cp 2 must divide the world size 1"),
+        ({"model": {"ep_comm_backend": "deepep"}}, r"model\.ep_comm_backend 'deepep' needs DeepEP"),
+    ],
+)
+def test_the_runtime_refuses_what_cannot_run_naming_the_field(
+    moe_dir: pathlib.Path, overrides: dict, message: str
+) -> None:
+    config = trainer_config(moe_dir, **{key: {**value} for key, value in overrides.items()})
+    with pytest.raises(ValueError, match=message):
+        build_runtime(config)
+    assert not dist.is_initialized()
+
+
+def test_config_refuses_degrees_below_one() -> None:
+    with pytest.raises(ConfigError, match=r"parallel\.ep"):
+        load_config(TrainerConfig, ["--model.path", "m", "--parallel.ep", "0"])
+
+
+def test_a_dense_model_refuses_expert_parallel(dense_dir: pathlib.Path) -> None:
+    if dist.is_initialized():
+        pytest.skip("a process group exists in this test process")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        dims = ParallelDims(world_size=2, ep=2)
+        dims.build_mesh("cpu")
+        model = load_tiny_model(dense_dir)
+        with pytest.raises(ValueError, match=r"parallel\.ep 2 needs a mixture-of-experts model"):
+            model_spec_of(model).parallelize_fn(model, dp_mesh=dims.mesh("dp_shard_cp"), ep_mesh=dims.mesh("ep"))
+    finally:
+        dist.destroy_process_group()
