@@ -17,40 +17,23 @@ split.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
-from pydantic import Field
 
-from primerl_common.config import Section
+from primerl_trainer.config_types import RLLossConfig
 
 __all__ = [
     "LossOutput",
     "RLLossConfig",
     "rl_loss",
     "sft_loss",
+    "target_logprobs",
     "token_logprobs",
 ]
 
 # Float32 elements per chunk of the logits: a chunk's few float32 temporaries take ~128 MiB each,
 # whatever the vocabulary (~220 tokens at Qwen3's 151,936), instead of a float32 copy of all logits.
 _CHUNK_ELEMENTS = 2**25
-
-
-class RLLossConfig(Section):
-    """The default RL loss (prime-rl's "DPPO + KL") and its symmetric-mask variant.
-
-    Per loss token, with p and q the trainer's and the inference engine's probabilities of the
-    token, r = p / q and A the advantage: loss = -A * r over the tokens the trust region keeps
-    + kl_coef * (log p - log q)^2 over all loss tokens. The trust region drops a token when
-    p - q > mask_high or p - q < -mask_low; with mask="advantage_sign" only in the direction the
-    advantage pushes p (A > 0 and up, A < 0 and down), with "symmetric" either way (IPO-style).
-    """
-
-    mask: Literal["advantage_sign", "symmetric"] = "advantage_sign"
-    mask_high: float = Field(default=0.2, ge=0, description="mask tokens whose p - q exceeds this")
-    mask_low: float = Field(default=0.2, ge=0, description="mask tokens whose p - q is below minus this")
-    kl_coef: float = Field(default=1e-3, ge=0, description="weight of (log p - log q)^2")
 
 
 @dataclass(frozen=True)
@@ -125,20 +108,30 @@ def token_logprobs(
     Index 0 holds 0 for both; sample starts inside the sequence hold meaningless values.
     `chunk_size`: rows of logits upcast at a time (default: ~32M elements' worth).
     """
-    num_tokens, vocab_size = logits.shape
-    assert input_ids.shape == temperatures.shape == (num_tokens,), (logits.shape, input_ids.shape, temperatures.shape)
+    # Row t predicts token t + 1. Scoring all T rows (the last against a dummy target) and shifting
+    # the result, rather than slicing the logits, keeps the gradient one tensor the size of the
+    # logits: the backward of a slice would allocate a second one to scatter into.
+    logprobs, entropy = target_logprobs(
+        logits, torch.roll(input_ids, -1), torch.roll(temperatures, -1), chunk_size=chunk_size
+    )
+    zero = logprobs.new_zeros(1)
+    return torch.cat([zero, logprobs[:-1]]), torch.cat([zero, entropy[:-1]])
+
+
+def target_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, temperatures: torch.Tensor, *, chunk_size: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row by row, without the shift of `token_logprobs`: logprobs[n] = log_softmax(logits[n] /
+    temperatures[n])[targets[n]] (differentiable) and the entropy of that distribution, for
+    logits [N, V], targets [N] int64 and temperatures [N] > 0 (prediction-aligned terms, as
+    context parallel splits them)."""
+    num_rows, vocab_size = logits.shape
+    assert targets.shape == temperatures.shape == (num_rows,), (logits.shape, targets.shape, temperatures.shape)
     if chunk_size is None:
         chunk_size = max(1, _CHUNK_ELEMENTS // vocab_size)
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
-    # Row t predicts token t + 1. Scoring all T rows (the last against a dummy target) and shifting
-    # the result, rather than slicing the logits, keeps the gradient one tensor the size of the
-    # logits: the backward of a slice would allocate a second one to scatter into.
-    next_tokens = torch.roll(input_ids, -1)
-    next_temperatures = torch.roll(temperatures, -1)
-    logprobs, entropy = _TokenLogprobs.apply(logits, next_tokens, next_temperatures, chunk_size)
-    zero = logprobs.new_zeros(1)
-    return torch.cat([zero, logprobs[:-1]]), torch.cat([zero, entropy[:-1]])
+    return _TokenLogprobs.apply(logits, targets, temperatures, chunk_size)
 
 
 def rl_loss(

@@ -8,6 +8,10 @@ it returns an output whose `logits` are [1, T, vocab].
 
 Normalisation: each micro-batch's loss is divided by the loss-token count of the whole batch, so
 the gradient is the same however the batch is cut into micro-batches or spread over ranks.
+
+Context parallel: the ranks of a cp group take the same micro-batches and each trains on its
+share of every row (distributed/context_parallel.py); the model is then an own implementation
+given each row's `RowLayout`, and FSDP shards over the dp_shard x cp ranks.
 """
 
 from __future__ import annotations
@@ -20,8 +24,9 @@ import torch
 import torch.distributed as dist
 
 from primerl_trainer.batch import BatchSpec, MicroBatch, TrainingMode, shard_micro_batches, validate_batch
+from primerl_trainer.distributed.context_parallel import RowShard, shard_micro_batch
 from primerl_trainer.expert_load import ExpertLoad
-from primerl_trainer.losses import RLLossConfig, rl_loss, sft_loss, token_logprobs
+from primerl_trainer.losses import RLLossConfig, rl_loss, sft_loss, target_logprobs
 from primerl_trainer.optim import clip_grad_norm_
 
 __all__ = ["Trainer"]
@@ -37,7 +42,9 @@ class Trainer:
     """Takes optimizer steps on batches of micro-batches; `step` counts the steps taken.
 
     With data parallelism every rank calls `train_step` with the whole batch and trains on its
-    share (see `shard_micro_batches`); the metrics it returns are the batch's, on every rank.
+    share (see `shard_micro_batches` over `dp_group`, the "dp_shard" ranks; None: all ranks);
+    with context parallel (`cp_group`, the "cp" ranks) each row of that share is split over the
+    cp group. The metrics it returns are the batch's, on every rank.
     """
 
     def __init__(
@@ -52,6 +59,7 @@ class Trainer:
         loss_config: RLLossConfig | None = None,
         max_grad_norm: float = 1.0,
         dp_group: dist.ProcessGroup | None = None,
+        cp_group: dist.ProcessGroup | None = None,
         step: int = 0,
         logprob_chunk_size: int | None = None,
     ) -> None:
@@ -70,11 +78,21 @@ class Trainer:
         self.step = step
         self._logprob_chunk_size = logprob_chunk_size
         self._dp_group = dp_group
+        self._cp_group = cp_group
         distributed = dist.is_available() and dist.is_initialized()
         self._dp_rank = dist.get_rank(dp_group) if distributed else 0
         self._dp_size = dist.get_world_size(dp_group) if distributed else 1
         # Routed-token counts of MoE models, reported as load-balance metrics (None: dense).
         self._expert_load = ExpertLoad.of(model)
+        self._cp_rank = dist.get_rank(cp_group) if cp_group is not None else 0
+        self._cp_size = dist.get_world_size(cp_group) if cp_group is not None else 1
+        if self._cp_size > 1 and dp_group is None:
+            raise ValueError("a cp_group needs its dp_group (the ranks that train different micro-batches)")
+        # Own implementations take each row's layout (and with it the one-sample fast paths); a
+        # transformers model only whole rows.
+        self._takes_row_layout = hasattr(model, "cp_group")
+        if self._cp_size > 1 and not self._takes_row_layout:
+            raise ValueError(f"context parallel needs the own model implementation, not {type(model).__name__}")
 
     def train_step(
         self, micro_batches: Sequence[MicroBatch], *, num_loss_tokens: int | None = None
@@ -109,8 +127,11 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
 
+        # Each (dp, cp) rank summed its own tokens: adding over both groups counts each once.
         if self._dp_size > 1:
             dist.all_reduce(sums, group=self._dp_group)
+        if self._cp_size > 1:
+            dist.all_reduce(sums, group=self._cp_group)
         totals = dict(zip(keys, sums.tolist(), strict=True))
         elapsed = time.perf_counter() - start
         num_tokens = sum(micro_batch.num_tokens for micro_batch in micro_batches)
@@ -139,47 +160,64 @@ class Trainer:
             metrics |= self._expert_load.metrics(len(micro_batches[self._dp_rank :: self._dp_size]))
         return metrics
 
-    def _forward_backward(self, micro_batch: MicroBatch, *, num_loss_tokens: int) -> torch.Tensor:
-        """Accumulate one micro-batch's gradient; return its sums in `_SUM_KEYS` order."""
+    @torch.no_grad()
+    def token_logprobs(self, micro_batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model's per-token logprobs and entropies of one micro-batch, aligned with its
+        tokens as losses.token_logprobs' (0 at index 0), in row order on every rank; no
+        gradient. Collective: every rank of the model's mesh calls it with the same micro-batch."""
+        shard = self._shard(micro_batch)
+        logprobs, entropy = self._logprobs(shard)
+        return shard.gather_tokens(logprobs, self._cp_group), shard.gather_tokens(entropy, self._cp_group)
 
-        def to_device(tensor: torch.Tensor | None) -> torch.Tensor | None:
-            return None if tensor is None else tensor.to(self.device, non_blocking=True)
+    def _shard(self, micro_batch: MicroBatch) -> RowShard:
+        return shard_micro_batch(micro_batch, cp_rank=self._cp_rank, cp_size=self._cp_size)
 
-        input_ids = micro_batch.input_ids.to(self.device, non_blocking=True)
-        loss_mask = micro_batch.loss_mask.to(self.device, non_blocking=True)
+    def _logprobs(self, shard: RowShard) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prediction-aligned logprobs of this rank's share of a row and their entropies."""
+        layout = {"row_layout": shard.layout} if self._takes_row_layout else {}
         output = self.model(
-            input_ids[None],
-            micro_batch.position_ids.to(self.device, non_blocking=True)[None],
-            routed_experts=to_device(micro_batch.routed_experts),
+            shard.input_ids.to(self.device, non_blocking=True)[None],
+            shard.position_ids.to(self.device, non_blocking=True)[None],
+            routed_experts=self._to_device(shard.routed_experts),
+            **layout,
         )
         # squeeze, not [0]: the backward of an index allocates a zero gradient the logits' size.
-        logits = output.logits.squeeze(0)
-        logprobs, entropy = token_logprobs(
-            logits,
-            input_ids,
-            micro_batch.temperatures.to(self.device, non_blocking=True),
+        return target_logprobs(
+            output.logits.squeeze(0),
+            shard.targets.to(self.device, non_blocking=True),
+            shard.target_temperatures.to(self.device, non_blocking=True),
             chunk_size=self._logprob_chunk_size,
         )
+
+    def _forward_backward(self, micro_batch: MicroBatch, *, num_loss_tokens: int) -> torch.Tensor:
+        """Accumulate one micro-batch's gradient (this rank's share of its row); return its sums
+        in `_SUM_KEYS` order."""
+        shard = self._shard(micro_batch)
+        loss_mask = shard.loss_mask.to(self.device, non_blocking=True)
+        logprobs, entropy = self._logprobs(shard)
         if self.mode == "rl":
             loss_output = rl_loss(
                 logprobs,
-                to_device(micro_batch.inference_logprobs),
-                to_device(micro_batch.advantages),
+                self._to_device(shard.inference_logprobs),
+                self._to_device(shard.advantages),
                 loss_mask,
                 num_loss_tokens=num_loss_tokens,
                 config=self.loss_config,
             )
         else:
             loss_output = sft_loss(logprobs, loss_mask, num_loss_tokens=num_loss_tokens)
-        # FSDP averages gradients over the data-parallel ranks; the loss is already normalised by
-        # the whole batch's token count, so the ranks' gradients must add up instead.
-        (loss_output.loss * self._dp_size).backward()
+        # FSDP averages gradients over the ranks it shards over, dp_shard x cp; the loss is already
+        # normalised by the whole batch's token count, so the ranks' gradients must add up instead.
+        (loss_output.loss * (self._dp_size * self._cp_size)).backward()
         sums = {
             "loss": loss_output.loss.detach(),
             "entropy": torch.where(loss_mask, entropy, 0.0).sum(),
             **loss_output.sums,
         }
         return torch.stack([sums[key].to(torch.float64) for key in _SUM_KEYS[self.mode]])
+
+    def _to_device(self, tensor: torch.Tensor | None) -> torch.Tensor | None:
+        return None if tensor is None else tensor.to(self.device, non_blocking=True)
 
     def _peak_memory_bytes(self) -> int:
         """Peak GPU memory allocated by tensors during this step; on the CPU the process's peak RSS."""

@@ -12,29 +12,55 @@ Backends:
   and no flash kernel, so meant for CPU and tests.
 - "flex": flex_attention with a document BlockMask, which skips the blocks outside a sample.
   The GPU path for packed training; compiled there (eager flex is a slow reference).
+
+A row given with its `RowLayout` (distributed/context_parallel.py; the trainer always gives
+one) may be one rank's share of a longer row under context parallel: the queries are this
+rank's tokens, the keys and values those of the whole row, gathered over the cp group in
+every layer, and the mask is the same rule by row index: query i (row index q_pos[i]) sees
+key j when j <= q_pos[i] and both lie in one sample. With a layout, "sdpa" on a row that is one
+sample needs no mask at all (causal per contiguous chunk of queries, lower right, flash
+kernels on GPU), and "flex" builds its BlockMask from per-block bounds, never an O(T^2) mask.
 """
 
+from __future__ import annotations
+
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
-AttentionBackend = Literal["sdpa", "flex"]
-ATTENTION_BACKENDS: tuple[str, ...] = get_args(AttentionBackend)
+from primerl_trainer.config_types import ATTENTION_BACKENDS, AttentionBackend
+from primerl_trainer.distributed.cp_collectives import gather_sequence
+
+if TYPE_CHECKING:
+    from primerl_trainer.distributed.context_parallel import RowLayout
 
 _compiled_flex_attention = None
+# flex_attention's tile (queries and keys per block).
+_FLEX_BLOCK = 128
 
 
 @dataclass(frozen=True)
 class AttentionMask:
-    """Per-forward mask for one backend: `dense` for "sdpa" (None: plain causal rows),
-    `block` for "flex"."""
+    """Per-forward mask for one backend: `dense` for "sdpa" (None: causal rows), `block` for
+    "flex".
+
+    Context parallel: keys and values are gathered over the process group named
+    `cp_group_name` (`cp_size` ranks, this one `cp_rank`) into row order. "sdpa" with neither
+    `dense` nor a group: causal over each row; with a group and no `dense`: the local queries
+    are two equal chunks, rank r's chunks r and 2cp-1-r of the row, each causal (lower right)
+    over the keys up to its end."""
 
     backend: AttentionBackend
     dense: torch.Tensor | None = None
     block: BlockMask | None = None
+    cp_group_name: str | None = None
+    cp_size: int = 1
+    cp_rank: int = 0
 
 
 def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
@@ -45,11 +71,21 @@ def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
 
 
 def build_attention_mask(
-    position_ids: torch.Tensor | None, *, backend: AttentionBackend, batch_size: int, seq_len: int, device: torch.device
+    position_ids: torch.Tensor | None,
+    *,
+    backend: AttentionBackend,
+    batch_size: int,
+    seq_len: int,
+    device: torch.device,
+    layout: RowLayout | None = None,
+    cp_group: dist.ProcessGroup | None = None,
 ) -> AttentionMask:
-    """The mask for `backend`; `position_ids=None` means one sample per row."""
+    """The mask for `backend`; `position_ids=None` means one sample per row. With `layout`
+    (one row, batch_size 1) the mask is the layout's: see `_row_layout_mask`."""
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"attn_backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
+    if layout is not None:
+        return _row_layout_mask(layout, backend=backend, cp_group=cp_group, device=device)
     if backend == "sdpa":
         if position_ids is None:
             return AttentionMask(backend)
@@ -68,17 +104,115 @@ def build_attention_mask(
     return AttentionMask(backend, block=create_block_mask(document_causal, batch_size, None, seq_len, seq_len, device))
 
 
+def _row_layout_mask(
+    layout: RowLayout, *, backend: AttentionBackend, cp_group: dist.ProcessGroup | None, device: torch.device
+) -> AttentionMask:
+    """The mask of this rank's queries (the layout's tokens) over the keys of the whole row."""
+    if layout.cp_size > 1:
+        if cp_group is None or dist.get_world_size(cp_group) != layout.cp_size:
+            raise ValueError(f"a row split over {layout.cp_size} ranks needs a cp group of that size")
+        cp = {"cp_group_name": cp_group.group_name, "cp_size": layout.cp_size, "cp_rank": layout.cp_rank}
+    else:
+        cp = {}
+    if backend == "sdpa" and layout.single_document:
+        return AttentionMask(backend, **cp)
+    q_positions = layout.global_positions.to(device)
+    docs = layout.document_ids.to(device)
+    if backend == "sdpa":
+        keys = torch.arange(layout.padded_len, device=device)
+        dense = (q_positions[:, None] >= keys) & (docs[q_positions][:, None] == docs)
+        return AttentionMask(backend, dense=dense[None, None], **cp)
+
+    def document_causal(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+        q_pos = q_positions[q_idx]
+        return (q_pos >= kv_idx) & (docs[q_pos] == docs[kv_idx])
+
+    return AttentionMask(backend, block=_document_block_mask(document_causal, q_positions, docs), **cp)
+
+
+def _document_block_mask(mask_mod, q_positions: torch.Tensor, docs: torch.Tensor) -> BlockMask:
+    """The BlockMask of the causal same-document rule for queries at row indices `q_positions`
+    over keys 0..len(docs)-1, from each tile's bounds (document ids never decrease along the
+    row): a tile is empty when no query comes at or after its first key or their documents do
+    not overlap, full when every query comes after every key and all are of one document,
+    partial (mask_mod applied per element) otherwise."""
+    num_queries, num_keys = q_positions.numel(), docs.numel()
+    q_docs = docs[q_positions]
+
+    def tile_bounds(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        tail = -values.numel() % _FLEX_BLOCK
+        low = F.pad(values, (0, tail), value=torch.iinfo(values.dtype).max).view(-1, _FLEX_BLOCK).amin(1)
+        high = F.pad(values, (0, tail), value=-1).view(-1, _FLEX_BLOCK).amax(1)
+        return low, high
+
+    q_pos_low, q_pos_high = tile_bounds(q_positions)
+    q_doc_low, q_doc_high = tile_bounds(q_docs)
+    key_starts = torch.arange(0, num_keys, _FLEX_BLOCK, device=docs.device)
+    key_ends = (key_starts + _FLEX_BLOCK).clamp(max=num_keys) - 1
+    k_doc_low, k_doc_high = docs[key_starts], docs[key_ends]
+    visible = (
+        (q_pos_high[:, None] >= key_starts) & (q_doc_high[:, None] >= k_doc_low) & (q_doc_low[:, None] <= k_doc_high)
+    )
+    full = (
+        (q_pos_low[:, None] >= key_ends)
+        & (q_doc_low == q_doc_high)[:, None]
+        & (k_doc_low == k_doc_high)
+        & (q_doc_low[:, None] == k_doc_low)
+    )
+    partial = visible & ~full
+
+    def ordered(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # Per query tile: how many key tiles, and their indices first (the rest are ignored).
+        indices = torch.argsort(blocks.to(torch.int8), dim=1, descending=True, stable=True)
+        return blocks.sum(1).to(torch.int32)[None, None], indices.to(torch.int32)[None, None]
+
+    return BlockMask.from_kv_blocks(
+        *ordered(partial),
+        *ordered(full),
+        BLOCK_SIZE=_FLEX_BLOCK,
+        mask_mod=mask_mod,
+        seq_lengths=(num_queries, num_keys),
+    )
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
     """q [B, T, Hq, D], k and v [B, T, Hkv, D] (Hq a multiple of Hkv) -> [B, T, Hq, D],
-    scaled by 1/sqrt(D)."""
+    scaled by 1/sqrt(D). Under context parallel (B = 1) the keys and values of every cp rank
+    are gathered first: one collective of both per layer."""
+    if mask.cp_group_name is not None:
+        kv = gather_sequence(torch.cat((k, v), dim=-1)[0], mask.cp_group_name, mask.cp_size)[None]
+        k, v = kv.chunk(2, dim=-1)
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    if mask.backend == "sdpa":
+    if mask.backend == "flex":
+        out = _flex_attention(q.device)(q, k, v, block_mask=mask.block, enable_gqa=True)
+    elif mask.dense is not None or mask.cp_size == 1:
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask.dense, is_causal=mask.dense is None, enable_gqa=True
         )
     else:
-        out = _flex_attention(q.device)(q, k, v, block_mask=mask.block, enable_gqa=True)
+        out = _causal_chunks_attention(q, k, v, cp_size=mask.cp_size, cp_rank=mask.cp_rank)
     return out.transpose(1, 2)
+
+
+def _causal_chunks_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp_size: int, cp_rank: int
+) -> torch.Tensor:
+    """q [B, H, t, D] this rank's chunks r and 2cp-1-r of a one-sample row, k and v the whole
+    row: each chunk attends causally to the keys up to its own end (lower right)."""
+    chunk_len = q.shape[2] // 2
+    outs = []
+    for query_chunk, chunk in zip(q.split(chunk_len, dim=2), (cp_rank, 2 * cp_size - 1 - cp_rank), strict=True):
+        num_keys = (chunk + 1) * chunk_len
+        outs.append(
+            F.scaled_dot_product_attention(
+                query_chunk,
+                k[:, :, :num_keys],
+                v[:, :, :num_keys],
+                attn_mask=causal_lower_right(chunk_len, num_keys),
+                enable_gqa=True,
+            )
+        )
+    return torch.cat(outs, dim=2)
 
 
 def _flex_attention(device: torch.device):

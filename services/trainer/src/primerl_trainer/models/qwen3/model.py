@@ -6,10 +6,13 @@ Face's. Inputs are [B, T] token ids, batched or packed ([1, T] with position ids
 at each sample); see common/attention.py for how packed samples are kept apart.
 """
 
+from __future__ import annotations
+
 from dataclasses import dataclass
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -18,6 +21,9 @@ from primerl_trainer.models.common.feed_forward import FeedForward
 from primerl_trainer.models.common.norms import RMSNorm
 from primerl_trainer.models.common.outputs import CausalLMOutput
 from primerl_trainer.models.common.rope import apply_rope, rope_cos_sin
+
+if TYPE_CHECKING:
+    from primerl_trainer.distributed.context_parallel import RowLayout
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,6 +88,10 @@ class TransformerBlock(nn.Module):
 
 
 class Qwen3Model(nn.Module):
+    # Context parallel's group (distributed.context_parallel.apply_context_parallel): rows given
+    # with a RowLayout of cp_size > 1 gather their keys and values over it.
+    cp_group: dist.ProcessGroup | None = None
+
     def __init__(self, args: Qwen3ModelArgs, *, attn_backend: AttentionBackend = "sdpa") -> None:
         super().__init__()
         self.args = args
@@ -108,13 +118,15 @@ class Qwen3Model(nn.Module):
         *,
         routed_experts: torch.Tensor | None = None,
         compute_logits: bool = True,
+        row_layout: RowLayout | None = None,
     ) -> CausalLMOutput:
         """input_ids [B, T]; position_ids [B, T] or None for 0..T-1 in every row.
         `compute_logits=False` returns the final-normed hidden states instead of the logits
-        (see CausalLMOutput)."""
+        (see CausalLMOutput). `row_layout`: the tokens are one row, or this rank's share of one
+        under context parallel (distributed/context_parallel.py); B must be 1."""
         if routed_experts is not None:
             raise ValueError("routed_experts is only accepted by mixture-of-experts models")
-        h, rope, mask = self.embed(input_ids, position_ids)
+        h, rope, mask = self.embed(input_ids, position_ids, row_layout)
         for block in self.layers.values():
             h = block(h, rope, mask)
         return self.output(h, compute_logits=compute_logits)
@@ -134,7 +146,7 @@ class Qwen3Model(nn.Module):
         return CausalLMOutput(logits=logits, **aux)
 
     def embed(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor | None
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor | None, row_layout: RowLayout | None = None
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor], AttentionMask]:
         """Token embeddings plus what every layer shares: RoPE's cos/sin and the mask."""
         if input_ids.ndim != 2:
@@ -144,9 +156,20 @@ class Qwen3Model(nn.Module):
                 f"position_ids must have the shape of input_ids {list(input_ids.shape)}, got {list(position_ids.shape)}"
             )
         batch_size, seq_len = input_ids.shape
+        if row_layout is not None and (batch_size, seq_len) != (1, row_layout.num_local_tokens):
+            raise ValueError(
+                f"a row layout of {row_layout.num_local_tokens} local tokens needs input_ids of shape "
+                f"[1, {row_layout.num_local_tokens}], got {list(input_ids.shape)}"
+            )
         h = self.tok_embeddings(input_ids)
         mask = build_attention_mask(
-            position_ids, backend=self.attn_backend, batch_size=batch_size, seq_len=seq_len, device=h.device
+            position_ids,
+            backend=self.attn_backend,
+            batch_size=batch_size,
+            seq_len=seq_len,
+            device=h.device,
+            layout=row_layout,
+            cp_group=self.cp_group,
         )
         if position_ids is None:
             position_ids = torch.arange(seq_len, device=h.device).expand(batch_size, seq_len)

@@ -5,8 +5,10 @@ routing, no shared experts). Layers listed in `mlp_only_layers`, or off the
 The forward takes optional replayed expert indices (R3) and returns the experts it used.
 """
 
+from __future__ import annotations
+
 from dataclasses import dataclass
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 
 import torch
 from torch import nn
@@ -23,6 +25,9 @@ from primerl_trainer.models.qwen3.model import (
     check_supported_hf_config,
     common_args_from_hf_config,
 )
+
+if TYPE_CHECKING:
+    from primerl_trainer.distributed.context_parallel import RowLayout
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -98,10 +103,12 @@ class Qwen3MoeModel(Qwen3Model):
         *,
         routed_experts: torch.Tensor | None = None,
         compute_logits: bool = True,
+        row_layout: RowLayout | None = None,
     ) -> CausalLMOutput:
         """input_ids [B, T]; position_ids [B, T] or None; routed_experts
         [B*T, num_moe_layers, top_k] to replay inference's routing (R3);
-        `compute_logits=False` returns the final-normed hidden states instead of the logits."""
+        `compute_logits=False` returns the final-normed hidden states instead of the logits;
+        `row_layout` as in Qwen3Model.forward (routed experts are then the local tokens')."""
         if routed_experts is not None:
             routed_experts = check_routed_experts(
                 routed_experts,
@@ -110,7 +117,7 @@ class Qwen3MoeModel(Qwen3Model):
                 top_k=self.args.top_k,
                 num_experts=self.args.num_experts,
             )
-        h, rope, mask = self.embed(input_ids, position_ids)
+        h, rope, mask = self.embed(input_ids, position_ids, row_layout)
         expert_ids, tokens_per_expert = [], []
         # Layers are told apart by number, not type: activation checkpointing and compile
         # wrap the blocks.
