@@ -15,6 +15,7 @@ from primerl_trainer.batch import BatchSpec
 from primerl_trainer.checkpoint import Checkpointer
 from primerl_trainer.commands import CommandChannel
 from primerl_trainer.config import TrainerConfig
+from primerl_trainer.distributed.context_parallel import apply_context_parallel
 from primerl_trainer.distributed.expert_parallel import check_ep_comm_backend
 from primerl_trainer.distributed.parallel_dims import ParallelDims
 from primerl_trainer.export import PublishKind, plan_export
@@ -83,8 +84,6 @@ def _build(config: TrainerConfig, device: torch.device) -> TrainingRuntime:
     check_ep_comm_backend(model_config.ep_comm_backend)
     if dims.ep_enabled and hf_config.get("num_experts"):  # before loading: a dense model is refused by its parallelize
         dims.check_num_experts(hf_config["num_experts"])
-    if dims.cp_enabled:
-        raise ValueError("parallel.cp > 1: context parallel is not wired into the trainer yet")
     dtype = getattr(torch, model_config.dtype)
     # Loaded on the CPU: fully_shard moves each block to the device as it shards it, so a GPU
     # never holds more than its shards plus one block.
@@ -102,6 +101,8 @@ def _build(config: TrainerConfig, device: torch.device) -> TrainingRuntime:
         lora_scale = config.lora.alpha / config.lora.rank
     dims.build_mesh(device.type)
     _parallelize(model, dims, config)
+    if dims.cp_enabled:
+        apply_context_parallel(model, cp_mesh=dims.mesh("cp"))
 
     optimizer = build_optimizer(model, config.optimizer)
     spec = _batch_spec(model, hf_config, config)
@@ -115,6 +116,7 @@ def _build(config: TrainerConfig, device: torch.device) -> TrainingRuntime:
         loss_config=config.loss,
         max_grad_norm=config.optimizer.max_grad_norm,
         dp_group=dims.group("dp_shard"),
+        cp_group=dims.group("cp") if dims.cp_enabled else None,
     )
     checkpointer = restored_step = None
     if config.checkpoint.dir is not None:
