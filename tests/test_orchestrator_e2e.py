@@ -27,8 +27,8 @@ from primerl.orchestrator.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 from primerl.router.v1 import router_pb2, router_pb2_grpc
 from primerl_common.client import make_channel
 from primerl_common.errors import error_details
+from primerl_common.processes import ServiceProcess
 from primerl_common.tensors import tensor_from_proto
-from primerl_common.testing import ServiceProcess
 
 from .stack import (
     EXAMPLE,
@@ -54,12 +54,11 @@ async def appears(path: pathlib.Path, *, timeout_s: float) -> None:
 @contextlib.contextmanager
 def held_back(process: ServiceProcess) -> Iterator[None]:
     """The process stopped (SIGSTOP) for the duration, then continued."""
-    assert process.process is not None
-    process.process.send_signal(signal.SIGSTOP)
+    process.signal(signal.SIGSTOP)
     try:
         yield
     finally:
-        process.process.send_signal(signal.SIGCONT)
+        process.signal(signal.SIGCONT)
 
 
 async def failure(call) -> tuple[grpc.StatusCode, str]:
@@ -264,7 +263,7 @@ async def test_restart_resumes_from_the_checkpoint_without_duplicated_or_lost_st
     async with orchestrator(config) as (process, stub):
         await wait_for_status(stub, lambda s: s.step >= first + 1, timeout_s=180)
         # A crash: no drain, no goodbye.
-        process.process.send_signal(signal.SIGKILL)
+        process.kill()
         await process.wait()
     before = json.loads((tmp_path / "checkpoint" / "orchestrator_state.json").read_text())
 
@@ -288,23 +287,25 @@ async def test_restart_resumes_from_the_checkpoint_without_duplicated_or_lost_st
 
 
 async def test_rollouts_past_max_off_policy_steps_never_reach_the_trainer(stack, tmp_path):
-    """External episodes take a turn and are then held open; the trainer is held back (stopped)
-    while the built-in environment samples as far ahead as max_async_level lets it, then
-    released. Steps move on past the held episodes' policy version + max_off_policy_steps: the
-    orchestrator drops exactly those episodes (counted, and said so to the environment), drops
-    nothing the built-in environment sampled (its rollouts sampled during the hold, the oldest
-    any batch takes, still fit), and no batch the trainer trains holds a token too old.
+    """External episodes take a turn and are then held open, while the test plays the groups
+    that make the steps (no built-in environment: the test decides when each step can come).
+    With the trainer held back (stopped), one group can start (max_async_level), no second;
+    released, steps move on past the held episodes' policy version + max_off_policy_steps: the
+    orchestrator drops exactly those episodes (counted, and said so to the environment) at the
+    cut of the step after, drops nothing the playing groups sampled (the group sampled during
+    the hold, the oldest any batch takes, still fits), and no batch the trainer trains holds a
+    token too old.
 
     max_off_policy_steps must be at least max_async_level (the config refuses less: groups
     started at the allowed lag would all be dropped), so sampling ahead of a held-back trainer
     alone never makes a rollout too old; an episode that spans steps does."""
     first = await trainer_next_step(stack)
-    # The held episodes' version is at most first + 1 or so on a fast machine; they are dropped
-    # once the step after version + max_off_policy_steps is collected, well before the end.
-    last, max_async_level, max_off_policy_steps, num_held = first + 8, 2, 2, 3
+    max_async_level, max_off_policy_steps, num_held = 2, 2, 3
+    # The held episodes sample version first - 1 (the trainer's latest); the cut of step
+    # first + 1 drops them (first + 2 - (first - 1) > max_off_policy_steps); one step more after.
+    last = first + 3
     environments = (
-        '[[environments]]\nname = "rev"\nkind = "reverse_text"\ngroup_size = 2\n'
-        "[environments.sampling]\nmax_tokens = 8\n"
+        '[[environments]]\nname = "fill"\ngroup_size = 2\n[environments.sampling]\nmax_tokens = 8\n'
         '[[environments]]\nname = "guess"\ngroup_size = 1\n'
     )
     config = orchestrator_config(
@@ -321,37 +322,62 @@ async def test_rollouts_past_max_off_policy_steps_never_reach_the_trainer(stack,
         metrics_jsonl=tmp_path / "metrics.jsonl",
         batches_dir=tmp_path / "batches",
     )
-    config.write_text(config.read_text() + "[advantage]\nfilter_zero_advantage = false\n")
+
+    def turn(episode_id: str) -> orchestrator_pb2.GenerateRequest:
+        messages = orchestrator_pb2.ChatMessages(messages=[{"role": "user", "content": "Your first guess?"}])
+        return orchestrator_pb2.GenerateRequest(episode_id=episode_id, messages=messages)
+
+    def fill_group(index: int, *, timeout_s: float = 180) -> grpc.aio.UnaryUnaryCall:
+        task = orchestrator_pb2.Task(task_id=f"fill-{index}")
+        return stub.StartEpisode(orchestrator_pb2.StartEpisodeRequest(environment="fill", task=task), timeout=timeout_s)
+
+    async def play(index: int) -> None:
+        """A group of "fill" whose two rewards differ (never filtered): one step's batch."""
+        for episode, reward in zip((await fill_group(index)).episodes, (1.0, 0.0), strict=True):
+            assert (await stub.Generate(turn(episode.episode_id))).token_ids
+            finish = orchestrator_pb2.FinishEpisodeRequest(episode_id=episode.episode_id, reward=reward)
+            await stub.FinishEpisode(finish)
+
     async with orchestrator(config) as (_, stub):
+        # The trainer's latest version before it is held back (its publish of it may still be under way).
+        await wait_for_status(stub, lambda s: s.policy_version == first - 1, timeout_s=120)
         task = orchestrator_pb2.Task(task_id="held")
         start = orchestrator_pb2.StartEpisodeRequest(environment="guess", task=task, num_episodes=num_held)
         held = (await stub.StartEpisode(start)).episodes
-        turns = [
-            orchestrator_pb2.GenerateRequest(
-                episode_id=episode.episode_id,
-                messages=orchestrator_pb2.ChatMessages(messages=[{"role": "user", "content": "Your first guess?"}]),
-            )
-            for episode in held
-        ]
-        for turn in turns:
-            assert (await stub.Generate(turn)).token_ids
+        for episode in held:
+            assert (await stub.Generate(turn(episode.episode_id))).token_ids
         with held_back(stack.trainer_process):
-            status = await settled(stub, "rev")
-            # Sampling ran ahead of the stopped trainer no further than max_async_level.
-            assert status.step <= status.policy_version + max_async_level
-            assert {env.name: env.num_episodes_finished > 0 for env in status.environments}["rev"]
+            await play(0)
+            # Sampling runs ahead of the stopped trainer no further than max_async_level: the
+            # next group waits for a version the trainer has not made (until the call's deadline).
+            assert await status_code(fill_group(1, timeout_s=3)) == grpc.StatusCode.DEADLINE_EXCEEDED
+            status = await stub.GetRunStatus(orchestrator_pb2.GetRunStatusRequest())
+            assert status.policy_version == first - 1 and status.step <= status.policy_version + max_async_level
+        for index in range(1, last - first + 1):
+            await play(index)
 
         def guess_dropped(status: orchestrator_pb2.GetRunStatusResponse) -> bool:
             return {env.name: env.num_dropped_off_policy for env in status.environments}["guess"] == num_held
 
         await wait_for_status(stub, guess_dropped, timeout_s=180)
-        assert await failure(stub.Generate(turns[0])) == (grpc.StatusCode.FAILED_PRECONDITION, "EPISODE_DROPPED")
+        assert await failure(stub.Generate(turn(held[0].episode_id))) == (
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "EPISODE_DROPPED",
+        )
         finish = orchestrator_pb2.FinishEpisodeRequest(episode_id=held[1].episode_id, reward=1.0)
         assert await failure(stub.FinishEpisode(finish)) == (grpc.StatusCode.FAILED_PRECONDITION, "EPISODE_DROPPED")
         status = await wait_for_status(stub, lambda s: s.state == orchestrator_pb2.RUN_STATE_FINISHED, timeout_s=180)
         assert status.step == last and status.off_policy_steps_max <= max_off_policy_steps
-        assert {env.name: env.num_dropped_off_policy for env in status.environments} == {"rev": 0, "guess": num_held}
+        assert {env.name: env.num_dropped_off_policy for env in status.environments} == {"fill": 0, "guess": num_held}
         assert status.num_dropped_off_policy_total == num_held
+        # One "fill" group per step, none filtered; the held group never completes a rollout.
+        groups = status.groups
+        assert (groups.finished, groups.batched, groups.filtered_equal_rewards, groups.incomplete) == (
+            last - first + 1,
+            last - first + 1,
+            0,
+            1,
+        )
 
     # What the trainer trained: its own record of each batch, and every token of every sample.
     steps = await trained_steps(stack, after_step=first - 1, until_step=last, timeout_s=60)
@@ -367,25 +393,3 @@ async def test_rollouts_past_max_off_policy_steps_never_reach_the_trainer(stack,
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(first, last + 1))
     assert sum(r["num_dropped_off_policy"] for r in records) == num_held
-
-
-async def settled(
-    stub: orchestrator_pb2_grpc.OrchestratorServiceStub, environment: str, *, timeout_s: float = 120
-) -> orchestrator_pb2.GetRunStatusResponse:
-    """The run status once `environment` has nothing running and starts nothing more (two
-    looks a second apart agree)."""
-
-    def counts(status: orchestrator_pb2.GetRunStatusResponse) -> tuple[int, int, int]:
-        [env] = [env for env in status.environments if env.name == environment]
-        return env.num_episodes_started, env.num_episodes_finished, env.num_episodes_running
-
-    previous = None
-    loop = asyncio.get_running_loop()
-    give_up_at = loop.time() + timeout_s
-    while True:
-        status = await stub.GetRunStatus(orchestrator_pb2.GetRunStatusRequest())
-        if previous is not None and counts(status) == counts(previous) and counts(status)[2] == 0:
-            return status
-        assert loop.time() < give_up_at, f"{environment} did not settle; last status:\n{status}"
-        previous = status
-        await asyncio.sleep(1.0)
