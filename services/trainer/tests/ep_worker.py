@@ -5,9 +5,10 @@ test compares with one process.
     torchrun --standalone --nproc-per-node N ep_worker.py MODEL_DIR BATCHES_FILE OUT_DIR EP
 
 Three steps: two plain ones (checkpointed after the second), then the probe's per-token logprobs
-and expert choice with replayed experts, then a third step with router replay. With OUT_DIR/resume
-set up (EP = world size), the checkpoint of step 2 is then loaded into the model sharded by plain
-FSDP over the same ranks (ep 1), which trains the third step again.
+and expert choice with replayed experts, then a third step with router replay. With "resume" in
+the batches file, the checkpoint of step 2 is then loaded into the model sharded by plain FSDP over
+the same ranks (ep 1), which trains the third step again; with "lora", a LoRA model (experts
+adapted) trains the first batch under the same mesh and is published, merged and as an adapter.
 """
 
 import pathlib
@@ -20,9 +21,11 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from primerl_trainer.batch import BatchSpec
 from primerl_trainer.checkpoint import Checkpointer
+from primerl_trainer.config import LoRAConfig
 from primerl_trainer.config_types import OptimizerConfig
 from primerl_trainer.distributed.parallel_dims import ParallelDims
-from primerl_trainer.export import gather_state_dict
+from primerl_trainer.export import exported_tensors, gather_state_dict
+from primerl_trainer.lora import apply_lora
 from primerl_trainer.losses import token_logprobs
 from primerl_trainer.models import model_spec_of
 from primerl_trainer.optim import build_lr_scheduler, build_optimizer
@@ -36,8 +39,11 @@ def build_trainer(
     dims: ParallelDims,
     spec: BatchSpec,
     optimizer_config: OptimizerConfig,
+    lora: LoRAConfig | None = None,
 ) -> Trainer:
     model = load_tiny_model(model_dir).to(device)
+    if lora is not None:
+        apply_lora(model, lora)
     dims.build_mesh(device.type)
     model_spec_of(model).parallelize_fn(
         model,
@@ -86,8 +92,23 @@ def main(model_dir: pathlib.Path, batches_file: pathlib.Path, out_dir: pathlib.P
         resumed = build_trainer(model_dir, device, ParallelDims(world_size=world_size), replay_spec, optimizer_config)
         assert Checkpointer(out_dir / "checkpoints").load_latest(resumed) == 2
         resumed_metrics = resumed.train_step(batches[2])
+    lora = None
+    if data["lora"] is not None:
+        # LoRA on the attention and the experts, split over the ep ranks: one step, then what a
+        # publish of the merged weights and of the adapter alone sends.
+        config = LoRAConfig(**data["lora"])
+        dims = ParallelDims(world_size=world_size, ep=ep)
+        lora_trainer = build_trainer(model_dir, device, dims, plain_spec, optimizer_config, lora=config)
+        lora = {"metrics": lora_trainer.train_step(batches[0])}
+        for kind in ("full", "adapter"):
+            source = gather_state_dict(lora_trainer.model, kind=kind, is_destination=is_rank0)
+            tensors = exported_tensors(
+                lora_trainer.model, source, kind=kind, dtype=torch.float32, lora_scale=config.alpha / config.rank
+            )
+            lora[kind] = {name: t.cpu() for name, t in tensors}
     if is_rank0:
         result = {
+            "lora": lora,
             "metrics": metrics,
             "logprobs": logprobs.cpu(),
             "routed_experts": output.routed_experts.cpu(),

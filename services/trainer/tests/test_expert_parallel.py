@@ -20,11 +20,13 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from primerl_common.config import ConfigError, load_config
 from primerl_launcher.tiny_model import TinyModelSpec, make_tiny_model
 from primerl_trainer.batch import BatchSpec
-from primerl_trainer.config import TrainerConfig
+from primerl_trainer.config import LoRAConfig, TrainerConfig
 from primerl_trainer.config_types import OptimizerConfig
 from primerl_trainer.distributed.expert_parallel import check_ep_comm_backend
 from primerl_trainer.distributed.parallel_dims import ParallelDims
 from primerl_trainer.expert_load import load_metrics
+from primerl_trainer.export import exported_tensors, gather_state_dict
+from primerl_trainer.lora import apply_lora
 from primerl_trainer.losses import token_logprobs
 from primerl_trainer.models import model_spec_of
 from primerl_trainer.optim import build_lr_scheduler, build_optimizer
@@ -50,6 +52,7 @@ METRICS = ("loss", "grad_norm", "lr", "entropy", "mismatch_kl", "masked_fraction
 # that is rounding noise (summed in another order on other ranks) can flip its sign and move the
 # weight by 2 * lr. An eps above that noise keeps such steps small, so updated weights compare at 1e-5.
 EP_OPTIMIZER = OptimizerConfig(lr=1e-3, eps=1e-4, weight_decay=0.01)
+LORA = LoRAConfig(enabled=True, rank=4, alpha=8.0, target_modules=["q", "experts"])
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
 
@@ -132,6 +135,20 @@ def ep_data(moe_dir: pathlib.Path, tmp_path_factory: pytest.TempPathFactory) -> 
     metrics.append(trainer.train_step(batches[2]))
     reference = {"metrics": metrics, "logprobs": logprobs, "weights": parameters(model)}
 
+    lora_model = load_tiny_model(moe_dir)
+    apply_lora(lora_model, LORA)
+    lora_optimizer = build_optimizer(lora_model, EP_OPTIMIZER)
+    lora_trainer = Trainer(
+        lora_model, lora_optimizer, build_lr_scheduler(lora_optimizer, DP_SCHEDULE), spec=plain_spec, device=CPU
+    )
+    reference["lora"] = {"metrics": lora_trainer.train_step(batches[0])}
+    for kind in ("full", "adapter"):
+        source = gather_state_dict(lora_model, kind=kind, is_destination=True)
+        scale = LORA.alpha / LORA.rank
+        reference["lora"][kind] = dict(
+            exported_tensors(lora_model, source, kind=kind, dtype=torch.float32, lora_scale=scale)
+        )
+
     path = tmp_path_factory.mktemp("ep") / "batches.pt"
     data = {
         "batches": [micro_batches_to_dicts(batch) for batch in batches],
@@ -139,6 +156,7 @@ def ep_data(moe_dir: pathlib.Path, tmp_path_factory: pytest.TempPathFactory) -> 
         "spec": dataclasses.asdict(plain_spec),
         "replay_spec": dataclasses.asdict(replay_spec),
         "optimizer": EP_OPTIMIZER.model_dump(),
+        "lora": LORA.model_dump(),
     }
     torch.save(data, path)
     return path, data | {"reference": reference, "probe_routed_experts": probe.routed_experts}
@@ -178,6 +196,14 @@ def _assert_matches_one_process(result: dict, reference: dict, probe_routed_expe
         )
         # A publish gathers the same full tensors to rank 0.
         assert torch.equal(result["published"][name], result["weights"][name]), name
+    # LoRA (attention and experts) under the same mesh: one process's step, merged weights and adapter.
+    lora, wanted_lora = result["lora"], reference["lora"]
+    for key in METRICS:
+        assert lora["metrics"][key] == pytest.approx(wanted_lora["metrics"][key], rel=1e-5, abs=1e-5), key
+    for kind in ("full", "adapter"):
+        assert lora[kind].keys() == wanted_lora[kind].keys()
+        for name, tensor in wanted_lora[kind].items():
+            torch.testing.assert_close(lora[kind][name], tensor, rtol=0, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
 
 
 def test_ep2_trains_as_one_process_and_its_checkpoint_resumes_under_fsdp2(
