@@ -533,10 +533,10 @@ def calibrate_worker(args: argparse.Namespace) -> None:
 
     smoke = args.smoke
     device = "cpu" if smoke else "cuda"
-    dist.init_process_group("gloo" if smoke else "nccl")
-    rank, world = dist.get_rank(), dist.get_world_size()
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("gloo" if smoke else "nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
     dtype = torch.bfloat16
     scale = 16 if smoke else 1  # smoke: the same shapes divided by this
     repeats = 3 if smoke else 20
