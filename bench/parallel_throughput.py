@@ -16,11 +16,12 @@ the timed steps; peak: the largest over ranks).
     GPUs against 128 experts on one (the same experts per GPU: the difference is the dispatch and
     combine), 8 micro-batches of 4096 tokens per GPU per step, bf16 weights and AdamW state.
     ep_scaling = per-GPU tokens/s at ep=2 over one GPU's.
-(b) context parallel: the dense shape of trainer_throughput.py with activation checkpointing, one
-    sequence of L tokens on one GPU (L the longest that fits, at least 32,768: the planner's
-    memory model picks the first length to try, then longer until one runs out of memory)
-    against one of 2L tokens at cp=2. cp_memory_ratio = peak per GPU at 2L over L;
-    cp_mfu_ratio = MFU at 2L over L (MFU as in trainer_throughput.py, peak from the rates file).
+(b) context parallel: the dense shape of trainer_throughput.py with activation checkpointing and
+    float32 master weights (the trainer's default; --dense-dtype), one sequence of L tokens on one
+    GPU (L the longest that fits, at least 32,768: the planner's memory model picks the first
+    length to try, then longer until one runs out of memory) against one of 2L tokens at cp=2.
+    cp_memory_ratio = peak per GPU at 2L over L; cp_mfu_ratio = MFU at 2L over L (MFU as in
+    trainer_throughput.py, peak from the rates file).
 (c) the planner (primerl_trainer.planner, rates of this GPU kind or --rates) for every run, with
     its relative error.
 
@@ -29,9 +30,11 @@ parallel_throughput.txt (this stdout) or, with --calibrate, rates-<gpu>.toml.
 Last line: RESULT ep_scaling=<x> cp_memory_ratio=<y> cp_mfu_ratio=<z>
 
 Needs torch, transformers and, besides, what the trainer package imports: pydantic,
-pydantic-settings, protobuf, googleapis-common-protos, grpcio, grpcio-status, numpy,
-safetensors. Run from the repository's source tree (services/trainer/src and libs/common/src
-are put on sys.path, and the two distributions' metadata is supplied when not installed).
+pydantic-settings, protobuf, googleapis-common-protos, grpcio, grpcio-status, numpy, safetensors
+(the device image lacks the first two, googleapis-common-protos and grpcio-status: install them
+from wheels first). Run from the repository's source tree: services/trainer/src and
+libs/common/src are put on sys.path, and the two distributions' metadata is supplied when they
+are not installed.
 """
 
 from __future__ import annotations
