@@ -1,22 +1,23 @@
 """Expert parallel: each MoE layer's experts split over the ranks of the `ep` mesh, tokens sent to
-the rank that holds their experts and back.
+the ranks that hold their experts and their outputs sent back.
 
 Rank r of an ep group of size P holds experts [r * E_l, (r + 1) * E_l), E_l = E / P: the expert
 weights become DTensors sharded on dim 0 over the ep mesh (FSDP2 then shards each rank's block
-over efsdp). A layer's forward on every rank (`AllToAllDispatcher`):
+over efsdp). A layer's forward on every rank, once the router has chosen (`AllToAllDispatcher`):
 
-    1. its token copies, sorted by global expert (so by destination rank), and their counts per
-       expert [E];
-    2. counts exchanged with one all_to_all_single: recv[src, e] = copies rank src sends to
-       local expert e; one device-to-host copy of the split sizes (the only sync);
-    3. the copies sent with one all_to_all_single (uneven splits), arriving grouped by source
-       rank, then by local expert; a gather puts them in local-expert order;
-    4. the local experts run as grouped matrix products;
-    5. the reverse gather and all-to-all bring the outputs back in the order of step 1; the
-       caller mixes them by their scores.
+    1. counts exchanged with one all_to_all_single: per destination rank, the tokens sent there
+       and the copies for each of its experts; one device-to-host copy of the split sizes (the
+       only sync of the layer, forward and backward);
+    2. each token sent once to every rank that holds one or more of its experts (not once per
+       expert: with top-8 over 2 ranks that moves a quarter of the bytes), with its local expert
+       ids and scores there: one all_to_all_single of tokens (uneven splits) and two small ones;
+    3. the receiver expands the tokens into copies grouped by local expert, runs the local experts
+       as grouped matrix products and sums each token's copies weighted by their scores;
+    4. one all_to_all_single brings each token's partial sums back; the sender adds them.
 
-Backward runs the same exchanges the other way round (split sizes kept from the forward).
-Router replay needs nothing here: the replayed expert ids decide the destinations.
+Backward runs the same exchanges the other way round (split sizes kept from the forward), and
+every permutation's backward is a gather (kernels.gather), so results do not depend on the order
+atomics land in. Router replay needs nothing here: the replayed expert ids decide the destinations.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
+
+from primerl_trainer.kernels.gather import accumulation_dtype, gather_sum
 
 __all__ = ["AllToAllDispatcher", "EPCommBackend", "apply_expert_parallel", "check_ep_comm_backend"]
 
@@ -87,68 +90,117 @@ class AllToAllDispatcher:
         self.ep = dist.get_world_size(group)
         self.num_local_experts = num_experts // self.ep
 
+    # Split sizes come to the host and collectives run in between: compiled blocks run this eagerly.
+    @torch.compiler.disable
     def __call__(
         self,
-        x_ND: torch.Tensor,
-        tokens_per_expert_E: torch.Tensor,
+        x_TD: torch.Tensor,
+        scores_TK: torch.Tensor,
+        expert_ids_TK: torch.Tensor,
         experts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x_TD this rank's tokens, scores_TK and expert_ids_TK (global ids) their routing;
+        `experts(x, offsets)` runs the local experts on rows grouped by local expert (offsets [E_l]
+        the end of each one's rows). Returns (the tokens' mixed expert outputs [T, D], this rank's
+        tokens per expert [E])."""
+        num_ranks, num_local = self.ep, self.num_local_experts
+        num_tokens, top_k = expert_ids_TK.shape
+        device = x_TD.device
+        tokens_per_expert_E = torch.bincount(expert_ids_TK.reshape(-1), minlength=num_ranks * num_local)
+        rank_TK = expert_ids_TK // num_local
+        to_rank_TP = torch.zeros(num_tokens, num_ranks, dtype=torch.bool, device=device).scatter_(1, rank_TK, True)
+
+        # 1. Per destination: tokens, then copies per local expert.
+        send_counts = torch.cat([to_rank_TP.sum(0)[:, None], tokens_per_expert_E.view(num_ranks, num_local)], dim=1)
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
+        sizes = torch.cat([send_counts[:, 0], recv_counts[:, 0], recv_counts[:, 1:].sum()[None]]).tolist()
+        send_splits, recv_splits, num_copies = sizes[:num_ranks], sizes[num_ranks : 2 * num_ranks], sizes[-1]
+
+        # 2. Send rows in (rank, token) order; slot_TP[t, p] = token t's row for rank p.
+        send_PT = to_rank_TP.t().reshape(-1)
+        position_PT = send_PT.cumsum(0) - 1
+        num_sent = sum(send_splits)
+        send_rows = torch.arange(send_PT.numel(), device=device)
+        # Rows not sent go to a spare last slot, dropped.
+        flat_S = torch.empty(num_sent + 1, dtype=torch.long, device=device)
+        flat_S = flat_S.scatter_(0, torch.where(send_PT, position_PT, num_sent), send_rows)[:num_sent]
+        token_S, rank_S = flat_S % num_tokens, flat_S // num_tokens
+        slot_TP = torch.where(send_PT, position_PT, 0).view(num_ranks, num_tokens).t()
+        sent_x_SD = _GatherRows.apply(x_TD, token_S, slot_TP, to_rank_TP)
+        on_rank_SK = rank_TK[token_S] == rank_S[:, None]
+        # Scores of the experts elsewhere are 0, their ids num_local (sorted after the real ones).
+        sent_scores_SK = _GatherRows.apply(scores_TK, token_S, slot_TP, to_rank_TP) * on_rank_SK
+        sent_ids_SK = torch.where(on_rank_SK, expert_ids_TK[token_S] % num_local, num_local)
+
+        recv_x_MD = _AllToAll.apply(sent_x_SD, recv_splits, send_splits, self.group)
+        recv_scores_MK = _AllToAll.apply(sent_scores_SK, recv_splits, send_splits, self.group)
+        recv_ids_MK = _all_to_all(sent_ids_SK, recv_splits, send_splits, self.group)
+
+        # 3. Copies grouped by local expert (a stable sort: deterministic, no atomics).
+        sorted_ids, order = torch.sort(recv_ids_MK.reshape(-1), stable=True)
+        order_C = order[:num_copies]
+        boundaries = torch.arange(1, num_local + 1, device=device, dtype=sorted_ids.dtype)
+        offsets_L = torch.searchsorted(sorted_ids, boundaries, out_int32=True)
+        valid_MK = recv_ids_MK < num_local
+        inverse_MK = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=device))
+        inverse_MK = torch.where(valid_MK.reshape(-1), inverse_MK, 0).view_as(recv_ids_MK)
+        copies_CD = _GatherRows.apply(recv_x_MD, order_C // top_k, inverse_MK, valid_MK)
+        partial_MD = _CombineRows.apply(experts(copies_CD, offsets_L), recv_scores_MK, inverse_MK, valid_MK, order_C)
+
+        # 4. Partial sums back to their tokens' ranks, added up there.
+        partial_SD = _AllToAll.apply(partial_MD, send_splits, recv_splits, self.group)
+        out_TD = _CombineRows.apply(partial_SD, None, slot_TP, to_rank_TP, token_S * num_ranks + rank_S)
+        return out_TD, tokens_per_expert_E
+
+
+class _GatherRows(torch.autograd.Function):
+    """rows_RD = x_TD[index_R], where row r is one of the copies that slots_TJ[t] lists for
+    token t (valid_TJ says which). The backward sums each token's copies: a gather."""
+
+    @staticmethod
+    def forward(
+        ctx, x_TD: torch.Tensor, index_R: torch.Tensor, slots_TJ: torch.Tensor, valid_TJ: torch.Tensor
     ) -> torch.Tensor:
-        """x_ND: this rank's token copies sorted by global expert; tokens_per_expert_E their counts.
-        `experts(x, offsets)` runs the local experts (rows sorted by local expert, offsets [E_l] the
-        ends of each one's rows). Returns the experts' outputs for x_ND's rows, in x_ND's order."""
-        ep, num_local = self.ep, self.num_local_experts
-        counts = tokens_per_expert_E.to(torch.int64)
-        recv_counts = torch.empty_like(counts)
-        dist.all_to_all_single(recv_counts, counts, group=self.group)
-        recv_counts_PL = recv_counts.view(ep, num_local)
-        # One device-to-host copy for both directions' split sizes: all_to_all_single needs them on the host.
-        send_splits, recv_splits = torch.stack([counts.view(ep, num_local).sum(1), recv_counts_PL.sum(1)]).tolist()
-        num_received = sum(recv_splits)
-
-        received_MD = _AllToAll.apply(x_ND, recv_splits, send_splits, self.group)
-        if num_local == 1:
-            out_MD = experts(received_MD, recv_counts_PL.sum(0).cumsum(0).to(torch.int32))
-        else:
-            to_expert_order, to_source_order = _expert_order(recv_counts_PL, num_received)
-            by_expert_MD = _Permute.apply(received_MD, to_expert_order, to_source_order)
-            offsets = recv_counts_PL.sum(0).cumsum(0).to(torch.int32)
-            out_MD = _Permute.apply(experts(by_expert_MD, offsets), to_source_order, to_expert_order)
-        return _AllToAll.apply(out_MD, send_splits, recv_splits, self.group)
-
-
-def _expert_order(counts_PL: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows arrive grouped by (source rank p, local expert l), counts_PL[p, l] each; the experts
-    want them grouped by (l, p). Returns (gather index to (l, p) order, its inverse), on the device
-    without a host sync (num_rows is known from the split sizes)."""
-    num_sources, num_local = counts_PL.shape
-    source_starts = (counts_PL.reshape(-1).cumsum(0) - counts_PL.reshape(-1)).view(num_sources, num_local)
-    counts_LP = counts_PL.t().reshape(-1)
-    expert_starts_LP = counts_LP.cumsum(0) - counts_LP
-    # For each row of (l, p) order: its group, and its offset inside the group.
-    group_M = torch.repeat_interleave(
-        torch.arange(counts_LP.numel(), device=counts_PL.device), counts_LP, output_size=num_rows
-    )
-    offset_M = torch.arange(num_rows, device=counts_PL.device) - expert_starts_LP[group_M]
-    to_expert_order = source_starts.t().reshape(-1)[group_M] + offset_M
-    to_source_order = torch.empty_like(to_expert_order).scatter_(
-        0, to_expert_order, torch.arange(num_rows, device=counts_PL.device)
-    )
-    return to_expert_order, to_source_order
-
-
-class _Permute(torch.autograd.Function):
-    """x[index] whose backward is the gather grad[inverse] (index is a permutation), not autograd's
-    scatter-add."""
+        ctx.save_for_backward(slots_TJ, valid_TJ)
+        return x_TD[index_R]
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(inverse)
-        return x[index]
+    def backward(ctx, grad_RD: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        slots_TJ, valid_TJ = ctx.saved_tensors
+        return gather_sum(grad_RD, slots_TJ, valid_TJ), None, None, None
+
+
+class _CombineRows(torch.autograd.Function):
+    """out_TD[t] = sum over valid j of weights[t, j] * rows_RD[slots_TJ[t, j]] (weights None: 1),
+    in float32, in the order j = 0, 1, ...; row r is copy copy_R[r] = t * J + j. The transpose of
+    _GatherRows; the weights' gradient is taken row by row (rows read contiguously)."""
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        (inverse,) = ctx.saved_tensors
-        return grad[inverse], None, None
+    def forward(
+        ctx,
+        rows_RD: torch.Tensor,
+        weights_TJ: torch.Tensor | None,
+        slots_TJ: torch.Tensor,
+        valid_TJ: torch.Tensor,
+        copy_R: torch.Tensor,
+    ) -> torch.Tensor:
+        ctx.save_for_backward(rows_RD, weights_TJ, slots_TJ, valid_TJ, copy_R)
+        ctx.has_weights = weights_TJ is not None
+        return gather_sum(rows_RD, slots_TJ, weights_TJ if weights_TJ is not None else valid_TJ)
+
+    @staticmethod
+    def backward(ctx, grad_TD: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        rows_RD, weights_TJ, slots_TJ, valid_TJ, copy_R = ctx.saved_tensors
+        width = slots_TJ.shape[1]
+        if not ctx.has_weights:
+            return grad_TD[copy_R // width], None, None, None, None
+        dtype = accumulation_dtype(rows_RD)
+        grad_copies_RD = grad_TD[copy_R // width].to(dtype)
+        grad_rows_RD = (grad_copies_RD * weights_TJ.reshape(-1)[copy_R, None].to(dtype)).to(rows_RD.dtype)
+        grad_weights_R = (rows_RD.to(dtype) * grad_copies_RD).sum(dim=-1)
+        grad_weights_TJ = torch.where(valid_TJ, grad_weights_R[slots_TJ], 0.0).to(weights_TJ.dtype)
+        return grad_rows_RD, grad_weights_TJ, None, None, None
 
 
 class _AllToAll(torch.autograd.Function):

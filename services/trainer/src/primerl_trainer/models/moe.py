@@ -13,6 +13,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from primerl_trainer.config_types import EXPERTS_IMPLS, ExpertsImpl
+from primerl_trainer.kernels.gather import accumulation_dtype, gather_sum
 
 try:
     import triton
@@ -235,11 +236,17 @@ class MoE(nn.Module):
     """Router + routed experts. Tokens are permuted so that each expert's rows are contiguous,
     run through the grouped experts, put back in token order and mixed by their scores.
 
-    `dispatcher` (set by expert parallel, distributed.expert_parallel) runs the experts when they
-    are spread over ranks: called with the expert-sorted token copies, their counts per expert and
-    the local experts, it returns the copies' outputs in the same order."""
+    `dispatcher` (set by expert parallel, distributed.expert_parallel) takes over once the router
+    has chosen: called with the tokens, their scores and expert ids and the local experts, it
+    returns the mixed outputs and the tokens per expert, as this forward does."""
 
-    dispatcher: Callable[[torch.Tensor, torch.Tensor, Callable[..., torch.Tensor]], torch.Tensor] | None = None
+    dispatcher: (
+        Callable[
+            [torch.Tensor, torch.Tensor, torch.Tensor, Callable[..., torch.Tensor]],
+            tuple[torch.Tensor, torch.Tensor],
+        ]
+        | None
+    ) = None
 
     def __init__(
         self,
@@ -266,6 +273,9 @@ class MoE(nn.Module):
         x_TD = x.reshape(-1, x.shape[-1])
         top_k = self.router.top_k
         scores_TK, expert_ids_TK = self.router(x_TD, replayed_experts_TK)
+        if self.dispatcher is not None:
+            out_TD, tokens_per_expert_E = self.dispatcher(x_TD, scores_TK, expert_ids_TK, self.experts)
+            return out_TD.view_as(x), expert_ids_TK, tokens_per_expert_E
 
         # A stable sort groups the N token copies by expert; searchsorted on the sorted ids
         # gives each expert's end offset. Neither syncs with the host nor needs atomics,
@@ -276,13 +286,9 @@ class MoE(nn.Module):
         # inverse_N[copy] = the row of (token, k) copy `copy` in expert order.
         inverse_N = torch.empty_like(order_N).scatter_(0, order_N, torch.arange(order_N.numel(), device=x.device))
 
-        tokens_per_expert_E = torch.diff(offsets_E, prepend=offsets_E.new_zeros(1)).long()
-        x_ND = _DispatchToExperts.apply(x_TD, order_N, inverse_N, top_k)
-        if self.dispatcher is None:
-            routed_ND = self.experts(x_ND, offsets_E)
-        else:
-            routed_ND = self.dispatcher(x_ND, tokens_per_expert_E, self.experts)
+        routed_ND = self.experts(_DispatchToExperts.apply(x_TD, order_N, inverse_N, top_k), offsets_E)
         out_TD = _CombineFromExperts.apply(routed_ND, scores_TK, order_N, inverse_N)
+        tokens_per_expert_E = torch.diff(offsets_E, prepend=offsets_E.new_zeros(1)).long()
         return out_TD.view_as(x), expert_ids_TK, tokens_per_expert_E
 
 
@@ -310,7 +316,7 @@ class _DispatchToExperts(torch.autograd.Function):
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx, grad_ND: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         (inverse_N,) = ctx.saved_tensors
-        return _gather_sum(grad_ND, inverse_N.view(-1, ctx.top_k)), None, None, None
+        return gather_sum(grad_ND, inverse_N.view(-1, ctx.top_k)), None, None, None
 
 
 class _CombineFromExperts(torch.autograd.Function):
@@ -326,13 +332,13 @@ class _CombineFromExperts(torch.autograd.Function):
         inverse_N: torch.Tensor,
     ) -> torch.Tensor:
         ctx.save_for_backward(routed_ND, scores_TK, order_N, inverse_N)
-        return _gather_sum(routed_ND, inverse_N.view(scores_TK.shape), scores_TK)
+        return gather_sum(routed_ND, inverse_N.view(scores_TK.shape), scores_TK)
 
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx, grad_TD: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         routed_ND, scores_TK, order_N, inverse_N = ctx.saved_tensors
         num_tokens, top_k = scores_TK.shape
-        dtype = _accumulation_dtype(routed_ND)
+        dtype = accumulation_dtype(routed_ND)
         # Both gradients are taken in expert order, where routed_ND is read contiguously and the
         # gathered rows of grad_TD (T rows, K reads each) mostly hit the cache.
         # Row n of expert order is copy order_N[n] of token order_N[n] // K.
@@ -346,31 +352,6 @@ class _CombineFromExperts(torch.autograd.Function):
             grad_scores_N = (routed_ND.to(dtype) * grad_copies_ND).sum(dim=-1)
             grad_scores_TK = grad_scores_N[inverse_N].view(num_tokens, top_k).to(scores_TK.dtype)
         return grad_routed_ND, grad_scores_TK, None, None
-
-
-def _gather_sum(
-    rows_ND: torch.Tensor, inverse_TK: torch.Tensor, weights_TK: torch.Tensor | None = None
-) -> torch.Tensor:
-    """out[t] = sum over k of weights[t, k] * rows[inverse_TK[t, k]] (weights default to 1),
-    accumulated in float32 in the order k = 0, 1, ...
-
-    Written as K gathers of [T, D] added one after the other, not as one [T, K, D] gather
-    summed over K: compiled, the K terms become one element-wise kernel with K independent row
-    loads per output, where inductor's reduction over the dimension of size K ran at about a
-    fifth of the memory bandwidth."""
-    dtype = _accumulation_dtype(rows_ND)
-    out_TD = None
-    for k in range(inverse_TK.shape[1]):
-        term_TD = rows_ND[inverse_TK[:, k]].to(dtype)
-        if weights_TK is not None:
-            term_TD = term_TD * weights_TK[:, k, None].to(dtype)
-        out_TD = term_TD if out_TD is None else out_TD + term_TD
-    return out_TD.to(rows_ND.dtype)
-
-
-def _accumulation_dtype(x: torch.Tensor) -> torch.dtype:
-    """float32 for half precisions, else x's own (float64 stays float64)."""
-    return torch.promote_types(x.dtype, torch.float32)
 
 
 def check_routed_experts(
