@@ -162,9 +162,12 @@ def ep_data(moe_dir: pathlib.Path, tmp_path_factory: pytest.TempPathFactory) -> 
     return path, data | {"reference": reference, "probe_routed_experts": probe.routed_experts}
 
 
-def _run_workers(moe_dir: pathlib.Path, batches: pathlib.Path, out: pathlib.Path, *, nproc: int, ep: int) -> dict:
+def _run_workers(
+    moe_dir: pathlib.Path, batches: pathlib.Path, out: pathlib.Path, *, nproc: int, ep: int, device_type: str = "cpu"
+) -> dict:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    env = os.environ | {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    # Hiding the GPUs makes the workers take gloo on the CPU.
+    env = os.environ | ({"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"} if device_type == "cpu" else {})
     result = subprocess.run(
         [*command, str(HERE / "ep_worker.py"), str(moe_dir), str(batches), str(out), str(ep)],
         capture_output=True,
@@ -206,13 +209,16 @@ def _assert_matches_one_process(result: dict, reference: dict, probe_routed_expe
             torch.testing.assert_close(lora[kind][name], tensor, rtol=0, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
 
 
+@pytest.mark.parametrize("device_type", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_ep2_trains_as_one_process_and_its_checkpoint_resumes_under_fsdp2(
-    moe_dir: pathlib.Path, ep_data: tuple[pathlib.Path, dict], tmp_path: pathlib.Path
+    device_type: str, moe_dir: pathlib.Path, ep_data: tuple[pathlib.Path, dict], tmp_path: pathlib.Path
 ) -> None:
+    if device_type == "cuda" and torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
     batches, data = ep_data
     data_file = tmp_path / "batches.pt"
     torch.save(torch.load(batches) | {"resume": True}, data_file)
-    result = _run_workers(moe_dir, data_file, tmp_path, nproc=2, ep=2)
+    result = _run_workers(moe_dir, data_file, tmp_path, nproc=2, ep=2, device_type=device_type)
     _assert_matches_one_process(result, data["reference"], data["probe_routed_experts"])
     # The third step again, from the ep=2 checkpoint of step 2 loaded into FSDP over 2 ranks.
     for key in METRICS:
