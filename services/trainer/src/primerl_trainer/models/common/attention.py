@@ -30,7 +30,6 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from primerl_trainer.config_types import ATTENTION_BACKENDS, AttentionBackend
@@ -203,15 +202,19 @@ def _causal_chunks_attention(
     outs = []
     for query_chunk, chunk in zip(q.split(chunk_len, dim=2), (cp_rank, 2 * cp_size - 1 - cp_rank), strict=True):
         num_keys = (chunk + 1) * chunk_len
-        outs.append(
-            F.scaled_dot_product_attention(
-                query_chunk,
-                k[:, :, :num_keys],
-                v[:, :, :num_keys],
-                attn_mask=causal_lower_right(chunk_len, num_keys),
-                enable_gqa=True,
-            )
-        )
+        keys, values = k[:, :, :num_keys], v[:, :, :num_keys]
+        if num_keys == chunk_len:
+            out = F.scaled_dot_product_attention(query_chunk, keys, values, is_causal=True, enable_gqa=True)
+        elif query_chunk.is_cuda and query_chunk.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] % 8 == 0:
+            # The flash kernel's causal mask is lower right when there are more keys than queries,
+            # and it takes grouped keys and values as they are. (torch.nn.attention.bias's
+            # causal_lower_right does the same, but torch.compile cannot trace it.)
+            out = torch.ops.aten._scaled_dot_product_flash_attention(query_chunk, keys, values, 0.0, True)[0]
+        else:
+            # No flash kernel (CPU, float32): an explicit mask of this chunk's queries.
+            mask = torch.ones(chunk_len, num_keys, dtype=torch.bool, device=q.device).tril(num_keys - chunk_len)
+            out = F.scaled_dot_product_attention(query_chunk, keys, values, attn_mask=mask, enable_gqa=True)
+        outs.append(out)
     return torch.cat(outs, dim=2)
 
 
