@@ -10,7 +10,7 @@ over efsdp). A layer's forward on every rank, once the router has chosen (`AllTo
        only sync of the layer, forward and backward);
     2. each token sent once to every rank that holds one or more of its experts (not once per
        expert: with top-8 over 2 ranks that moves a quarter of the bytes), with its local expert
-       ids and scores there: one all_to_all_single of tokens (uneven splits) and two small ones;
+       ids and scores there: one all_to_all_single of tokens (uneven splits) and a small one;
     3. the receiver expands the tokens into copies grouped by local expert, runs the local experts
        as grouped matrix products and sums each token's copies weighted by their scores;
     4. one all_to_all_single brings each token's partial sums back; the sender adds them.
@@ -114,28 +114,35 @@ class AllToAllDispatcher:
         send_counts = torch.cat([to_rank_TP.sum(0)[:, None], tokens_per_expert_E.view(num_ranks, num_local)], dim=1)
         recv_counts = torch.empty_like(send_counts)
         dist.all_to_all_single(recv_counts, send_counts, group=self.group)
-        sizes = torch.cat([send_counts[:, 0], recv_counts[:, 0], recv_counts[:, 1:].sum()[None]]).tolist()
-        send_splits, recv_splits, num_copies = sizes[:num_ranks], sizes[num_ranks : 2 * num_ranks], sizes[-1]
 
-        # 2. Send rows in (rank, token) order; slot_TP[t, p] = token t's row for rank p.
+        # 2. Send rows in (rank, token) order: slot_TP[t, p] is token t's row for rank p. What needs
+        # no sizes is launched before the sync, over the whole [P * T] grid (rows not sent go to a
+        # spare last slot; the grid's tail past the sent rows is cut off after the sync).
         send_PT = to_rank_TP.t().reshape(-1)
         position_PT = send_PT.cumsum(0) - 1
-        num_sent = sum(send_splits)
-        send_rows = torch.arange(send_PT.numel(), device=device)
-        # Rows not sent go to a spare last slot, dropped.
-        flat_S = torch.empty(num_sent + 1, dtype=torch.long, device=device)
-        flat_S = flat_S.scatter_(0, torch.where(send_PT, position_PT, num_sent), send_rows)[:num_sent]
-        token_S, rank_S = flat_S % num_tokens, flat_S // num_tokens
+        grid = send_PT.numel()
+        flat_R = torch.zeros(grid + 1, dtype=torch.long, device=device)
+        flat_R.scatter_(0, torch.where(send_PT, position_PT, grid), torch.arange(grid, device=device))
+        token_R, rank_R = flat_R % num_tokens, flat_R // num_tokens
         slot_TP = torch.where(send_PT, position_PT, 0).view(num_ranks, num_tokens).t()
+        on_rank_RK = rank_TK[token_R] == rank_R[:, None]
+        # The experts elsewhere get score 0 and id num_local (sorted after the real ones).
+        ids_RK = torch.where(on_rank_RK, expert_ids_TK[token_R] % num_local, num_local).to(torch.float32)
+
+        # The layer's one host sync: all_to_all_single takes its split sizes as Python ints.
+        sizes = torch.cat([send_counts[:, 0], recv_counts[:, 0], recv_counts[:, 1:].sum()[None]]).tolist()
+        send_splits, recv_splits, num_copies = sizes[:num_ranks], sizes[num_ranks : 2 * num_ranks], sizes[-1]
+        num_sent = sum(send_splits)
+        token_S, rank_S = token_R[:num_sent], rank_R[:num_sent]
         sent_x_SD = _GatherRows.apply(x_TD, token_S, slot_TP, to_rank_TP)
-        on_rank_SK = rank_TK[token_S] == rank_S[:, None]
-        # Scores of the experts elsewhere are 0, their ids num_local (sorted after the real ones).
-        sent_scores_SK = _GatherRows.apply(scores_TK, token_S, slot_TP, to_rank_TP) * on_rank_SK
-        sent_ids_SK = torch.where(on_rank_SK, expert_ids_TK[token_S] % num_local, num_local)
+        sent_scores_SK = _GatherRows.apply(scores_TK, token_S, slot_TP, to_rank_TP) * on_rank_RK[:num_sent]
+        # Scores and ids travel together (float32 holds ids below 2^24 exactly).
+        routing_SJ = torch.cat([sent_scores_SK.to(torch.float32), ids_RK[:num_sent]], dim=1)
 
         recv_x_MD = _AllToAll.apply(sent_x_SD, recv_splits, send_splits, self.group)
-        recv_scores_MK = _AllToAll.apply(sent_scores_SK, recv_splits, send_splits, self.group)
-        recv_ids_MK = _all_to_all(sent_ids_SK, recv_splits, send_splits, self.group)
+        recv_routing_MJ = _AllToAll.apply(routing_SJ, recv_splits, send_splits, self.group)
+        recv_scores_MK = recv_routing_MJ[:, :top_k].to(scores_TK.dtype)
+        recv_ids_MK = recv_routing_MJ[:, top_k:].detach().to(torch.long)
 
         # 3. Copies grouped by local expert (a stable sort: deterministic, no atomics).
         sorted_ids, order = torch.sort(recv_ids_MK.reshape(-1), stable=True)
