@@ -40,6 +40,7 @@ def build_trainer(
     spec: BatchSpec,
     optimizer_config: OptimizerConfig,
     lora: LoRAConfig | None = None,
+    compute_dtype: torch.dtype = torch.float32,
 ) -> Trainer:
     model = load_tiny_model(model_dir).to(device)
     if lora is not None:
@@ -50,7 +51,7 @@ def build_trainer(
         dp_mesh=dims.mesh("dp_shard_cp"),
         ep_mesh=dims.mesh("ep") if dims.ep_enabled else None,
         efsdp_mesh=dims.mesh("efsdp"),
-        param_dtype=torch.float32,  # as the one-process reference computes
+        param_dtype=compute_dtype,
     )
     optimizer = build_optimizer(model, optimizer_config)
     scheduler = build_lr_scheduler(optimizer, DP_SCHEDULE)
@@ -65,7 +66,11 @@ def main(model_dir: pathlib.Path, batches_file: pathlib.Path, out_dir: pathlib.P
     probe = micro_batches_from_dicts([data["probe"]])[0]
     plain_spec, replay_spec = BatchSpec(**data["spec"]), BatchSpec(**data["replay_spec"])
     optimizer_config = OptimizerConfig(**data["optimizer"])
-    trainer = build_trainer(model_dir, device, ParallelDims(world_size=world_size, ep=ep), plain_spec, optimizer_config)
+    # float32 as the one-process reference computes, unless the batches file asks for another.
+    compute_dtype = getattr(torch, data.get("compute_dtype", "float32"))
+    trainer = build_trainer(
+        model_dir, device, ParallelDims(world_size=world_size, ep=ep), plain_spec, optimizer_config, None, compute_dtype
+    )
     checkpointer = Checkpointer(out_dir / "checkpoints", interval=2)
     metrics = []
     for batch in batches[:2]:
@@ -87,13 +92,13 @@ def main(model_dir: pathlib.Path, batches_file: pathlib.Path, out_dir: pathlib.P
     published = {name: t.cpu() for name, t in gather_state_dict(trainer.model, kind="full", is_destination=is_rank0)}
 
     resumed_metrics = None
-    if data["resume"]:
+    if data.get("resume"):
         # The ep checkpoint of step 2 into plain FSDP over the same ranks.
         resumed = build_trainer(model_dir, device, ParallelDims(world_size=world_size), replay_spec, optimizer_config)
         assert Checkpointer(out_dir / "checkpoints").load_latest(resumed) == 2
         resumed_metrics = resumed.train_step(batches[2])
     lora = None
-    if data["lora"] is not None:
+    if data.get("lora") is not None:
         # LoRA on the attention and the experts, split over the ep ranks: one step, then what a
         # publish of the merged weights and of the adapter alone sends.
         config = LoRAConfig(**data["lora"])

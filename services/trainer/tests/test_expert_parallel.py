@@ -86,8 +86,7 @@ def _replayed(micro_batch, model: torch.nn.Module, generator: torch.Generator):
     return dataclasses.replace(micro_batch, routed_experts=routed)
 
 
-@pytest.fixture(scope="module")
-def moe_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+def make_ep_model(root: pathlib.Path) -> pathlib.Path:
     """A smaller MoE than the shared tiny one (2 layers, dim 64, 8 experts, top 2): 2 and 4 ranks
     on a 2-core machine."""
     spec = TinyModelSpec(
@@ -101,11 +100,10 @@ def moe_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
         num_experts_per_tok=2,
         moe_intermediate_size=32,
     )
-    return make_tiny_model(tmp_path_factory.getbasetemp() / "ep-tiny-moe", kind="moe", dtype="float32", spec=spec)
+    return make_tiny_model(root / "ep-tiny-moe", kind="moe", dtype="float32", spec=spec)
 
 
-@pytest.fixture(scope="module")
-def ep_data(moe_dir: pathlib.Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[pathlib.Path, dict]:
+def make_ep_data(moe_dir: pathlib.Path, root: pathlib.Path) -> tuple[pathlib.Path, dict]:
     """Three batches of 4 micro-batches (the third with replayed experts), a replayed probe, and
     the one-process reference: metrics of the 3 steps, probe logprobs after step 2, weights."""
     model = load_tiny_model(moe_dir)
@@ -149,7 +147,7 @@ def ep_data(moe_dir: pathlib.Path, tmp_path_factory: pytest.TempPathFactory) -> 
             exported_tensors(lora_model, source, kind=kind, dtype=torch.float32, lora_scale=scale)
         )
 
-    path = tmp_path_factory.mktemp("ep") / "batches.pt"
+    path = root / "batches.pt"
     data = {
         "batches": [micro_batches_to_dicts(batch) for batch in batches],
         "probe": micro_batches_to_dicts([probe])[0],
@@ -160,6 +158,16 @@ def ep_data(moe_dir: pathlib.Path, tmp_path_factory: pytest.TempPathFactory) -> 
     }
     torch.save(data, path)
     return path, data | {"reference": reference, "probe_routed_experts": probe.routed_experts}
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    return make_ep_model(tmp_path_factory.getbasetemp())
+
+
+@pytest.fixture(scope="module")
+def ep_data(moe_dir: pathlib.Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[pathlib.Path, dict]:
+    return make_ep_data(moe_dir, tmp_path_factory.mktemp("ep"))
 
 
 def _run_workers(
