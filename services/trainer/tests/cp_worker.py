@@ -32,7 +32,7 @@ def main(args: argparse.Namespace) -> None:
     dtype = getattr(torch, args.dtype)
     compute_dtype = getattr(torch, args.compute_dtype or args.dtype)
     data = torch.load(args.data_file)
-    dims = ParallelDims(world_size=dist.get_world_size(), cp=args.cp)
+    dims = ParallelDims(world_size=dist.get_world_size(), cp=args.cp, ep=args.ep)
     dims.build_mesh(device.type)
     # torch._grouped_mm has no float64 kernel: float64 runs the experts one by one.
     experts_impl = "loop" if dtype == torch.float64 else "auto"
@@ -40,9 +40,11 @@ def main(args: argparse.Namespace) -> None:
         args.model_dir, impl="auto", dtype=dtype, experts_impl=experts_impl, attn_backend=args.attn_backend
     ).to(device)
     # Reduced in the weights' dtype, as the one-process reference (CPU tests: computed in it too).
+    expert_parallel = {"ep_mesh": dims.mesh("ep"), "efsdp_mesh": dims.mesh("efsdp")} if dims.ep_enabled else {}
     model_spec_of(model).parallelize_fn(
         model,
         dp_mesh=dims.mesh("dp_shard_cp"),
+        **expert_parallel,
         param_dtype=compute_dtype,
         reduce_dtype=dtype,
         compile=args.compile,
@@ -94,6 +96,7 @@ if __name__ == "__main__":
     parser.add_argument("data_file", type=pathlib.Path)
     parser.add_argument("out_dir", type=pathlib.Path)
     parser.add_argument("cp", type=int)
+    parser.add_argument("--ep", type=int, default=1, help="expert parallel degree (MoE models)")
     parser.add_argument("--dtype", default="float32", help="weights, gradients' reduction and by default compute")
     parser.add_argument("--compute-dtype", default=None)
     parser.add_argument("--attn-backend", default="sdpa")
