@@ -2,9 +2,10 @@
 clipping, AdamW, learning-rate schedule and step metrics.
 
 The model is one of the registry's (`primerl_trainer.models.load_model`), plain or sharded by its
-parallelize function: called as `model(input_ids, position_ids, routed_experts=...)` with one
-packed sequence as a [1, T] row (and, with router replay, [T, moe layers, top_k] expert indices),
-it returns an output whose `logits` are [1, T, vocab].
+parallelize function: called as `model(input_ids, position_ids, routed_experts=..., row_layout=...)`
+with one packed sequence (or this cp rank's share of it) as a [1, T] row (and, with router replay,
+[T, moe layers, top_k] expert indices), it returns an output whose `logits` are [1, T, vocab]. Own
+implementations get the row's `RowLayout`; a transformers model only whole rows, without it.
 
 Normalisation: each micro-batch's loss is divided by the loss-token count of the whole batch, so
 the gradient is the same however the batch is cut into micro-batches or spread over ranks.
