@@ -237,6 +237,8 @@ def train_run(run: Run, checkpoint: pathlib.Path, *, device: str, compile: bool)
             rank = runtime.rank
             times, peaks = [], []
             for step in range(run.warmup + run.steps):
+                if step == run.warmup and PROFILE:
+                    profile_step(runtime.trainer, batch, run.name, rank)
                 metrics = runtime.trainer.train_step(batch)
                 if step >= run.warmup:
                     times.append(metrics["step_time_s"])
@@ -275,6 +277,37 @@ def train_run(run: Run, checkpoint: pathlib.Path, *, device: str, compile: bool)
             gc.collect()
             if device == "cuda":
                 torch.cuda.empty_cache()
+
+
+# PRIMERL_BENCH_PROFILE=1: one step after the warm-up of every run is profiled (not timed) and rank 0
+# prints its kernels by GPU time and its operators by CPU time (to $OUT/profile-<run>.txt when OUT is set).
+PROFILE = os.environ.get("PRIMERL_BENCH_PROFILE") == "1"
+
+
+def profile_step(trainer, batch, name: str, rank: int) -> None:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        trainer.train_step(batch)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    if rank != 0:
+        return
+    averages = prof.key_averages()
+    text = "\n".join(
+        [
+            f"== {name}: by device time",
+            averages.table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=90),
+            f"== {name}: by CPU time",
+            averages.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=90),
+        ]
+    )
+    if OUT is not None:
+        (OUT / f"profile-{re.sub(r'[^A-Za-z0-9]+', '-', name)}.txt").write_text(text)
+    else:
+        print(text, flush=True)
 
 
 def launch(run: Run, checkpoint: pathlib.Path, args: argparse.Namespace) -> Run:
@@ -413,6 +446,8 @@ def bench_main(args: argparse.Namespace) -> None:
             steps=2,
         ),
     ]
+    if args.dense_seq:
+        runs[2].lengths = (args.dense_seq,)
     for run in runs:
         run.warmup = run.warmup if args.warmup is None else args.warmup
         run.steps = run.steps if args.steps is None else args.steps
@@ -426,6 +461,8 @@ def bench_main(args: argparse.Namespace) -> None:
             [sys.executable, __file__, "--write-checkpoints", str(root)] + (["--smoke"] if smoke else []), check=True
         )
         for index, run in enumerate(runs):
+            if args.only and run.name not in args.only and not (index == 2 and "dense 2L cp=2" in args.only):
+                continue
             print(f"{run.name}: {run.nproc} process(es)", flush=True)
             runs[index] = launch(run, root / checkpoint_name(run.kind, run.num_experts), args)
         dense = runs[2]
@@ -774,6 +811,8 @@ def main() -> None:
     )
     parser.add_argument("--warmup", type=int, help="steps left out of the timing (default: MoE 2, dense 1)")
     parser.add_argument("--steps", type=int, help="timed steps, whose median counts (default: MoE 3, dense 2)")
+    parser.add_argument("--only", nargs="+", help="run only these runs (by name; 'dense 2L cp=2' needs 'dense L')")
+    parser.add_argument("--dense-seq", type=int, help="L of the dense runs (default: the longest that fits)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--checkpoint", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)

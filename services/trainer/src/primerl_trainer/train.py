@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from primerl_trainer.batch import BatchSpec, MicroBatch, TrainingMode, shard_micro_batches, validate_batch
 from primerl_trainer.distributed.context_parallel import RowShard, shard_micro_batch
+from primerl_trainer.distributed.fsdp import defer_local_gradient_reduction
 from primerl_trainer.expert_load import ExpertLoad
 from primerl_trainer.losses import RLLossConfig, rl_loss, sft_loss, target_logprobs
 from primerl_trainer.optim import clip_grad_norm_
@@ -114,7 +115,9 @@ class Trainer:
         sums = torch.zeros(len(keys), dtype=torch.float64, device=self.device)
         if self._expert_load is not None:
             self._expert_load.start()
-        for micro_batch in shard_micro_batches(micro_batches, rank=self._dp_rank, world_size=self._dp_size):
+        shards = shard_micro_batches(micro_batches, rank=self._dp_rank, world_size=self._dp_size)
+        for index, micro_batch in enumerate(shards):
+            defer_local_gradient_reduction(self.model, defer=index < len(shards) - 1)
             sums += self._forward_backward(micro_batch, num_loss_tokens=total_loss_tokens)
 
         grad_norm = clip_grad_norm_(self.model.parameters(), self.max_grad_norm)

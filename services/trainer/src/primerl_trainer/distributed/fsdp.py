@@ -46,6 +46,11 @@ def apply_fsdp(
         "offload_policy": offload_policy,
         "shard_placement_fn": shard_placement_fn,
     }
+    # On a mesh of one rank a shard is the whole tensor: resharding after forward frees nothing
+    # and costs a second copy in backward, and a per-micro-batch reduction is a copy and an
+    # addition of every gradient. Such units keep their parameters gathered, and their gradients
+    # are reduced once per step (see `defer_local_gradient_reduction`).
+    reshard_after_forward = reshard_after_forward and mesh.size() > 1
     # (module, its mesh) of every FSDP unit.
     units = []
     for block in model.layers.values():
@@ -58,7 +63,7 @@ def apply_fsdp(
                     mesh=experts_mesh,
                     mp_policy=policy,
                     offload_policy=offload_policy,
-                    reshard_after_forward=reshard_after_forward,
+                    reshard_after_forward=reshard_after_forward and experts_mesh.size() > 1,
                     shard_placement_fn=_experts_placement(experts_mesh.size()),
                 )
                 units.append((experts, experts_mesh))
@@ -71,6 +76,7 @@ def apply_fsdp(
     # A tied head reads the embedding's weight outside the embedding's forward, so both stay
     # with the root, whose parameters are gathered for the whole forward.
     units.append((fully_shard(model, **config), mesh))
+    model.primerl_local_fsdp_units = [unit for unit, unit_mesh in units if unit_mesh.size() == 1]
     factor = gradient_divide_factor or float(mesh.size())
     for unit, unit_mesh in units:
         if factor == unit_mesh.size():
@@ -88,3 +94,12 @@ def _experts_placement(mesh_size: int) -> Callable[[nn.Parameter], Shard | None]
         return Shard(1) if mesh_size > num_rows else Shard(0)
 
     return placement
+
+
+def defer_local_gradient_reduction(model: nn.Module, defer: bool) -> None:
+    """Whether the next backward leaves the gradients of `model`'s single-rank FSDP units
+    unreduced (accumulated unsharded in the reduce dtype, as FSDP does without gradient sync):
+    True for every micro-batch of a step but the last. A model not sharded by `apply_fsdp` is
+    left alone."""
+    for unit in getattr(model, "primerl_local_fsdp_units", ()):
+        unit.set_requires_gradient_sync(not defer, recurse=False)
