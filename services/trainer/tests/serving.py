@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import json
 import pathlib
+import sys
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 from primerl.trainer.v1 import trainer_pb2, trainer_pb2_grpc
+from primerl_common.processes import ServiceProcess
 from primerl_common.tensors import tensor_to_proto
 from primerl_common.testing import in_process_service
 from primerl_trainer.batch import MicroBatch
@@ -71,6 +73,20 @@ async def serving(config: TrainerConfig) -> AsyncIterator[trainer_pb2_grpc.Train
     """The trainer service in this process (port 0) and a stub talking to it."""
     async with in_process_service(await build(config), config, grace_s=5.0) as served:
         yield trainer_pb2_grpc.TrainerServiceStub(served.channel)
+
+
+async def start_on_two_ranks(config: TrainerConfig, tmp_path: pathlib.Path) -> ServiceProcess:
+    """The trainer service on two CPU ranks (torchrun, gloo), serving on config.server.port once
+    started; the caller stops and closes it."""
+    config_path = tmp_path / "trainer.toml"
+    config_path.write_text(config_toml(config))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    env = {"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    process = ServiceProcess(
+        [*command, "-m", "primerl_trainer", "-c", str(config_path)], port=config.server.port, env=env
+    )
+    await process.start(timeout_s=120)
+    return process
 
 
 def reference_trainer(model_dir: pathlib.Path) -> Trainer:

@@ -8,7 +8,6 @@ import contextlib
 import functools
 import os
 import pathlib
-import sys
 
 import pytest
 import torch
@@ -17,11 +16,11 @@ from primerl.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2 as pb2
 from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2_grpc
 from primerl_common.client import make_channel
-from primerl_common.processes import ServiceProcess, free_port
+from primerl_common.processes import free_port
 from primerl_common.tensors import TensorAssembler
 from primerl_common.testing import bare_server
 
-from .serving import METRICS, config_toml, push, serving, trainer_config, watch
+from .serving import METRICS, push, serving, start_on_two_ranks, trainer_config, watch
 from .test_broadcaster_restart import status_when
 from .tiny_training import load_tiny_model, make_samples, pack_into
 
@@ -77,12 +76,7 @@ async def test_cp2_service_trains_a_step_and_publishes_whole_tensors(
             parallel={"cp": 2},
             publish={"weight_broadcaster": distributed_address},
         )
-        config_path = tmp_path / "trainer.toml"
-        config_path.write_text(config_toml(config))
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-        env = {"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-        process = ServiceProcess([*command, "-m", "primerl_trainer", "-c", str(config_path)], port=port, env=env)
-        await process.start(timeout_s=120)
+        process = await start_on_two_ranks(config, tmp_path)
         try:
             async with make_channel(process.address) as channel:
                 got = await _train_one_step(trainer_pb2_grpc.TrainerServiceStub(channel), batch)

@@ -7,16 +7,15 @@ from __future__ import annotations
 import asyncio
 import os
 import pathlib
-import sys
 
 import pytest
 
 from primerl.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from primerl_common.client import make_channel
-from primerl_common.processes import ServiceProcess, free_port
+from primerl_common.processes import free_port
 from primerl_trainer.batch import MicroBatch
 
-from .serving import METRICS, config_toml, push, serving, trainer_config, watch
+from .serving import METRICS, push, serving, start_on_two_ranks, trainer_config, watch
 from .tiny_training import load_tiny_model, make_samples, pack_into
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -43,12 +42,7 @@ async def test_two_ranks_train_pushed_batches_as_one_process(
     # retry rank 0 orders), and training goes on.
     unreachable = {"weight_broadcaster": f"127.0.0.1:{free_port()}", "initial_backoff_s": 0.05, "max_backoff_s": 0.2}
     config = trainer_config(dense_dir, server={"port": port}, observability={"log_level": "INFO"}, publish=unreachable)
-    config_path = tmp_path / "trainer.toml"
-    config_path.write_text(config_toml(config))
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    env = {"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    process = ServiceProcess([*command, "-m", "primerl_trainer", "-c", str(config_path)], port=port, env=env)
-    await process.start(timeout_s=120)
+    process = await start_on_two_ranks(config, tmp_path)
     try:
         async with make_channel(process.address) as channel:
             stub = trainer_pb2_grpc.TrainerServiceStub(channel)
