@@ -210,14 +210,8 @@ def test_a_run_file_missing_what_it_needs_is_refused_naming_it(data, message):
 def test_a_peer_outside_the_run_that_nothing_serves_is_refused_before_anything_starts(tmp_path):
     port = free_port()
     text = f"[router]\nreplicas = [{{replica_id = 'a', address = '127.0.0.1:{port}'}}]\n"
-    result = subprocess.run(
-        [*PRIMERL, "up", "-c", str(launch_file(tmp_path, text)), "--run-dir", str(tmp_path / "run")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode == 2, result
-    assert f"[router] replicas[0].address = '127.0.0.1:{port}': nothing serves there" in result.stderr
+    stderr = up_refused(tmp_path, text)
+    assert f"[router] replicas[0].address = '127.0.0.1:{port}': nothing serves there" in stderr
     assert not (tmp_path / "run" / "logs").exists()
 
 
@@ -265,14 +259,8 @@ async def test_inference_in_another_dtype_than_the_trainer_computes_in_is_refuse
 
 def test_the_launcher_refuses_the_dtype_mismatch_before_anything_starts(tmp_path, float32_model):
     text = f"[launcher]\nmodel = '{float32_model}'\n[trainer]\n[inference.engine]\ndtype = 'float32'\n"
-    result = subprocess.run(
-        [*PRIMERL, "up", "-c", str(launch_file(tmp_path, text)), "--run-dir", str(tmp_path / "run")],
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert result.returncode == 2, result
-    assert "[inference] engine.dtype = float32 differs from [trainer] model.compute_dtype = bfloat16" in result.stderr
+    stderr = up_refused(tmp_path, text, timeout_s=180)
+    assert "[inference] engine.dtype = float32 differs from [trainer] model.compute_dtype = bfloat16" in stderr
     assert not (tmp_path / "run" / "logs").exists()
 
 
@@ -320,6 +308,18 @@ def launch_file(tmp_path: pathlib.Path, text: str) -> pathlib.Path:
     return path
 
 
+def up_refused(tmp_path: pathlib.Path, text: str, *, timeout_s: float = 120) -> str:
+    """`primerl up` on this run file, expected to refuse it (exit 2) before anything starts: its stderr."""
+    result = subprocess.run(
+        [*PRIMERL, "up", "-c", str(launch_file(tmp_path, text)), "--run-dir", str(tmp_path / "run")],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+    assert result.returncode == 2, result
+    return result.stderr
+
+
 def start(tmp_path: pathlib.Path, text: str) -> tuple[subprocess.Popen[str], pathlib.Path]:
     run_dir = tmp_path / "run"
     log = (tmp_path / "launcher.out").open("w")
@@ -356,16 +356,10 @@ def alive(pid: int) -> bool:
 
 def test_service_config_errors_name_the_table_and_field_and_nothing_starts(tmp_path):
     text = "[router.policy]\nname = 'nope'\n[router.health]\ninterval_s = -1\n[kvstore.server]\nprot = 3\n"
-    result = subprocess.run(
-        [*PRIMERL, "up", "-c", str(launch_file(tmp_path, text)), "--run-dir", str(tmp_path / "run")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode == 2, result
-    assert "[kvstore] server.prot: unknown key" in result.stderr
-    assert "[router] policy: Value error, unknown routing policy 'nope'" in result.stderr
-    assert "[router] health.interval_s: Input should be greater than 0" in result.stderr
+    stderr = up_refused(tmp_path, text)
+    assert "[kvstore] server.prot: unknown key" in stderr
+    assert "[router] policy: Value error, unknown routing policy 'nope'" in stderr
+    assert "[router] health.interval_s: Input should be greater than 0" in stderr
     assert not (tmp_path / "run" / "logs").exists()  # validated before anything started
     # The config each service would have got is there to look at.
     assert tomllib.loads((tmp_path / "run" / "config" / "router.toml").read_text())["policy"]["name"] == "nope"
