@@ -1,11 +1,12 @@
-"""Mixture-of-experts building blocks: a token-choice top-k router that can replay given
-expert indices (R3), and routed experts run as grouped matrix products.
+"""Mixture-of-experts building blocks: a token-choice top-k router (softmax, or grouped sigmoid
+with a correction bias) that can replay given expert indices (R3), and routed experts run as grouped matrix products.
 
 Shape letters: T tokens, D model dim, F expert hidden dim, E experts, K experts per token,
 N = T * K routed token copies.
 """
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -22,16 +23,54 @@ except ImportError:  # CPU-only installs: autograd's own weight gradients
     triton = None
 
 
-class TokenChoiceTopKRouter(nn.Module):
-    """Softmax over the experts, top-k, optional renormalisation of the k scores (Qwen3-MoE's
-    `norm_topk_prob`)."""
+@dataclass(frozen=True)
+class GroupedSigmoidRouting:
+    """Routing of DeepSeek-V3 and GLM-4.5 (in place of the softmax): per-expert sigmoid scores.
+    The choice adds the router's `e_score_correction_bias` (a float32 buffer, the checkpoint's
+    load-balancing bias; the loss does not train it) to the scores, keeps the `top_k_groups` of
+    the `num_groups` equal groups of experts whose two best biased scores sum highest and takes
+    the top-k inside them. The weights are the unbiased scores at the chosen experts
+    (renormalised with `norm_topk_prob`), times `scaling_factor`."""
 
-    def __init__(self, *, dim: int, num_experts: int, top_k: int, norm_topk_prob: bool) -> None:
+    num_groups: int = 1
+    top_k_groups: int = 1
+    scaling_factor: float = 1.0
+
+    def check(self, *, num_experts: int, top_k: int) -> None:
+        if self.num_groups < 1 or num_experts % self.num_groups:
+            raise ValueError(f"n_group ({self.num_groups}) must be positive and divide the experts ({num_experts})")
+        per_group = num_experts // self.num_groups
+        if self.num_groups > 1 and per_group < 2:
+            raise ValueError(f"grouped routing needs at least 2 experts per group, got {per_group}")
+        if not 1 <= self.top_k_groups <= self.num_groups:
+            raise ValueError(f"topk_group ({self.top_k_groups}) must lie in [1, n_group = {self.num_groups}]")
+        if top_k > self.top_k_groups * per_group:
+            raise ValueError(f"top_k ({top_k}) exceeds the experts of the topk_group best groups")
+
+
+class TokenChoiceTopKRouter(nn.Module):
+    """Token-choice top-k routing. Default: softmax over the experts, top-k, optional
+    renormalisation of the k scores (Qwen3-MoE's `norm_topk_prob`). With `grouped_sigmoid`:
+    GroupedSigmoidRouting's rule (the router then holds `e_score_correction_bias`)."""
+
+    def __init__(
+        self,
+        *,
+        dim: int,
+        num_experts: int,
+        top_k: int,
+        norm_topk_prob: bool,
+        grouped_sigmoid: GroupedSigmoidRouting | None = None,
+    ) -> None:
         super().__init__()
         self.gate = nn.Linear(dim, num_experts, bias=False)
         self.num_experts = num_experts
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
+        self.grouped_sigmoid = grouped_sigmoid
+        if grouped_sigmoid is not None:
+            grouped_sigmoid.check(num_experts=num_experts, top_k=top_k)
+            self.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32))
 
     def forward(
         self, x_TD: torch.Tensor, replayed_experts_TK: torch.Tensor | None = None
@@ -39,17 +78,39 @@ class TokenChoiceTopKRouter(nn.Module):
         """Returns (scores [T, K] in x's dtype, expert ids [T, K] int64).
 
         With `replayed_experts_TK` (int64, validated by the caller) those experts are used
-        instead of the top-k, and the scores are the softmax gathered at them: the gate
-        still gets gradients through the scores of the experts that inference chose."""
-        probs_TE = F.softmax(self.gate(x_TD), dim=-1, dtype=torch.float32)
+        instead of the router's choice, and the scores are gathered at them by the same rule:
+        the gate still gets gradients through the scores of the experts that inference chose."""
+        if self.grouped_sigmoid is None:
+            probs_TE = F.softmax(self.gate(x_TD), dim=-1, dtype=torch.float32)
+        else:
+            # In float32 from the start, as the reference computes the router's logits.
+            probs_TE = torch.sigmoid(F.linear(x_TD.float(), self.gate.weight.float()))
         if replayed_experts_TK is None:
-            scores_TK, expert_ids_TK = torch.topk(probs_TE, self.top_k, dim=-1)
+            expert_ids_TK = torch.topk(self._choice_scores(probs_TE), self.top_k, dim=-1).indices
         else:
             expert_ids_TK = replayed_experts_TK
-            scores_TK = probs_TE.gather(-1, expert_ids_TK)
+        scores_TK = probs_TE.gather(-1, expert_ids_TK)
         if self.norm_topk_prob:
-            scores_TK = scores_TK / scores_TK.sum(dim=-1, keepdim=True)
+            # The epsilon only matters for sigmoid scores that all round to zero.
+            scores_TK = scores_TK / (scores_TK.sum(dim=-1, keepdim=True) + 1e-20)
+        if self.grouped_sigmoid is not None:
+            scores_TK = scores_TK * self.grouped_sigmoid.scaling_factor
         return scores_TK.to(x_TD.dtype), expert_ids_TK
+
+    def _choice_scores(self, probs_TE: torch.Tensor) -> torch.Tensor:
+        """What the top-k picks from: the scores, or (grouped sigmoid) the biased scores with
+        the experts outside the best groups at -inf. No gradient flows through a choice."""
+        routing = self.grouped_sigmoid
+        if routing is None:
+            return probs_TE
+        choice_TE = probs_TE.detach() + self.e_score_correction_bias.float()
+        if routing.num_groups == 1:
+            return choice_TE
+        choice_TGX = choice_TE.view(choice_TE.shape[0], routing.num_groups, -1)
+        group_scores_TG = choice_TGX.topk(2, dim=-1).values.sum(dim=-1)
+        best_TG = group_scores_TG.topk(routing.top_k_groups, dim=-1).indices
+        keep_TG = torch.zeros_like(group_scores_TG, dtype=torch.bool).scatter_(1, best_TG, True)
+        return choice_TGX.masked_fill(~keep_TG[..., None], float("-inf")).view_as(choice_TE)
 
 
 class GroupedExperts(nn.Module):
@@ -257,10 +318,15 @@ class MoE(nn.Module):
         top_k: int,
         norm_topk_prob: bool,
         experts_impl: ExpertsImpl = "auto",
+        grouped_sigmoid: GroupedSigmoidRouting | None = None,
     ) -> None:
         super().__init__()
         self.router = TokenChoiceTopKRouter(
-            dim=dim, num_experts=num_experts, top_k=top_k, norm_topk_prob=norm_topk_prob
+            dim=dim,
+            num_experts=num_experts,
+            top_k=top_k,
+            norm_topk_prob=norm_topk_prob,
+            grouped_sigmoid=grouped_sigmoid,
         )
         self.experts = GroupedExperts(
             dim=dim, hidden_dim=hidden_dim, num_experts=num_experts, experts_impl=experts_impl

@@ -22,6 +22,9 @@ from torch import nn
 
 from primerl_trainer.config_types import IMPLS, Impl
 from primerl_trainer.models.common.attention import AttentionBackend
+from primerl_trainer.models.glm4_moe.model import Glm4MoeModel, Glm4MoeModelArgs
+from primerl_trainer.models.glm4_moe.parallelize import parallelize_glm4_moe
+from primerl_trainer.models.glm4_moe.state_dict_adapter import Glm4MoeStateDictAdapter
 from primerl_trainer.models.hf import HFCausalLM
 from primerl_trainer.models.moe import ExpertsImpl
 from primerl_trainer.models.qwen3.model import Qwen3Model, Qwen3ModelArgs
@@ -48,6 +51,7 @@ MODEL_SPECS: dict[str, ModelSpec] = {
     for spec in (
         ModelSpec("qwen3", Qwen3Model, Qwen3ModelArgs, Qwen3StateDictAdapter, parallelize_qwen3),
         ModelSpec("qwen3_moe", Qwen3MoeModel, Qwen3MoeModelArgs, Qwen3MoeStateDictAdapter, parallelize_qwen3_moe),
+        ModelSpec("glm4_moe", Glm4MoeModel, Glm4MoeModelArgs, Glm4MoeStateDictAdapter, parallelize_glm4_moe),
     )
 }
 
@@ -92,7 +96,7 @@ def load_model(
             f"checkpoint {path} does not fit {spec.model_cls.__name__}: "
             f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
         )
-    model.load_state_dict({key: value.to(dtype) for key, value in state_dict.items()}, assign=True)
+    model.load_state_dict({key: value.to(_load_dtype(key, dtype)) for key, value in state_dict.items()}, assign=True)
     return model
 
 
@@ -140,6 +144,12 @@ def read_hf_state_dict(path: str | os.PathLike[str], *, device: torch.device | s
     for name in files:
         state_dict |= load_file(path / name, device=str(device))
     return state_dict
+
+
+def _load_dtype(key: str, dtype: torch.dtype) -> torch.dtype:
+    # A router's correction bias stays float32 (as transformers keeps it): it decides between
+    # experts whose scores differ by less than bf16 resolves.
+    return torch.float32 if key.endswith(".e_score_correction_bias") else dtype
 
 
 def _config_dtype(config: dict[str, Any]) -> torch.dtype:

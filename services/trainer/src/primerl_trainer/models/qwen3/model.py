@@ -132,6 +132,12 @@ class Qwen3Model(nn.Module):
         return self.output(h, compute_logits=compute_logits)
 
     @property
+    def rotary_dim(self) -> int:
+        """How many leading dims of each head RoPE rotates (all of them here; fewer with partial
+        rotary, as in GLM-4.5)."""
+        return self.args.head_dim
+
+    @property
     def output_weight(self) -> torch.Tensor:
         """The vocabulary projection's weight [vocab, dim] (the embedding's when tied)."""
         return self.tok_embeddings.weight if self.lm_head is None else self.lm_head.weight
@@ -173,7 +179,7 @@ class Qwen3Model(nn.Module):
         )
         if position_ids is None:
             position_ids = torch.arange(seq_len, device=h.device).expand(batch_size, seq_len)
-        rope = rope_cos_sin(position_ids, head_dim=self.args.head_dim, theta=self.args.rope_theta, dtype=h.dtype)
+        rope = rope_cos_sin(position_ids, head_dim=self.rotary_dim, theta=self.args.rope_theta, dtype=h.dtype)
         return h, rope, mask
 
 
