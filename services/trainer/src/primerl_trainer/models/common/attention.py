@@ -18,8 +18,9 @@ one) may be one rank's share of a longer row under context parallel: the queries
 rank's tokens, the keys and values those of the whole row, gathered over the cp group in
 every layer, and the mask is the same rule by row index: query i (row index q_pos[i]) sees
 key j when j <= q_pos[i] and both lie in one sample. With a layout, "sdpa" on a row that is one
-sample needs no mask at all (causal per contiguous chunk of queries, lower right, flash
-kernels on GPU), and "flex" builds its BlockMask from per-block bounds, never an O(T^2) mask.
+sample needs no mask at all (causal per contiguous chunk of queries, lower right: on GPUs
+cuDNN's kernels, as plain causal attention, through distributed/cp_attention.py), and "flex"
+builds its BlockMask from per-block bounds, never an O(T^2) mask.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from primerl_trainer.config_types import ATTENTION_BACKENDS, AttentionBackend
+from primerl_trainer.distributed.cp_attention import chunked_causal_attention, supports_chunked_causal_attention
 from primerl_trainer.distributed.cp_collectives import gather_sequence
 
 if TYPE_CHECKING:
@@ -199,22 +201,20 @@ def _causal_chunks_attention(
     """q [B, H, t, D] this rank's chunks r and 2cp-1-r of a one-sample row, k and v the whole
     row: each chunk attends causally to the keys up to its own end (lower right)."""
     chunk_len = q.shape[2] // 2
+    starts = (cp_rank * chunk_len, (2 * cp_size - 1 - cp_rank) * chunk_len)
+    if supports_chunked_causal_attention(q):
+        # cuDNN's kernels on GPUs (those of plain causal attention), the flash kernel on the CPU.
+        return chunked_causal_attention(q, k, v, starts)
+    # No such kernel (CUDA float32): an explicit mask of each chunk's queries.
     outs = []
-    for query_chunk, chunk in zip(q.split(chunk_len, dim=2), (cp_rank, 2 * cp_size - 1 - cp_rank), strict=True):
-        num_keys = (chunk + 1) * chunk_len
-        keys, values = k[:, :, :num_keys], v[:, :, :num_keys]
-        if num_keys == chunk_len:
-            out = F.scaled_dot_product_attention(query_chunk, keys, values, is_causal=True, enable_gqa=True)
-        elif query_chunk.is_cuda and query_chunk.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] % 8 == 0:
-            # The flash kernel's causal mask is lower right when there are more keys than queries,
-            # and it takes grouped keys and values as they are. (torch.nn.attention.bias's
-            # causal_lower_right does the same, but torch.compile cannot trace it.)
-            out = torch.ops.aten._scaled_dot_product_flash_attention(query_chunk, keys, values, 0.0, True)[0]
-        else:
-            # No flash kernel (CPU, float32): an explicit mask of this chunk's queries.
-            mask = torch.ones(chunk_len, num_keys, dtype=torch.bool, device=q.device).tril(num_keys - chunk_len)
-            out = F.scaled_dot_product_attention(query_chunk, keys, values, attn_mask=mask, enable_gqa=True)
-        outs.append(out)
+    for query_chunk, start in zip(q.split(chunk_len, dim=2), starts, strict=True):
+        num_keys = start + chunk_len
+        mask = torch.ones(chunk_len, num_keys, dtype=torch.bool, device=q.device).tril(start)
+        outs.append(
+            F.scaled_dot_product_attention(
+                query_chunk, k[:, :, :num_keys], v[:, :, :num_keys], attn_mask=mask, enable_gqa=True
+            )
+        )
     return torch.cat(outs, dim=2)
 
 
