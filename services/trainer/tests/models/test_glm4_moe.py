@@ -1,6 +1,7 @@
 """Own GLM-4.5 (`glm4_moe`) against transformers' Glm4MoeForCausalLM on tiny random checkpoints
 (float32): logits and router choices, packed rows, router replay, the gradient of one loss,
-the HF state-dict round trip and the Hugging Face export."""
+the HF state-dict round trip and the Hugging Face export; and the tiny-model maker's
+`glm4-moe` kind."""
 
 import pathlib
 
@@ -8,6 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from primerl_launcher.tiny_model import VOCAB_SIZE as TINY_VOCAB_SIZE
+from primerl_launcher.tiny_model import make_tiny_model
 from primerl_trainer.hf_export import export_hf_model
 from primerl_trainer.models import HFCausalLM, export_hf_state_dict, load_model, read_hf_state_dict
 from primerl_trainer.models.glm4_moe.model import Glm4MoeModel
@@ -246,3 +249,20 @@ def test_export_loads_back_in_transformers(full_checkpoint: pathlib.Path, tmp_pa
     input_ids = random_ids(1, 10, seed=4)
     logits, _ = reference_forward(reference(out), input_ids)
     assert (model(input_ids).logits - logits).abs().max() <= TOLERANCE
+
+
+@torch.no_grad()
+def test_tiny_model_maker_writes_a_glm4_moe_checkpoint(tmp_path: pathlib.Path) -> None:
+    path = make_tiny_model(tmp_path / "glm", kind="glm4-moe", dtype="bfloat16")
+    weights = read_hf_state_dict(path)
+    assert weights["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == torch.float32
+    assert weights["model.layers.1.mlp.gate.e_score_correction_bias"].abs().sum() > 0
+    assert weights["model.layers.0.mlp.gate_proj.weight"].dtype == torch.bfloat16  # the dense first layer
+    own = load_model(path, impl="auto", dtype=torch.float32)
+    assert isinstance(own, Glm4MoeModel) and own.args.moe_layers == (1, 2, 3)
+    assert (own.args.routing.num_groups, own.args.rotary_dim, own.args.qk_norm) == (2, 32, True)
+    input_ids = torch.randint(0, TINY_VOCAB_SIZE, (2, 12), generator=torch.Generator().manual_seed(0))
+    logits, expert_ids = reference_forward(reference(path), input_ids)
+    out = own(input_ids)
+    assert (out.logits - logits).abs().max() <= 1e-4
+    assert torch.equal(out.routed_experts.sort(dim=-1).values, expert_ids)

@@ -1,4 +1,5 @@
-"""Tiny Qwen3 (dense) and Qwen3-MoE models for tests, made locally from a seed.
+"""Tiny Qwen3 (dense), Qwen3-MoE and GLM-4.5 (`glm4_moe`) models for tests, made locally from a
+seed.
 
 The folder looks like a Hugging Face checkpoint of the real models (config.json in the
 hub's style, safetensors with the hub's tensor names, a tokenizer and its chat template),
@@ -10,6 +11,7 @@ ASCII character is one token and a small model can learn character-level tasks s
 reversing a string.
 
     primerl-make-tiny-model --kind moe --seed 0 --dtype bfloat16 --out /tmp/tiny-moe
+    primerl-make-tiny-model --kind glm4-moe --out /tmp/tiny-glm4-moe
 """
 
 from __future__ import annotations
@@ -36,8 +38,10 @@ __all__ = [
     "PAD_TOKEN_ID",
     "SPECS",
     "STAMP_FILE",
+    "TINY_GLM4_MOE_SPEC",
     "VOCAB_SIZE",
     "DType",
+    "TinyGlm4MoeSpec",
     "TinyModelSpec",
     "build_tokenizer",
     "main",
@@ -148,9 +152,53 @@ class TinyModelSpec:
         return config
 
 
+@dataclass(frozen=True)
+class TinyGlm4MoeSpec(TinyModelSpec):
+    """GLM-4.5's particulars at the tiny shape: sigmoid routing with a correction bias (drawn
+    at random, so that it changes choices) over `n_group` groups, shared experts, dense first
+    layers, partial rotary, q/k norm and q/k/v bias; untied head, as GLM's checkpoints."""
+
+    num_experts: int = 8
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 128
+    n_group: int = 2
+    topk_group: int = 1
+    n_shared_experts: int = 1
+    routed_scaling_factor: float = 2.5
+    first_k_dense_replace: int = 1
+    partial_rotary_factor: float = 0.5
+    use_qk_norm: bool = True
+    attention_bias: bool = True
+
+    def config_dict(self, dtype: DType) -> dict[str, Any]:
+        """config.json as GLM-4.5's hub checkpoints write it."""
+        config = super().config_dict(dtype)
+        for qwen_only in ("num_experts", "decoder_sparse_step", "mlp_only_layers", "router_aux_loss_coef"):
+            del config[qwen_only]
+        for qwen_only in ("use_sliding_window", "sliding_window"):
+            del config[qwen_only]
+        return config | {
+            "architectures": ["Glm4MoeForCausalLM"],
+            "model_type": "glm4_moe",
+            "n_routed_experts": self.num_experts,
+            "n_group": self.n_group,
+            "topk_group": self.topk_group,
+            "n_shared_experts": self.n_shared_experts,
+            "routed_scaling_factor": self.routed_scaling_factor,
+            "first_k_dense_replace": self.first_k_dense_replace,
+            "partial_rotary_factor": self.partial_rotary_factor,
+            "use_qk_norm": self.use_qk_norm,
+            "attention_bias": self.attention_bias,
+            "num_nextn_predict_layers": 0,
+            "tie_word_embeddings": False,
+        }
+
+
+TINY_GLM4_MOE_SPEC = TinyGlm4MoeSpec()
 SPECS: dict[str, TinyModelSpec] = {
     "dense": TinyModelSpec(),
     "moe": TinyModelSpec(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128),
+    "glm4-moe": TINY_GLM4_MOE_SPEC,
 }
 
 
@@ -201,7 +249,7 @@ def save_tokenizer(
 def make_tiny_model(
     out_dir: str | os.PathLike[str],
     *,
-    kind: Literal["dense", "moe"],
+    kind: Literal["dense", "moe", "glm4-moe"],
     seed: int = 0,
     dtype: DType = "float32",
     spec: TinyModelSpec | None = None,
@@ -216,8 +264,10 @@ def make_tiny_model(
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
     spec = SPECS[kind] if spec is None else spec
-    if spec.is_moe != (kind == "moe"):
+    if spec.is_moe != (kind != "dense"):
         raise ValueError(f"spec has num_experts={spec.num_experts}, which does not fit kind={kind!r}")
+    if isinstance(spec, TinyGlm4MoeSpec) != (kind == "glm4-moe"):
+        raise ValueError(f"a {type(spec).__name__} does not fit kind={kind!r}")
 
     out = pathlib.Path(out_dir)
     stamp = {
@@ -251,10 +301,19 @@ def make_tiny_model(
 
 def _save_weights(out: pathlib.Path, spec: TinyModelSpec, *, seed: int, dtype: DType) -> None:
     import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import (
+        Glm4MoeConfig,
+        Glm4MoeForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )
 
     config_dict = spec.config_dict("float32")
-    if spec.is_moe:
+    if isinstance(spec, TinyGlm4MoeSpec):
+        config, model_cls = Glm4MoeConfig.from_dict(config_dict), Glm4MoeForCausalLM
+    elif spec.is_moe:
         config, model_cls = Qwen3MoeConfig.from_dict(config_dict), Qwen3MoeForCausalLM
     else:
         config, model_cls = Qwen3Config.from_dict(config_dict), Qwen3ForCausalLM
@@ -270,7 +329,17 @@ def _save_weights(out: pathlib.Path, spec: TinyModelSpec, *, seed: int, dtype: D
             # sends ~1000x gradients through RMSNorm. Draw it like the others.
             embedding = model.get_input_embeddings().weight
             embedding.data[PAD_TOKEN_ID].normal_(0.0, config.initializer_range)
+            # GLM's routers start with a zero correction bias; a random one makes it count.
+            correction_biases = {
+                name: buffer.normal_(0.0, config.initializer_range)
+                for name, buffer in model.named_buffers()
+                if name.endswith("e_score_correction_bias")
+            }
     model.to(getattr(torch, dtype))
+    # Kept in float32 whatever the dtype, as the hub's GLM checkpoints store them.
+    for name, bias in correction_biases.items():
+        module_name, _, buffer_name = name.rpartition(".")
+        model.get_submodule(module_name).register_buffer(buffer_name, bias)
     # save_pretrained writes the hub's tensor names (per-expert `experts.N.gate_proj`
     # rather than transformers 5's fused in-memory experts); its config is replaced.
     model.save_pretrained(out)
@@ -305,7 +374,7 @@ def _bytes_to_unicode() -> dict[int, str]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="primerl-make-tiny-model",
-        description="Write a tiny random Qwen3 (dense) or Qwen3-MoE model with a byte-level "
+        description="Write a tiny random Qwen3 (dense), Qwen3-MoE or GLM-4.5 model with a byte-level "
         "tokenizer into a folder, in Hugging Face format.",
     )
     parser.add_argument("--kind", choices=sorted(SPECS), required=True)
