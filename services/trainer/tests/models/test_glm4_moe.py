@@ -1,7 +1,7 @@
 """Own GLM-4.5 (`glm4_moe`) against transformers' Glm4MoeForCausalLM on tiny random checkpoints
 (float32): logits and router choices, packed rows, router replay, the gradient of one loss,
 the HF state-dict round trip and the Hugging Face export; and the tiny-model maker's
-`glm4-moe` kind."""
+`glm4-moe` kind; expert parallel over 2 CPU ranks."""
 
 import pathlib
 
@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from primerl_launcher.tiny_model import VOCAB_SIZE as TINY_VOCAB_SIZE
-from primerl_launcher.tiny_model import make_tiny_model
+from primerl_launcher.tiny_model import TinyGlm4MoeSpec, make_tiny_model
 from primerl_trainer.hf_export import export_hf_model
 from primerl_trainer.models import HFCausalLM, export_hf_state_dict, load_model, read_hf_state_dict
 from primerl_trainer.models.glm4_moe.model import Glm4MoeModel
@@ -266,3 +266,34 @@ def test_tiny_model_maker_writes_a_glm4_moe_checkpoint(tmp_path: pathlib.Path) -
     out = own(input_ids)
     assert (out.logits - logits).abs().max() <= 1e-4
     assert torch.equal(out.routed_experts.sort(dim=-1).values, expert_ids)
+
+
+def test_expert_parallel_trains_as_one_process(tmp_path: pathlib.Path) -> None:
+    """ep=2 on the CPU (gloo, torchrun), as test_expert_parallel runs Qwen3-MoE: same losses,
+    replayed logprobs, updated and published weights, LoRA step and resume under FSDP2 as one
+    process. The routers' correction biases (buffers) come back unchanged."""
+    from ..test_expert_parallel import _assert_matches_one_process, _run_workers, make_ep_data
+
+    spec = TinyGlm4MoeSpec(
+        hidden_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+    )
+    model_dir = make_tiny_model(tmp_path / "ep-glm4-moe", kind="glm4-moe", spec=spec)
+    batches, data = make_ep_data(model_dir, tmp_path)
+    torch.save(torch.load(batches) | {"resume": True}, batches)
+    out = tmp_path / "out"
+    out.mkdir()
+    result = _run_workers(model_dir, batches, out, nproc=2, ep=2)
+    biases = {k: v for k, v in load_model(model_dir).state_dict().items() if k.endswith("e_score_correction_bias")}
+    assert len(biases) == 2
+    for name, bias in biases.items():
+        assert torch.equal(result["weights"].pop(name), bias) and torch.equal(result["published"].pop(name), bias)
+    _assert_matches_one_process(result, data["reference"], data["probe_routed_experts"])
+    for key in ("loss", "grad_norm", "entropy"):
+        wanted = data["reference"]["metrics"][2][key]
+        assert result["resumed_metrics"][key] == pytest.approx(wanted, rel=1e-5, abs=1e-5), key
