@@ -28,11 +28,13 @@ __all__ = ["chunked_causal_attention", "supports_chunked_causal_attention"]
 _HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def supports_chunked_causal_attention(q: torch.Tensor) -> bool:
-    """Whether `chunked_causal_attention` has kernels for queries like `q` [B, H, t, D]."""
+def supports_chunked_causal_attention(q: torch.Tensor, chunk_len: int) -> bool:
+    """Whether `chunked_causal_attention` has kernels for queries like `q` [B, H, t, D] in chunks
+    of `chunk_len`. cuDNN takes no single key (every part has at least chunk_len keys) and head
+    dims up to 128 in multiples of 8 (the limits torch's SDPA dispatch checks)."""
     if q.device.type == "cpu":
-        return q.dtype.is_floating_point
-    return q.is_cuda and q.dtype in _HALF_DTYPES and q.shape[-1] % 8 == 0 and q.shape[-1] <= 128
+        return q.dtype.is_floating_point and chunk_len >= 1
+    return q.is_cuda and q.dtype in _HALF_DTYPES and q.shape[-1] % 8 == 0 and q.shape[-1] <= 128 and chunk_len >= 2
 
 
 def chunked_causal_attention(
@@ -42,7 +44,7 @@ def chunked_causal_attention(
     query_starts[i] + c); k and v [B, Hkv, N, D]: the row's keys and values (H a multiple of Hkv,
     N at least every chunk's end) -> [B, H, n*c, D]: each query attends to the keys at row
     indices up to its own, scaled by 1/sqrt(D). Differentiable in q, k and v."""
-    starts = [int(start) for start in query_starts]
+    starts = list(query_starts)  # ints, or symbolic ones under torch.compile: not specialized
     if not starts or q.shape[2] % len(starts):
         raise ValueError(f"query_starts: {q.shape[2]} queries do not make {len(starts)} equal chunks")
     chunk_len = q.shape[2] // len(starts)

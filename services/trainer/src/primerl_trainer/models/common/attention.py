@@ -202,10 +202,10 @@ def _causal_chunks_attention(
     row: each chunk attends causally to the keys up to its own end (lower right)."""
     chunk_len = q.shape[2] // 2
     starts = (cp_rank * chunk_len, (2 * cp_size - 1 - cp_rank) * chunk_len)
-    if supports_chunked_causal_attention(q):
+    if supports_chunked_causal_attention(q, chunk_len):
         # cuDNN's kernels on GPUs (those of plain causal attention), the flash kernel on the CPU.
         return chunked_causal_attention(q, k, v, starts)
-    # No such kernel (CUDA float32): an explicit mask of each chunk's queries.
+    # No such kernel (CUDA float32, chunks of one token): an explicit mask of each chunk's queries.
     outs = []
     for query_chunk, start in zip(q.split(chunk_len, dim=2), starts, strict=True):
         num_keys = start + chunk_len
