@@ -205,16 +205,23 @@ def _causal_chunks_attention(
     if supports_chunked_causal_attention(q, chunk_len):
         # cuDNN's kernels on GPUs (those of plain causal attention), the flash kernel on the CPU.
         return chunked_causal_attention(q, k, v, starts)
-    # No such kernel (CUDA float32, chunks of one token): an explicit mask of each chunk's queries.
     outs = []
     for query_chunk, start in zip(q.split(chunk_len, dim=2), starts, strict=True):
         num_keys = start + chunk_len
-        mask = torch.ones(chunk_len, num_keys, dtype=torch.bool, device=q.device).tril(start)
-        outs.append(
-            F.scaled_dot_product_attention(
-                query_chunk, k[:, :, :num_keys], v[:, :, :num_keys], attn_mask=mask, enable_gqa=True
-            )
-        )
+        keys, values = k[:, :, :num_keys], v[:, :, :num_keys]
+        if start == 0:
+            out = F.scaled_dot_product_attention(query_chunk, keys, values, is_causal=True, enable_gqa=True)
+        elif query_chunk.is_cuda and query_chunk.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] % 8 == 0:
+            # Where cuDNN's kernels are not taken (one-token chunks, head dims over 128): the flash
+            # kernel, whose causal mask is lower right when there are more keys than queries.
+            # (torch.nn.attention.bias's causal_lower_right does the same, but torch.compile
+            # cannot trace it.)
+            out = torch.ops.aten._scaled_dot_product_flash_attention(query_chunk, keys, values, 0.0, True)[0]
+        else:
+            # No fused kernel (CUDA float32): an explicit mask of this chunk's queries.
+            mask = torch.ones(chunk_len, num_keys, dtype=torch.bool, device=q.device).tril(start)
+            out = F.scaled_dot_product_attention(query_chunk, keys, values, attn_mask=mask, enable_gqa=True)
+        outs.append(out)
     return torch.cat(outs, dim=2)
 
 
