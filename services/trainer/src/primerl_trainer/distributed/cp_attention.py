@@ -66,11 +66,17 @@ def _chunks(q: torch.Tensor, query_starts: list[int]):
         yield slice(i * chunk_len, (i + 1) * chunk_len), start, start + chunk_len
 
 
+def _unit_last_stride(x: torch.Tensor) -> torch.Tensor:
+    # cuDNN reads any layout whose head dim is contiguous (the model's always is).
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
 def _forward_kernel(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse [B, H, t]) of one plain attention (causal: aligned top left)."""
     if q.is_cuda:
+        q, k, v = (_unit_last_stride(x) for x in (q, k, v))
         result = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False)
     else:
         result = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
@@ -89,6 +95,7 @@ def _backward_kernel(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of one plain attention given the output and lse [B, H, t] of the whole rows."""
     if q.is_cuda:
+        grad, q, k, v, out = (_unit_last_stride(x) for x in (grad, q, k, v, out))
         # The dropout seed and offset are not read without dropout; no bias, not nested.
         unused = torch.zeros((), dtype=torch.int64, device=q.device)
         return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
