@@ -230,6 +230,30 @@ def test_multi_token_prediction_layers_are_dropped(full_checkpoint: pathlib.Path
         adapter.from_hf(hf_state_dict | {"model.layers.1.mlp.unknown.weight": torch.zeros(1)})
 
 
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"n_group": 3}, r"n_group \(3\) must be positive and divide the experts"),
+        ({"n_group": 8}, r"at least 2 experts per group"),
+        ({"topk_group": 5}, r"topk_group \(5\) must lie in"),
+        ({"topk_group": 1, "num_experts_per_tok": 3}, r"top_k \(3\) exceeds"),
+        ({"first_k_dense_replace": NUM_LAYERS}, r"first_k_dense_replace \(3\) leaves no"),
+        ({"partial_rotary_factor": 0.05}, r"partial_rotary_factor"),
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}}, r"rope type 'yarn'"),
+        ({"hidden_act": "gelu"}, r"hidden_act 'gelu'"),
+    ],
+)
+def test_bad_configs_are_refused(full_checkpoint: pathlib.Path, change: dict, match: str) -> None:
+    from primerl_trainer.models.glm4_moe.model import Glm4MoeModelArgs
+    from primerl_trainer.models.registry import read_hf_config
+
+    config = read_hf_config(full_checkpoint) | change
+    if "partial_rotary_factor" in change:
+        config["rope_parameters"] = config["rope_parameters"] | change
+    with pytest.raises(ValueError, match=match):
+        Glm4MoeModel(Glm4MoeModelArgs.from_hf_config(config))
+
+
 @torch.no_grad()
 def test_export_loads_back_in_transformers(full_checkpoint: pathlib.Path, tmp_path: pathlib.Path) -> None:
     model = load_model(full_checkpoint, impl="custom")
