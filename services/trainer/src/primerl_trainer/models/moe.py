@@ -1,5 +1,6 @@
 """Mixture-of-experts building blocks: a token-choice top-k router (softmax, or grouped sigmoid
-with a correction bias) that can replay given expert indices (R3), and routed experts run as grouped matrix products.
+with a correction bias) that can replay given expert indices (R3), and routed experts run as
+grouped matrix products.
 
 Shape letters: T tokens, D model dim, F expert hidden dim, E experts, K experts per token,
 N = T * K routed token copies.
