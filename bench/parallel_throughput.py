@@ -169,12 +169,14 @@ def checkpoint_name(kind: str, num_experts: int) -> str:
     return f"{kind}-{num_experts}"
 
 
-def write_checkpoints(root: pathlib.Path, smoke: bool) -> None:
+def write_checkpoints(root: pathlib.Path, smoke: bool, only: list[str] | None = None) -> None:
     """The bench's random checkpoints (Hugging Face format), as trainer_throughput.py writes them."""
     from trainer_throughput import write_checkpoint
 
     experts = SMOKE_EXPERTS if smoke else MOE_EXPERTS_PER_GPU
     for kind, num_experts in (("moe", experts), ("moe", 2 * experts), ("dense", 0)):
+        if only and not any(name.startswith(kind) for name in only):
+            continue
         start = time.perf_counter()
         write_checkpoint(
             model_config(kind, num_experts, smoke),
@@ -458,7 +460,10 @@ def bench_main(args: argparse.Namespace) -> None:
         root = pathlib.Path(tmp)
         # In a child: this process keeps no CUDA context on the first GPU.
         subprocess.run(
-            [sys.executable, __file__, "--write-checkpoints", str(root)] + (["--smoke"] if smoke else []), check=True
+            [sys.executable, __file__, "--write-checkpoints", str(root)]
+            + (["--smoke"] if smoke else [])
+            + (["--only", *args.only] if args.only else []),
+            check=True,
         )
         for index, run in enumerate(runs):
             if args.only and run.name not in args.only and not (index == 2 and "dense 2L cp=2" in args.only):
@@ -824,7 +829,7 @@ def main() -> None:
     if args.worker:
         worker_main(args)
     elif args.write_checkpoints:
-        write_checkpoints(pathlib.Path(args.write_checkpoints), args.smoke)
+        write_checkpoints(pathlib.Path(args.write_checkpoints), args.smoke, args.only)
     elif args.calibrate_worker:
         calibrate_worker(args)
     elif args.calibrate:
