@@ -23,7 +23,7 @@ from primerl_common.processes import ServiceProcess, free_port
 from primerl_common.testing import bare_server, eventually
 from primerl_launcher.progress import Display, RunMonitor, RunPeers
 from primerl_launcher.tiny_model import save_tokenizer
-from services.orchestrator.tests.test_service import StandInRouter, StandInTrainer, play_group
+from services.orchestrator.tests.stand_ins import StandInRouter, StandInTrainer, play_group
 
 pytestmark = pytest.mark.slow
 
