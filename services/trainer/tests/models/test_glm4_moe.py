@@ -12,11 +12,12 @@ import torch.nn.functional as F
 from primerl_launcher.tiny_model import VOCAB_SIZE as TINY_VOCAB_SIZE
 from primerl_launcher.tiny_model import TinyGlm4MoeSpec, make_tiny_model
 from primerl_trainer.hf_export import export_hf_model
-from primerl_trainer.models import HFCausalLM, export_hf_state_dict, load_model, read_hf_state_dict
+from primerl_trainer.models import export_hf_state_dict, load_model, read_hf_state_dict
 from primerl_trainer.models.glm4_moe.model import Glm4MoeModel
 from primerl_trainer.models.glm4_moe.state_dict_adapter import Glm4MoeStateDictAdapter
 
 from .conftest import packed_inputs
+from .hf_parity import hub_gradients, reference_forward
 
 TOLERANCE = 1e-5
 VOCAB_SIZE, NUM_LAYERS, NUM_EXPERTS = 96, 3, 8
@@ -82,22 +83,6 @@ def reference(path: pathlib.Path):
     from transformers import Glm4MoeForCausalLM
 
     return Glm4MoeForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
-
-
-def reference_forward(hf, input_ids, position_ids=None):
-    """transformers' logits and the experts its routers chose [B*T, MoE layers, K], sorted."""
-    chosen = []
-    hooks = [
-        layer.mlp.gate.register_forward_hook(lambda module, args, out: chosen.append(out[2]))
-        for layer in hf.model.layers
-        if hasattr(layer.mlp, "gate") and hasattr(layer.mlp, "experts")
-    ]
-    try:
-        logits = hf(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
-    finally:
-        for hook in hooks:
-            hook.remove()
-    return logits, torch.stack(chosen, dim=1).sort(dim=-1).values
 
 
 def random_ids(*shape: int, seed: int = 0) -> torch.Tensor:
@@ -200,8 +185,7 @@ def test_one_step_gradients_equal_transformers(full_checkpoint: pathlib.Path) ->
     assert abs(own_loss.item() - ref_loss.item()) <= TOLERANCE
 
     # transformers' gradients under the hub's names, then under the own ones.
-    hf_grads = HFCausalLM(hf).hf_state_dict({f"hf_model.{n}": p.grad for n, p in hf.named_parameters()})
-    ref_grads = Glm4MoeStateDictAdapter(own.args).from_hf(hf_grads)
+    ref_grads = Glm4MoeStateDictAdapter(own.args).from_hf(hub_gradients(hf))
     own_grads = {name: p.grad for name, p in own.named_parameters()}
     assert own_grads.keys() == ref_grads.keys()
     for name, grad in own_grads.items():

@@ -26,6 +26,9 @@ from primerl_trainer.models.glm4_moe.model import Glm4MoeModel, Glm4MoeModelArgs
 from primerl_trainer.models.glm4_moe.parallelize import parallelize_glm4_moe
 from primerl_trainer.models.glm4_moe.state_dict_adapter import Glm4MoeStateDictAdapter
 from primerl_trainer.models.hf import HFCausalLM
+from primerl_trainer.models.minimax_m2.model import MiniMaxM2Model, MiniMaxM2ModelArgs
+from primerl_trainer.models.minimax_m2.parallelize import parallelize_minimax_m2
+from primerl_trainer.models.minimax_m2.state_dict_adapter import MiniMaxM2StateDictAdapter
 from primerl_trainer.models.moe import ExpertsImpl
 from primerl_trainer.models.qwen3.model import Qwen3Model, Qwen3ModelArgs
 from primerl_trainer.models.qwen3.parallelize import parallelize_qwen3
@@ -52,6 +55,7 @@ MODEL_SPECS: dict[str, ModelSpec] = {
         ModelSpec("qwen3", Qwen3Model, Qwen3ModelArgs, Qwen3StateDictAdapter, parallelize_qwen3),
         ModelSpec("qwen3_moe", Qwen3MoeModel, Qwen3MoeModelArgs, Qwen3MoeStateDictAdapter, parallelize_qwen3_moe),
         ModelSpec("glm4_moe", Glm4MoeModel, Glm4MoeModelArgs, Glm4MoeStateDictAdapter, parallelize_glm4_moe),
+        ModelSpec("minimax_m2", MiniMaxM2Model, MiniMaxM2ModelArgs, MiniMaxM2StateDictAdapter, parallelize_minimax_m2),
     )
 }
 

@@ -1,0 +1,1 @@
+"""MiniMax-M2 (`minimax_m2`): model, Hugging Face state-dict adapter, parallelize function."""

@@ -1,0 +1,158 @@
+"""MiniMax-M2 (transformers' `minimax_m2`): a pre-norm decoder whose every layer has a mixture of
+experts (no dense layers, no shared experts). Routing is sigmoid scoring with the correction
+bias for the choice only and one group of experts (moe.GroupedSigmoidRouting with its defaults);
+the k weights are always renormalised, never scaled.
+
+Attention: grouped-query, no bias, RMSNorm of the queries and of the keys over all heads of a
+token together (one weight of num_heads * head_dim, resp. num_kv_heads * head_dim, not one per
+head dim as Qwen3's), then RoPE on the first `rotary_dim` dims of each head only.
+
+Layers run, take replayed experts (R3) and report routing as in Qwen3MoeModel, whose forward
+this model reuses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Self
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from primerl_trainer.models.common.attention import AttentionMask, attention
+from primerl_trainer.models.common.norms import RMSNorm
+from primerl_trainer.models.glm4_moe.model import apply_partial_rope
+from primerl_trainer.models.moe import GroupedSigmoidRouting, MoE
+from primerl_trainer.models.qwen3.model import common_args_from_hf_config
+from primerl_trainer.models.qwen3_moe.model import Qwen3MoeModel, Qwen3MoeModelArgs
+
+
+@dataclass(frozen=True, kw_only=True)
+class MiniMaxM2ModelArgs(Qwen3MoeModelArgs):
+    routing: GroupedSigmoidRouting
+    rotary_dim: int
+
+    @classmethod
+    def from_hf_config(cls, config: dict[str, Any]) -> Self:
+        check_supported_minimax_m2_config(config)
+        common = common_args_from_hf_config(config)
+        rotary_dim = _rotary_dim(config, common["head_dim"])
+        if not 0 < rotary_dim <= common["head_dim"] or rotary_dim % 2:
+            raise ValueError(
+                f"rotary_dim ({rotary_dim}) must be a positive even number of dims, at most head_dim "
+                f"({common['head_dim']})"
+            )
+        return cls(
+            **common,
+            # Hub files name the experts num_local_experts; transformers also accepts num_experts.
+            num_experts=config.get("num_local_experts", config.get("num_experts")),
+            top_k=config["num_experts_per_tok"],
+            # The experts' width is intermediate_size (there is no dense feed-forward).
+            moe_hidden_dim=config["intermediate_size"],
+            norm_topk_prob=True,
+            moe_layers=tuple(range(config["num_hidden_layers"])),
+            routing=GroupedSigmoidRouting(),
+            rotary_dim=rotary_dim,
+        )
+
+
+def _rotary_dim(config: dict[str, Any], head_dim: int) -> int:
+    """The hub's files give `rotary_dim`; transformers 5 writes `partial_rotary_factor` into
+    rope_parameters and, as it does, a factor given wins over `rotary_dim`. Neither: the whole head."""
+    rope = config.get("rope_parameters") or {}
+    factor = rope.get("partial_rotary_factor", config.get("partial_rotary_factor"))
+    if factor is not None:
+        return int(head_dim * factor)
+    return int(config.get("rotary_dim") or head_dim)
+
+
+def check_supported_minimax_m2_config(config: dict[str, Any]) -> None:
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    num_experts = config.get("num_local_experts", config.get("num_experts", 0))
+    # Fields of the hub's config.json that transformers ignores: refused unless they describe
+    # the model transformers runs.
+    attn_types = config.get("attn_type_list") or []
+    unsupported = {
+        f"rope type {rope_type!r}": rope_type != "default",
+        f"hidden_act {config.get('hidden_act')!r}": config.get("hidden_act", "silu") != "silu",
+        f"num_local_experts {num_experts}": not num_experts or num_experts <= 0,
+        f"router_jitter_noise {config.get('router_jitter_noise')}": bool(config.get("router_jitter_noise")),
+        f"scoring_func {config.get('scoring_func')!r}": config.get("scoring_func", "sigmoid") != "sigmoid",
+        f"use_qk_norm {config.get('use_qk_norm')!r}": config.get("use_qk_norm", True) is not True,
+        f"qk_norm_type {config.get('qk_norm_type')!r}": config.get("qk_norm_type", "per_layer") != "per_layer",
+        f"shared_intermediate_size {config.get('shared_intermediate_size')}": bool(
+            config.get("shared_intermediate_size")
+        ),
+        "attn_type_list with linear attention (0)": any(kind != 1 for kind in attn_types),
+    }
+    if any(unsupported.values()):
+        names = [name for name, present in unsupported.items() if present]
+        raise ValueError(f"config uses features the own MiniMax-M2 implementation lacks: {names}; use impl='hf'")
+
+
+class MiniMaxM2Attention(nn.Module):
+    def __init__(self, args: MiniMaxM2ModelArgs) -> None:
+        super().__init__()
+        if args.num_heads % args.num_kv_heads:
+            raise ValueError(f"num_heads ({args.num_heads}) must be a multiple of num_kv_heads ({args.num_kv_heads})")
+        self.head_dim = args.head_dim
+        self.wq = nn.Linear(args.dim, args.num_heads * args.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.num_kv_heads * args.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.num_kv_heads * args.head_dim, bias=False)
+        self.wo = nn.Linear(args.num_heads * args.head_dim, args.dim, bias=False)
+        self.q_norm = RMSNorm(args.num_heads * args.head_dim, eps=args.norm_eps)
+        self.k_norm = RMSNorm(args.num_kv_heads * args.head_dim, eps=args.norm_eps)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: AttentionMask) -> torch.Tensor:
+        batch_size, seq_len, _ = x.shape
+        # q, k and v in one product, as Qwen3's attention does (three parameters, one matmul).
+        qkv = F.linear(x, torch.cat((self.wq.weight, self.wk.weight, self.wv.weight)))
+        q, k, v = qkv.split((self.wq.out_features, self.wk.out_features, self.wv.out_features), dim=-1)
+        # Normalised before the split into heads: one RMS over all of a token's heads.
+        q = self.q_norm(q).view(batch_size, seq_len, -1, self.head_dim)
+        k = self.k_norm(k).view(batch_size, seq_len, -1, self.head_dim)
+        v = v.view(batch_size, seq_len, -1, self.head_dim)
+        q, k = apply_partial_rope(q, *rope), apply_partial_rope(k, *rope)
+        return self.wo(attention(q, k, v, mask).reshape(batch_size, seq_len, -1))
+
+
+class MiniMaxM2Block(nn.Module):
+    def __init__(self, args: MiniMaxM2ModelArgs) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
+        self.attention = MiniMaxM2Attention(args)
+        self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
+        self.moe = MoE(
+            dim=args.dim,
+            hidden_dim=args.moe_hidden_dim,
+            num_experts=args.num_experts,
+            top_k=args.top_k,
+            norm_topk_prob=args.norm_topk_prob,
+            experts_impl=args.experts_impl,
+            grouped_sigmoid=args.routing,
+        )
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        mask: AttentionMask,
+        replayed_experts_TK: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """-> (hidden states, expert ids [T, K], tokens per expert [E])."""
+        x = x + self.attention(self.attention_norm(x), rope, mask)
+        moe_out, expert_ids_TK, tokens_per_expert_E = self.moe(self.ffn_norm(x), replayed_experts_TK)
+        return x + moe_out, expert_ids_TK, tokens_per_expert_E
+
+
+class MiniMaxM2Model(Qwen3MoeModel):
+    args: MiniMaxM2ModelArgs
+
+    def build_block(self, layer_id: int) -> nn.Module:
+        return MiniMaxM2Block(self.args)
+
+    @property
+    def rotary_dim(self) -> int:
+        return self.args.rotary_dim
