@@ -1,6 +1,6 @@
 """Own MiniMax-M2 (`minimax_m2`) against transformers' MiniMaxM2ForCausalLM on tiny random
 checkpoints (float32): logits and router choices, packed rows, router replay, the gradient of
-one loss, the HF state-dict round trip, and configs it cannot run."""
+one loss, the HF state-dict round trip, configs it cannot run; expert parallel over 2 CPU ranks."""
 
 import pathlib
 
@@ -26,25 +26,26 @@ FULL_ROTARY: dict = {}
 
 def make_checkpoint(path: pathlib.Path, variant: dict, *, seed: int = 0) -> pathlib.Path:
     """A tiny MiniMaxM2ForCausalLM with random weights (large enough that routing is decided by
-    the router, not by ties) and random correction biases, saved as a Hugging Face folder."""
+    the router, not by ties) and random correction biases, saved as a Hugging Face folder.
+    `variant` adds to or overrides the config."""
     from transformers import MiniMaxM2Config, MiniMaxM2ForCausalLM
 
-    config = MiniMaxM2Config(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=32,
-        intermediate_size=16,
-        num_hidden_layers=NUM_LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        num_local_experts=NUM_EXPERTS,
-        num_experts_per_tok=TOP_K,
-        initializer_range=0.2,
-        bos_token_id=None,
-        eos_token_id=None,
-        dtype="float32",
-        **variant,
-    )
+    fields = {
+        "vocab_size": VOCAB_SIZE,
+        "hidden_size": 32,
+        "intermediate_size": 16,
+        "num_hidden_layers": NUM_LAYERS,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "num_local_experts": NUM_EXPERTS,
+        "num_experts_per_tok": TOP_K,
+        "initializer_range": 0.2,
+        "bos_token_id": None,
+        "eos_token_id": None,
+        "dtype": "float32",
+    }
+    config = MiniMaxM2Config(**(fields | variant))
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = MiniMaxM2ForCausalLM(config)
@@ -232,3 +233,34 @@ def test_bad_configs_are_refused(partial_checkpoint: pathlib.Path, change: dict,
     config = read_hf_config(partial_checkpoint) | change
     with pytest.raises(ValueError, match=match):
         MiniMaxM2Model(MiniMaxM2ModelArgs.from_hf_config(config))
+
+
+# lora.lora_adapter_tensors names expert adapters only under Qwen's hub names (gate/up/down_proj),
+# not the w1/w3/w2 MiniMax-M2's hub uses; with that mapped, this test passes. Strict: it fails
+# once lora.py learns them, so that the mark goes.
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="LoRA adapter export lacks w1/w3/w2 expert names")
+def test_expert_parallel_trains_as_one_process(tmp_path: pathlib.Path) -> None:
+    """ep=2 on the CPU (gloo, torchrun), as test_expert_parallel runs Qwen3-MoE: same losses,
+    replayed logprobs, updated and published weights, LoRA step and resume under FSDP2 as one
+    process. The routers' correction biases (buffers) come back unchanged."""
+    from primerl_launcher.tiny_model import VOCAB_SIZE as TINY_VOCAB_SIZE
+
+    from ..test_expert_parallel import _assert_matches_one_process, _run_workers, make_ep_data
+
+    # The training helpers sample byte tokens: the tiny tokenizer's vocabulary; weights at the
+    # usual scale, so that a few Adam steps stay in float32's comfortable range.
+    variant = PARTIAL | {"vocab_size": TINY_VOCAB_SIZE, "hidden_size": 64, "intermediate_size": 32}
+    model_dir = make_checkpoint(tmp_path / "ep-minimax-m2", variant | {"initializer_range": 0.02})
+    batches, data = make_ep_data(model_dir, tmp_path)
+    torch.save(torch.load(batches) | {"resume": True}, batches)
+    out = tmp_path / "out"
+    out.mkdir()
+    result = _run_workers(model_dir, batches, out, nproc=2, ep=2)
+    biases = {k: v for k, v in load_model(model_dir).state_dict().items() if k.endswith("e_score_correction_bias")}
+    assert len(biases) == NUM_LAYERS
+    for name, bias in biases.items():
+        assert torch.equal(result["weights"].pop(name), bias) and torch.equal(result["published"].pop(name), bias)
+    _assert_matches_one_process(result, data["reference"], data["probe_routed_experts"])
+    for key in ("loss", "grad_norm", "entropy"):
+        wanted = data["reference"]["metrics"][2][key]
+        assert result["resumed_metrics"][key] == pytest.approx(wanted, rel=1e-5, abs=1e-5), key
