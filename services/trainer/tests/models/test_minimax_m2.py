@@ -227,6 +227,7 @@ def test_multi_token_prediction_layers_are_dropped(partial_checkpoint: pathlib.P
         ({"qk_norm_type": "per_head"}, r"qk_norm_type 'per_head'"),
         ({"shared_intermediate_size": 64}, r"shared_intermediate_size 64"),
         ({"attn_type_list": [0, 1]}, r"attn_type_list"),
+        ({"quantization_config": {"quant_method": "fp8"}}, r"quantization_config \(quant_method 'fp8'\)"),
     ],
 )
 def test_bad_configs_are_refused(partial_checkpoint: pathlib.Path, change: dict, match: str) -> None:

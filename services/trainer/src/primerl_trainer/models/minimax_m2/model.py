@@ -74,6 +74,9 @@ def check_supported_minimax_m2_config(config: dict[str, Any]) -> None:
     # Fields of the hub's config.json that transformers ignores: refused unless they describe
     # the model transformers runs.
     attn_types = config.get("attn_type_list") or []
+    # The hub's MiniMax-M2 is stored in block FP8 (weight_scale_inv beside each weight); the own
+    # model loads unquantized weights only.
+    quantization = (config.get("quantization_config") or {}).get("quant_method")
     unsupported = {
         f"rope type {rope_type!r}": rope_type != "default",
         f"hidden_act {config.get('hidden_act')!r}": config.get("hidden_act", "silu") != "silu",
@@ -86,6 +89,7 @@ def check_supported_minimax_m2_config(config: dict[str, Any]) -> None:
             config.get("shared_intermediate_size")
         ),
         "attn_type_list with linear attention (0)": any(kind != 1 for kind in attn_types),
+        f"quantization_config (quant_method {quantization!r})": bool(config.get("quantization_config")),
     }
     if any(unsupported.values()):
         names = [name for name, present in unsupported.items() if present]
