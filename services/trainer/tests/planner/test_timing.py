@@ -5,7 +5,14 @@ import pytest
 from primerl_trainer.planner.mesh import Mesh, Workload
 from primerl_trainer.planner.rates import GpuRates, LinkRates
 from primerl_trainer.planner.shapes import ModelShape
-from primerl_trainer.planner.timing import estimate_step_time, model_flops_per_token
+from primerl_trainer.planner.timing import (
+    estimate_step_time,
+    local_gradient_bytes_per_param,
+    logprob_bytes_per_logit,
+    model_flops_per_token,
+    ranks_per_token,
+    routing_bytes,
+)
 
 LINK = LinkRates(all_gather_gbps=100.0, reduce_scatter_gbps=100.0, all_to_all_gbps=50.0)
 # One rate per kernel, so that the step time can be worked out by hand.
@@ -23,8 +30,35 @@ def test_dense_step_on_one_gpu_by_hand():
     attention = 2 * 4 * 32 * 1024**2 / 2  # causal forward FLOPs per layer
     per_micro_batch = 3 * linear / 100e12 + 2 * (attention / 40e12 + 2.5 * attention / 20e12)
     assert time.compute == pytest.approx(4 * per_micro_batch)
+    # 130 bytes per logit (bf16 logits), 1024 x 1000 logits per micro-batch, at 1000 GB/s.
+    assert time.logprobs == pytest.approx(4 * 1024 * 1000 * 130 / 1000e9)
+    # One rank: no FSDP traffic; the float32 gradient accumulation: cast (2 + 4), three adds
+    # (2 + 4 + 4 each), the reduce input and the one-rank reduce-scatter (8 each), the float32 cast.
+    assert time.copies == pytest.approx(DENSE.total_params * (6 + 3 * 10 + 8 + 8 + 8) / 1000e9)
     assert time.fsdp == time.ep == time.cp == 0.0
-    assert time.optimizer == pytest.approx(8 * 4 * DENSE.total_params / 1000e9)
+    # AdamW: four reads and three writes of float32; clipping: a read, then a read and a write.
+    assert time.optimizer == pytest.approx(10 * 4 * DENSE.total_params / 1000e9)
+
+
+def test_logprob_and_local_gradient_bytes_by_hand():
+    # Forward: upcast 2+4, /T 8, logsumexp 4+8+8+4, -lse 8, exp 8, lse-x 8, p*(lse-x) 12, sum 4.
+    # Backward: upcast 2+4, /T 8, -lse 8, exp 8, *-g 8, /T 8, written back 4+2.
+    assert logprob_bytes_per_logit(2) == (6 + 8 + 24 + 8 + 8 + 8 + 12 + 4) + (6 + 8 + 8 + 8 + 8 + 8 + 6) == 130
+    assert local_gradient_bytes_per_param(1, 2, 4) == (2 + 4) + 8 + (4 + 4)
+    assert local_gradient_bytes_per_param(8, 2, 2) == (2 + 4) + 7 * (2 + 8) + 8 + 8 + (4 + 2) == 98
+
+
+def test_routing_bytes_by_hand():
+    moe = dataclasses.replace(DENSE, num_dense_layers=0, num_experts=8, top_k=2, moe_intermediate_size=32)
+    copies = 1024 * 2 * 64  # elements of the routed copies
+    # One rank (compiled): forward gather written and read again (3 x 2 bytes), backward 4 x 2.
+    assert routing_bytes(moe, Mesh(world=1), 1024, 2, forward_passes=1) == copies * (6 + 8)
+    # Expert parallel over 2 ranks of 4 experts each: a token's 2 experts both on the other rank
+    # with probability 4/8 * 3/7, so it goes to 2 * (1 - 3/14) ranks on average.
+    assert ranks_per_token(moe, 2) == pytest.approx(2 * (1 - 3 / 14))
+    sent = 1024 * 2 * (1 - 3 / 14) * 64
+    expected = copies * (2 * 6 + 36 + 6 * 2) + sent * 3 * 8  # checkpointed: two forwards
+    assert routing_bytes(moe, Mesh(world=2, ep=2), 1024, 2, forward_passes=2) == pytest.approx(expected)
 
 
 def test_checkpointing_adds_one_forward_of_the_blocks():
@@ -41,13 +75,21 @@ def test_expert_parallel_all_to_alls_by_hand_and_across_nodes():
     moe = dataclasses.replace(DENSE, num_dense_layers=0, num_experts=8, top_k=2, moe_intermediate_size=32)
     workload = Workload(seq_len=1024, tokens_per_step=2048)  # one micro-batch per rank
     time = estimate_step_time(moe, Mesh(world=2, ep=2), workload, RATES)
-    send = 1024 * 2 * 64 * 2  # tokens x top_k x dim x bf16
+    send = 1024 * 2 * (1 - 3 / 14) * 64 * 2  # tokens x ranks each goes to x dim x bf16
     assert time.ep == pytest.approx(2 * 4 * send / 2 / 50e9)
+    # The experts (ep = N) are local units; the rest is sharded over 2: per micro-batch two
+    # copy-outs of the gathered bf16 (2 + 2 bytes each) and the float32 reduce input (2 + 4).
+    routed = 2 * 8 * 3 * 64 * 32
+    local = routed / 2 * local_gradient_bytes_per_param(1, 2, 4)  # float32 master weights
+    sharded = (moe.total_params - routed) * (8 + 6)
+    routing = 2 * routing_bytes(moe, Mesh(world=2, ep=2), 1024, 2, forward_passes=1)
+    assert time.copies == pytest.approx((local + sharded + routing) / 1000e9)
+    moe16 = dataclasses.replace(moe, num_experts=16)  # ep 16 needs 16 experts
     wide = estimate_step_time(
-        moe, Mesh(world=16, ep=8), dataclasses.replace(workload, tokens_per_step=16 * 1024), RATES
+        moe16, Mesh(world=16, ep=8), dataclasses.replace(workload, tokens_per_step=16 * 1024), RATES
     )
     inter = estimate_step_time(
-        moe, Mesh(world=16, ep=16), dataclasses.replace(workload, tokens_per_step=16 * 1024), RATES
+        moe16, Mesh(world=16, ep=16), dataclasses.replace(workload, tokens_per_step=16 * 1024), RATES
     )
     assert inter.ep > 5 * wide.ep  # 16 ranks leave the 8-GPU node
 

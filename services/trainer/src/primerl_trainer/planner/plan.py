@@ -61,7 +61,8 @@ def format_table(
         f"per step in rows of {workload.seq_len:,}; master weights {8 * workload.master_bytes}-bit, compute "
         f"{8 * workload.compute_bytes}-bit; loss path {workload.loss}",
         f"{'mesh':<17} {'AC':<3} {'GiB/GPU':>8} {'states':>7} {'fsdp':>6} {'activ':>6} {'cp':>5} {'ep':>5} "
-        f"{'logits':>6} {'fits':<4} {'step s':>8} {'comp':>7} {'fsdp':>6} {'ep':>6} {'cp':>6} {'opt':>5} "
+        f"{'logits':>6} {'fits':<4} {'step s':>8} {'comp':>7} {'lgprb':>6} {'copy':>6} {'fsdp':>6} {'ep':>6} {'cp':>6} "
+        f"{'opt':>5} "
         f"{'tok/s/GPU':>9} {'MFU':>6}",
     ]
     shown = rows if limit is None else rows[:limit]
@@ -74,9 +75,11 @@ def format_table(
             f"{label:<17} {'on' if row.activation_checkpointing else 'off':<3} {m.total / _GIB:>8.1f} "
             f"{m.states / _GIB:>7.1f} {m.fsdp / _GIB:>6.1f} {m.activations / _GIB:>6.1f} {m.cp / _GIB:>5.1f} "
             f"{m.ep / _GIB:>5.1f} {m.logits / _GIB:>6.1f} {'yes' if row.fits else 'no':<4} {t.total:>8.2f} "
-            f"{t.compute:>7.2f} {t.fsdp:>6.2f} {t.ep:>6.2f} {t.cp:>6.2f} {t.optimizer:>5.2f} "
+            f"{t.compute:>7.2f} {t.logprobs:>6.2f} {t.copies:>6.2f} {t.fsdp:>6.2f} {t.ep:>6.2f} {t.cp:>6.2f} "
+            f"{t.optimizer:>5.2f} "
             f"{row.tokens_per_s_per_gpu:>9.0f} {row.mfu:>6.1%}"
         )
+    lines.append("GiB parts: at the step's peak, the loss's backward (logits > 0) or the largest layer's")
     if limit is not None and len(rows) > len(shown):
         lines.append(f"... {len(rows) - len(shown)} more (--top 0 shows all)")
     if configured is not None:

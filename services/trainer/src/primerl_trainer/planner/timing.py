@@ -6,25 +6,45 @@ Per micro-batch on one GPU (t = seq_len / cp tokens):
   local experts); with activation checkpointing the blocks' forward runs twice.
 - attention core: 2 * heads * (qk + v dims) * seq^2 / 2 causal FLOPs per sequence, a cp-th of it
   per GPU, at the measured forward and backward rates (backward counted as 2.5x the forward).
-- FSDP: each block all-gathered in forward and again in backward, its gradient reduce-scattered
-  in float32, every micro-batch; overlapped with compute, so only what exceeds it counts.
+- logprobs: the trainer's unfused logprob/entropy path (losses.token_logprobs) reads and writes
+  every [tokens, vocab] logit many times over in float32 (`logprob_bytes_per_logit`), at the HBM
+  rate.
+- copies (memory-bound work on the compute stream, at the HBM rate): the MoE layers' row
+  gathers and weighted sums between token and expert order (`routing_bytes`); FSDP's copies of
+  the sharded units each micro-batch (gathered copy-out, float32 reduce-scatter input); the
+  local units' float32 gradient accumulation and their one reduction per step
+  (`local_gradient_bytes_per_param`).
+- FSDP: each sharded block all-gathered in forward and again in backward, its gradient
+  reduce-scattered in float32, every micro-batch; overlapped with compute, so only what exceeds
+  it counts. Local units (one-rank meshes) move nothing between GPUs.
 - expert parallel: dispatch and combine all-to-alls per MoE layer, forward and backward (and the
-  recomputed forward), on the critical path.
+  recomputed forward), on the critical path; each token goes once to each rank holding one of its
+  experts (balanced random routing), not once per expert.
 - context parallel: each layer's K/V all-gather forward (and recomputed forward) and the
   reduce-scatter of their gradients backward, on the critical path.
-Then the optimizer: AdamW and gradient clipping read and write the local shard at HBM speed.
+Then the optimizer: AdamW and gradient clipping read and write the local shard at the HBM rate.
+Not counted: host time (kernel launches, the EP dispatch's per-layer host sync, which lets the
+GPU run dry until the host catches up), NCCL kernels waiting for a late peer, the blocks' own
+elementwise work (norms, rope, activations: compiled, and small next to the above).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from primerl_trainer.planner.memory import block_params
+from primerl_trainer.planner.memory import block_params, param_split
 from primerl_trainer.planner.mesh import Mesh, Workload
 from primerl_trainer.planner.rates import GpuRates
 from primerl_trainer.planner.shapes import ModelShape
 
-__all__ = ["StepTime", "estimate_step_time", "model_flops_per_token"]
+__all__ = [
+    "StepTime",
+    "estimate_step_time",
+    "local_gradient_bytes_per_param",
+    "logprob_bytes_per_logit",
+    "model_flops_per_token",
+    "routing_bytes",
+]
 
 _ATTENTION_BACKWARD_FLOPS = 2.5  # backward FLOPs over forward FLOPs of attention (rates' convention)
 
@@ -34,6 +54,8 @@ class StepTime:
     """Seconds per optimizer step, by part (fsdp: only what compute does not hide)."""
 
     compute: float
+    logprobs: float
+    copies: float
     fsdp: float
     ep: float
     cp: float
@@ -99,17 +121,77 @@ def _attention_backward_extra_s(shape: ModelShape, mesh: Mesh, workload: Workloa
     return shape.num_layers * (backward - 2 * causal_flops / (fwd_tflops * 1e12))
 
 
+def logprob_bytes_per_logit(compute_bytes: int) -> int:
+    """HBM bytes token_logprobs moves per logit, forward and backward (B_c: the logits' bytes;
+    every pass over a float32 chunk reads 4 and writes 4)."""
+    # Upcast; / temperature; logsumexp (amax, subtract, exp, sum); - lse; exp; lse - x;
+    # p * (lse - x) (two reads); sum.
+    forward = (compute_bytes + 4) + 8 + (4 + 8 + 8 + 4) + 8 + 8 + 8 + 12 + 4
+    # Upcast; / temperature; - lse; exp; * -grad; / temperature; the gradient written in B_c.
+    backward = (compute_bytes + 4) + 8 + 8 + 8 + 8 + 8 + (4 + compute_bytes)
+    return forward + backward
+
+
+def local_gradient_bytes_per_param(micro_batches: int, compute_bytes: int, master_bytes: int) -> int:
+    """HBM bytes per parameter of a local FSDP unit's gradient handling over one step: the first
+    micro-batch's B_c gradient cast to the float32 accumulator, each later one added to it (two
+    reads, a write); then the one reduction: the float32 reduce input (a copy), the one-rank
+    reduce-scatter (a copy) and the cast to the B_m gradient."""
+    reduce = 8 + (4 + master_bytes)
+    if micro_batches == 1:
+        return (compute_bytes + 4) + reduce
+    return (compute_bytes + 4) + (micro_batches - 1) * (compute_bytes + 8) + 8 + reduce
+
+
+def ranks_per_token(shape: ModelShape, ep: int) -> float:
+    """Expected ranks holding at least one of a token's top_k experts (balanced random routing)."""
+    if ep == 1:
+        return 1.0
+    local = shape.num_experts // ep
+    none_here = 1.0  # probability that none of the token's experts is on a given rank
+    for i in range(shape.top_k):
+        none_here *= (shape.num_experts - local - i) / (shape.num_experts - i)
+    return ep * (1 - none_here)
+
+
+def routing_bytes(shape: ModelShape, mesh: Mesh, tokens: float, compute_bytes: int, *, forward_passes: int) -> float:
+    """HBM bytes of one MoE layer's moves between token and expert order for `tokens` tokens:
+    forward(s) and backward. On one rank the gathers are compiled into the block (a row read and
+    written, the weighted sum reads each copy; backward: the copies' gradient gathered and
+    written, the outputs read again for the scores' gradient, each token's copies summed). Under
+    expert parallel the dispatcher runs eagerly: its backward of the weighted sum goes through
+    float32 copies of the gathered rows (36 + 6 B_c bytes per element), and the rows sent to
+    each rank are gathered, and summed back, once more each way."""
+    b_c = compute_bytes
+    copies = tokens * shape.top_k * shape.hidden_size
+    if mesh.ep == 1:
+        return copies * (forward_passes * 3 * b_c + 4 * b_c)
+    sent = tokens * ranks_per_token(shape, mesh.ep) * shape.hidden_size
+    return copies * (forward_passes * 3 * b_c + 36 + 6 * b_c) + sent * (forward_passes + 1) * 4 * b_c
+
+
 def estimate_step_time(shape: ModelShape, mesh: Mesh, workload: Workload, rates: GpuRates) -> StepTime:
     micro_batches = workload.micro_batches_per_rank(mesh)
     t = workload.seq_len / mesh.cp
     b_c = workload.compute_bytes
+    hbm = rates.hbm_gbps * 1e9
 
     blocks_fwd, head_fwd = _forward_compute_s(shape, mesh, workload, rates)
     forward_passes = 2 if workload.activation_checkpointing else 1
     compute = blocks_fwd * (2 + forward_passes) + head_fwd * 3
     compute += _attention_backward_extra_s(shape, mesh, workload, rates)
 
-    # FSDP: every block's non-expert part over all N ranks, its experts over N / ep ranks, ep apart.
+    logprobs = 0.0
+    if workload.loss == "logits":
+        logprobs = t * shape.vocab_size * logprob_bytes_per_logit(b_c) / hbm
+
+    split = param_split(shape, mesh)
+    # Per micro-batch: the MoE layers' row moves; the sharded units' copy-out of each of their two
+    # all-gathers and their float32 reduce-scatter input.
+    copies = shape.num_moe_layers * routing_bytes(shape, mesh, t, b_c, forward_passes=forward_passes) / hbm
+    copies += split.sharded * (2 * 2 * b_c + b_c + 4) / hbm
+
+    # FSDP: the sharded units' non-expert part over all N ranks, experts over N / ep, ep apart.
     dense_link = rates.link(mesh.world, spans_nodes=_spans_nodes(mesh.world, 1, rates))
     expert_group = mesh.world // mesh.ep
     expert_link = rates.link(expert_group, spans_nodes=_spans_nodes(expert_group, mesh.ep, rates))
@@ -123,12 +205,12 @@ def estimate_step_time(shape: ModelShape, mesh: Mesh, workload: Workload, rates:
     head = shape.vocab_size * shape.hidden_size * (1 if shape.tie_embeddings else 2)
     fsdp += 2 * _collective_s(head * b_c, mesh.world, dense_link.all_gather_gbps)
     fsdp += _collective_s(head * 4, mesh.world, dense_link.reduce_scatter_gbps)
-    fsdp_exposed = max(0.0, fsdp - compute)
+    fsdp_exposed = max(0.0, fsdp - compute - copies)
 
     ep = 0.0
     if mesh.ep > 1 and shape.num_moe_layers:
         link = rates.link(mesh.ep, spans_nodes=_spans_nodes(mesh.ep, 1, rates))
-        send_bytes = t * shape.top_k * shape.hidden_size * b_c
+        send_bytes = t * ranks_per_token(shape, mesh.ep) * shape.hidden_size * b_c
         all_to_alls = 2 * (forward_passes + 1)  # dispatch + combine, per forward and the backward
         ep = shape.num_moe_layers * all_to_alls * _collective_s(send_bytes, mesh.ep, link.all_to_all_gbps)
 
@@ -139,11 +221,15 @@ def estimate_step_time(shape: ModelShape, mesh: Mesh, workload: Workload, rates:
         gathers = forward_passes * _collective_s(kv_bytes, mesh.cp, link.all_gather_gbps)
         cp = shape.num_layers * (gathers + _collective_s(kv_bytes, mesh.cp, link.reduce_scatter_gbps))
 
-    # AdamW reads parameter, gradient and both moments and writes three back; clipping reads the
-    # gradient once more.
-    optimizer = 8 * workload.master_bytes * shape.total_params / mesh.world / (rates.hbm_gbps * 1e9)
+    # Once per step: the local units' gradients; AdamW reads parameter, gradient and both moments
+    # and writes three back; clipping reads the gradient for its norm, then scales it in place.
+    b_m = workload.master_bytes
+    local_grads = split.local * local_gradient_bytes_per_param(micro_batches, b_c, b_m) / hbm
+    optimizer = (7 + 3) * b_m * shape.total_params / mesh.world / hbm
     return StepTime(
         compute=micro_batches * compute,
+        logprobs=micro_batches * logprobs,
+        copies=micro_batches * copies + local_grads,
         fsdp=micro_batches * fsdp_exposed,
         ep=micro_batches * ep,
         cp=micro_batches * cp,
