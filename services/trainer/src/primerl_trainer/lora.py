@@ -64,7 +64,11 @@ TARGETS = (*LINEAR_TARGETS, "experts")
 _HF_ALIASES = {f"{name}_proj": name for name in LINEAR_TARGETS}
 # <module>.parametrizations.<param>.original, or .0.<lora parameter>
 _PARAMETRIZED = re.compile(r"(?P<module>.+)\.parametrizations\.(?P<param>[^.]+)\.(?:original|0\.(?P<lora>[^.]+))")
-_HF_EXPERT = re.compile(r"(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight")
+_HF_EXPERT = re.compile(
+    r"(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w3|w2)\.weight"
+)
+# Mixtral-style checkpoints (MiniMax-M2) name an expert's projections w1 (gate), w3 (up), w2 (down).
+_MIXTRAL_EXPERT_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
 class LinearLoRA(nn.Module):
@@ -264,6 +268,7 @@ def lora_adapter_tensors(
         for hf_name in hf_names:
             match = _HF_EXPERT.fullmatch(hf_name)
             assert match is not None, hf_name
-            modules[int(match["expert"]), match["proj"]] = f"{match['prefix']}.{match['expert']}.{match['proj']}"
+            proj = _MIXTRAL_EXPERT_PROJ.get(match["proj"], match["proj"])
+            modules[int(match["expert"]), proj] = f"{match['prefix']}.{match['expert']}.{match['proj']}"
         for expert, per_expert in enumerate(tensor.unbind(0)):
             yield f"base_model.model.{modules[expert, f'{projection}_proj']}.lora_{ab}.weight", per_expert

@@ -239,7 +239,6 @@ def test_bad_configs_are_refused(partial_checkpoint: pathlib.Path, change: dict,
 # lora.lora_adapter_tensors names expert adapters only under Qwen's hub names (gate/up/down_proj),
 # not the w1/w3/w2 MiniMax-M2's hub uses; with that mapped, this test passes. Strict: it fails
 # once lora.py learns them, so that the mark goes.
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="LoRA adapter export lacks w1/w3/w2 expert names")
 def test_expert_parallel_trains_as_one_process(tmp_path: pathlib.Path) -> None:
     """ep=2 on the CPU (gloo, torchrun), as test_expert_parallel runs Qwen3-MoE: same losses,
     replayed logprobs, updated and published weights, LoRA step and resume under FSDP2 as one
