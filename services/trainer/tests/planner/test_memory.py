@@ -66,6 +66,16 @@ def test_one_gpu_blocks_moment_holds_float32_accumulators():
     assert memory.logits == 0.0
 
 
+def test_optimizer_temporary_can_set_the_peak():
+    # Two tokens, float32 master weights, one micro-batch: the blocks' backward holds parameters,
+    # moments and float32 gradients (16 bytes), the bf16 copies (2) and one block's gradient and
+    # reduce input; AdamW's sqrt of the second moment makes 20 bytes per parameter.
+    workload = Workload(seq_len=2, tokens_per_step=2, master_bytes=4, loss="fused")
+    memory = estimate_memory(SHAPE, Mesh(world=1), workload, RATES)
+    assert memory.moment == "optimizer"
+    assert memory.states == memory.total == 20 * SHAPE.total_params
+
+
 def test_expert_parallel_over_every_rank_keeps_the_experts_gathered():
     # ep = N = 2: the experts' FSDP mesh is one rank (local units), the rest is sharded over 2.
     workload = Workload(seq_len=512, tokens_per_step=4 * 512, master_bytes=2, loss="fused")  # 2 per rank

@@ -10,6 +10,7 @@ from primerl_trainer.planner.timing import (
     local_gradient_bytes_per_param,
     logprob_bytes_per_logit,
     model_flops_per_token,
+    optimizer_bytes_per_param,
     ranks_per_token,
     routing_bytes,
 )
@@ -36,14 +37,16 @@ def test_dense_step_on_one_gpu_by_hand():
     # (2 + 4 + 4 each), the reduce input and the one-rank reduce-scatter (8 each), the float32 cast.
     assert time.copies == pytest.approx(DENSE.total_params * (6 + 3 * 10 + 8 + 8 + 8) / 1000e9)
     assert time.fsdp == time.ep == time.cp == 0.0
-    # AdamW: four reads and three writes of float32; clipping: a read, then a read and a write.
-    assert time.optimizer == pytest.approx(10 * 4 * DENSE.total_params / 1000e9)
+    # Clipping and foreach AdamW: 23 float32 passes (see below).
+    assert time.optimizer == pytest.approx(23 * 4 * DENSE.total_params / 1000e9)
 
 
 def test_logprob_and_local_gradient_bytes_by_hand():
     # Forward: upcast 2+4, /T 8, logsumexp 4+8+8+4, -lse 8, exp 8, lse-x 8, p*(lse-x) 12, sum 4.
     # Backward: upcast 2+4, /T 8, -lse 8, exp 8, *-g 8, /T 8, written back 4+2.
     assert logprob_bytes_per_logit(2) == (6 + 8 + 24 + 8 + 8 + 8 + 12 + 4) + (6 + 8 + 8 + 8 + 8 + 8 + 6) == 130
+    # Clipping: norm 1, scale 2; AdamW: p*= 2, lerp 3, v*= 2, addcmul 3, sqrt 2, /= 2, += 2, addcdiv 4.
+    assert optimizer_bytes_per_param(2) == (1 + 2 + 2 + 3 + 2 + 3 + 2 + 2 + 2 + 4) * 2 == 46
     assert local_gradient_bytes_per_param(1, 2, 4) == (2 + 4) + 8 + (4 + 4)
     assert local_gradient_bytes_per_param(8, 2, 2) == (2 + 4) + 7 * (2 + 8) + 8 + 8 + (4 + 2) == 98
 

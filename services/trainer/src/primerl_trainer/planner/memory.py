@@ -1,9 +1,12 @@
 """Peak memory per GPU of one training step, by part.
 
-A step's peak is the larger of two moments of its last micro-batch's backward (the logits and
-their gradient are freed before the blocks' backward starts, so the two never add up):
-- "loss": the loss's backward, when the logits and their gradient are both alive;
-- "blocks": the backward through the largest layer (recomputed under activation checkpointing).
+A step's peak is the largest of three moments (the logits and their gradient are freed before
+the blocks' backward starts, activations before the optimizer runs, so none of them add up):
+- "loss": the last micro-batch's loss backward, when the logits and their gradient are both alive;
+- "blocks": its backward through the largest layer (recomputed under activation checkpointing);
+- "optimizer": the step of torch's foreach AdamW (the trainer's TritonAdamW defers to it for
+  FSDP's DTensor parameters), whose sqrt of the second moment is one temporary the size of the
+  parameters; FSDP has resharded every unit after backward.
 
 Parameters fall in two kinds of FSDP units (B_m = master bytes, B_c = compute bytes, N ranks):
 - local units, whose mesh has one rank (every unit on one GPU; the routed experts when ep = N):
@@ -17,7 +20,7 @@ Parameters fall in two kinds of FSDP units (B_m = master bytes, B_c = compute by
 What each part counts (bytes, per GPU):
 - states: parameters and both AdamW moments in B_m, sharded (experts over ep, then over N / ep),
   and the B_m gradient shards that exist at that moment (none before the first reduction: the
-  trainer sets gradients to None after each step).
+  trainer sets gradients to None after each step); at "optimizer", AdamW's temporary.
 - fsdp: the gathered and accumulating copies above.
 - activations: what autograd keeps for backward, per token and layer (`layer_activation_elements`),
   over the seq_len / cp tokens of one micro-batch on this GPU; with activation checkpointing only
@@ -53,7 +56,7 @@ class MemoryEstimate:
     cp: float
     ep: float
     logits: float
-    moment: Literal["loss", "blocks"] = "blocks"
+    moment: Literal["loss", "blocks", "optimizer"] = "blocks"
 
     @property
     def total(self) -> float:
@@ -198,4 +201,8 @@ def estimate_memory(shape: ModelShape, mesh: Mesh, workload: Workload, rates: Gp
         logits=0.0,
         moment="blocks",
     )
-    return max(loss, blocks, key=lambda estimate: estimate.total)
+    shard = split.local + split.sharded_shard
+    optimizer = MemoryEstimate(
+        states=4 * b_m * shard + b_m * shard, fsdp=0.0, activations=0.0, cp=0.0, ep=0.0, logits=0.0, moment="optimizer"
+    )
+    return max(loss, blocks, optimizer, key=lambda estimate: estimate.total)

@@ -79,7 +79,9 @@ def format_table(
             f"{t.optimizer:>5.2f} "
             f"{row.tokens_per_s_per_gpu:>9.0f} {row.mfu:>6.1%}"
         )
-    lines.append("GiB parts: at the step's peak, the loss's backward (logits > 0) or the largest layer's")
+    lines.append(
+        "GiB parts: at the step's peak, the loss's backward (logits > 0), the largest layer's or the optimizer's"
+    )
     if limit is not None and len(rows) > len(shown):
         lines.append(f"... {len(rows) - len(shown)} more (--top 0 shows all)")
     if configured is not None:

@@ -22,7 +22,8 @@ Per micro-batch on one GPU (t = seq_len / cp tokens):
   experts (balanced random routing), not once per expert.
 - context parallel: each layer's K/V all-gather forward (and recomputed forward) and the
   reduce-scatter of their gradients backward, on the critical path.
-Then the optimizer: AdamW and gradient clipping read and write the local shard at the HBM rate.
+Then the optimizer: gradient clipping and torch's foreach AdamW, one pass over the local shard per
+foreach op (`optimizer_bytes_per_param`), at the HBM rate.
 Not counted: host time (kernel launches, the EP dispatch's per-layer host sync, which lets the
 GPU run dry until the host catches up), NCCL kernels waiting for a late peer, the blocks' own
 elementwise work (norms, rope, activations: compiled, and small next to the above).
@@ -43,6 +44,7 @@ __all__ = [
     "local_gradient_bytes_per_param",
     "logprob_bytes_per_logit",
     "model_flops_per_token",
+    "optimizer_bytes_per_param",
     "routing_bytes",
 ]
 
@@ -130,6 +132,16 @@ def logprob_bytes_per_logit(compute_bytes: int) -> int:
     # Upcast; / temperature; - lse; exp; * -grad; / temperature; the gradient written in B_c.
     backward = (compute_bytes + 4) + 8 + 8 + 8 + 8 + 8 + (4 + compute_bytes)
     return forward + backward
+
+
+def optimizer_bytes_per_param(master_bytes: int) -> int:
+    """HBM bytes per parameter of clipping and torch's foreach AdamW (the trainer's TritonAdamW
+    defers to it for FSDP's DTensor parameters), in B_m: one pass per foreach op."""
+    clip = 1 + 2  # the norm reads the gradient; the scaling reads and writes it
+    # p *= 1 - lr * wd; m.lerp_(g); v *= b2; v.addcmul_(g, g); s = sqrt(v); s /= c2; s += eps;
+    # p.addcdiv_(m, s).
+    adamw = 2 + 3 + 2 + 3 + 2 + 2 + 2 + 4
+    return (clip + adamw) * master_bytes
 
 
 def local_gradient_bytes_per_param(micro_batches: int, compute_bytes: int, master_bytes: int) -> int:
@@ -221,11 +233,10 @@ def estimate_step_time(shape: ModelShape, mesh: Mesh, workload: Workload, rates:
         gathers = forward_passes * _collective_s(kv_bytes, mesh.cp, link.all_gather_gbps)
         cp = shape.num_layers * (gathers + _collective_s(kv_bytes, mesh.cp, link.reduce_scatter_gbps))
 
-    # Once per step: the local units' gradients; AdamW reads parameter, gradient and both moments
-    # and writes three back; clipping reads the gradient for its norm, then scales it in place.
+    # Once per step: the local units' gradients; the optimizer.
     b_m = workload.master_bytes
     local_grads = split.local * local_gradient_bytes_per_param(micro_batches, b_c, b_m) / hbm
-    optimizer = (7 + 3) * b_m * shape.total_params / mesh.world / hbm
+    optimizer = optimizer_bytes_per_param(b_m) * shape.total_params / mesh.world / hbm
     return StepTime(
         compute=micro_batches * compute,
         logprobs=micro_batches * logprobs,
