@@ -33,9 +33,12 @@ def test_dense_step_on_one_gpu_by_hand():
     assert time.compute == pytest.approx(4 * per_micro_batch)
     # 130 bytes per logit (bf16 logits), 1024 x 1000 logits per micro-batch, at 1000 GB/s.
     assert time.logprobs == pytest.approx(4 * 1024 * 1000 * 130 / 1000e9)
-    # One rank: no FSDP traffic; the float32 gradient accumulation: cast (2 + 4), three adds
-    # (2 + 4 + 4 each), the reduce input and the one-rank reduce-scatter (8 each), the float32 cast.
-    assert time.copies == pytest.approx(DENSE.total_params * (6 + 3 * 10 + 8 + 8 + 8) / 1000e9)
+    # One rank: no FSDP traffic. Each micro-batch gathers every unit again: copy-in cast from
+    # float32 (4 + 2), the one-rank all-gather and the copy-out (2 + 2 each). The float32 gradient
+    # accumulation: cast (2 + 4), three adds (2 + 4 + 4 each), the reduce input and the one-rank
+    # reduce-scatter (8 each), the float32 cast (4 + 4).
+    gathers = 4 * (6 + 4 + 4)
+    assert time.copies == pytest.approx(DENSE.total_params * (gathers + 6 + 3 * 10 + 8 + 8 + 8) / 1000e9)
     assert time.fsdp == time.ep == time.cp == 0.0
     # Clipping and foreach AdamW: 23 float32 passes (see below).
     assert time.optimizer == pytest.approx(23 * 4 * DENSE.total_params / 1000e9)
@@ -83,7 +86,8 @@ def test_expert_parallel_all_to_alls_by_hand_and_across_nodes():
     # The experts (ep = N) are local units; the rest is sharded over 2: per micro-batch two
     # copy-outs of the gathered bf16 (2 + 2 bytes each) and the float32 reduce input (2 + 4).
     routed = 2 * 8 * 3 * 64 * 32
-    local = routed / 2 * local_gradient_bytes_per_param(1, 2, 4)  # float32 master weights
+    # The experts' forward gather (float32 master weights: 4 + 2, then 4, 4), their gradient.
+    local = routed / 2 * ((6 + 4 + 4) + local_gradient_bytes_per_param(1, 2, 4))
     sharded = (moe.total_params - routed) * (8 + 6)
     routing = 2 * routing_bytes(moe, Mesh(world=2, ep=2), 1024, 2, forward_passes=1)
     assert time.copies == pytest.approx((local + sharded + routing) / 1000e9)

@@ -10,10 +10,10 @@ Per micro-batch on one GPU (t = seq_len / cp tokens):
   every [tokens, vocab] logit many times over in float32 (`logprob_bytes_per_logit`), at the HBM
   rate.
 - copies (memory-bound work on the compute stream, at the HBM rate): the MoE layers' row
-  gathers and weighted sums between token and expert order (`routing_bytes`); FSDP's copies of
-  the sharded units each micro-batch (gathered copy-out, float32 reduce-scatter input); the
-  local units' float32 gradient accumulation and their one reduction per step
-  (`local_gradient_bytes_per_param`).
+  gathers and weighted sums between token and expert order (`routing_bytes`); FSDP's copies each
+  micro-batch (sharded units: gathered copy-out, float32 reduce-scatter input; local units: their
+  forward gather, on one rank three copies); the local units' float32 gradient accumulation and
+  their one reduction per step (`local_gradient_bytes_per_param`).
 - FSDP: each sharded block all-gathered in forward and again in backward, its gradient
   reduce-scattered in float32, every micro-batch; overlapped with compute, so only what exceeds
   it counts. Local units (one-rank meshes) move nothing between GPUs.
@@ -199,9 +199,12 @@ def estimate_step_time(shape: ModelShape, mesh: Mesh, workload: Workload, rates:
 
     split = param_split(shape, mesh)
     # Per micro-batch: the MoE layers' row moves; the sharded units' copy-out of each of their two
-    # all-gathers and their float32 reduce-scatter input.
+    # all-gathers and their float32 reduce-scatter input; the local units' forward gather (FSDP
+    # reshards every unit after backward, torch's default, so each micro-batch gathers them again):
+    # the copy-in cast to B_c, the one-rank all-gather (a copy) and the copy-out.
     copies = shape.num_moe_layers * routing_bytes(shape, mesh, t, b_c, forward_passes=forward_passes) / hbm
     copies += split.sharded * (2 * 2 * b_c + b_c + 4) / hbm
+    copies += split.local * (workload.master_bytes + b_c + 2 * b_c + 2 * b_c) / hbm
 
     # FSDP: the sharded units' non-expert part over all N ranks, experts over N / ep, ep apart.
     dense_link = rates.link(mesh.world, spans_nodes=_spans_nodes(mesh.world, 1, rates))
