@@ -25,8 +25,9 @@ Per micro-batch on one GPU (t = seq_len / cp tokens):
 Then the optimizer: gradient clipping and torch's foreach AdamW, one pass over the local shard per
 foreach op (`optimizer_bytes_per_param`), at the HBM rate.
 Not counted: host time (kernel launches, the EP dispatch's per-layer host sync, which lets the
-GPU run dry until the host catches up), NCCL kernels waiting for a late peer, the blocks' own
-elementwise work (norms, rope, activations: compiled, and small next to the above).
+GPU run dry until the host catches up), NCCL kernels waiting for a late peer, kernels slower than
+the copy rate (the eager dispatch's row gathers, aten::index), the blocks' own elementwise work
+(norms, rope, activations: compiled, and small next to the above).
 """
 
 from __future__ import annotations
