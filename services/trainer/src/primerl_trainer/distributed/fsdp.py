@@ -98,10 +98,8 @@ def _experts_placement(mesh_size: int) -> Callable[[nn.Parameter], Shard | None]
 
 def defer_local_gradient_reduction(model: nn.Module, defer: bool) -> None:
     """Whether the next backward leaves the gradients of `model`'s single-rank FSDP units
-    unreduced (accumulated unsharded in the reduce dtype, as FSDP does without gradient sync)
-    and their parameters gathered for the next micro-batch: True for every micro-batch of a step
-    but the last, after which they are reduced and resharded for the optimizer. A model not
-    sharded by `apply_fsdp` is left alone."""
+    unreduced (accumulated unsharded in the reduce dtype, as FSDP does without gradient sync):
+    True for every micro-batch of a step but the last. A model not sharded by `apply_fsdp` is
+    left alone."""
     for unit in getattr(model, "primerl_local_fsdp_units", ()):
         unit.set_requires_gradient_sync(not defer, recurse=False)
-        unit.set_reshard_after_backward(not defer, recurse=False)
