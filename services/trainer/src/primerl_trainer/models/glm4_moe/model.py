@@ -18,16 +18,13 @@ from dataclasses import dataclass
 from typing import Any, Self
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from primerl_trainer.models.common.attention import AttentionMask, attention
 from primerl_trainer.models.common.feed_forward import FeedForward
-from primerl_trainer.models.common.norms import RMSNorm
 from primerl_trainer.models.common.rope import apply_rope
-from primerl_trainer.models.moe import GroupedSigmoidRouting, MoE
-from primerl_trainer.models.qwen3.model import common_args_from_hf_config
-from primerl_trainer.models.qwen3_moe.model import Qwen3MoeModel, Qwen3MoeModelArgs
+from primerl_trainer.models.moe import GroupedSigmoidRouting
+from primerl_trainer.models.qwen3.model import Attention, TransformerBlock, common_args_from_hf_config
+from primerl_trainer.models.qwen3_moe.model import MoETransformerBlock, Qwen3MoeModel, Qwen3MoeModelArgs
 
 # transformers' default when a config does not name it (Glm4MoeConfig keeps it for old files).
 DEFAULT_PARTIAL_ROTARY_FACTOR = 0.5
@@ -89,34 +86,20 @@ def check_supported_glm4_moe_config(config: dict[str, Any]) -> None:
         raise ValueError(f"config uses features the own GLM-4.5 implementation lacks: {names}; use impl='hf'")
 
 
-class Glm4MoeAttention(nn.Module):
-    def __init__(self, args: Glm4MoeModelArgs) -> None:
-        super().__init__()
-        if args.num_heads % args.num_kv_heads:
-            raise ValueError(f"num_heads ({args.num_heads}) must be a multiple of num_kv_heads ({args.num_kv_heads})")
-        self.head_dim = args.head_dim
-        bias = args.attention_bias
-        self.wq = nn.Linear(args.dim, args.num_heads * args.head_dim, bias=bias)
-        self.wk = nn.Linear(args.dim, args.num_kv_heads * args.head_dim, bias=bias)
-        self.wv = nn.Linear(args.dim, args.num_kv_heads * args.head_dim, bias=bias)
-        self.wo = nn.Linear(args.num_heads * args.head_dim, args.dim, bias=False)
-        self.q_norm = RMSNorm(args.head_dim, eps=args.norm_eps) if args.qk_norm else None
-        self.k_norm = RMSNorm(args.head_dim, eps=args.norm_eps) if args.qk_norm else None
+class Glm4MoeAttention(Attention):
+    """Qwen3's, with optional q/k/v bias and q/k norm, and partial rotary."""
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: AttentionMask) -> torch.Tensor:
-        batch_size, seq_len, _ = x.shape
-        # q, k and v in one product, as Qwen3's attention does (three parameters, one matmul).
-        projections = (self.wq, self.wk, self.wv)
-        bias = torch.cat([p.bias for p in projections]) if self.wq.bias is not None else None
-        qkv = F.linear(x, torch.cat([p.weight for p in projections]), bias)
-        q, k, v = qkv.split([p.out_features for p in projections], dim=-1)
-        q = q.view(batch_size, seq_len, -1, self.head_dim)
-        k = k.view(batch_size, seq_len, -1, self.head_dim)
-        v = v.view(batch_size, seq_len, -1, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_partial_rope(q, *rope), apply_partial_rope(k, *rope)
-        return self.wo(attention(q, k, v, mask).reshape(batch_size, seq_len, -1))
+    def __init__(self, args: Glm4MoeModelArgs) -> None:
+        super().__init__(args, bias=args.attention_bias)
+
+    def build_qk_norms(self, args: Glm4MoeModelArgs) -> tuple[nn.Module | None, nn.Module | None]:
+        return super().build_qk_norms(args) if args.qk_norm else (None, None)
+
+    def qk_heads(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return super().qk_heads(q, k) if self.q_norm is not None else (self.heads(q), self.heads(k))
+
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return apply_partial_rope(x, cos, sin)
 
 
 def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -127,51 +110,37 @@ def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
     return torch.cat((apply_rope(x[..., :rotary_dim], cos, sin), x[..., rotary_dim:]), dim=-1)
 
 
-class Glm4MoeBlock(nn.Module):
-    """Attention, then a dense feed-forward (`feed_forward`) or the routed experts (`moe`) plus
-    the shared experts (`shared_experts`)."""
+class Glm4MoeDenseBlock(TransformerBlock):
+    """The first `first_k_dense_replace` layers: GLM's attention, a dense feed-forward."""
 
-    def __init__(self, args: Glm4MoeModelArgs, *, moe: bool) -> None:
-        super().__init__()
-        self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
-        self.attention = Glm4MoeAttention(args)
-        self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
-        self.is_moe = moe
-        if moe:
-            self.moe = MoE(
-                dim=args.dim,
-                hidden_dim=args.moe_hidden_dim,
-                num_experts=args.num_experts,
-                top_k=args.top_k,
-                norm_topk_prob=args.norm_topk_prob,
-                experts_impl=args.experts_impl,
-                grouped_sigmoid=args.routing,
-            )
-            self.shared_experts = FeedForward(dim=args.dim, hidden_dim=args.moe_hidden_dim * args.num_shared_experts)
-        else:
-            self.feed_forward = FeedForward(dim=args.dim, hidden_dim=args.hidden_dim)
+    def build_attention(self, args: Glm4MoeModelArgs) -> nn.Module:
+        return Glm4MoeAttention(args)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        mask: AttentionMask,
-        replayed_experts_TK: torch.Tensor | None = None,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Dense: hidden states. MoE: (hidden states, expert ids [T, K], tokens per expert [E])."""
-        x = x + self.attention(self.attention_norm(x), rope, mask)
-        h = self.ffn_norm(x)
-        if not self.is_moe:
-            return x + self.feed_forward(h)
+
+class Glm4MoeBlock(MoETransformerBlock):
+    """GLM's attention, then the routed experts (`moe`) plus the shared experts (`shared_experts`)."""
+
+    def __init__(self, args: Glm4MoeModelArgs) -> None:
+        super().__init__(args)
+        self.shared_experts = FeedForward(dim=args.dim, hidden_dim=args.moe_hidden_dim * args.num_shared_experts)
+
+    def build_attention(self, args: Glm4MoeModelArgs) -> nn.Module:
+        return Glm4MoeAttention(args)
+
+    def routing(self, args: Glm4MoeModelArgs) -> GroupedSigmoidRouting:
+        return args.routing
+
+    def run_experts(
+        self, h: torch.Tensor, replayed_experts_TK: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         routed, expert_ids_TK, tokens_per_expert_E = self.moe(h, replayed_experts_TK)
-        return x + (routed + self.shared_experts(h)), expert_ids_TK, tokens_per_expert_E
+        return routed + self.shared_experts(h), expert_ids_TK, tokens_per_expert_E
 
 
 class Glm4MoeModel(Qwen3MoeModel):
     args: Glm4MoeModelArgs
-
-    def build_block(self, layer_id: int) -> nn.Module:
-        return Glm4MoeBlock(self.args, moe=layer_id in self.args.moe_layers)
+    moe_block_cls = Glm4MoeBlock
+    dense_block_cls = Glm4MoeDenseBlock
 
     @property
     def rotary_dim(self) -> int:

@@ -17,15 +17,13 @@ from dataclasses import dataclass
 from typing import Any, Self
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from primerl_trainer.models.common.attention import AttentionMask, attention
 from primerl_trainer.models.common.norms import RMSNorm
 from primerl_trainer.models.glm4_moe.model import apply_partial_rope
-from primerl_trainer.models.moe import GroupedSigmoidRouting, MoE
-from primerl_trainer.models.qwen3.model import common_args_from_hf_config
-from primerl_trainer.models.qwen3_moe.model import Qwen3MoeModel, Qwen3MoeModelArgs
+from primerl_trainer.models.moe import GroupedSigmoidRouting
+from primerl_trainer.models.qwen3.model import Attention, common_args_from_hf_config
+from primerl_trainer.models.qwen3_moe.model import MoETransformerBlock, Qwen3MoeModel, Qwen3MoeModelArgs
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -96,66 +94,34 @@ def check_supported_minimax_m2_config(config: dict[str, Any]) -> None:
         raise ValueError(f"config uses features the own MiniMax-M2 implementation lacks: {names}; use impl='hf'")
 
 
-class MiniMaxM2Attention(nn.Module):
-    def __init__(self, args: MiniMaxM2ModelArgs) -> None:
-        super().__init__()
-        if args.num_heads % args.num_kv_heads:
-            raise ValueError(f"num_heads ({args.num_heads}) must be a multiple of num_kv_heads ({args.num_kv_heads})")
-        self.head_dim = args.head_dim
-        self.wq = nn.Linear(args.dim, args.num_heads * args.head_dim, bias=False)
-        self.wk = nn.Linear(args.dim, args.num_kv_heads * args.head_dim, bias=False)
-        self.wv = nn.Linear(args.dim, args.num_kv_heads * args.head_dim, bias=False)
-        self.wo = nn.Linear(args.num_heads * args.head_dim, args.dim, bias=False)
-        self.q_norm = RMSNorm(args.num_heads * args.head_dim, eps=args.norm_eps)
-        self.k_norm = RMSNorm(args.num_kv_heads * args.head_dim, eps=args.norm_eps)
+class MiniMaxM2Attention(Attention):
+    """Qwen3's, with q/k norms over all of a token's heads and partial rotary."""
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: AttentionMask) -> torch.Tensor:
-        batch_size, seq_len, _ = x.shape
-        # q, k and v in one product, as Qwen3's attention does (three parameters, one matmul).
-        qkv = F.linear(x, torch.cat((self.wq.weight, self.wk.weight, self.wv.weight)))
-        q, k, v = qkv.split((self.wq.out_features, self.wk.out_features, self.wv.out_features), dim=-1)
-        # Normalised before the split into heads: one RMS over all of a token's heads.
-        q = self.q_norm(q).view(batch_size, seq_len, -1, self.head_dim)
-        k = self.k_norm(k).view(batch_size, seq_len, -1, self.head_dim)
-        v = v.view(batch_size, seq_len, -1, self.head_dim)
-        q, k = apply_partial_rope(q, *rope), apply_partial_rope(k, *rope)
-        return self.wo(attention(q, k, v, mask).reshape(batch_size, seq_len, -1))
-
-
-class MiniMaxM2Block(nn.Module):
-    def __init__(self, args: MiniMaxM2ModelArgs) -> None:
-        super().__init__()
-        self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
-        self.attention = MiniMaxM2Attention(args)
-        self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
-        self.moe = MoE(
-            dim=args.dim,
-            hidden_dim=args.moe_hidden_dim,
-            num_experts=args.num_experts,
-            top_k=args.top_k,
-            norm_topk_prob=args.norm_topk_prob,
-            experts_impl=args.experts_impl,
-            grouped_sigmoid=args.routing,
+    def build_qk_norms(self, args: MiniMaxM2ModelArgs) -> tuple[nn.Module | None, nn.Module | None]:
+        return (
+            RMSNorm(args.num_heads * args.head_dim, eps=args.norm_eps),
+            RMSNorm(args.num_kv_heads * args.head_dim, eps=args.norm_eps),
         )
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        mask: AttentionMask,
-        replayed_experts_TK: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """-> (hidden states, expert ids [T, K], tokens per expert [E])."""
-        x = x + self.attention(self.attention_norm(x), rope, mask)
-        moe_out, expert_ids_TK, tokens_per_expert_E = self.moe(self.ffn_norm(x), replayed_experts_TK)
-        return x + moe_out, expert_ids_TK, tokens_per_expert_E
+    def qk_heads(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # Normalised before the split into heads: one RMS over all of a token's heads.
+        return self.heads(self.q_norm(q)), self.heads(self.k_norm(k))
+
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return apply_partial_rope(x, cos, sin)
+
+
+class MiniMaxM2Block(MoETransformerBlock):
+    def build_attention(self, args: MiniMaxM2ModelArgs) -> nn.Module:
+        return MiniMaxM2Attention(args)
+
+    def routing(self, args: MiniMaxM2ModelArgs) -> GroupedSigmoidRouting:
+        return args.routing
 
 
 class MiniMaxM2Model(Qwen3MoeModel):
     args: MiniMaxM2ModelArgs
-
-    def build_block(self, layer_id: int) -> nn.Module:
-        return MiniMaxM2Block(self.args)
+    moe_block_cls = MiniMaxM2Block
 
     @property
     def rotary_dim(self) -> int:

@@ -48,39 +48,59 @@ class Qwen3ModelArgs:
 
 
 class Attention(nn.Module):
-    def __init__(self, args: Qwen3ModelArgs) -> None:
+    """Grouped-query attention with q/k RMSNorm and RoPE. Other families change its particulars
+    through the hooks: `bias` on q/k/v, build_qk_norms, qk_heads and rotate."""
+
+    def __init__(self, args: Qwen3ModelArgs, *, bias: bool = False) -> None:
         super().__init__()
         if args.num_heads % args.num_kv_heads:
             raise ValueError(f"num_heads ({args.num_heads}) must be a multiple of num_kv_heads ({args.num_kv_heads})")
         self.head_dim = args.head_dim
-        self.wq = nn.Linear(args.dim, args.num_heads * args.head_dim, bias=False)
-        self.wk = nn.Linear(args.dim, args.num_kv_heads * args.head_dim, bias=False)
-        self.wv = nn.Linear(args.dim, args.num_kv_heads * args.head_dim, bias=False)
+        self.wq = nn.Linear(args.dim, args.num_heads * args.head_dim, bias=bias)
+        self.wk = nn.Linear(args.dim, args.num_kv_heads * args.head_dim, bias=bias)
+        self.wv = nn.Linear(args.dim, args.num_kv_heads * args.head_dim, bias=bias)
         self.wo = nn.Linear(args.num_heads * args.head_dim, args.dim, bias=False)
-        self.q_norm = RMSNorm(args.head_dim, eps=args.norm_eps)
-        self.k_norm = RMSNorm(args.head_dim, eps=args.norm_eps)
+        self.q_norm, self.k_norm = self.build_qk_norms(args)
+
+    def build_qk_norms(self, args: Qwen3ModelArgs) -> tuple[nn.Module | None, nn.Module | None]:
+        """Qwen3: one weight per head dim, shared by all heads."""
+        return RMSNorm(args.head_dim, eps=args.norm_eps), RMSNorm(args.head_dim, eps=args.norm_eps)
+
+    def heads(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, T, H * head_dim] -> [B, T, H, head_dim]."""
+        return x.view(*x.shape[:-1], -1, self.head_dim)
+
+    def qk_heads(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Projected queries and keys [B, T, H * head_dim] -> normed, [B, T, H, head_dim]."""
+        return self.q_norm(self.heads(q)), self.k_norm(self.heads(k))
+
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return apply_rope(x, cos, sin)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: AttentionMask) -> torch.Tensor:
         batch_size, seq_len, _ = x.shape
         # One matrix product for q, k and v: the weights stay three parameters (checkpoint
         # names, FSDP units); concatenating them costs a copy of the weights, not of the
         # activations, and the product runs at a better efficiency than three narrow ones.
-        qkv = F.linear(x, torch.cat((self.wq.weight, self.wk.weight, self.wv.weight)))
-        q, k, v = qkv.split((self.wq.out_features, self.wk.out_features, self.wv.out_features), dim=-1)
-        q = self.q_norm(q.view(batch_size, seq_len, -1, self.head_dim))
-        k = self.k_norm(k.view(batch_size, seq_len, -1, self.head_dim))
-        v = v.view(batch_size, seq_len, -1, self.head_dim)
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        return self.wo(attention(q, k, v, mask).reshape(batch_size, seq_len, -1))
+        projections = (self.wq, self.wk, self.wv)
+        bias = torch.cat([p.bias for p in projections]) if self.wq.bias is not None else None
+        qkv = F.linear(x, torch.cat([p.weight for p in projections]), bias)
+        q, k, v = qkv.split([p.out_features for p in projections], dim=-1)
+        q, k = self.qk_heads(q, k)
+        q, k = self.rotate(q, *rope), self.rotate(k, *rope)
+        return self.wo(attention(q, k, self.heads(v), mask).reshape(batch_size, seq_len, -1))
 
 
 class TransformerBlock(nn.Module):
     def __init__(self, args: Qwen3ModelArgs) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
-        self.attention = Attention(args)
+        self.attention = self.build_attention(args)
         self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.feed_forward = FeedForward(dim=args.dim, hidden_dim=args.hidden_dim)
+
+    def build_attention(self, args: Qwen3ModelArgs) -> nn.Module:
+        return Attention(args)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: AttentionMask) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), rope, mask)

@@ -16,7 +16,7 @@ from torch import nn
 from primerl_trainer.models.common.attention import AttentionMask
 from primerl_trainer.models.common.norms import RMSNorm
 from primerl_trainer.models.common.outputs import CausalLMOutput
-from primerl_trainer.models.moe import ExpertsImpl, MoE, check_routed_experts
+from primerl_trainer.models.moe import ExpertsImpl, GroupedSigmoidRouting, MoE, check_routed_experts
 from primerl_trainer.models.qwen3.model import (
     Attention,
     Qwen3Model,
@@ -66,16 +66,33 @@ class MoETransformerBlock(nn.Module):
     def __init__(self, args: Qwen3MoeModelArgs) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
-        self.attention = Attention(args)
+        self.attention = self.build_attention(args)
         self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
-        self.moe = MoE(
+        self.moe = self.build_moe(args)
+
+    def build_attention(self, args: Qwen3MoeModelArgs) -> nn.Module:
+        return Attention(args)
+
+    def routing(self, args: Qwen3MoeModelArgs) -> GroupedSigmoidRouting | None:
+        """None: softmax top-k (Qwen3-MoE); families with grouped sigmoid routing give theirs."""
+        return None
+
+    def build_moe(self, args: Qwen3MoeModelArgs) -> MoE:
+        return MoE(
             dim=args.dim,
             hidden_dim=args.moe_hidden_dim,
             num_experts=args.num_experts,
             top_k=args.top_k,
             norm_topk_prob=args.norm_topk_prob,
             experts_impl=args.experts_impl,
+            grouped_sigmoid=self.routing(args),
         )
+
+    def run_experts(
+        self, h: torch.Tensor, replayed_experts_TK: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The normed hidden states through the experts: (output, expert ids [T, K], tokens per expert [E])."""
+        return self.moe(h, replayed_experts_TK)
 
     def forward(
         self,
@@ -86,15 +103,19 @@ class MoETransformerBlock(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """-> (hidden states, expert ids [T, K], tokens per expert [E])."""
         x = x + self.attention(self.attention_norm(x), rope, mask)
-        moe_out, expert_ids_TK, tokens_per_expert_E = self.moe(self.ffn_norm(x), replayed_experts_TK)
+        moe_out, expert_ids_TK, tokens_per_expert_E = self.run_experts(self.ffn_norm(x), replayed_experts_TK)
         return x + moe_out, expert_ids_TK, tokens_per_expert_E
 
 
 class Qwen3MoeModel(Qwen3Model):
     args: Qwen3MoeModelArgs
+    # The blocks of MoE layers and of the others; families change them.
+    moe_block_cls: type[nn.Module] = MoETransformerBlock
+    dense_block_cls: type[nn.Module] = TransformerBlock
 
     def build_block(self, layer_id: int) -> nn.Module:
-        return MoETransformerBlock(self.args) if layer_id in self.args.moe_layers else TransformerBlock(self.args)
+        block_cls = self.moe_block_cls if layer_id in self.args.moe_layers else self.dense_block_cls
+        return block_cls(self.args)
 
     def forward(
         self,
