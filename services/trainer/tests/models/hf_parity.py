@@ -1,10 +1,48 @@
-"""What the tests of own models against transformers' share: transformers' logits with the
-experts its routers chose, and its gradients under the hub's names."""
+"""What the tests of own mixture-of-experts models against transformers share: transformers'
+model, logits with the experts its routers chose and gradients under the hub's names, and the
+checks every family runs against them (a batch, packed rows, router replay, one step's
+gradients, the state-dict round trip, expert parallel over 2 CPU ranks). Each family's test
+module keeps its checkpoints and its particulars."""
 
+import pathlib
+from collections.abc import Callable
+from typing import Any
+
+import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from primerl_trainer.models import HFCausalLM
+from primerl_trainer.models import HFCausalLM, export_hf_state_dict, load_model, read_hf_state_dict
+
+from .conftest import packed_inputs
+
+TOLERANCE = 1e-5
+
+
+def save_random_checkpoint(
+    path: pathlib.Path, model_cls: type, config: Any, *, perturb: Callable[[nn.Module], None], seed: int = 0
+) -> pathlib.Path:
+    """transformers' `model_cls` of `config` with seeded random weights, then `perturb`ed (no grad,
+    same seed), saved as a Hugging Face folder."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = model_cls(config)
+        with torch.no_grad():
+            perturb(model)
+    model.save_pretrained(path)
+    return path
+
+
+def reference(path: pathlib.Path) -> nn.Module:
+    """transformers' model of a checkpoint folder: float32, SDPA, eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
+
+
+def random_ids(*shape: int, vocab_size: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, vocab_size, shape, generator=torch.Generator().manual_seed(seed))
 
 
 def reference_forward(
@@ -30,3 +68,131 @@ def reference_forward(
 def hub_gradients(hf: nn.Module) -> dict[str, torch.Tensor]:
     """The gradients of transformers' model after a backward, under the checkpoint's names."""
     return HFCausalLM(hf).hf_state_dict({f"hf_model.{n}": p.grad for n, p in hf.named_parameters()})
+
+
+@torch.no_grad()
+def assert_batch_matches(own: nn.Module, hf: nn.Module) -> None:
+    """Logits and the routers' choices on a batch of 2 rows."""
+    input_ids = random_ids(2, 20, vocab_size=own.args.vocab_size)
+    out = own(input_ids)
+    logits, expert_ids = reference_forward(hf, input_ids)
+    assert (out.logits - logits).abs().max() <= TOLERANCE
+    assert torch.equal(out.routed_experts.sort(dim=-1).values, expert_ids)
+    assert out.tokens_per_expert.shape == (len(own.args.moe_layers), own.args.num_experts)
+
+
+@torch.no_grad()
+def assert_packed_matches_separate_runs(own: nn.Module, hf: nn.Module) -> None:
+    vocab_size = own.args.vocab_size
+    samples, input_ids, position_ids = packed_inputs([6, 13, 3], seed=5)
+    samples = [sample % vocab_size for sample in samples]
+    packed = own(input_ids % vocab_size, position_ids)
+    separate = [reference_forward(hf, sample) for sample in samples]
+    assert (packed.logits - torch.cat([logits for logits, _ in separate], dim=1)).abs().max() <= TOLERANCE
+    assert torch.equal(packed.routed_experts.sort(dim=-1).values, torch.cat([ids for _, ids in separate]))
+    # transformers' own packed forward (position ids restarting) agrees too.
+    logits, _ = reference_forward(hf, input_ids % vocab_size, position_ids)
+    assert (packed.logits - logits).abs().max() <= TOLERANCE
+
+
+@torch.no_grad()
+def assert_replay_gives_reference_logits(own: nn.Module, hf: nn.Module) -> None:
+    """Replaying transformers' routing (as uint8, inference's dtype) gives its logits."""
+    input_ids = random_ids(2, 16, vocab_size=own.args.vocab_size, seed=1)
+    logits, expert_ids = reference_forward(hf, input_ids)
+    replayed = own(input_ids, routed_experts=expert_ids.to(torch.uint8))
+    assert torch.equal(replayed.routed_experts, expert_ids)
+    assert (replayed.logits - logits).abs().max() <= TOLERANCE
+
+
+def assert_forced_experts_weighted_and_trained(own: nn.Module, *, scaling_factor: float) -> None:
+    """Forced experts (top_k 3 of 8) outside the router's choice: layer 1's router weighs them by
+    the unbiased sigmoid scores there, renormalised and scaled; the gates get gradients, the
+    correction biases none."""
+    router = own.layers["1"].moe.router
+    x = torch.randn(5, own.args.dim)
+    forced = torch.tensor([[0, 1, 2], [3, 5, 7], [6, 4, 1], [0, 7, 3], [2, 3, 4]])
+    scores, ids = router(x, forced)
+    probs = torch.sigmoid(x @ router.gate.weight.T).gather(-1, forced)
+    assert torch.equal(ids, forced)
+    torch.testing.assert_close(scores, scaling_factor * probs / probs.sum(-1, keepdim=True))
+
+    num_experts, num_tokens = own.args.num_experts, 12
+    input_ids = random_ids(1, num_tokens, vocab_size=own.args.vocab_size, seed=2)
+    first = torch.arange(num_tokens) % num_experts
+    routed = torch.stack([first, (first + 3) % num_experts, (first + 5) % num_experts], dim=-1)
+    routed = routed[:, None].expand(num_tokens, len(own.args.moe_layers), 3)
+    out = own(input_ids, routed_experts=routed)
+    assert torch.equal(out.routed_experts, routed)
+    out.logits.pow(2).mean().backward()
+    for layer_id in own.args.moe_layers:
+        gate = own.layers[str(layer_id)].moe.router
+        assert gate.gate.weight.grad is not None and gate.gate.weight.grad.abs().sum() > 0
+        assert not gate.e_score_correction_bias.requires_grad
+
+
+def assert_one_step_gradients_match(own: nn.Module, hf: nn.Module, adapter_cls: type) -> None:
+    """The loss and every parameter's gradient of one cross-entropy on packed rows;
+    `adapter_cls` maps transformers' gradients to the own names."""
+    vocab_size = own.args.vocab_size
+    _, input_ids, position_ids = packed_inputs([9, 7], seed=3)
+    input_ids = input_ids % vocab_size
+    labels = input_ids[:, 1:].reshape(-1)
+
+    def loss(logits: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits[:, :-1].reshape(-1, vocab_size), labels)
+
+    own_loss = loss(own(input_ids, position_ids).logits)
+    ref_loss = loss(hf(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits)
+    own_loss.backward()
+    ref_loss.backward()
+    assert abs(own_loss.item() - ref_loss.item()) <= TOLERANCE
+
+    ref_grads = adapter_cls(own.args).from_hf(hub_gradients(hf))
+    own_grads = {name: p.grad for name, p in own.named_parameters()}
+    assert own_grads.keys() == ref_grads.keys()
+    for name, grad in own_grads.items():
+        assert grad is not None and grad.abs().sum() > 0, name
+        torch.testing.assert_close(grad, ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def assert_hf_round_trip_is_bit_exact(path: pathlib.Path) -> None:
+    original = read_hf_state_dict(path)
+    exported = export_hf_state_dict(load_model(path, impl="custom"))
+    assert exported.keys() == original.keys()
+    for name, tensor in original.items():
+        assert exported[name].dtype == tensor.dtype and torch.equal(exported[name], tensor), name
+
+
+def assert_extra_layers_dropped(path: pathlib.Path, adapter_cls: type, *, mtp: dict, unknown: str) -> None:
+    """Multi-token prediction tensors (`mtp`, past the last layer) are dropped on loading; an
+    `unknown` tensor name of a layer is refused."""
+    model = load_model(path, impl="custom")
+    hf_state_dict = read_hf_state_dict(path)
+    adapter = adapter_cls(model.args)
+    assert adapter.from_hf(hf_state_dict | mtp).keys() == model.state_dict().keys()
+    with pytest.raises(ValueError, match="unexpected tensor"):
+        adapter.from_hf(hf_state_dict | {unknown: torch.zeros(1)})
+
+
+def assert_expert_parallel_trains_as_one_process(
+    model_dir: pathlib.Path, tmp_path: pathlib.Path, *, num_routers: int
+) -> None:
+    """ep=2 on the CPU (gloo, torchrun), as test_expert_parallel runs Qwen3-MoE: same losses,
+    replayed logprobs, updated and published weights, LoRA step and resume under FSDP2 as one
+    process. The `num_routers` routers' correction biases (buffers) come back unchanged."""
+    from ..test_expert_parallel import _assert_matches_one_process, _run_workers, make_ep_data
+
+    batches, data = make_ep_data(model_dir, tmp_path)
+    torch.save(torch.load(batches) | {"resume": True}, batches)
+    out = tmp_path / "out"
+    out.mkdir()
+    result = _run_workers(model_dir, batches, out, nproc=2, ep=2)
+    biases = {k: v for k, v in load_model(model_dir).state_dict().items() if k.endswith("e_score_correction_bias")}
+    assert len(biases) == num_routers
+    for name, bias in biases.items():
+        assert torch.equal(result["weights"].pop(name), bias) and torch.equal(result["published"].pop(name), bias)
+    _assert_matches_one_process(result, data["reference"], data["probe_routed_experts"])
+    for key in ("loss", "grad_norm", "entropy"):
+        wanted = data["reference"]["metrics"][2][key]
+        assert result["resumed_metrics"][key] == pytest.approx(wanted, rel=1e-5, abs=1e-5), key
