@@ -10,11 +10,13 @@ grpcio-status, safetensors). The packages are imported from this checkout. One l
 exit status 1 when one fails.
 """
 
+import functools
 import os
 import pathlib
 import sys
 import tempfile
 import traceback
+from collections.abc import Callable
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 SOURCES = [ROOT, ROOT / "libs/common/src", ROOT / "services/trainer/src", ROOT / "tools/launcher/src"]
@@ -45,16 +47,27 @@ def main() -> int:
         return 1
     work = pathlib.Path(tempfile.mkdtemp(prefix="cp-gpu-"))
     model_dir = make_tiny_model(work / "tiny-dense", kind="dense", dtype="float32")
+    cases = {
+        f"{attn_backend} {compute_dtype}": functools.partial(
+            test_cp2_on_two_gpus_trains_as_one_gpu, attn_backend, compute_dtype, model_dir
+        )
+        for compute_dtype in ("float32", "bfloat16")
+        for attn_backend in ("sdpa", "flex")
+    }
+    return run_cases(cases, work)
+
+
+def run_cases(cases: dict[str, Callable[[pathlib.Path], None]], work: pathlib.Path) -> int:
+    """Runs each case in a folder of its own under `work`, one line per case; 1 when one failed."""
     failed = 0
-    for compute_dtype in ("float32", "bfloat16"):
-        for attn_backend in ("sdpa", "flex"):
-            (case := work / f"{attn_backend}-{compute_dtype}").mkdir()
-            try:
-                test_cp2_on_two_gpus_trains_as_one_gpu(attn_backend, compute_dtype, model_dir, case)
-                print(f"ok      {attn_backend} {compute_dtype}", flush=True)
-            except Exception:
-                failed += 1
-                print(f"FAILED  {attn_backend} {compute_dtype}\n{traceback.format_exc()[-4000:]}", flush=True)
+    for name, case in cases.items():
+        (out := work / name.replace(" ", "-")).mkdir()
+        try:
+            case(out)
+            print(f"ok      {name}", flush=True)
+        except Exception:
+            failed += 1
+            print(f"FAILED  {name}\n{traceback.format_exc()[-4000:]}", flush=True)
     return 1 if failed else 0
 
 

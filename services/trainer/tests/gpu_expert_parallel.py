@@ -16,10 +16,9 @@ each; exit status 1 when one fails:
 import pathlib
 import sys
 import tempfile
-import traceback
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from gpu_context_parallel import use_checkout
+from gpu_context_parallel import run_cases, use_checkout
 
 
 def bf16_case(moe_dir: pathlib.Path, batches: pathlib.Path, data: dict, out: pathlib.Path) -> None:
@@ -56,21 +55,12 @@ def main() -> int:
     (data_dir := work / "data").mkdir()
     batches, data = make_ep_data(moe_dir, data_dir)
     cases = {
-        "float32": lambda out: test_ep2_trains_as_one_process_and_its_checkpoint_resumes_under_fsdp2(
+        "ep=2 float32": lambda out: test_ep2_trains_as_one_process_and_its_checkpoint_resumes_under_fsdp2(
             "cuda", moe_dir, (batches, data), out
         ),
-        "bfloat16": lambda out: bf16_case(moe_dir, batches, data, out),
+        "ep=2 bfloat16": lambda out: bf16_case(moe_dir, batches, data, out),
     }
-    failed = 0
-    for name, case in cases.items():
-        (out := work / name).mkdir()
-        try:
-            case(out)
-            print(f"ok      ep=2 {name}", flush=True)
-        except Exception:
-            failed += 1
-            print(f"FAILED  ep=2 {name}\n{traceback.format_exc()[-4000:]}", flush=True)
-    return 1 if failed else 0
+    return run_cases(cases, work)
 
 
 if __name__ == "__main__":
