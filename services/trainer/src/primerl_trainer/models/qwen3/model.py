@@ -49,9 +49,10 @@ class Qwen3ModelArgs:
 
 class Attention(nn.Module):
     """Grouped-query attention with q/k RMSNorm and RoPE. Other families change its particulars
-    through the hooks: `bias` on q/k/v, build_qk_norms, qk_heads and rotate."""
+    through the hooks: `bias` on q/k/v, `out_bias` on the output projection, build_qk_norms,
+    qk_heads, rotate and gate_heads."""
 
-    def __init__(self, args: Qwen3ModelArgs, *, bias: bool = False) -> None:
+    def __init__(self, args: Qwen3ModelArgs, *, bias: bool = False, out_bias: bool = False) -> None:
         super().__init__()
         if args.num_heads % args.num_kv_heads:
             raise ValueError(f"num_heads ({args.num_heads}) must be a multiple of num_kv_heads ({args.num_kv_heads})")
@@ -59,7 +60,7 @@ class Attention(nn.Module):
         self.wq = nn.Linear(args.dim, args.num_heads * args.head_dim, bias=bias)
         self.wk = nn.Linear(args.dim, args.num_kv_heads * args.head_dim, bias=bias)
         self.wv = nn.Linear(args.dim, args.num_kv_heads * args.head_dim, bias=bias)
-        self.wo = nn.Linear(args.num_heads * args.head_dim, args.dim, bias=False)
+        self.wo = nn.Linear(args.num_heads * args.head_dim, args.dim, bias=out_bias)
         self.q_norm, self.k_norm = self.build_qk_norms(args)
 
     def build_qk_norms(self, args: Qwen3ModelArgs) -> tuple[nn.Module | None, nn.Module | None]:
@@ -77,6 +78,11 @@ class Attention(nn.Module):
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return apply_rope(x, cos, sin)
 
+    def gate_heads(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The attention's output heads [B, T, H, head_dim] before the output projection, given
+        the block's normed input x (families with output gates scale them here)."""
+        return out
+
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: AttentionMask) -> torch.Tensor:
         batch_size, seq_len, _ = x.shape
         # One matrix product for q, k and v: the weights stay three parameters (checkpoint
@@ -88,7 +94,8 @@ class Attention(nn.Module):
         q, k, v = qkv.split([p.out_features for p in projections], dim=-1)
         q, k = self.qk_heads(q, k)
         q, k = self.rotate(q, *rope), self.rotate(k, *rope)
-        return self.wo(attention(q, k, self.heads(v), mask).reshape(batch_size, seq_len, -1))
+        out = self.gate_heads(x, attention(q, k, self.heads(v), mask))
+        return self.wo(out.reshape(batch_size, seq_len, -1))
 
 
 class TransformerBlock(nn.Module):
@@ -199,8 +206,12 @@ class Qwen3Model(nn.Module):
         )
         if position_ids is None:
             position_ids = torch.arange(seq_len, device=h.device).expand(batch_size, seq_len)
-        rope = rope_cos_sin(position_ids, head_dim=self.rotary_dim, theta=self.args.rope_theta, dtype=h.dtype)
-        return h, rope, mask
+        return h, self.rope(position_ids, dtype=h.dtype), mask
+
+    def rope(self, position_ids: torch.Tensor, *, dtype: torch.dtype) -> Any:
+        """What every layer's attention gets to rotate with: RoPE's cos/sin [B, T, rotary_dim]
+        (families whose layers rotate differently give one per kind of layer)."""
+        return rope_cos_sin(position_ids, head_dim=self.rotary_dim, theta=self.args.rope_theta, dtype=dtype)
 
 
 def common_args_from_hf_config(config: dict[str, Any]) -> dict[str, Any]:
