@@ -195,18 +195,33 @@ class Qwen3Model(nn.Module):
                 f"[1, {row_layout.num_local_tokens}], got {list(input_ids.shape)}"
             )
         h = self.tok_embeddings(input_ids)
-        mask = build_attention_mask(
-            position_ids,
-            backend=self.attn_backend,
-            batch_size=batch_size,
-            seq_len=seq_len,
-            device=h.device,
-            layout=row_layout,
-            cp_group=self.cp_group,
+        mask = self.attention_mask(
+            position_ids, batch_size=batch_size, seq_len=seq_len, device=h.device, row_layout=row_layout
         )
         if position_ids is None:
             position_ids = torch.arange(seq_len, device=h.device).expand(batch_size, seq_len)
         return h, self.rope(position_ids, dtype=h.dtype), mask
+
+    def attention_mask(
+        self,
+        position_ids: torch.Tensor | None,
+        *,
+        batch_size: int,
+        seq_len: int,
+        device: torch.device,
+        row_layout: RowLayout | None,
+    ) -> Any:
+        """What every layer's attention gets as its mask (families with sliding-window layers give
+        one per kind of layer)."""
+        return build_attention_mask(
+            position_ids,
+            backend=self.attn_backend,
+            batch_size=batch_size,
+            seq_len=seq_len,
+            device=device,
+            layout=row_layout,
+            cp_group=self.cp_group,
+        )
 
     def rope(self, position_ids: torch.Tensor, *, dtype: torch.dtype) -> Any:
         """What every layer's attention gets to rotate with: RoPE's cos/sin [B, T, rotary_dim]
