@@ -21,17 +21,30 @@ key j when j <= q_pos[i] and both lie in one sample. With a layout, "sdpa" on a 
 sample needs no mask at all (causal per contiguous chunk of queries, lower right: on GPUs
 cuDNN's kernels, as plain causal attention, through distributed/cp_attention.py), and "flex"
 builds its BlockMask from per-block bounds, never an O(T^2) mask.
+
+Two variants for families that need them (GPT-OSS, and any with sliding-window layers):
+- Sliding window: a layer with window w lets query i see key j only when also i - j < w (w keys
+  counting itself, transformers' rule). The mask is built with the windows the model's layers
+  use (`sliding_windows`), and each layer names its own (`attention(..., sliding_window=w)`).
+  Row index distance is position distance within a sample, so packed rows and context parallel
+  keep the rule. "sdpa" then always carries a dense mask (no is_causal / cuDNN chunk path).
+- Attention sinks: a learned logit per head that joins the softmax's denominator and adds no
+  value (`attention(..., sinks=s)`). "flex" takes the log-sum-exp with the output and rescales
+  by sigmoid(lse - s) (its backward takes the lse's gradient: exact and fused on GPUs); "sdpa"
+  runs an explicit masked softmax with the sink column (O(T^2), the correct path for CPUs and
+  tests).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import AuxRequest, BlockMask, create_block_mask, flex_attention
 
 from primerl_trainer.config_types import ATTENTION_BACKENDS, AttentionBackend
 from primerl_trainer.distributed.cp_attention import chunked_causal_attention, supports_chunked_causal_attention
@@ -54,7 +67,9 @@ class AttentionMask:
     `cp_group_name` (`cp_size` ranks, this one `cp_rank`) into row order. "sdpa" with neither
     `dense` nor a group: causal over each row; with a group and no `dense`: the local queries
     are two equal chunks, rank r's chunks r and 2cp-1-r of the row, each causal (lower right)
-    over the keys up to its end."""
+    over the keys up to its end.
+
+    `windowed`: the same rows' masks with each sliding window the model's layers use."""
 
     backend: AttentionBackend
     dense: torch.Tensor | None = None
@@ -62,6 +77,17 @@ class AttentionMask:
     cp_group_name: str | None = None
     cp_size: int = 1
     cp_rank: int = 0
+    windowed: Mapping[int, AttentionMask] = field(default_factory=dict)
+
+    def with_window(self, sliding_window: int | None) -> AttentionMask:
+        """This mask, or its variant with `sliding_window` (None: the full causal one)."""
+        if sliding_window is None:
+            return self
+        if sliding_window not in self.windowed:
+            raise ValueError(
+                f"sliding_window {sliding_window} was not among the mask's sliding_windows {sorted(self.windowed)}"
+            )
+        return self.windowed[sliding_window]
 
 
 def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
@@ -80,19 +106,53 @@ def build_attention_mask(
     device: torch.device,
     layout: RowLayout | None = None,
     cp_group: dist.ProcessGroup | None = None,
+    sliding_windows: Collection[int] = (),
 ) -> AttentionMask:
     """The mask for `backend`; `position_ids=None` means one sample per row. With `layout`
-    (one row, batch_size 1) the mask is the layout's: see `_row_layout_mask`."""
+    (one row, batch_size 1) the mask is the layout's: see `_row_layout_mask`. `sliding_windows`:
+    the windows (in keys, >= 1) some layers use; their masks come in `windowed`."""
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"attn_backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
-    if layout is not None:
-        return _row_layout_mask(layout, backend=backend, cp_group=cp_group, device=device)
+    for window in sliding_windows:
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"sliding_window must be a positive number of keys, got {window!r}")
+
+    def build(window: int | None) -> AttentionMask:
+        if layout is not None:
+            return _row_layout_mask(layout, backend=backend, cp_group=cp_group, device=device, window=window)
+        return _batch_mask(
+            position_ids, backend=backend, batch_size=batch_size, seq_len=seq_len, device=device, window=window
+        )
+
+    windowed = {window: build(window) for window in sorted(set(sliding_windows))}
+    mask = build(None)
+    return AttentionMask(
+        mask.backend, mask.dense, mask.block, mask.cp_group_name, mask.cp_size, mask.cp_rank, windowed=windowed
+    )
+
+
+def _in_window(q_idx: torch.Tensor, kv_idx: torch.Tensor, window: int | None) -> torch.Tensor | bool:
+    return True if window is None else q_idx - kv_idx < window
+
+
+def _batch_mask(
+    position_ids: torch.Tensor | None,
+    *,
+    backend: AttentionBackend,
+    batch_size: int,
+    seq_len: int,
+    device: torch.device,
+    window: int | None,
+) -> AttentionMask:
     if backend == "sdpa":
-        if position_ids is None:
+        if position_ids is None and window is None:
             return AttentionMask(backend)
+        rows = torch.arange(seq_len, device=device)
+        allowed = (rows[:, None] >= rows) & _in_window(rows[:, None], rows, window)
+        if position_ids is None:
+            return AttentionMask(backend, dense=allowed[None, None])
         docs = document_ids(position_ids)
-        causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()
-        return AttentionMask(backend, dense=((docs[:, :, None] == docs[:, None, :]) & causal).unsqueeze(1))
+        return AttentionMask(backend, dense=((docs[:, :, None] == docs[:, None, :]) & allowed).unsqueeze(1))
 
     if position_ids is None:
         docs = torch.zeros(batch_size, seq_len, dtype=torch.long, device=device)
@@ -100,13 +160,18 @@ def build_attention_mask(
         docs = document_ids(position_ids)
 
     def document_causal(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
-        return (q_idx >= kv_idx) & (docs[b, q_idx] == docs[b, kv_idx])
+        return (q_idx >= kv_idx) & (docs[b, q_idx] == docs[b, kv_idx]) & _in_window(q_idx, kv_idx, window)
 
     return AttentionMask(backend, block=create_block_mask(document_causal, batch_size, None, seq_len, seq_len, device))
 
 
 def _row_layout_mask(
-    layout: RowLayout, *, backend: AttentionBackend, cp_group: dist.ProcessGroup | None, device: torch.device
+    layout: RowLayout,
+    *,
+    backend: AttentionBackend,
+    cp_group: dist.ProcessGroup | None,
+    device: torch.device,
+    window: int | None = None,
 ) -> AttentionMask:
     """The mask of this rank's queries (the layout's tokens) over the keys of the whole row."""
     if layout.cp_size > 1:
@@ -115,28 +180,35 @@ def _row_layout_mask(
         cp = {"cp_group_name": cp_group.group_name, "cp_size": layout.cp_size, "cp_rank": layout.cp_rank}
     else:
         cp = {}
-    if backend == "sdpa" and layout.single_document:
+    if backend == "sdpa" and layout.single_document and window is None:
         return AttentionMask(backend, **cp)
     q_positions = layout.global_positions.to(device)
     docs = layout.document_ids.to(device)
     if backend == "sdpa":
         keys = torch.arange(layout.padded_len, device=device)
-        dense = (q_positions[:, None] >= keys) & (docs[q_positions][:, None] == docs)
+        dense = (
+            (q_positions[:, None] >= keys)
+            & (docs[q_positions][:, None] == docs)
+            & _in_window(q_positions[:, None], keys, window)
+        )
         return AttentionMask(backend, dense=dense[None, None], **cp)
 
     def document_causal(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
         q_pos = q_positions[q_idx]
-        return (q_pos >= kv_idx) & (docs[q_pos] == docs[kv_idx])
+        return (q_pos >= kv_idx) & (docs[q_pos] == docs[kv_idx]) & _in_window(q_pos, kv_idx, window)
 
-    return AttentionMask(backend, block=_document_block_mask(document_causal, q_positions, docs), **cp)
+    return AttentionMask(backend, block=_document_block_mask(document_causal, q_positions, docs, window=window), **cp)
 
 
-def _document_block_mask(mask_mod, q_positions: torch.Tensor, docs: torch.Tensor) -> BlockMask:
+def _document_block_mask(
+    mask_mod, q_positions: torch.Tensor, docs: torch.Tensor, *, window: int | None = None
+) -> BlockMask:
     """The BlockMask of the causal same-document rule for queries at row indices `q_positions`
     over keys 0..len(docs)-1, from each tile's bounds (document ids never decrease along the
     row): a tile is empty when no query comes at or after its first key or their documents do
-    not overlap, full when every query comes after every key and all are of one document,
-    partial (mask_mod applied per element) otherwise."""
+    not overlap (or, with a window, every query lies `window` or more past its last key), full
+    when every query comes after every key and all are of one document (and within the window
+    of every key), partial (mask_mod applied per element) otherwise."""
     num_queries, num_keys = q_positions.numel(), docs.numel()
     q_docs = docs[q_positions]
 
@@ -160,6 +232,9 @@ def _document_block_mask(mask_mod, q_positions: torch.Tensor, docs: torch.Tensor
         & (k_doc_low == k_doc_high)
         & (q_doc_low[:, None] == k_doc_low)
     )
+    if window is not None:
+        visible &= q_pos_low[:, None] - key_ends < window
+        full &= q_pos_high[:, None] - key_starts < window
     partial = visible & ~full
 
     def ordered(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -176,16 +251,39 @@ def _document_block_mask(mask_mod, q_positions: torch.Tensor, docs: torch.Tensor
     )
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: AttentionMask,
+    *,
+    sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
     """q [B, T, Hq, D], k and v [B, T, Hkv, D] (Hq a multiple of Hkv) -> [B, T, Hq, D],
     scaled by 1/sqrt(D). Under context parallel (B = 1) the keys and values of every cp rank
-    are gathered first: one collective of both per layer."""
+    are gathered first: one collective of both per layer. `sliding_window`: this layer's window
+    (the mask must have been built with it); `sinks` [Hq]: per-head sink logits."""
+    mask = mask.with_window(sliding_window)
+    if sinks is not None and tuple(sinks.shape) != (q.shape[2],):
+        raise ValueError(f"sinks must hold one logit per query head ({q.shape[2]}), got shape {list(sinks.shape)}")
     if mask.cp_group_name is not None:
         kv = gather_sequence(torch.cat((k, v), dim=-1)[0], mask.cp_group_name, mask.cp_size)[None]
         k, v = kv.chunk(2, dim=-1)
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     if mask.backend == "flex":
-        out = _flex_attention(q.device)(q, k, v, block_mask=mask.block, enable_gqa=True)
+        if sinks is None:
+            out = _flex_attention(q.device)(q, k, v, block_mask=mask.block, enable_gqa=True)
+        else:
+            out, aux = _flex_attention(q.device)(
+                q, k, v, block_mask=mask.block, enable_gqa=True, return_aux=AuxRequest(lse=True)
+            )
+            # softmax over [scores, sink] = softmax over scores * e^lse / (e^lse + e^sink).
+            dtype = torch.promote_types(q.dtype, torch.float32)
+            scale = torch.sigmoid(aux.lse.to(dtype) - sinks.to(dtype)[None, :, None])
+            out = (out.to(dtype) * scale[..., None]).to(q.dtype)
+    elif sinks is not None:
+        out = _attention_with_sinks(q, k, v, _explicit_mask(mask, q.shape[2], k.shape[2], q.device), sinks)
     elif mask.dense is not None or mask.cp_size == 1:
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask.dense, is_causal=mask.dense is None, enable_gqa=True
@@ -193,6 +291,36 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Attention
     else:
         out = _causal_chunks_attention(q, k, v, cp_size=mask.cp_size, cp_rank=mask.cp_rank)
     return out.transpose(1, 2)
+
+
+def _explicit_mask(mask: AttentionMask, num_queries: int, num_keys: int, device: torch.device) -> torch.Tensor:
+    """The boolean mask [.., num_queries, num_keys] an "sdpa" mask stands for."""
+    if mask.dense is not None:
+        return mask.dense
+    if mask.cp_size == 1:
+        return torch.ones(num_queries, num_keys, dtype=torch.bool, device=device).tril(num_keys - num_queries)
+    # This rank's chunks r and 2cp-1-r of a one-sample row, each causal up to its own end.
+    chunk_len = num_queries // 2
+    rows = torch.arange(num_queries, device=device)
+    chunk_starts = torch.where(
+        rows < chunk_len, mask.cp_rank * chunk_len, (2 * mask.cp_size - 2 - mask.cp_rank) * chunk_len
+    )
+    return (rows + chunk_starts)[:, None] >= torch.arange(num_keys, device=device)
+
+
+def _attention_with_sinks(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, sinks: torch.Tensor
+) -> torch.Tensor:
+    """q [B, Hq, T, D], k and v [B, Hkv, S, D], allowed [.., T, S] bool, sinks [Hq]: softmax
+    (at least float32) over the allowed scores and the head's sink, which then drops out."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    sink_column = sinks.to(scores.dtype)[None, :, None, None].expand(*scores.shape[:-1], 1)
+    dtype = torch.promote_types(scores.dtype, torch.float32)
+    probs = torch.cat((scores, sink_column), dim=-1).softmax(dim=-1, dtype=dtype)[..., :-1]
+    return probs.to(v.dtype) @ v
 
 
 def _causal_chunks_attention(
