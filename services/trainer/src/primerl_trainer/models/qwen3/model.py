@@ -50,7 +50,10 @@ class Qwen3ModelArgs:
 class Attention(nn.Module):
     """Grouped-query attention with q/k RMSNorm and RoPE. Other families change its particulars
     through the hooks: `bias` on q/k/v, `out_bias` on the output projection, build_qk_norms,
-    qk_heads, rotate and gate_heads."""
+    qk_heads, rotate and gate_heads; `sliding_window` (None: full causal attention) for a layer
+    that attends to its last that many keys only (the model's `sliding_windows` must name it)."""
+
+    sliding_window: int | None = None
 
     def __init__(self, args: Qwen3ModelArgs, *, bias: bool = False, out_bias: bool = False) -> None:
         super().__init__()
@@ -94,7 +97,7 @@ class Attention(nn.Module):
         q, k, v = qkv.split([p.out_features for p in projections], dim=-1)
         q, k = self.qk_heads(q, k)
         q, k = self.rotate(q, *rope), self.rotate(k, *rope)
-        out = self.gate_heads(x, attention(q, k, self.heads(v), mask))
+        out = self.gate_heads(x, attention(q, k, self.heads(v), mask, sliding_window=self.sliding_window))
         return self.wo(out.reshape(batch_size, seq_len, -1))
 
 
@@ -211,8 +214,7 @@ class Qwen3Model(nn.Module):
         device: torch.device,
         row_layout: RowLayout | None,
     ) -> Any:
-        """What every layer's attention gets as its mask (families with sliding-window layers give
-        one per kind of layer)."""
+        """What every layer's attention gets as its mask (with the variants of `sliding_windows`)."""
         return build_attention_mask(
             position_ids,
             backend=self.attn_backend,
@@ -221,7 +223,13 @@ class Qwen3Model(nn.Module):
             device=device,
             layout=row_layout,
             cp_group=self.cp_group,
+            sliding_windows=self.sliding_windows,
         )
+
+    @property
+    def sliding_windows(self) -> tuple[int, ...]:
+        """The sliding windows the layers' attentions use (none here)."""
+        return ()
 
     def rope(self, position_ids: torch.Tensor, *, dtype: torch.dtype) -> Any:
         """What every layer's attention gets to rotate with: RoPE's cos/sin [B, T, rotary_dim]
