@@ -59,7 +59,7 @@ from primerl_common.malloc import MALLOC_ENV, reexec_with_malloc_env
 from primerl_common.processes import ServiceProcess, free_port
 from primerl_common.server import channel_options, server_options
 from primerl_common.tensors import iter_tensor_chunks
-from primerl_launcher.tiny_model import TinyModelSpec, make_tiny_model
+from primerl_launcher.tiny_model import TinyQwen3Spec, make_tiny_model
 
 MiB = 1024 * 1024
 SEND_BYTES = 4 * MiB
@@ -275,7 +275,7 @@ async def grpc_round(stub, policy_version: int, tensors, num_bytes: int, pids: l
 
 
 def make_model(layers: int) -> pathlib.Path:
-    spec = TinyModelSpec(
+    spec = TinyQwen3Spec(
         hidden_size=2048,
         num_hidden_layers=layers,
         num_attention_heads=16,
@@ -284,7 +284,7 @@ def make_model(layers: int) -> pathlib.Path:
         intermediate_size=6144,
         max_position_embeddings=512,
     )
-    return make_tiny_model(CACHE / f"weight-push-{layers}l", kind="dense", dtype="float32", spec=spec)
+    return make_tiny_model(CACHE / f"weight-push-{layers}l", family="qwen3", dtype="float32", spec=spec)
 
 
 def print_header(num_bytes: int) -> None:

@@ -20,7 +20,7 @@ from primerl_common.local_vllm import in_process_llm, restored_process_state
 from primerl_inference.routed_experts import RoutedExpertsUnavailableError
 from primerl_inference.routed_experts.capture import RoutedExpertsCapture
 from primerl_inference.routed_experts.client import RoutedExpertsClient
-from primerl_launcher.tiny_model import TinyModelSpec, make_tiny_model
+from primerl_launcher.tiny_model import TinyQwen3MoeSpec, make_tiny_model
 
 # Small enough that prompts are prefilled in several chunks and prefix-cache hits need few
 # tokens (32 is the smallest block the CPU attention takes).
@@ -38,7 +38,7 @@ ENGINE_ARGS = {
 }
 MIN_AGREEMENT = 0.999
 # Experts above 256 (uint16 ids), otherwise as small as vLLM's CPU kernels allow.
-WIDE_SPEC = TinyModelSpec(
+WIDE_SPEC = TinyQwen3MoeSpec(
     hidden_size=64,
     num_hidden_layers=2,
     num_attention_heads=2,
@@ -113,7 +113,7 @@ def moe(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LLM, RoutedE
 async def wide(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> AsyncIterator[tuple[AsyncLLM, RoutedExpertsClient, Reference]]:
-    model_dir = make_tiny_model(tmp_path_factory.mktemp("models") / "wide", kind="moe", spec=WIDE_SPEC)
+    model_dir = make_tiny_model(tmp_path_factory.mktemp("models") / "wide", family="qwen3-moe", spec=WIDE_SPEC)
     with restored_process_state():
         engine = AsyncLLM.from_engine_args(
             AsyncEngineArgs(

