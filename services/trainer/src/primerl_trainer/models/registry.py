@@ -21,6 +21,9 @@ from safetensors.torch import load_file
 from torch import nn
 
 from primerl_trainer.config_types import IMPLS, Impl
+from primerl_trainer.models.afmoe.model import AfmoeModel, AfmoeModelArgs
+from primerl_trainer.models.afmoe.parallelize import parallelize_afmoe
+from primerl_trainer.models.afmoe.state_dict_adapter import AfmoeStateDictAdapter
 from primerl_trainer.models.common.attention import AttentionBackend
 from primerl_trainer.models.glm4_moe.model import Glm4MoeModel, Glm4MoeModelArgs
 from primerl_trainer.models.glm4_moe.parallelize import parallelize_glm4_moe
@@ -56,6 +59,7 @@ MODEL_SPECS: dict[str, ModelSpec] = {
         ModelSpec("qwen3_moe", Qwen3MoeModel, Qwen3MoeModelArgs, Qwen3MoeStateDictAdapter, parallelize_qwen3_moe),
         ModelSpec("glm4_moe", Glm4MoeModel, Glm4MoeModelArgs, Glm4MoeStateDictAdapter, parallelize_glm4_moe),
         ModelSpec("minimax_m2", MiniMaxM2Model, MiniMaxM2ModelArgs, MiniMaxM2StateDictAdapter, parallelize_minimax_m2),
+        ModelSpec("afmoe", AfmoeModel, AfmoeModelArgs, AfmoeStateDictAdapter, parallelize_afmoe),
     )
 }
 

@@ -1,0 +1,1 @@
+"""Trinity / AFMoE (`afmoe`): model, Hugging Face state-dict adapter, parallelize function."""

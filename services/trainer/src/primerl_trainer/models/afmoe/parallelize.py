@@ -1,0 +1,9 @@
+"""AFMoE: Qwen3-MoE's composition (expert parallel first, then activation checkpointing,
+compile and FSDP2). The routed experts are split over the ep mesh and sharded over efsdp; the
+shared experts, the attention's output gates, the sandwich norms, the router (its expert bias
+is a buffer, replicated) and the dense first layers are sharded with their block like any other
+parameter."""
+
+from primerl_trainer.models.qwen3_moe.parallelize import parallelize_qwen3_moe
+
+parallelize_afmoe = parallelize_qwen3_moe
