@@ -36,6 +36,9 @@ from primerl_trainer.models.moe import ExpertsImpl
 from primerl_trainer.models.qwen3.model import Qwen3Model, Qwen3ModelArgs
 from primerl_trainer.models.qwen3.parallelize import parallelize_qwen3
 from primerl_trainer.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
+from primerl_trainer.models.qwen3_5_moe.model import Qwen3_5MoeModel, Qwen3_5MoeModelArgs
+from primerl_trainer.models.qwen3_5_moe.parallelize import parallelize_qwen3_5_moe
+from primerl_trainer.models.qwen3_5_moe.state_dict_adapter import Qwen3_5MoeStateDictAdapter
 from primerl_trainer.models.qwen3_moe.model import Qwen3MoeModel, Qwen3MoeModelArgs
 from primerl_trainer.models.qwen3_moe.parallelize import parallelize_qwen3_moe
 from primerl_trainer.models.qwen3_moe.state_dict_adapter import Qwen3MoeStateDictAdapter
@@ -59,6 +62,11 @@ MODEL_SPECS: dict[str, ModelSpec] = {
         ModelSpec("qwen3_moe", Qwen3MoeModel, Qwen3MoeModelArgs, Qwen3MoeStateDictAdapter, parallelize_qwen3_moe),
         ModelSpec("glm4_moe", Glm4MoeModel, Glm4MoeModelArgs, Glm4MoeStateDictAdapter, parallelize_glm4_moe),
         ModelSpec("minimax_m2", MiniMaxM2Model, MiniMaxM2ModelArgs, MiniMaxM2StateDictAdapter, parallelize_minimax_m2),
+        # The hub's multimodal checkpoints (the language model is trained) and text-only ones.
+        *(
+            ModelSpec(name, Qwen3_5MoeModel, Qwen3_5MoeModelArgs, Qwen3_5MoeStateDictAdapter, parallelize_qwen3_5_moe)
+            for name in ("qwen3_5_moe", "qwen3_5_moe_text")
+        ),
         ModelSpec("afmoe", AfmoeModel, AfmoeModelArgs, AfmoeStateDictAdapter, parallelize_afmoe),
     )
 }

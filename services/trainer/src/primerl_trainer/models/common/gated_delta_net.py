@@ -1,0 +1,334 @@
+"""Gated DeltaNet (Yang, Kautz, Hatamizadeh 2024), the linear-attention layer of Qwen3.5 and
+Qwen3-Next: a short causal convolution over the projected queries, keys and values, then the
+gated delta rule, a per-head recurrent state S [Dk, Dv] updated token by token as
+
+    S_t = exp(g_t) S_{t-1} + k_t beta_t (v_t - exp(g_t) S_{t-1}^T k_t)^T,    o_t = S_t^T q_t
+
+(q and k L2-normalised, q scaled by 1/sqrt(Dk); g <= 0 the log decay, beta in (0, 1) the write
+strength), then an RMSNorm of each output head gated by silu(z) and the output projection.
+
+Two forms of the rule in plain PyTorch, the CPU path and the reference: `recurrent_gated_delta_rule`
+(the recurrence above) and `chunked_gated_delta_rule` (the training form: per chunk of C tokens
+the intra-chunk writes are one triangular solve, and only the state crosses chunks). On CUDA the
+layer runs flash-linear-attention's kernels (package `fla-core`) when importable, else the
+PyTorch path, saying so once.
+
+Packed rows: `Segments` names where each sample starts. The convolution and the recurrence
+start from zero state at every sample start, so nothing flows from one sample into the next.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from primerl_trainer.models.common.attention import document_ids
+from primerl_trainer.models.common.norms import RMSNorm
+
+logger = logging.getLogger(__name__)
+
+GatedDeltaNetImpl = Literal["auto", "torch", "fla"]
+GATED_DELTA_NET_IMPLS: tuple[GatedDeltaNetImpl, ...] = ("auto", "torch", "fla")
+DEFAULT_CHUNK_SIZE = 64
+# Added to the squared norm under the square root when q and k are L2-normalised (fla's and
+# transformers' value).
+L2_NORM_EPS = 1e-6
+
+
+@dataclass(frozen=True)
+class Segments:
+    """The samples of a batch of packed rows [B, T], as spans of the flattened B*T tokens:
+    sample n is tokens cu_seqlens[n]..cu_seqlens[n+1]-1, never crossing a row's end.
+
+    `padded_index` [B*T] places token t at row n, column t - cu_seqlens[n] of a [N, max_len]
+    right-padded batch of the samples (n * max_len + column), where the PyTorch path runs them."""
+
+    cu_seqlens: torch.Tensor
+    padded_index: torch.Tensor
+    num_samples: int
+    max_len: int
+
+    @classmethod
+    def of(cls, document_ids_BT: torch.Tensor) -> Segments:
+        """From [B, T] sample ids that never decrease along a row (attention.document_ids).
+        Reads the sample count and longest sample back to the host: one sync per forward."""
+        device = document_ids_BT.device
+        starts = torch.ones_like(document_ids_BT, dtype=torch.bool)
+        starts[:, 1:] = document_ids_BT[:, 1:] != document_ids_BT[:, :-1]
+        starts = starts.reshape(-1)
+        num_tokens = starts.numel()
+        start_index = starts.nonzero().squeeze(-1)
+        cu_seqlens = torch.cat([start_index, start_index.new_full((1,), num_tokens)])
+        sample_of_token = starts.long().cumsum(0) - 1
+        lengths = cu_seqlens.diff()
+        num_samples, max_len = start_index.numel(), int(lengths.max())
+        column = torch.arange(num_tokens, device=device) - cu_seqlens[sample_of_token]
+        return cls(cu_seqlens, sample_of_token * max_len + column, num_samples, max_len)
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, T, ...] -> [N, max_len, ...], zeros after each sample's end."""
+        flat = x.reshape(-1, *x.shape[2:])
+        out = flat.new_zeros(self.num_samples * self.max_len, *x.shape[2:])
+        return out.index_copy(0, self.padded_index, flat).view(self.num_samples, self.max_len, *x.shape[2:])
+
+    def unpad(self, x: torch.Tensor, batch_size: int) -> torch.Tensor:
+        """[N, max_len, ...] -> [B, T, ...], the inverse of `pad`."""
+        return x.reshape(-1, *x.shape[2:])[self.padded_index].view(batch_size, -1, *x.shape[2:])
+
+
+def segments_of(position_ids: torch.Tensor | None) -> Segments | None:
+    """The samples of rows whose position ids restart at each sample; None when each row is one
+    sample (position_ids None, or counting up from the row's first token)."""
+    if position_ids is None:
+        return None
+    docs = document_ids(position_ids)
+    if not bool((docs[:, -1] == 0).all()):
+        return Segments.of(docs)
+    return None
+
+
+def l2_normalize(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).sum(dim=-1, keepdim=True) + L2_NORM_EPS)
+
+
+def causal_conv1d(
+    x: torch.Tensor, weight: torch.Tensor, initial_state: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """silu of the depthwise causal convolution of x [N, L, C] with weight [C, W] (taps oldest
+    first), computed in the weight's dtype and returned in x's. `initial_state` [N, C, W-1]: the
+    inputs before x (None: zeros). Returns (output [N, L, C], final state [N, C, W-1])."""
+    num_channels, width = weight.shape
+    x_NCL = x.transpose(1, 2).to(weight.dtype)
+    if initial_state is None:
+        initial_state = x_NCL.new_zeros(x.shape[0], num_channels, width - 1)
+    x_NCL = torch.cat([initial_state.to(weight.dtype), x_NCL], dim=-1)
+    out = F.conv1d(x_NCL, weight.unsqueeze(1), groups=num_channels)
+    return F.silu(out).transpose(1, 2).to(x.dtype), x_NCL[..., x_NCL.shape[-1] - (width - 1) :]
+
+
+def recurrent_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    scale: float,
+    initial_state: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rule token by token. q, k [N, L, H, Dk] (L2-normalised), v [N, L, H, Dv], g and beta
+    [N, L, H]; `initial_state` [N, H, Dk, Dv] (None: zeros). In float32; returns (o [N, L, H, Dv]
+    in v's dtype, final state [N, H, Dk, Dv] float32)."""
+    q, k, v, g, beta = (t.float() for t in (q, k, v, g, beta))
+    num_seqs, seq_len, num_heads, k_dim = k.shape
+    state = q.new_zeros(num_seqs, num_heads, k_dim, v.shape[-1]) if initial_state is None else initial_state.float()
+    outs = []
+    for t in range(seq_len):
+        state = state * g[:, t, :, None, None].exp()
+        predicted = torch.einsum("nhkv,nhk->nhv", state, k[:, t])
+        delta = beta[:, t, :, None] * (v[:, t] - predicted)
+        state = state + k[:, t, :, :, None] * delta[:, :, None, :]
+        outs.append(torch.einsum("nhkv,nhk->nhv", state, q[:, t] * scale))
+    out = torch.stack(outs, dim=1) if outs else v.new_zeros(v.shape)
+    return out.to(v.dtype), state
+
+
+def chunked_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    scale: float,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    initial_state: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rule of `recurrent_gated_delta_rule` (same arguments and results), chunk by chunk.
+
+    Inside a chunk, with G_i = exp(sum of g over the chunk up to i) and S_0 the state entering it,
+    the written values d_i = beta_i (v_i - k_i^T (state before i, decayed)) solve the unit lower
+    triangular system (I + A) D = beta V - (beta G K) S_0, A_ij = beta_i (G_i / G_j) k_i.k_j for
+    j < i. Then o_i = G_i q_i S_0 + sum_{j<=i} (G_i / G_j) (q_i.k_j) d_j and the state leaving the
+    chunk is G_C S_0 + sum_j (G_C / G_j) k_j d_j^T."""
+    out_dtype = v.dtype
+    num_seqs, seq_len, num_heads, k_dim = k.shape
+    v_dim = v.shape[-1]
+    pad = -seq_len % chunk_size
+    num_chunks = (seq_len + pad) // chunk_size
+
+    def chunks(x: torch.Tensor) -> torch.Tensor:
+        # [N, L, H, ...] -> [N, H, num_chunks, C, ...], zero padded (a padded token has g = 0 and
+        # beta = 0: it neither decays nor writes the state, and its output is dropped).
+        x = x.float().transpose(1, 2)
+        x = F.pad(x, (0, 0, 0, pad)) if x.ndim == 4 else F.pad(x, (0, pad))
+        return x.reshape(num_seqs, num_heads, num_chunks, chunk_size, *x.shape[3:])
+
+    q, k, v, g, beta = chunks(q) * scale, chunks(k), chunks(v), chunks(g), chunks(beta)
+    log_decay = g.cumsum(dim=-1)  # [N, H, n, C]
+    causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril()
+    # exp(log G_i - log G_j) for j <= i, 0 above the diagonal (masked before exp: no overflow).
+    pair_decay = (log_decay[..., :, None] - log_decay[..., None, :]).masked_fill(~causal, float("-inf")).exp()
+    k_beta = k * beta[..., None]
+    system = (k_beta @ k.transpose(-1, -2)) * pair_decay
+    written_v = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False, unitriangular=True)
+    written_k = torch.linalg.solve_triangular(
+        system, k_beta * log_decay.exp()[..., None], upper=False, unitriangular=True
+    )
+    scores = (q @ k.transpose(-1, -2)) * pair_decay
+    q_decayed = q * log_decay.exp()[..., None]
+    k_to_end = k * (log_decay[..., -1:] - log_decay).exp()[..., None]
+    chunk_decay = log_decay[..., -1].exp()[..., None, None]
+
+    state = q.new_zeros(num_seqs, num_heads, k_dim, v_dim) if initial_state is None else initial_state.float()
+    outs = []
+    for i in range(num_chunks):
+        written = written_v[:, :, i] - written_k[:, :, i] @ state
+        outs.append(q_decayed[:, :, i] @ state + scores[:, :, i] @ written)
+        state = state * chunk_decay[:, :, i] + k_to_end[:, :, i].transpose(-1, -2) @ written
+    out = torch.stack(outs, dim=2).reshape(num_seqs, num_heads, -1, v_dim)[:, :, :seq_len]
+    return out.transpose(1, 2).to(out_dtype), state
+
+
+class GatedRMSNorm(RMSNorm):
+    """RMSNorm of each output head, times silu of the gate z (in float32), in x's dtype."""
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return (super().forward(x) * F.silu(gate.float())).to(x.dtype)
+
+
+@functools.cache
+def _fla_ops():
+    """flash-linear-attention's varlen kernels (chunked rule, causal conv), or None."""
+    try:
+        from fla.modules.causal_conv1d import causal_conv1d as fla_causal_conv1d
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk_gated_delta_rule
+    except ImportError as error:
+        logger.warning(
+            "Gated DeltaNet on CUDA runs its PyTorch path (slow): flash-linear-attention is not importable (%s); "
+            "install the trainer's `fla` extra",
+            error,
+        )
+        return None
+    return fla_causal_conv1d, fla_chunk_gated_delta_rule
+
+
+class GatedDeltaNet(nn.Module):
+    """The layer: in_proj_qkv -> causal conv -> q, k, v heads; in_proj_b -> beta = sigmoid;
+    in_proj_a -> g = -exp(A_log) softplus(a + dt_bias); the rule; norm(o, in_proj_z) -> out_proj.
+    Key heads are shared by num_v_heads / num_k_heads value heads each (consecutive ones).
+
+    `impl`: "torch" the PyTorch path (chunked form), "fla" flash-linear-attention's kernels
+    (CUDA; ValueError when absent), "auto" fla on CUDA when importable, else torch."""
+
+    def __init__(
+        self,
+        *,
+        dim: int,
+        num_k_heads: int,
+        num_v_heads: int,
+        head_k_dim: int,
+        head_v_dim: int,
+        conv_width: int,
+        norm_eps: float,
+        impl: GatedDeltaNetImpl = "auto",
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+    ) -> None:
+        super().__init__()
+        if num_v_heads % num_k_heads:
+            raise ValueError(
+                f"linear_num_value_heads ({num_v_heads}) must be a multiple of linear_num_key_heads ({num_k_heads})"
+            )
+        if impl not in GATED_DELTA_NET_IMPLS:
+            raise ValueError(f"gated delta net impl must be one of {GATED_DELTA_NET_IMPLS}, got {impl!r}")
+        self.num_k_heads, self.num_v_heads = num_k_heads, num_v_heads
+        self.head_k_dim, self.head_v_dim = head_k_dim, head_v_dim
+        self.impl = impl
+        self.chunk_size = chunk_size
+        key_dim, value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
+        self.conv_channels = 2 * key_dim + value_dim
+        self.in_proj_qkv = nn.Linear(dim, self.conv_channels, bias=False)
+        self.in_proj_z = nn.Linear(dim, value_dim, bias=False)
+        self.in_proj_b = nn.Linear(dim, num_v_heads, bias=False)
+        self.in_proj_a = nn.Linear(dim, num_v_heads, bias=False)
+        # Depthwise: one filter of conv_width taps per channel, stored as Hugging Face's Conv1d.
+        self.conv1d = nn.Conv1d(
+            self.conv_channels, self.conv_channels, conv_width, groups=self.conv_channels, bias=False
+        )
+        self.dt_bias = nn.Parameter(torch.ones(num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(num_v_heads))
+        self.norm = GatedRMSNorm(head_v_dim, eps=norm_eps)
+        self.out_proj = nn.Linear(value_dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor, segments: Segments | None = None) -> torch.Tensor:
+        """x [B, T, dim]; `segments` the samples of packed rows (None: one per row)."""
+        batch_size, seq_len, _ = x.shape
+        mixed_qkv = self.in_proj_qkv(x)
+        beta = self.in_proj_b(x).sigmoid()
+        # In float32: in bf16 exp(A_log) and the softplus lose the small decays.
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        if self._use_fla(x):
+            out = self._fla_core(mixed_qkv, g, beta, segments)
+        elif segments is None:
+            out = self._torch_core(mixed_qkv, g, beta)
+        else:
+            padded = self._torch_core(segments.pad(mixed_qkv), segments.pad(g), segments.pad(beta))
+            out = segments.unpad(padded, batch_size)
+        z = self.in_proj_z(x).view(batch_size, seq_len, self.num_v_heads, self.head_v_dim)
+        return self.out_proj(self.norm(out, z).reshape(batch_size, seq_len, -1))
+
+    def _split_heads(self, mixed_qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        key_dim = self.num_k_heads * self.head_k_dim
+        q, k, v = mixed_qkv.split([key_dim, key_dim, self.num_v_heads * self.head_v_dim], dim=-1)
+        shape = mixed_qkv.shape[:-1]
+        return (
+            q.reshape(*shape, self.num_k_heads, self.head_k_dim),
+            k.reshape(*shape, self.num_k_heads, self.head_k_dim),
+            v.reshape(*shape, self.num_v_heads, self.head_v_dim),
+        )
+
+    def _torch_core(self, mixed_qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
+        """Rows that are one sample each: [N, L, channels] -> rule output [N, L, Hv, Dv]."""
+        mixed_qkv, _ = causal_conv1d(mixed_qkv, self.conv1d.weight.squeeze(1))
+        q, k, v = self._split_heads(mixed_qkv)
+        group = self.num_v_heads // self.num_k_heads
+        q, k = (l2_normalize(t.float()).repeat_interleave(group, dim=2) for t in (q, k))
+        out, _ = chunked_gated_delta_rule(q, k, v, g, beta, scale=self.head_k_dim**-0.5, chunk_size=self.chunk_size)
+        return out
+
+    def _fla_core(
+        self, mixed_qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, segments: Segments | None
+    ) -> torch.Tensor:
+        fla_causal_conv1d, fla_chunk_gated_delta_rule = _fla_ops()
+        batch_size, seq_len, _ = mixed_qkv.shape
+        cu_seqlens = None
+        if segments is not None:
+            # Varlen: one row of all tokens, the kernels restart at each cu_seqlens entry.
+            mixed_qkv, g, beta = (t.reshape(1, batch_size * seq_len, *t.shape[2:]) for t in (mixed_qkv, g, beta))
+            cu_seqlens = segments.cu_seqlens
+        mixed_qkv, _ = fla_causal_conv1d(
+            mixed_qkv, self.conv1d.weight.squeeze(1), activation="silu", cu_seqlens=cu_seqlens
+        )
+        q, k, v = self._split_heads(mixed_qkv)
+        out, _ = fla_chunk_gated_delta_rule(
+            q, k, v, g, beta, scale=self.head_k_dim**-0.5, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens
+        )
+        return out.reshape(batch_size, seq_len, self.num_v_heads, self.head_v_dim)
+
+    def _use_fla(self, x: torch.Tensor) -> bool:
+        if self.impl == "torch":
+            return False
+        if self.impl == "fla":
+            if not x.is_cuda or _fla_ops() is None:
+                raise ValueError("gated delta net impl 'fla' needs a CUDA tensor and flash-linear-attention (fla-core)")
+            return True
+        return x.is_cuda and _fla_ops() is not None
+
+    def extra_repr(self) -> str:
+        return f"heads k/v {self.num_k_heads}/{self.num_v_heads}, dims k/v {self.head_k_dim}/{self.head_v_dim}"
