@@ -9,7 +9,9 @@ model starts equal to the base.
 
 Targets (`LoRAConfig.target_modules`), by module:
     q, k, v, o        attention.wq / wk / wv / wo               (HF q_proj, k_proj, v_proj, o_proj)
-    gate, up, down    feed_forward.w1 / w3 / w2 of dense layers (HF gate_proj, up_proj, down_proj)
+    gate, up, down    feed_forward.w1 / w3 / w2 of dense layers and shared_experts.w1 / w3 / w2
+                      of MoE layers with shared experts (GLM-4.5), as PEFT's gate_proj, up_proj and
+                      down_proj match both (HF mlp.gate_proj, mlp.shared_experts.gate_proj, ...)
     experts           moe.experts.w13 (gate and up of each expert) and w2 (down), one A and B
                       per expert and projection, as PEFT names them per expert
 The routers stay frozen and untouched. Unknown names are ignored with a warning.
@@ -50,15 +52,15 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-# Target name -> the module path suffix of the nn.Linear it adapts.
+# Target name -> the module path suffixes of the nn.Linear layers it adapts.
 LINEAR_TARGETS = {
-    "q": "attention.wq",
-    "k": "attention.wk",
-    "v": "attention.wv",
-    "o": "attention.wo",
-    "gate": "feed_forward.w1",
-    "up": "feed_forward.w3",
-    "down": "feed_forward.w2",
+    "q": ("attention.wq",),
+    "k": ("attention.wk",),
+    "v": ("attention.wv",),
+    "o": ("attention.wo",),
+    "gate": ("feed_forward.w1", "shared_experts.w1"),
+    "up": ("feed_forward.w3", "shared_experts.w3"),
+    "down": ("feed_forward.w2", "shared_experts.w2"),
 }
 TARGETS = (*LINEAR_TARGETS, "experts")
 _HF_ALIASES = {f"{name}_proj": name for name in LINEAR_TARGETS}
@@ -148,7 +150,7 @@ def apply_lora(model: nn.Module, config: LoRAConfig, *, seed: int = 0) -> list[s
 
     model.requires_grad_(False)
     generator = torch.Generator().manual_seed(seed)
-    suffixes = {LINEAR_TARGETS[name]: name for name in targets if name in LINEAR_TARGETS}
+    suffixes = [suffix for name in targets if name in LINEAR_TARGETS for suffix in LINEAR_TARGETS[name]]
     adapted = []
     # A list first: registering parametrizations adds modules while named_modules walks them.
     for module_name, module in list(model.named_modules()):

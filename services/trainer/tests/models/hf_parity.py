@@ -1,8 +1,8 @@
 """What the tests of own mixture-of-experts models against transformers share: transformers'
 model, logits with the experts its routers chose and gradients under the hub's names, and the
 checks every family runs against them (a batch, packed rows, router replay, one step's
-gradients, the state-dict round trip, expert parallel over 2 CPU ranks). Each family's test
-module keeps its checkpoints and its particulars."""
+gradients, the state-dict round trip, one RL step of the trainer with and without LoRA, expert
+parallel over 2 CPU ranks). Each family's test module keeps its checkpoints and its particulars."""
 
 import pathlib
 from collections.abc import Callable
@@ -13,11 +13,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from primerl_trainer.config import LoRAConfig
+from primerl_trainer.lora import apply_lora
 from primerl_trainer.models import HFCausalLM, export_hf_state_dict, load_model, read_hf_state_dict
+from primerl_trainer.models.moe import GroupedExperts
+from primerl_trainer.optim import LRScheduleConfig, OptimizerConfig, build_lr_scheduler, build_optimizer
+from primerl_trainer.train import Trainer
 
 from .conftest import packed_inputs
 
 TOLERANCE = 1e-5
+# Every LoRA target: attention, dense and shared-expert projections, routed experts.
+LORA_TARGETS = ["q", "k", "v", "o", "gate", "up", "down", "experts"]
 
 
 def save_random_checkpoint(
@@ -49,13 +56,15 @@ def reference_forward(
     hf: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """transformers' logits and the experts its routers chose [B*T, MoE layers, K], sorted.
-    The routers are the `mlp.gate` modules of MoE layers, whose output's third item is the
-    chosen expert ids (as in transformers' GLM-4.5 and MiniMax-M2 routers)."""
+    The routers are the `mlp.gate` (or `mlp.router`, AFMoE's) modules of MoE layers, whose
+    output's third item is the chosen expert ids (as in transformers' GLM-4.5, MiniMax-M2, AFMoE
+    and Laguna routers)."""
     chosen = []
     hooks = [
-        layer.mlp.gate.register_forward_hook(lambda module, args, out: chosen.append(out[2]))
+        router.register_forward_hook(lambda module, args, out: chosen.append(out[2]))
         for layer in hf.model.layers
-        if hasattr(layer.mlp, "gate") and hasattr(layer.mlp, "experts")
+        if hasattr(layer.mlp, "experts")
+        for router in [getattr(layer.mlp, "gate", None) or layer.mlp.router]
     ]
     try:
         logits = hf(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
@@ -131,11 +140,12 @@ def assert_forced_experts_weighted_and_trained(own: nn.Module, *, scaling_factor
         assert not gate.e_score_correction_bias.requires_grad
 
 
-def assert_one_step_gradients_match(own: nn.Module, hf: nn.Module, adapter_cls: type) -> None:
-    """The loss and every parameter's gradient of one cross-entropy on packed rows;
-    `adapter_cls` maps transformers' gradients to the own names."""
+def assert_one_step_gradients_match(own: nn.Module, hf: nn.Module, adapter_cls: type, *, packed: bool = True) -> None:
+    """The loss and every parameter's gradient of one cross-entropy on packed rows (`packed=False`:
+    one sample, for a reference that lets packed samples see each other); `adapter_cls` maps
+    transformers' gradients to the own names."""
     vocab_size = own.args.vocab_size
-    _, input_ids, position_ids = packed_inputs([9, 7], seed=3)
+    _, input_ids, position_ids = packed_inputs([9, 7] if packed else [16], seed=3)
     input_ids = input_ids % vocab_size
     labels = input_ids[:, 1:].reshape(-1)
 
@@ -173,6 +183,52 @@ def assert_extra_layers_dropped(path: pathlib.Path, adapter_cls: type, *, mtp: d
     assert adapter.from_hf(hf_state_dict | mtp).keys() == model.state_dict().keys()
     with pytest.raises(ValueError, match="unexpected tensor"):
         adapter.from_hf(hf_state_dict | {unknown: torch.zeros(1)})
+
+
+def assert_rl_step_changes_loss(
+    model_dir: pathlib.Path, *, lora: bool, unadapted: tuple[str, ...] = ("router.gate",)
+) -> None:
+    """The trainer's RL step (Trainer.train_step: the RL loss, clipping, AdamW) on the own model of
+    `model_dir` (a checkpoint with the tiny tokenizer's vocabulary: the samples are byte tokens),
+    twice on the same batch: the second step's loss, at the weights the first left, is lower, and
+    exactly the trainable tensors changed (the router correction biases and other buffers did not).
+    With `lora`, every target: each nn.Linear of the layers (attention, dense and shared-expert
+    projections) but those whose name ends with one of `unadapted` (the routers) and each routed
+    experts' stack is adapted, only the adapters train and the base weights stay as they were."""
+    from ..tiny_training import batch_spec, load_tiny_model, make_samples, pack_into
+
+    model = load_tiny_model(model_dir)
+    if lora:
+        adapted = apply_lora(model, LoRAConfig(enabled=True, rank=4, alpha=8.0, target_modules=LORA_TARGETS))
+        projections = {
+            f"{name}.weight"
+            for name, module in model.named_modules()
+            if isinstance(module, nn.Linear) and name.startswith("layers.") and not name.endswith(unadapted)
+        }
+        experts = {
+            f"{name}.{w}" for name, m in model.named_modules() if isinstance(m, GroupedExperts) for w in ("w13", "w2")
+        }
+        assert experts and set(adapted) == projections | experts
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    assert trainable and (not lora or all("lora_" in name for name in trainable))
+    before = {name: t.detach().clone() for name, t in model.state_dict().items()}
+    optimizer = build_optimizer(model, OptimizerConfig(lr=1e-3))
+    trainer = Trainer(
+        model,
+        optimizer,
+        build_lr_scheduler(optimizer, LRScheduleConfig()),
+        spec=batch_spec(model),
+        device=torch.device("cpu"),
+    )
+    with torch.no_grad():
+        batch = pack_into(make_samples(model, seed=0, num_samples=4), 2)
+    first, second = trainer.train_step(batch), trainer.train_step(batch)
+
+    assert first["update_skipped"] == second["update_skipped"] == 0.0
+    assert second["loss"] < first["loss"], (first["loss"], second["loss"])
+    after = model.state_dict()
+    changed = {name for name in before if not torch.equal(before[name], after[name])}
+    assert changed == trainable
 
 
 def assert_expert_parallel_trains_as_one_process(

@@ -213,3 +213,16 @@ def test_expert_parallel_trains_as_one_process(tmp_path: pathlib.Path) -> None:
     )
     model_dir = make_tiny_model(tmp_path / "ep-glm4-moe", family="glm4-moe", spec=spec)
     hf_parity.assert_expert_parallel_trains_as_one_process(model_dir, tmp_path, num_routers=2)
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    """The tiny-model maker's GLM-4.5 (tiny vocabulary, a dense first layer, a shared expert)."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-glm4-moe") / "glm", family="glm4-moe")
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_one_rl_step_changes_the_loss(tiny_checkpoint: pathlib.Path, lora: bool) -> None:
+    """hf_parity.assert_rl_step_changes_loss; with LoRA the shared experts' and the dense layer's
+    projections are adapted too."""
+    hf_parity.assert_rl_step_changes_loss(tiny_checkpoint, lora=lora)

@@ -171,3 +171,13 @@ def test_expert_parallel_trains_as_one_process(tmp_path: pathlib.Path) -> None:
     variant = PARTIAL | {"vocab_size": TINY_VOCAB_SIZE, "hidden_size": 64, "intermediate_size": 32}
     model_dir = make_checkpoint(tmp_path / "ep-minimax-m2", variant | {"initializer_range": 0.02})
     hf_parity.assert_expert_parallel_trains_as_one_process(model_dir, tmp_path, num_routers=NUM_LAYERS)
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_one_rl_step_changes_the_loss(tmp_path: pathlib.Path, lora: bool) -> None:
+    """hf_parity.assert_rl_step_changes_loss on the tiny-model maker's MiniMax-M2."""
+    from primerl_launcher.tiny_model import make_tiny_model
+
+    model_dir = make_tiny_model(tmp_path / "minimax-m2", family="minimax-m2")
+    assert isinstance(load_model(model_dir, impl="auto"), MiniMaxM2Model)
+    hf_parity.assert_rl_step_changes_loss(model_dir, lora=lora)

@@ -162,3 +162,11 @@ def test_dense_layers_between_moe_layers_equal_transformers(tmp_path: pathlib.Pa
     assert (out.logits - hf(input_ids).logits).abs().max() <= TOLERANCE
     assert out.routed_experts.shape == (20, 2, TOP_K)
     assert export_hf_state_dict(own).keys() == read_hf_state_dict(tmp_path / "mixed").keys()
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_one_rl_step_changes_the_loss(moe_path: pathlib.Path, lora: bool) -> None:
+    """hf_parity.assert_rl_step_changes_loss, as every MoE family runs it."""
+    from . import hf_parity
+
+    hf_parity.assert_rl_step_changes_loss(moe_path, lora=lora)
