@@ -51,6 +51,7 @@ __all__ = [
     "TinyMoeSpec",
     "TinyQwen3MoeSpec",
     "TinyQwen3Spec",
+    "TinyQwen3_5MoeSpec",
     "build_tokenizer",
     "main",
     "make_tiny_model",
@@ -266,12 +267,65 @@ class TinyMiniMaxM2Spec(TinyMoeSpec):
         }
 
 
+@dataclass(frozen=True)
+class TinyQwen3_5MoeSpec(TinyMoeSpec):
+    """Qwen3.5-MoE's language model (`qwen3_5_moe_text`; the hub's checkpoints are the multimodal
+    model around it): Gated DeltaNet layers and gated full attention alternating (every kind of
+    layer present), every layer sparse with a gated shared expert, RoPE on a quarter of each
+    head, untied head. Its config has no dense MLP width and keeps rope_theta in rope_parameters."""
+
+    model_class: ClassVar[str] = "Qwen3_5MoeForCausalLM"
+    model_type: ClassVar[str] = "qwen3_5_moe_text"
+
+    full_attention_interval: int = 2
+    linear_num_key_heads: int = 2
+    linear_num_value_heads: int = 4
+    linear_key_head_dim: int = 32
+    linear_value_head_dim: int = 32
+    linear_conv_kernel_dim: int = 4
+    shared_expert_intermediate_size: int = 128
+    partial_rotary_factor: float = 0.25
+
+    def config_dict(self, dtype: DType) -> dict[str, Any]:
+        config = super().config_dict(dtype)
+        del config["intermediate_size"], config["rope_theta"]
+        return config
+
+    def family_config(self) -> dict[str, Any]:
+        interval = self.full_attention_interval
+        return {
+            "layer_types": [
+                "full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                for i in range(self.num_hidden_layers)
+            ],
+            "linear_num_key_heads": self.linear_num_key_heads,
+            "linear_num_value_heads": self.linear_num_value_heads,
+            "linear_key_head_dim": self.linear_key_head_dim,
+            "linear_value_head_dim": self.linear_value_head_dim,
+            "linear_conv_kernel_dim": self.linear_conv_kernel_dim,
+            "num_experts": self.num_experts,
+            "num_experts_per_tok": self.num_experts_per_tok,
+            "moe_intermediate_size": self.moe_intermediate_size,
+            "shared_expert_intermediate_size": self.shared_expert_intermediate_size,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": self.rope_theta,
+                "partial_rotary_factor": self.partial_rotary_factor,
+            },
+            "attention_bias": False,
+            "output_router_logits": False,
+            "router_aux_loss_coef": 0.001,
+            "tie_word_embeddings": False,
+        }
+
+
 # One entry per family: its name on the command line -> its default tiny shape.
 FAMILIES: dict[str, TinyModelSpec] = {
     "qwen3": TinyQwen3Spec(),
     "qwen3-moe": TinyQwen3MoeSpec(),
     "glm4-moe": TinyGlm4MoeSpec(),
     "minimax-m2": TinyMiniMaxM2Spec(),
+    "qwen3.5-moe": TinyQwen3_5MoeSpec(),
 }
 # The older names callers pick the Qwen3 models by (the launcher's tiny-dense / tiny-moe).
 KINDS = {"dense": "qwen3", "moe": "qwen3-moe"}
