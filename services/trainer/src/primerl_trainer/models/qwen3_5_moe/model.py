@@ -208,8 +208,8 @@ class Qwen3_5MoeBlock(MoETransformerBlock):
         super().__init__(args)
         self.attention_norm = ZeroCenteredRMSNorm(args.dim, eps=args.norm_eps)
         self.ffn_norm = ZeroCenteredRMSNorm(args.dim, eps=args.norm_eps)
-        self.shared_expert = FeedForward(dim=args.dim, hidden_dim=args.shared_expert_hidden_dim)
-        self.shared_expert_gate = nn.Linear(args.dim, 1, bias=False)
+        self.shared_experts = FeedForward(dim=args.dim, hidden_dim=args.shared_expert_hidden_dim)
+        self.shared_experts_gate = nn.Linear(args.dim, 1, bias=False)
 
     def build_attention(self, args: Qwen3_5MoeModelArgs) -> nn.Module:
         return GatedAttention(args)
@@ -218,7 +218,7 @@ class Qwen3_5MoeBlock(MoETransformerBlock):
         self, h: torch.Tensor, replayed_experts_TK: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         routed, expert_ids_TK, tokens_per_expert_E = self.moe(h, replayed_experts_TK)
-        shared = torch.sigmoid(self.shared_expert_gate(h)) * self.shared_expert(h)
+        shared = torch.sigmoid(self.shared_experts_gate(h)) * self.shared_experts(h)
         return routed + shared, expert_ids_TK, tokens_per_expert_E
 
 

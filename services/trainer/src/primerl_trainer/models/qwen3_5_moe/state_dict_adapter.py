@@ -28,10 +28,10 @@ class Qwen3_5MoeStateDictAdapter(Qwen3MoeStateDictAdapter):
     from_hf_map: ClassVar[dict[str, str | None]] = {
         **Qwen3MoeStateDictAdapter.from_hf_map,
         **{f"model.layers.{{}}.linear_attn.{name}": f"layers.{{}}.attention.{name}" for name in _LINEAR_ATTENTION},
-        "model.layers.{}.mlp.shared_expert.gate_proj.weight": "layers.{}.shared_expert.w1.weight",
-        "model.layers.{}.mlp.shared_expert.up_proj.weight": "layers.{}.shared_expert.w3.weight",
-        "model.layers.{}.mlp.shared_expert.down_proj.weight": "layers.{}.shared_expert.w2.weight",
-        "model.layers.{}.mlp.shared_expert_gate.weight": "layers.{}.shared_expert_gate.weight",
+        "model.layers.{}.mlp.shared_expert.gate_proj.weight": "layers.{}.shared_experts.w1.weight",
+        "model.layers.{}.mlp.shared_expert.up_proj.weight": "layers.{}.shared_experts.w3.weight",
+        "model.layers.{}.mlp.shared_expert.down_proj.weight": "layers.{}.shared_experts.w2.weight",
+        "model.layers.{}.mlp.shared_expert_gate.weight": "layers.{}.shared_experts_gate.weight",
         # Stacked experts load as they are (export writes them per expert).
         "model.layers.{}.mlp.experts.gate_up_proj": "layers.{}.moe.experts.w13",
         "model.layers.{}.mlp.experts.down_proj": "layers.{}.moe.experts.w2",
