@@ -28,6 +28,9 @@ from primerl_trainer.models.common.attention import AttentionBackend
 from primerl_trainer.models.glm4_moe.model import Glm4MoeModel, Glm4MoeModelArgs
 from primerl_trainer.models.glm4_moe.parallelize import parallelize_glm4_moe
 from primerl_trainer.models.glm4_moe.state_dict_adapter import Glm4MoeStateDictAdapter
+from primerl_trainer.models.gpt_oss.model import GptOssModel, GptOssModelArgs
+from primerl_trainer.models.gpt_oss.parallelize import parallelize_gpt_oss
+from primerl_trainer.models.gpt_oss.state_dict_adapter import GptOssStateDictAdapter
 from primerl_trainer.models.hf import HFCausalLM
 from primerl_trainer.models.minimax_m2.model import MiniMaxM2Model, MiniMaxM2ModelArgs
 from primerl_trainer.models.minimax_m2.parallelize import parallelize_minimax_m2
@@ -67,6 +70,7 @@ MODEL_SPECS: dict[str, ModelSpec] = {
             ModelSpec(name, Qwen3_5MoeModel, Qwen3_5MoeModelArgs, Qwen3_5MoeStateDictAdapter, parallelize_qwen3_5_moe)
             for name in ("qwen3_5_moe", "qwen3_5_moe_text")
         ),
+        ModelSpec("gpt_oss", GptOssModel, GptOssModelArgs, GptOssStateDictAdapter, parallelize_gpt_oss),
         ModelSpec("afmoe", AfmoeModel, AfmoeModelArgs, AfmoeStateDictAdapter, parallelize_afmoe),
     )
 }

@@ -1,0 +1,381 @@
+"""Own GPT-OSS (`gpt_oss`) against transformers' GptOssForCausalLM on tiny random checkpoints
+(float32, transformers' eager attention: it has no SDPA path for sinks): logits and router
+choices with sliding and full layers, sinks, biases, clamped SwiGLU and YaRN; packed rows with a
+window shorter than the samples; router replay; the gradient of one loss; the HF state-dict round
+trip, MXFP4 expert checkpoints and the Hugging Face export; refused configs; the attention
+windows and sinks themselves (sdpa and flex, batched, packed); expert parallel over 2 CPU ranks."""
+
+import json
+import pathlib
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from primerl_trainer.hf_export import export_hf_model
+from primerl_trainer.models import load_model, read_hf_state_dict
+from primerl_trainer.models.common.attention import attention, build_attention_mask, document_ids
+from primerl_trainer.models.gpt_oss.model import GptOssModel, GptOssModelArgs
+from primerl_trainer.models.gpt_oss.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+from primerl_trainer.models.gpt_oss.state_dict_adapter import GptOssStateDictAdapter
+from primerl_trainer.models.registry import read_hf_config
+
+from . import hf_parity
+from .conftest import packed_inputs
+from .hf_parity import TOLERANCE, reference_forward
+
+VOCAB_SIZE, NUM_LAYERS, NUM_EXPERTS, WINDOW = 96, 3, 8, 4
+YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 1000.0,
+    "factor": 4.0,
+    "beta_fast": 8.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+    "original_max_position_embeddings": 64,
+}
+# Sliding, full, sliding layers (window 4, shorter than every test prompt), YaRN, q/k/v/o bias,
+# a SwiGLU limit low enough that both clamps act.
+FULL = {
+    "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+    "sliding_window": WINDOW,
+    "rope_parameters": YARN,
+    "attention_bias": True,
+    "num_experts_per_tok": 2,
+    "swiglu_limit": 0.4,
+}
+# The other branches: full attention everywhere, default RoPE, no attention bias, top-3, hub limit.
+PLAIN = {
+    "layer_types": ["full_attention"] * NUM_LAYERS,
+    "sliding_window": WINDOW,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10_000.0},
+    "attention_bias": False,
+    "num_experts_per_tok": 3,
+    "swiglu_limit": 7.0,
+}
+
+
+def make_config(variant: dict):
+    from transformers import GptOssConfig
+
+    return GptOssConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=32,
+        intermediate_size=32,
+        num_hidden_layers=NUM_LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=NUM_EXPERTS,
+        max_position_embeddings=256,
+        initializer_range=0.2,
+        dtype="float32",
+        **variant,
+    )
+
+
+def make_checkpoint(path: pathlib.Path, variant: dict, *, seed: int = 0) -> pathlib.Path:
+    """A tiny GptOssForCausalLM with random weights, biases and sinks (transformers initialises
+    expert biases at zero), saved as a Hugging Face folder."""
+    from transformers import GptOssForCausalLM
+
+    def random_biases(model: nn.Module) -> None:
+        for name, parameter in model.named_parameters():
+            if name.endswith(("bias", "sinks")):
+                parameter.normal_(std=0.5)
+
+    return hf_parity.save_random_checkpoint(
+        path, GptOssForCausalLM, make_config(variant), perturb=random_biases, seed=seed
+    )
+
+
+def reference(path: pathlib.Path, **kwargs) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager", **kwargs).eval()
+
+
+def random_ids(*shape: int, seed: int = 0) -> torch.Tensor:
+    return hf_parity.random_ids(*shape, vocab_size=VOCAB_SIZE, seed=seed)
+
+
+@pytest.fixture(scope="module", params=["full", "plain"])
+def checkpoint(request, tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    variant = FULL if request.param == "full" else PLAIN
+    return make_checkpoint(tmp_path_factory.mktemp(f"gpt-oss-{request.param}"), variant)
+
+
+@pytest.fixture(scope="module")
+def full_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    return make_checkpoint(tmp_path_factory.mktemp("gpt-oss-full"), FULL)
+
+
+def test_auto_picks_the_own_implementation(full_checkpoint: pathlib.Path) -> None:
+    model = load_model(full_checkpoint, impl="auto")
+    assert isinstance(model, GptOssModel)
+    args = model.args
+    assert args.layer_windows == (WINDOW, None, WINDOW) and args.moe_layers == (0, 1, 2)
+    assert (args.rope.factor, args.swiglu_limit, args.top_k) == (4.0, 0.4, 2)
+    assert model.layers["0"].attention.sinks.abs().sum() > 0
+
+
+def test_logits_and_routing_equal_transformers_on_a_batch(checkpoint: pathlib.Path) -> None:
+    hf_parity.assert_batch_matches(load_model(checkpoint, impl="custom"), reference(checkpoint))
+
+
+@torch.no_grad()
+def test_packed_samples_equal_separate_runs(checkpoint: pathlib.Path) -> None:
+    """Samples of 6, 13 and 3 tokens in one row; the window (4) is shorter than two of them.
+    (Not against transformers' packed forward: GptOssModel builds its masks without the position
+    ids, so its packed rows attend across samples.)"""
+    own, hf = load_model(checkpoint, impl="custom"), reference(checkpoint)
+    samples, input_ids, position_ids = packed_inputs([6, 13, 3], seed=5)
+    packed = own(input_ids % VOCAB_SIZE, position_ids)
+    separate = [reference_forward(hf, sample % VOCAB_SIZE) for sample in samples]
+    assert (packed.logits - torch.cat([logits for logits, _ in separate], dim=1)).abs().max() <= TOLERANCE
+    assert torch.equal(packed.routed_experts.sort(dim=-1).values, torch.cat([ids for _, ids in separate]))
+
+
+@torch.no_grad()
+def test_flex_backend_equals_sdpa(full_checkpoint: pathlib.Path) -> None:
+    """The flex path (windows as BlockMasks, sinks through the log-sum-exp) on packed rows."""
+    sdpa = load_model(full_checkpoint, impl="custom")
+    flex = load_model(full_checkpoint, impl="custom", attn_backend="flex")
+    _, input_ids, position_ids = packed_inputs([6, 13, 3], seed=5)
+    input_ids = input_ids % VOCAB_SIZE
+    assert (sdpa(input_ids, position_ids).logits - flex(input_ids, position_ids).logits).abs().max() <= TOLERANCE
+
+
+def test_replaying_transformers_routing_gives_its_logits(full_checkpoint: pathlib.Path) -> None:
+    own, hf = load_model(full_checkpoint, impl="custom"), reference(full_checkpoint)
+    hf_parity.assert_replay_gives_reference_logits(own, hf)
+
+
+def test_replay_weighs_forced_experts_by_the_softmax_over_their_logits(full_checkpoint: pathlib.Path) -> None:
+    """Experts outside the router's choice: weights are the softmax of the biased router logits
+    at them; the router's weight and bias get gradients."""
+    own = load_model(full_checkpoint, impl="custom")
+    router = own.layers["1"].moe.router
+    x = torch.randn(4, own.args.dim)
+    forced = torch.tensor([[0, 1], [7, 3], [5, 4], [2, 6]])
+    scores, ids = router(x, forced)
+    assert torch.equal(ids, forced)
+    torch.testing.assert_close(scores, router.gate(x).gather(-1, forced).softmax(dim=-1))
+
+    num_tokens = 12
+    input_ids = random_ids(1, num_tokens, seed=2)
+    first = torch.arange(num_tokens) % NUM_EXPERTS
+    routed = torch.stack([first, (first + 3) % NUM_EXPERTS], dim=-1)[:, None].expand(num_tokens, NUM_LAYERS, 2)
+    out = own(input_ids, routed_experts=routed)
+    assert torch.equal(out.routed_experts, routed)
+    assert out.tokens_per_expert.sum() == num_tokens * 2 * NUM_LAYERS
+    out.logits.pow(2).mean().backward()
+    for layer in own.layers.values():
+        assert layer.moe.router.gate.weight.grad.abs().sum() > 0 and layer.moe.router.gate.bias.grad.abs().sum() > 0
+
+
+def test_one_step_gradients_equal_transformers(full_checkpoint: pathlib.Path) -> None:
+    own, hf = load_model(full_checkpoint, impl="custom"), reference(full_checkpoint)
+    # One sample per row: transformers' GPT-OSS lets packed samples see each other.
+    hf_parity.assert_one_step_gradients_match(own, hf, GptOssStateDictAdapter, packed=False)
+
+
+def test_hf_to_own_to_hf_is_bit_exact(checkpoint: pathlib.Path) -> None:
+    hf_parity.assert_hf_round_trip_is_bit_exact(checkpoint)
+
+
+def test_unknown_and_incomplete_expert_tensors_are_refused(full_checkpoint: pathlib.Path) -> None:
+    hf_state_dict = read_hf_state_dict(full_checkpoint)
+    adapter = GptOssStateDictAdapter(load_model(full_checkpoint, impl="custom").args)
+    with pytest.raises(ValueError, match="unexpected tensor"):
+        adapter.from_hf(hf_state_dict | {"model.layers.1.mlp.unknown.weight": torch.zeros(1)})
+    del hf_state_dict["model.layers.1.mlp.experts.down_proj_bias"]
+    with pytest.raises(ValueError, match=r"layer 1 must hold mlp.experts.gate_up_proj and down_proj"):
+        adapter.from_hf(hf_state_dict)
+
+
+def test_mxfp4_codes_round_trip() -> None:
+    """Values MXFP4 holds exactly (e2m1 magnitudes times a power of two per 32) come back exactly;
+    others round to the nearest code of their block's scale."""
+    generator = torch.Generator().manual_seed(0)
+    magnitudes = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    codes = magnitudes[torch.randint(0, 8, (3, 4, 64), generator=generator)]
+    signs = torch.where(torch.rand(3, 4, 64, generator=generator) < 0.5, -1.0, 1.0)
+    exponents = torch.randint(-6, 3, (3, 4, 2, 1), generator=generator).float()
+    exact = (codes * signs).unflatten(-1, (2, 32)) * torch.exp2(exponents)
+    exact[..., 0] = 6.0 * torch.exp2(exponents[..., 0])  # each block's largest magnitude sets its scale
+    exact = exact.flatten(-2)
+    blocks, scales = quantize_mxfp4(exact)
+    assert blocks.shape == (3, 4, 2, 16) and scales.shape == (3, 4, 2) and blocks.dtype == scales.dtype == torch.uint8
+    assert torch.equal(dequantize_mxfp4(blocks, scales, dtype=torch.float32), exact)
+    assert torch.equal(dequantize_mxfp4(blocks, scales), exact.bfloat16())
+    noisy = torch.randn(5, 64, generator=generator)
+    error = (dequantize_mxfp4(*quantize_mxfp4(noisy), dtype=torch.float32) - noisy).abs()
+    # Half the largest gap between codes (2 between 4 and 6) at each block's scale.
+    block_scale = torch.exp2(torch.ceil(torch.log2(noisy.unflatten(-1, (2, 32)).abs().amax(-1) / 6)))
+    assert (error.unflatten(-1, (2, 32)) <= block_scale[..., None] + 1e-7).all()
+
+
+def make_mxfp4_checkpoint(source: pathlib.Path, path: pathlib.Path) -> pathlib.Path:
+    """`source` with its experts' weights quantized to MXFP4 as the hub stores them
+    (`<proj>_blocks`/`_scales`, output-major) and config.json's quantization_config saying so."""
+    path.mkdir()
+    tensors = {}
+    for key, value in read_hf_state_dict(source).items():
+        if key.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            blocks, scales = quantize_mxfp4(value.transpose(1, 2))
+            tensors[f"{key}_blocks"], tensors[f"{key}_scales"] = blocks, scales
+        else:
+            tensors[key] = value
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    config = read_hf_config(source) | {
+        "quantization_config": {
+            "quant_method": "mxfp4",
+            "modules_to_not_convert": [
+                "model.layers.*.self_attn",
+                "model.layers.*.mlp.router",
+                "model.embed_tokens",
+                "lm_head",
+            ],
+        }
+    }
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+@torch.no_grad()
+def test_mxfp4_checkpoint_loads_and_equals_transformers_dequantized(
+    full_checkpoint: pathlib.Path, tmp_path: pathlib.Path
+) -> None:
+    from transformers import Mxfp4Config
+
+    path = make_mxfp4_checkpoint(full_checkpoint, tmp_path / "mxfp4")
+    own = load_model(path, impl="auto", dtype=torch.float32)
+    assert isinstance(own, GptOssModel)
+    # The experts hold the dequantized values, not the originals.
+    original = load_model(full_checkpoint, impl="custom")
+    assert not torch.equal(own.layers["0"].moe.experts.w13, original.layers["0"].moe.experts.w13)
+    assert torch.equal(own.layers["0"].moe.experts.w13_bias, original.layers["0"].moe.experts.w13_bias)
+    # transformers dequantizes the experts into bf16 whatever the dtype asked: run it in float32.
+    hf = reference(path, quantization_config=Mxfp4Config(dequantize=True)).float()
+    assert hf.model.layers[0].mlp.experts.gate_up_proj.dtype == torch.float32
+    input_ids = random_ids(2, 20, seed=6)
+    logits, expert_ids = reference_forward(hf, input_ids)
+    out = own(input_ids)
+    assert (out.logits - logits).abs().max() <= TOLERANCE
+    assert torch.equal(out.routed_experts.sort(dim=-1).values, expert_ids)
+    # bf16 loading dequantizes to the same values.
+    bf16 = load_model(path, impl="auto", dtype=torch.bfloat16)
+    assert torch.equal(bf16.layers["2"].moe.experts.w2.float(), own.layers["2"].moe.experts.w2)
+    # Export is unquantized: the Hugging Face names of the dequantized weights.
+    exported = hf_parity.export_hf_state_dict(own)
+    assert exported.keys() == read_hf_state_dict(full_checkpoint).keys()
+
+
+@torch.no_grad()
+def test_export_loads_back_in_transformers(full_checkpoint: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    model = load_model(full_checkpoint, impl="custom")
+    generator = torch.Generator().manual_seed(7)
+    for parameter in model.parameters():
+        parameter.add_(0.05 * torch.randn(parameter.shape, generator=generator))
+    out = export_hf_model(
+        model,
+        source_dir=full_checkpoint,
+        out_dir=tmp_path / "export",
+        dtype=torch.float32,
+        lora_scale=None,
+        is_destination=True,
+        step=1,
+    )
+    assert read_hf_state_dict(out).keys() == read_hf_state_dict(full_checkpoint).keys()
+    input_ids = random_ids(1, 10, seed=4)
+    logits, expert_ids = reference_forward(reference(out), input_ids)
+    own = model(input_ids)
+    assert (own.logits - logits).abs().max() <= TOLERANCE
+    assert torch.equal(own.routed_experts.sort(dim=-1).values, expert_ids)
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"layer_types": ["sliding_attention", "chunked_attention", "full_attention"]}, r"layer_types must name 3"),
+        ({"layer_types": ["full_attention"] * 2}, r"layer_types must name 3"),
+        ({"sliding_window": None}, r"sliding_window must be a positive"),
+        ({"sliding_window": 0}, r"sliding_window must be a positive"),
+        ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4, "factor": 2.0}}, r"rope type 'llama3'"),
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}}, r"original_max_position"),
+        ({"num_experts_per_tok": 9}, r"num_experts_per_tok \(9\) must lie in"),
+        ({"num_local_experts": 0}, r"num_local_experts 0"),
+        ({"swiglu_limit": 0.0}, r"swiglu_limit must be positive"),
+        ({"quantization_config": {"quant_method": "fp8"}}, r"quantization_config \(quant_method 'fp8'\)"),
+    ],
+)
+def test_bad_configs_are_refused(full_checkpoint: pathlib.Path, change: dict, match: str) -> None:
+    config = read_hf_config(full_checkpoint) | change
+    with pytest.raises(ValueError, match=match):
+        GptOssModel(GptOssModelArgs.from_hf_config(config))
+
+
+def _reference_attention(q, k, v, position_ids, *, window, sinks):
+    """Masked softmax over [scores, sink] in float64, the definition."""
+    docs = document_ids(position_ids)
+    rows = torch.arange(q.shape[1])
+    allowed = (rows[:, None] >= rows) & (docs[:, :, None] == docs[:, None, :])
+    if window is not None:
+        allowed &= rows[:, None] - rows < window
+    groups = q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(groups, dim=2), v.repeat_interleave(groups, dim=2)
+    scores = torch.einsum("bthd,bshd->bhts", q, k) / q.shape[-1] ** 0.5
+    scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+    if sinks is not None:
+        scores = torch.cat((scores, sinks[None, :, None, None].expand(*scores.shape[:-1], 1)), dim=-1)
+    probs = scores.softmax(dim=-1)[..., : k.shape[1]]
+    return torch.einsum("bhts,bshd->bthd", probs, v)
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "flex"])
+@pytest.mark.parametrize("packed", [False, True])
+def test_attention_windows_and_sinks_are_the_definition(backend: str, packed: bool) -> None:
+    generator = torch.Generator().manual_seed(0)
+    batch, seq_len, heads, kv_heads, head_dim = (1, 22, 4, 2, 8) if packed else (2, 22, 4, 2, 8)
+    q = torch.randn(batch, seq_len, heads, head_dim, generator=generator, dtype=torch.float64)
+    k = torch.randn(batch, seq_len, kv_heads, head_dim, generator=generator, dtype=torch.float64)
+    v = torch.randn(batch, seq_len, kv_heads, head_dim, generator=generator, dtype=torch.float64)
+    sinks = torch.randn(heads, generator=generator, dtype=torch.float64)
+    if packed:
+        position_ids = torch.cat([torch.arange(n) for n in (6, 13, 3)])[None]
+    else:
+        position_ids = torch.arange(seq_len).expand(batch, seq_len)
+    mask = build_attention_mask(
+        position_ids if packed else None,
+        backend=backend,
+        batch_size=batch,
+        seq_len=seq_len,
+        device=q.device,
+        sliding_windows=[3, 5],
+    )
+    for window in (None, 3, 5):
+        for sink in (None, sinks):
+            out = attention(q, k, v, mask, sliding_window=window, sinks=sink)
+            wanted = _reference_attention(q, k, v, position_ids, window=window, sinks=sink)
+            assert (out - wanted).abs().max() <= 1e-12, (window, sink is not None)
+    with pytest.raises(ValueError, match=r"sliding_window 4 was not among"):
+        attention(q, k, v, mask, sliding_window=4)
+
+
+def test_sink_gradients_equal_the_definition() -> None:
+    """The sdpa path's gradients (q, k, v and the sinks) on a packed row with a window."""
+    generator = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 22, h, 8, generator=generator, dtype=torch.float64) for h in (4, 2, 2))
+    sinks = torch.randn(4, generator=generator, dtype=torch.float64)
+    position_ids = torch.cat([torch.arange(n) for n in (6, 13, 3)])[None]
+    mask = build_attention_mask(
+        position_ids, backend="sdpa", batch_size=1, seq_len=22, device=q.device, sliding_windows=[3]
+    )
+    inputs = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+    attention(*inputs[:3], mask, sliding_window=3, sinks=inputs[3]).pow(2).sum().backward()
+    wanted = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+    _reference_attention(*wanted[:3], position_ids, window=3, sinks=wanted[3]).pow(2).sum().backward()
+    for got, ref in zip(inputs, wanted, strict=True):
+        torch.testing.assert_close(got.grad, ref.grad, rtol=1e-10, atol=1e-12)
