@@ -135,7 +135,10 @@ def exported_tensors(
     dtype: torch.dtype,
     lora_scale: float | None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) to publish, from `source`'s own state-dict entries (gathered or meta)."""
+    """(name, tensor) to publish, from `source`'s own state-dict entries (gathered or meta), in
+    `dtype` but for the model's float32 buffers: tensors it does not train and holds in float32
+    whatever its dtype because its checkpoint stores them so (the routers' correction biases,
+    which decide between experts whose scores differ by less than bfloat16 resolves)."""
     to_hf = hf_converter(model)
     if kind == "adapter":
         base_shapes = {
@@ -147,9 +150,10 @@ def exported_tensors(
             yield name, tensor.to(dtype)
         return
     weights = merge_lora(source, scale=lora_scale) if lora_scale is not None else source
+    float32_buffers = {name for name, buffer in model.named_buffers() if buffer.dtype == torch.float32}
     for own_name, tensor in weights:
         for name, exported in to_hf({own_name: tensor}).items():
-            yield name, exported.to(dtype)
+            yield name, exported if own_name in float32_buffers else exported.to(dtype)
 
 
 def plan_export(

@@ -226,3 +226,39 @@ def test_one_rl_step_changes_the_loss(tiny_checkpoint: pathlib.Path, lora: bool)
     """hf_parity.assert_rl_step_changes_loss; with LoRA the shared experts' and the dense layer's
     projections are adapted too."""
     hf_parity.assert_rl_step_changes_loss(tiny_checkpoint, lora=lora)
+
+
+@torch.no_grad()
+def test_export_and_publish_keep_the_correction_biases_in_float32(
+    tiny_checkpoint: pathlib.Path, tmp_path: pathlib.Path
+) -> None:
+    """A bfloat16 export or publish of a float32-trained model keeps the routers' correction
+    biases in float32, as the hub's checkpoints (and the tiny maker's) store them; the rest is cast."""
+    from primerl_trainer.export import exported_tensors, plan_export
+
+    model = load_model(tiny_checkpoint, impl="custom", dtype=torch.float32)
+    source = read_hf_state_dict(tiny_checkpoint)
+    biases = {name for name in source if name.endswith("e_score_correction_bias")}
+    assert len(biases) == 3
+    out = export_hf_model(
+        model,
+        source_dir=tiny_checkpoint,
+        out_dir=tmp_path / "export",
+        dtype=torch.bfloat16,
+        lora_scale=None,
+        is_destination=True,
+        step=1,
+    )
+    exported = read_hf_state_dict(out)
+    published = dict(
+        exported_tensors(model, model.state_dict().items(), kind="full", dtype=torch.bfloat16, lora_scale=None)
+    )
+    for tensors in (exported, published):
+        assert tensors.keys() == source.keys()
+        for name, tensor in tensors.items():
+            if name in biases:
+                assert tensor.dtype == torch.float32 and torch.equal(tensor, source[name]), name
+            else:
+                assert tensor.dtype == torch.bfloat16, name
+    num_tensors, num_bytes = plan_export(model, kind="full", dtype=torch.bfloat16, lora_scale=None)
+    assert (num_tensors, num_bytes) == (len(published), sum(t.numel() * t.element_size() for t in published.values()))
