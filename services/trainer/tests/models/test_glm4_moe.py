@@ -262,3 +262,26 @@ def test_export_and_publish_keep_the_correction_biases_in_float32(
                 assert tensor.dtype == torch.bfloat16, name
     num_tensors, num_bytes = plan_export(model, kind="full", dtype=torch.bfloat16, lora_scale=None)
     assert (num_tensors, num_bytes) == (len(published), sum(t.numel() * t.element_size() for t in published.values()))
+
+
+def test_lora_adapter_export_names_the_shared_experts(tiny_checkpoint: pathlib.Path) -> None:
+    """gate/up/down adapt the dense layer's MLP and the shared experts, under PEFT's names."""
+    from primerl_trainer.config import LoRAConfig
+    from primerl_trainer.export import exported_tensors
+    from primerl_trainer.lora import apply_lora
+
+    model = load_model(tiny_checkpoint, impl="custom", dtype=torch.float32)
+    apply_lora(model, LoRAConfig(enabled=True, rank=4, target_modules=["gate_proj", "up", "down"]))
+    state = model.state_dict().items()
+    adapter = dict(exported_tensors(model, state, kind="adapter", dtype=torch.float32, lora_scale=2.0))
+    mlps = ["model.layers.0.mlp", *(f"model.layers.{i}.mlp.shared_experts" for i in (1, 2, 3))]
+    width = {"model.layers.0.mlp": 512} | dict.fromkeys(mlps[1:], 128)
+    assert adapter.keys() == {
+        f"base_model.model.{mlp}.{proj}.lora_{ab}.weight"
+        for mlp in mlps
+        for proj in ("gate_proj", "up_proj", "down_proj")
+        for ab in "AB"
+    }
+    for mlp in mlps:
+        assert adapter[f"base_model.model.{mlp}.gate_proj.lora_B.weight"].shape == (width[mlp], 4)
+        assert adapter[f"base_model.model.{mlp}.down_proj.lora_A.weight"].shape == (4, width[mlp])
