@@ -164,3 +164,144 @@ async def test_deltas_carry_whole_engine_modules_in_every_format():
     assert len(fp8.tensors_since(None)) == len(fp8.tensors) and fp8.num_changed_tensors == 6
     assert fp8.tensors_since(2) == []
     assert (await store.in_format(first, HF)) is first
+
+
+def family_layer(model_type: str, seed: int = 0) -> dict[str, torch.Tensor]:
+    """HF tensors of one MoE layer (model.layers.0) of `model_type`, named as its hub
+    checkpoints name them, with the embedding (the families' particulars; shapes small)."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=generator)
+
+    layer = "model.layers.0"
+    attention = {
+        f"{layer}.self_attn.{p}_proj.weight": randn(rows, HIDDEN)
+        for p, rows in (("q", NUM_HEADS * HEAD_DIM), ("k", NUM_KV_HEADS * HEAD_DIM), ("v", NUM_KV_HEADS * HEAD_DIM))
+    }
+    tensors = {"model.embed_tokens.weight": randn(320, HIDDEN), **attention}
+    tensors[f"{layer}.self_attn.o_proj.weight"] = randn(HIDDEN, NUM_HEADS * HEAD_DIM)
+    per_expert = {
+        "minimax_m2": ("block_sparse_moe", ("w1", "w3", "w2")),
+        "afmoe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+        "laguna": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    }
+    if model_type in per_expert:
+        block, (gate, up, down) = per_expert[model_type]
+        for e in range(NUM_EXPERTS):
+            tensors |= {
+                f"{layer}.{block}.experts.{e}.{gate}.weight": randn(EXPERT_INTERMEDIATE, HIDDEN),
+                f"{layer}.{block}.experts.{e}.{up}.weight": randn(EXPERT_INTERMEDIATE, HIDDEN),
+                f"{layer}.{block}.experts.{e}.{down}.weight": randn(HIDDEN, EXPERT_INTERMEDIATE),
+            }
+    shared = {
+        f"{layer}.mlp.{shared}.{p}.weight": randn(*shape)
+        for shared in ("shared_experts" if model_type == "afmoe" else "shared_expert",)
+        for p, shape in (
+            ("gate_proj", (EXPERT_INTERMEDIATE, HIDDEN)),
+            ("up_proj", (EXPERT_INTERMEDIATE, HIDDEN)),
+            ("down_proj", (HIDDEN, EXPERT_INTERMEDIATE)),
+        )
+    }
+    if model_type == "gpt_oss":
+        tensors |= {name.replace(".weight", ".bias"): randn(t.shape[0]) for name, t in attention.items()}
+        tensors |= {
+            f"{layer}.self_attn.sinks": randn(NUM_HEADS),
+            f"{layer}.mlp.router.weight": randn(NUM_EXPERTS, HIDDEN),
+            f"{layer}.mlp.experts.gate_up_proj": randn(NUM_EXPERTS, HIDDEN, 2 * EXPERT_INTERMEDIATE),
+            f"{layer}.mlp.experts.gate_up_proj_bias": randn(NUM_EXPERTS, 2 * EXPERT_INTERMEDIATE),
+            f"{layer}.mlp.experts.down_proj": randn(NUM_EXPERTS, EXPERT_INTERMEDIATE, HIDDEN),
+            f"{layer}.mlp.experts.down_proj_bias": randn(NUM_EXPERTS, HIDDEN),
+        }
+    elif model_type == "afmoe":
+        tensors |= shared | {
+            f"{layer}.self_attn.gate_proj.weight": randn(NUM_HEADS * HEAD_DIM, HIDDEN),
+            f"{layer}.mlp.router.gate.weight": randn(NUM_EXPERTS, HIDDEN),
+            f"{layer}.mlp.expert_bias": randn(NUM_EXPERTS),
+        }
+    elif model_type == "laguna":
+        tensors |= shared | {
+            f"{layer}.self_attn.g_proj.weight": randn(NUM_HEADS, HIDDEN),
+            f"{layer}.mlp.gate.weight": randn(NUM_EXPERTS, HIDDEN),
+            f"{layer}.mlp.experts.e_score_correction_bias": randn(NUM_EXPERTS),
+        }
+    elif model_type == "minimax_m2":
+        tensors |= {
+            f"{layer}.block_sparse_moe.gate.weight": randn(NUM_EXPERTS, HIDDEN),
+            f"{layer}.block_sparse_moe.e_score_correction_bias": randn(NUM_EXPERTS),
+        }
+    return tensors
+
+
+def test_gpt_oss_kernel_format_transposes_its_stacked_experts_and_renames_as_vllm():
+    hf = family_layer("gpt_oss")
+    kernel = convert(hf, KERNEL, "gpt_oss").tensors
+    layer, experts = "model.layers.0", "model.layers.0.mlp.experts"
+    # vLLM's GptOssForCausalLM: `attn` for self_attn, `embedding` for embed_tokens; the
+    # interleaved gate/up columns kept as they are, each expert's weights transposed.
+    assert torch.equal(kernel[f"{experts}.routed_experts.w13_weight"], hf[f"{experts}.gate_up_proj"].transpose(1, 2))
+    assert torch.equal(kernel[f"{experts}.routed_experts.w2_weight"], hf[f"{experts}.down_proj"].transpose(1, 2))
+    assert kernel[f"{experts}.routed_experts.w13_bias"] is hf[f"{experts}.gate_up_proj_bias"]
+    assert kernel[f"{experts}.routed_experts.w2_bias"] is hf[f"{experts}.down_proj_bias"]
+    qkv_bias = [hf[f"{layer}.self_attn.{p}_proj.bias"] for p in "qkv"]
+    assert torch.equal(kernel[f"{layer}.attn.qkv_proj.bias"], torch.cat(qkv_bias))
+    assert kernel["model.embedding.weight"] is hf["model.embed_tokens.weight"]
+    assert kernel[f"{layer}.attn.sinks"] is hf[f"{layer}.self_attn.sinks"]
+    assert not any(".self_attn." in name for name in kernel)
+    with pytest.raises(ValueError, match=r"no block-FP8 kernel format for model_type 'gpt_oss'.*MXFP4"):
+        convert(hf, FP8, "gpt_oss")
+
+
+def test_each_family_fuses_only_what_vllm_fuses_and_keeps_its_names():
+    afmoe = convert(family_layer("afmoe"), KERNEL, "afmoe").tensors
+    # The attention's output gate is no MLP half; the router sits at mlp.gate in vLLM.
+    assert "model.layers.0.self_attn.gate_proj.weight" in afmoe
+    assert "model.layers.0.mlp.shared_experts.gate_up_proj.weight" in afmoe
+    assert "model.layers.0.mlp.gate.weight" in afmoe and "model.layers.0.mlp.router.gate.weight" not in afmoe
+
+    laguna = convert(family_layer("laguna"), KERNEL, "laguna").tensors
+    # Laguna's shared expert stays unfused; its correction bias lives on the routed experts.
+    shared_expert = {f"model.layers.0.mlp.shared_expert.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")}
+    assert shared_expert <= set(laguna)
+    assert "model.layers.0.mlp.experts.routed_experts.e_score_correction_bias" in laguna
+
+    hf = family_layer("minimax_m2")
+    minimax = convert(hf, KERNEL, "minimax_m2").tensors
+    w13 = minimax["model.layers.0.block_sparse_moe.experts.routed_experts.w13_weight"]
+    experts = "model.layers.0.block_sparse_moe.experts"
+    for e in range(NUM_EXPERTS):  # w1 (gate) rows, then w3 (up)
+        assert torch.equal(w13[e], torch.cat([hf[f"{experts}.{e}.w1.weight"], hf[f"{experts}.{e}.w3.weight"]]))
+    assert (
+        minimax["model.layers.0.block_sparse_moe.e_score_correction_bias"]
+        is hf["model.layers.0.block_sparse_moe.e_score_correction_bias"]
+    )
+
+
+@pytest.mark.parametrize(
+    ("model_type", "also_quantized"),
+    [("afmoe", {"self_attn.gate_proj"}), ("laguna", {"self_attn.g_proj", "mlp.shared_expert.gate_proj"})],
+)
+def test_fp8_quantizes_each_family_s_own_linear_layers(model_type: str, also_quantized: set[str]):
+    fp8 = convert(family_layer(model_type), FP8, model_type).tensors
+    quantized = {n.removeprefix("model.layers.0.").removesuffix("_scale_inv") for n in fp8 if "scale_inv" in n}
+    expected = {"self_attn.qkv_proj", "self_attn.o_proj"} | also_quantized
+    assert {f"{n}.weight" for n in expected} | {"mlp.experts.routed_experts.w13_weight"} <= quantized
+    assert all(fp8[f"model.layers.0.{n}"].dtype == torch.float8_e4m3fn for n in quantized)
+    assert not any(n.endswith(("gate.weight", "embed_tokens.weight", "bias")) for n in quantized)  # routers etc.
+
+
+def test_unknown_families_are_refused_for_kernel_formats_only():
+    hf = qwen3(moe=True)
+    assert convert(hf, HF, "llama4").tensors is hf
+    with pytest.raises(ValueError, match="no vLLM kernel layout is known for model_type 'llama4'"):
+        convert(hf, KERNEL, "llama4")
+
+
+def test_the_publisher_s_model_type_decides_the_kernel_layout_and_survives_a_spill(tmp_path):
+    from primerl_weight_broadcaster.spill import SpillFolder
+
+    store = WeightStore(SpillFolder(tmp_path))
+    store.publish(1, family_layer("gpt_oss"), "gpt_oss")
+    restarted = WeightStore(SpillFolder(tmp_path))
+    assert restarted.latest.model_type == "gpt_oss"
+    assert "model.embedding.weight" in convert(restarted.latest.tensors, KERNEL, restarted.latest.model_type).tensors

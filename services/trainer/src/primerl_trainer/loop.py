@@ -104,6 +104,8 @@ class StepExecutor:
         assert self.publisher is not None
         lora = runtime.config.lora
         adapter = AdapterInfo(runtime.config.publish.adapter_name, lora.rank, lora.alpha)
+        # The broadcaster's kernel layout depends on the family.
+        model_type = str(read_hf_config(runtime.config.model.path).get("model_type", ""))
         if runtime.config.publish.transport == "collective":
             model = self.trainer.model
             planned = exported_tensors(
@@ -119,6 +121,7 @@ class StepExecutor:
                 policy_version=self.trainer.step,
                 kind=runtime.publish_kind,
                 chunk_bytes=runtime.config.publish.chunk_bytes,
+                model_type=model_type,
             )
             return {"publish_s": time.perf_counter() - start}
         requests = publish_requests(
@@ -129,6 +132,7 @@ class StepExecutor:
             num_bytes=runtime.num_published_bytes,
             adapter=adapter if runtime.publish_kind == "adapter" else None,
             chunk_bytes=runtime.config.publish.chunk_bytes,
+            model_type=model_type,
         )
         self.publisher.send(requests)
         return {"publish_s": time.perf_counter() - start}

@@ -98,16 +98,23 @@ def publish_requests(
     num_bytes: int,
     adapter: AdapterInfo | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    model_type: str = "",
 ) -> Iterator[weight_broadcaster_pb2.PublishWeightsRequest]:
-    """PublishBegin, then each tensor's chunks, read lazily from `named_tensors`."""
-    begin = _begin(policy_version, kind, num_tensors, num_bytes, adapter)
+    """PublishBegin, then each tensor's chunks, read lazily from `named_tensors`.
+    `model_type`: the HF config's, which decides the broadcaster's kernel layout."""
+    begin = _begin(policy_version, kind, num_tensors, num_bytes, adapter, model_type)
     yield weight_broadcaster_pb2.PublishWeightsRequest(begin=begin)
     for chunk in iter_tensor_chunks(named_tensors, chunk_bytes=chunk_bytes):
         yield weight_broadcaster_pb2.PublishWeightsRequest(chunk=chunk)
 
 
 def _begin(
-    policy_version: int, kind: PublishKind, num_tensors: int, num_bytes: int, adapter: AdapterInfo | None
+    policy_version: int,
+    kind: PublishKind,
+    num_tensors: int,
+    num_bytes: int,
+    adapter: AdapterInfo | None,
+    model_type: str = "",
 ) -> weight_broadcaster_pb2.PublishBegin:
     begin = weight_broadcaster_pb2.PublishBegin(
         policy_version=policy_version,
@@ -115,6 +122,7 @@ def _begin(
         num_tensors=num_tensors,
         num_bytes=num_bytes,
         trainer_step=policy_version,
+        model_type=model_type,
     )
     if adapter is not None:
         begin.adapter_name, begin.adapter_rank, begin.adapter_alpha = adapter.name, adapter.rank, adapter.alpha
@@ -206,6 +214,7 @@ class WeightPublisher:
         kind: PublishKind,
         adapter: AdapterInfo | None = None,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        model_type: str = "",
     ) -> weight_broadcaster_pb2.PublishCollectiveResponse:
         """Publishes over a collective group: announces `headers` (`tensor_headers` of what
         `named_tensors` yields), broadcasts the tensors to the group the broadcaster names,
@@ -228,6 +237,7 @@ class WeightPublisher:
                 num_bytes=num_bytes,
                 adapter=adapter,
                 chunk_bytes=chunk_bytes,
+                model_type=model_type,
             )
 
         if self._broadcast_version == policy_version:
@@ -235,7 +245,7 @@ class WeightPublisher:
             return weight_broadcaster_pb2.PublishCollectiveResponse(send_data=True)
         self._broadcast_version = policy_version
         named_tensors = iter(named_tensors)
-        begin = _begin(policy_version, kind, len(headers), num_bytes, adapter)
+        begin = _begin(policy_version, kind, len(headers), num_bytes, adapter, model_type)
         request = weight_broadcaster_pb2.PublishCollectiveRequest(
             begin=begin, tensors=headers, new_group=not self._groups.holds_group
         )

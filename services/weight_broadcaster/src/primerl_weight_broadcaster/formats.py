@@ -1,17 +1,19 @@
 """HF-named weights -> the layouts an engine loads.
 
-WEIGHT_FORMAT_KERNEL is vLLM's own parameter layout for Qwen3 and Qwen3-MoE (names as
-vLLM 0.32 registers them): q/k/v projections fused into `qkv_proj` (rows q, then k, then
-v), gate and up projections into `gate_up_proj` (gate rows first), and each MoE layer's
-experts stacked into `experts.routed_experts.w13_weight` [E, 2*I, H] (gate rows, then up
-rows, per expert) and `w2_weight` [E, H, I]. Every other tensor keeps its HF name.
+WEIGHT_FORMAT_KERNEL is the parameter layout of vLLM 0.32's model class for the weights'
+family (its HF config `model_type`, which the publish names; kernel_layouts.py holds one
+layout per family): sibling projections fused into one parameter (q/k/v into `qkv_proj`,
+rows q, then k, then v; gate and up into `gate_up_proj`, gate rows first, where vLLM fuses
+them), each MoE layer's experts stacked into `experts.routed_experts.w13_weight` [E, 2*I, H]
+(gate rows, then up rows, per expert) and `w2_weight` [E, H, I], and the family's renames.
+Every other tensor keeps its HF name.
 
 WEIGHT_FORMAT_KERNEL_FP8 is the kernel layout with the weights of the linear layers
-vLLM's block-FP8 method quantizes (qkv, o, gate_up, down, experts) in float8_e4m3fn plus a
-float32 `<name>_scale_inv` per weight, [ceil(out/128), ceil(in/128)] (with a leading
-expert dimension for stacked experts). Fused weights are quantized whole: vLLM requires
-every fused part but the last to be a multiple of 128 rows, so no block straddles two
-parts. Embeddings, norms, the MoE router (`mlp.gate`) and lm_head stay as they are.
+vLLM's block-FP8 method quantizes (per family: attention, MLP and expert projections) in
+float8_e4m3fn plus a float32 `<name>_scale_inv` per weight, [ceil(out/128), ceil(in/128)]
+(with a leading expert dimension for stacked experts). Fused weights are quantized whole:
+vLLM requires every fused part but the last to be a multiple of 128 rows, so no block
+straddles two parts. Embeddings, norms, routers and lm_head stay as they are.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 
 from primerl.common.v1 import tensor_pb2
 from primerl_weight_broadcaster.fp8 import quantize_blockwise
+from primerl_weight_broadcaster.kernel_layouts import ExpertStacking, KernelLayout, layout_of
 
 __all__ = ["FORMAT_NAMES", "ConvertedWeights", "convert", "format_name"]
 
@@ -33,16 +36,6 @@ FORMAT_NAMES = {
     tensor_pb2.WEIGHT_FORMAT_KERNEL: "kernel",
     tensor_pb2.WEIGHT_FORMAT_KERNEL_FP8: "kernel_fp8",
 }
-
-# <prefix>.{q,k,v}_proj.<weight|bias> -> <prefix>.qkv_proj.<...>, and gate/up likewise.
-_FUSED = {
-    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
-    "gate_up_proj": ("gate_proj", "up_proj"),
-}
-_PART = re.compile(r"^(?P<prefix>.+)\.(?P<part>q_proj|k_proj|v_proj|gate_proj|up_proj)\.(?P<suffix>weight|bias)$")
-_EXPERT = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<index>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
-# Kernel-format names whose weights vLLM's block-FP8 linear and MoE methods hold in FP8.
-_QUANTIZED = re.compile(r"\.(qkv_proj|o_proj|gate_up_proj|down_proj)\.weight$|\.(w13_weight|w2_weight)$")
 
 
 def format_name(weight_format: int) -> str:
@@ -56,66 +49,125 @@ class ConvertedWeights:
     sources: dict[str, tuple[str, ...]]
 
 
-def convert(tensors: dict[str, torch.Tensor], weight_format: int) -> ConvertedWeights:
-    """`tensors` (HF names) in `weight_format`; ValueError when they do not fit it."""
+def convert(tensors: dict[str, torch.Tensor], weight_format: int, model_type: str = "") -> ConvertedWeights:
+    """`tensors` (HF names of a `model_type` model; "": Qwen3 or Qwen3-MoE) in
+    `weight_format`; ValueError when they do not fit it."""
     if weight_format == tensor_pb2.WEIGHT_FORMAT_HF:
         return ConvertedWeights(tensors, {name: (name,) for name in tensors})
     if weight_format == tensor_pb2.WEIGHT_FORMAT_KERNEL:
-        return _to_kernel(tensors)
+        return _to_kernel(tensors, layout_of(model_type))
     if weight_format == tensor_pb2.WEIGHT_FORMAT_KERNEL_FP8:
-        return _quantize(_to_kernel(tensors))
+        layout = layout_of(model_type)
+        if layout.fp8_linear is None:
+            raise ValueError(f"no block-FP8 kernel format for model_type {layout.model_type!r}: {layout.no_fp8_reason}")
+        return _quantize(_to_kernel(tensors, layout), layout)
     raise ValueError(f"cannot convert to {format_name(weight_format)}")
 
 
-def _to_kernel(tensors: dict[str, torch.Tensor]) -> ConvertedWeights:
+def _to_kernel(tensors: dict[str, torch.Tensor], layout: KernelLayout) -> ConvertedWeights:
     out: dict[str, torch.Tensor] = {}
     sources: dict[str, tuple[str, ...]] = {}
+    fusions = [(fusion, fusion.pattern()) for fusion in layout.fusions]
+    experts = _Experts(layout.experts)
     fused: dict[str, dict[str, str]] = defaultdict(dict)  # kernel name -> part -> HF name
-    experts: dict[str, dict[int, dict[str, str]]] = defaultdict(lambda: defaultdict(dict))
+    parts_of: dict[str, tuple[str, ...]] = {}
     for name, tensor in tensors.items():
-        if match := _EXPERT.match(name):
-            experts[match["prefix"]][int(match["index"])][match["proj"]] = name
-        elif match := _PART.match(name):
-            target = "qkv_proj" if match["part"] in _FUSED["qkv_proj"] else "gate_up_proj"
-            fused[f"{match['prefix']}.{target}.{match['suffix']}"][match["part"]] = name
+        if experts.take(name):
+            continue
+        for fusion, pattern in fusions:
+            if match := pattern.match(name):
+                kernel_name = f"{match['prefix']}.{fusion.fused}.{match['suffix']}"
+                fused[kernel_name][match["part"]] = name
+                parts_of[kernel_name] = fusion.parts
+                break
         else:
             out[name], sources[name] = tensor, (name,)
 
     for kernel_name, parts in fused.items():
-        order = _FUSED["qkv_proj" if ".qkv_proj." in kernel_name else "gate_up_proj"]
-        missing = [part for part in order if part not in parts]
+        missing = [part for part in parts_of[kernel_name] if part not in parts]
         if missing:
             raise ValueError(f"cannot build {kernel_name}: {', '.join(missing)} missing")
-        names = tuple(parts[part] for part in order)
+        names = tuple(parts[part] for part in parts_of[kernel_name])
         out[kernel_name] = torch.cat([tensors[n] for n in names], dim=0)
         sources[kernel_name] = names
 
-    for prefix, by_index in experts.items():
-        num_experts = max(by_index) + 1
-        gate_up: list[torch.Tensor] = []
-        down: list[torch.Tensor] = []
-        names: list[str] = []
-        for index in range(num_experts):
-            projs = by_index.get(index, {})
-            missing = [p for p in ("gate_proj", "up_proj", "down_proj") if p not in projs]
-            if missing:
-                raise ValueError(f"cannot stack {prefix}: expert {index} lacks {', '.join(missing)}")
-            gate_up.append(torch.cat([tensors[projs["gate_proj"]], tensors[projs["up_proj"]]], dim=0))
-            down.append(tensors[projs["down_proj"]])
-            names += [projs["gate_proj"], projs["up_proj"], projs["down_proj"]]
-        w13, w2 = f"{prefix}.routed_experts.w13_weight", f"{prefix}.routed_experts.w2_weight"
-        out[w13], out[w2] = torch.stack(gate_up), torch.stack(down)
-        sources[w13] = tuple(n for n in names if not n.endswith(".down_proj.weight"))
-        sources[w2] = tuple(n for n in names if n.endswith(".down_proj.weight"))
-    return ConvertedWeights(out, sources)
+    for kernel_name, (tensor, names) in experts.stack(tensors).items():
+        out[kernel_name], sources[kernel_name] = tensor, names
+    renamed = {name: layout.rename(name) for name in out}
+    return ConvertedWeights(
+        {renamed[name]: tensor for name, tensor in out.items()},
+        {renamed[name]: names for name, names in sources.items()},
+    )
 
 
-def _quantize(kernel: ConvertedWeights) -> ConvertedWeights:
+class _Experts:
+    """Collects one family's HF expert tensors and stacks them per MoE layer."""
+
+    def __init__(self, stacking: ExpertStacking | None) -> None:
+        self._stacking = stacking
+        if stacking is None:
+            self._pattern = None
+        elif stacking.stacked:
+            self._pattern = re.compile(
+                r"^(?P<prefix>.+\.experts)\.(?P<proj>gate_up_proj|gate_up_proj_bias|down_proj|down_proj_bias)$"
+            )
+        else:
+            projections = "|".join(re.escape(p) for p in (stacking.gate, stacking.up, stacking.down))
+            self._pattern = re.compile(rf"^(?P<prefix>.+\.experts)\.(?P<index>\d+)\.(?P<proj>{projections})\.weight$")
+        # experts prefix -> expert index (0 when stacked) -> projection -> HF name
+        self._found: dict[str, dict[int, dict[str, str]]] = defaultdict(lambda: defaultdict(dict))
+
+    def take(self, name: str) -> bool:
+        if self._pattern is None or not (match := self._pattern.match(name)):
+            return False
+        index = int(match["index"]) if "index" in match.groupdict() else 0
+        self._found[match["prefix"]][index][match["proj"]] = name
+        return True
+
+    def stack(self, tensors: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, tuple[str, ...]]]:
+        """Kernel name -> (tensor, the HF names it is made from)."""
+        stacking = self._stacking
+        out: dict[str, tuple[torch.Tensor, tuple[str, ...]]] = {}
+        for prefix, by_index in self._found.items():
+            assert stacking is not None
+            target = f"{prefix}.routed_experts"
+            if stacking.stacked:
+                found = by_index[0]
+                missing = [p for p in ("gate_up_proj", "down_proj") if p not in found]
+                if missing:
+                    raise ValueError(f"cannot stack {prefix}: {', '.join(missing)} missing")
+                # [E, H, 2*I] and [E, I, H] as the hub stores them; vLLM holds [E, 2*I, H], [E, H, I].
+                for proj, kernel in (("gate_up_proj", "w13"), ("down_proj", "w2")):
+                    weight = tensors[found[proj]].transpose(1, 2).contiguous()
+                    out[f"{target}.{kernel}_weight"] = (weight, (found[proj],))
+                    if (bias := found.get(f"{proj}_bias")) is not None:
+                        out[f"{target}.{kernel}_bias"] = (tensors[bias], (bias,))
+                continue
+            gate_up: list[torch.Tensor] = []
+            down: list[torch.Tensor] = []
+            gate_up_names: list[str] = []
+            down_names: list[str] = []
+            for index in range(max(by_index) + 1):
+                projs = by_index.get(index, {})
+                missing = [p for p in (stacking.gate, stacking.up, stacking.down) if p not in projs]
+                if missing:
+                    raise ValueError(f"cannot stack {prefix}: expert {index} lacks {', '.join(missing)}")
+                gate_up.append(torch.cat([tensors[projs[stacking.gate]], tensors[projs[stacking.up]]], dim=0))
+                down.append(tensors[projs[stacking.down]])
+                gate_up_names += [projs[stacking.gate], projs[stacking.up]]
+                down_names.append(projs[stacking.down])
+            out[f"{target}.w13_weight"] = (torch.stack(gate_up), tuple(gate_up_names))
+            out[f"{target}.w2_weight"] = (torch.stack(down), tuple(down_names))
+        return out
+
+
+def _quantize(kernel: ConvertedWeights, layout: KernelLayout) -> ConvertedWeights:
+    quantized_names = layout.fp8_pattern()
     out: dict[str, torch.Tensor] = {}
     sources: dict[str, tuple[str, ...]] = {}
     for name, tensor in kernel.tensors.items():
         out[name], sources[name] = tensor, kernel.sources[name]
-        if not _QUANTIZED.search(name):
+        if not quantized_names.search(name):
             continue
         if tensor.dim() == 2:
             quantized, scale_inv = quantize_blockwise(tensor)

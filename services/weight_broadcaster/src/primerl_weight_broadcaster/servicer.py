@@ -77,7 +77,7 @@ class WeightBroadcasterServicer(weight_broadcaster_pb2_grpc.WeightBroadcasterSer
             self._check_version(begin.policy_version, data=True)
             # Off the event loop: comparing with the latest version, and spilling, take a while.
             published = self._store.make_latest(
-                await asyncio.to_thread(self._store.prepare, begin.policy_version, tensors)
+                await asyncio.to_thread(self._store.prepare, begin.policy_version, tensors, begin.model_type)
             )
             self._replicas.published()  # pushes start from the received tensors, not waiting for the disk
             # Spilled before the reply and the next publish: a version the trainer saw stored is on

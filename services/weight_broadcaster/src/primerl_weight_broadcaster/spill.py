@@ -42,6 +42,7 @@ class SpilledVersion:
     tensors: dict[str, torch.Tensor]  # views of the folder's files, in the order published
     last_changed: dict[str, int]
     first_policy_version: int
+    model_type: str = ""
 
 
 class SpillFolder:
@@ -71,7 +72,11 @@ class SpillFolder:
             version.tensors.items(),
             policy_version=version.policy_version,
             weight_format=tensor_pb2.WEIGHT_FORMAT_HF,
-            metadata={"last_changed": version.last_changed, "first_policy_version": version.first_policy_version},
+            metadata={
+                "last_changed": version.last_changed,
+                "first_policy_version": version.first_policy_version,
+                "model_type": version.model_type,
+            },
         )
         mapped = dict(load_tensors(path, manifest))
         if version.policy_version not in self._kept:
@@ -122,4 +127,5 @@ def _loaded(path: pathlib.Path, manifest: WeightManifest, policy_version: int) -
         tensors={name: tensors[name] for name in last_changed},
         last_changed=last_changed,
         first_policy_version=int(manifest.metadata["first_policy_version"]),
+        model_type=str(manifest.metadata.get("model_type", "")),
     )

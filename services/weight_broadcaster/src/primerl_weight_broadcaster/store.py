@@ -44,6 +44,8 @@ class PublishedVersion:
     num_changed_tensors: int
     num_bytes: int
     format: int = tensor_pb2.WEIGHT_FORMAT_HF
+    # The HF config model_type the publisher named ("": Qwen3 / Qwen3-MoE): the kernel layout.
+    model_type: str = ""
 
     def tensors_since(self, base_policy_version: int | None) -> list[tuple[str, torch.Tensor]]:
         """Tensors to send a replica serving `base_policy_version` (None or unknown base: all)."""
@@ -67,6 +69,7 @@ def _version(
     last_changed: dict[str, int],
     first_policy_version: int,
     weight_format: int = tensor_pb2.WEIGHT_FORMAT_HF,
+    model_type: str = "",
 ) -> PublishedVersion:
     return PublishedVersion(
         policy_version=policy_version,
@@ -76,16 +79,19 @@ def _version(
         num_changed_tensors=sum(1 for v in last_changed.values() if v == policy_version),
         num_bytes=sum(t.numel() * t.element_size() for t in tensors.values()),
         format=weight_format,
+        model_type=model_type,
     )
 
 
 def _converted(hf: PublishedVersion, weight_format: int) -> PublishedVersion:
     """`hf` in `weight_format`: a converted tensor last changed when the last of its sources did."""
-    converted = convert(hf.tensors, weight_format)
+    converted = convert(hf.tensors, weight_format, hf.model_type)
     last_changed = _whole_modules(
         {name: max(hf.last_changed[source] for source in sources) for name, sources in converted.sources.items()}
     )
-    return _version(hf.policy_version, converted.tensors, last_changed, hf.first_policy_version, weight_format)
+    return _version(
+        hf.policy_version, converted.tensors, last_changed, hf.first_policy_version, weight_format, hf.model_type
+    )
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -101,7 +107,11 @@ class WeightStore:
         self._conversions: dict[int, asyncio.Future[PublishedVersion]] = {}
         if spill is not None and (spilled := spill.load_latest()) is not None:
             self.latest = _version(
-                spilled.policy_version, spilled.tensors, spilled.last_changed, spilled.first_policy_version
+                spilled.policy_version,
+                spilled.tensors,
+                spilled.last_changed,
+                spilled.first_policy_version,
+                model_type=spilled.model_type,
             )
 
     async def in_format(self, version: PublishedVersion, weight_format: int) -> PublishedVersion:
@@ -136,16 +146,17 @@ class WeightStore:
                 metadata={"latest_policy_version": str(self.latest_policy_version)},
             )
 
-    def publish(self, policy_version: int, tensors: dict[str, torch.Tensor]) -> PublishedVersion:
+    def publish(self, policy_version: int, tensors: dict[str, torch.Tensor], model_type: str = "") -> PublishedVersion:
         """Stores `tensors` as the latest version, spilled when the store spills, and returns it
         (blocking: the servicer runs the steps apart, see PublishWeights)."""
-        version = self.make_latest(self.prepare(policy_version, tensors))
+        version = self.make_latest(self.prepare(policy_version, tensors, model_type))
         self.hold_spilled(version, self.spill(version))
         return self.latest
 
-    def prepare(self, policy_version: int, tensors: dict[str, torch.Tensor]) -> PublishedVersion:
-        """The version `tensors` make on top of the latest (it compares them: blocking, so run
-        off the event loop, one at a time, and `make_latest` it before the next)."""
+    def prepare(self, policy_version: int, tensors: dict[str, torch.Tensor], model_type: str = "") -> PublishedVersion:
+        """The version `tensors` (of a `model_type` model) make on top of the latest (it compares
+        them: blocking, so run off the event loop, one at a time, and `make_latest` it before the
+        next)."""
         self.check_version(policy_version)
         previous = self.latest
         if previous is None:
@@ -164,7 +175,7 @@ class WeightStore:
             if set(previous.tensors) - set(tensors):
                 # A tensor disappeared: a delta cannot express that, so older bases get everything.
                 first = policy_version
-        return _version(policy_version, tensors, last_changed, first)
+        return _version(policy_version, tensors, last_changed, first, model_type=model_type)
 
     def make_latest(self, version: PublishedVersion) -> PublishedVersion:
         """Stores a version `prepare` returned (on the event loop: pushes read `latest`)."""
@@ -180,7 +191,11 @@ class WeightStore:
         if self._spill is None:
             return None
         spilled = SpilledVersion(
-            version.policy_version, version.tensors, version.last_changed, version.first_policy_version
+            version.policy_version,
+            version.tensors,
+            version.last_changed,
+            version.first_policy_version,
+            version.model_type,
         )
         try:
             return dataclasses.replace(version, tensors=self._spill.write(spilled).tensors)

@@ -1,0 +1,135 @@
+"""Per model family, how HF-named tensors become the parameters vLLM 0.32's model class holds.
+
+A family's `KernelLayout` says which sibling projections vLLM fuses into one parameter (rows
+of each part in order), how its experts are stacked into `experts.routed_experts.w13_weight`
+[E, 2*I, H] and `w2_weight` [E, H, I], which names it renames, and which weights its
+block-FP8 method holds in FP8. Families are named by their HF config's `model_type`; checked
+against vLLM's own parameters in tests/test_family_serving.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+__all__ = ["LAYOUTS", "ExpertStacking", "Fusion", "KernelLayout", "layout_of"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Fusion:
+    """`<parent>.<part>.<weight|bias>` of every part -> `<parent>.<fused>.<weight|bias>`, for
+    parents whose name ends with one of `parents` (vLLM fuses per module, not per name)."""
+
+    fused: str
+    parts: tuple[str, ...]
+    parents: tuple[str, ...]
+
+    def pattern(self) -> re.Pattern[str]:
+        parents = "|".join(re.escape(p) for p in self.parents)
+        parts = "|".join(re.escape(p) for p in self.parts)
+        return re.compile(rf"^(?P<prefix>.+\.(?:{parents}))\.(?P<part>{parts})\.(?P<suffix>weight|bias)$")
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertStacking:
+    """Where a family's experts are in HF names.
+
+    Per expert (`stacked=False`): `<...experts>.<e>.<gate>.weight`, `<up>`, `<down>`, each
+    [I, H] or [H, I] as a linear layer's weight. Stacked (`stacked=True`, GPT-OSS):
+    `<...experts>.gate_up_proj` [E, H, 2*I] with gate and up columns interleaved, which vLLM
+    keeps interleaved (its activation reads them so), `down_proj` [E, I, H], and the biases
+    `gate_up_proj_bias` [E, 2*I] and `down_proj_bias` [E, H]."""
+
+    gate: str = "gate_proj"
+    up: str = "up_proj"
+    down: str = "down_proj"
+    stacked: bool = False
+
+
+# The weights vLLM's block-FP8 linear and MoE methods quantize in every family here.
+_FP8_COMMON = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+_QKV = Fusion("qkv_proj", ("q_proj", "k_proj", "v_proj"), ("self_attn",))
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelLayout:
+    model_type: str
+    fusions: tuple[Fusion, ...]
+    experts: ExpertStacking | None
+    # (regex, replacement) applied in order to every kernel-format name.
+    renames: tuple[tuple[str, str], ...] = ()
+    # Linear layers (by their last name part) whose `.weight` vLLM's block-FP8 method holds in
+    # FP8, besides the stacked experts; None: vLLM loads no block-FP8 checkpoint of the family.
+    fp8_linear: tuple[str, ...] | None = _FP8_COMMON
+    # Why FP8 is refused, when fp8_linear is None.
+    no_fp8_reason: str = ""
+
+    def rename(self, name: str) -> str:
+        for pattern, replacement in self.renames:
+            name = re.sub(pattern, replacement, name)
+        return name
+
+    def fp8_pattern(self) -> re.Pattern[str]:
+        assert self.fp8_linear is not None
+        linear = "|".join(re.escape(n) for n in self.fp8_linear)
+        return re.compile(rf"\.(?:{linear})\.weight$|\.routed_experts\.(?:w13_weight|w2_weight)$")
+
+
+_QWEN3 = (_QKV, Fusion("gate_up_proj", ("gate_proj", "up_proj"), ("mlp",)))
+
+LAYOUTS: dict[str, KernelLayout] = {
+    layout.model_type: layout
+    for layout in (
+        KernelLayout("qwen3", _QWEN3, None),
+        KernelLayout("qwen3_moe", _QWEN3, ExpertStacking()),
+        # Dense first layers and the shared experts fuse gate/up alike; the router's
+        # correction bias stays under mlp.gate.
+        KernelLayout(
+            "glm4_moe",
+            (_QKV, Fusion("gate_up_proj", ("gate_proj", "up_proj"), ("mlp", "mlp.shared_experts"))),
+            ExpertStacking(),
+        ),
+        # Mixtral-style expert names: w1 (gate), w3 (up), w2 (down).
+        KernelLayout("minimax_m2", (_QKV,), ExpertStacking(gate="w1", up="w3", down="w2")),
+        KernelLayout(
+            "gpt_oss",
+            (_QKV,),  # with the q/k/v biases
+            ExpertStacking(stacked=True),
+            renames=((r"\.self_attn\.", ".attn."), (r"^model\.embed_tokens\.", "model.embedding.")),
+            fp8_linear=None,
+            no_fp8_reason="vLLM's GptOssForCausalLM loads quantized experts as MXFP4 only, not block FP8",
+        ),
+        # self_attn.gate_proj is the attention's output gate, not half of an MLP: not fused.
+        KernelLayout(
+            "afmoe",
+            (_QKV, Fusion("gate_up_proj", ("gate_proj", "up_proj"), ("mlp", "mlp.shared_experts"))),
+            ExpertStacking(),
+            renames=((r"\.mlp\.router\.gate\.", ".mlp.gate."),),
+            fp8_linear=(*_FP8_COMMON, "gate_proj"),
+        ),
+        # vLLM keeps Laguna's dense MLP and shared expert unfused, and holds the router's
+        # correction bias on the routed experts.
+        KernelLayout(
+            "laguna",
+            (_QKV,),
+            ExpertStacking(),
+            renames=((r"\.mlp\.experts\.(e_score_correction_bias)$", r".mlp.experts.routed_experts.\1"),),
+            fp8_linear=("qkv_proj", "o_proj", "g_proj", "gate_proj", "up_proj", "down_proj"),
+        ),
+    )
+}
+
+# What a publish without a model type gets: the layout of the publishers that predate the field.
+_DEFAULT_MODEL_TYPE = "qwen3_moe"
+
+
+def layout_of(model_type: str) -> KernelLayout:
+    """The layout of `model_type` ("" for Qwen3 / Qwen3-MoE); ValueError for a family whose
+    vLLM parameters are not known here."""
+    layout = LAYOUTS.get(model_type or _DEFAULT_MODEL_TYPE)
+    if layout is None:
+        raise ValueError(
+            f"no vLLM kernel layout is known for model_type {model_type!r} (known: {', '.join(sorted(LAYOUTS))}); "
+            "replicas of it must load WEIGHT_FORMAT_HF"
+        )
+    return layout
