@@ -71,6 +71,7 @@ def main(model_dir: pathlib.Path, batches_file: pathlib.Path, out_dir: pathlib.P
     trainer = build_trainer(
         model_dir, device, ParallelDims(world_size=world_size, ep=ep), plain_spec, optimizer_config, None, compute_dtype
     )
+    trainer.accumulate_unsharded = data.get("accumulate_unsharded", False)
     checkpointer = Checkpointer(out_dir / "checkpoints", interval=2)
     metrics = []
     for batch in batches[:2]:

@@ -63,6 +63,13 @@ class ParallelConfig(Section):
         gt=0,
         description="context parallel: each sequence is split over this many ranks; must divide the world size",
     )
+    accumulate_unsharded: bool = Field(
+        default=False,
+        description="FSDP units sharded over several ranks stay gathered through a step's micro-batches and "
+        "accumulate their gradients unsharded (float32), reduced once per step: one all-gather and one "
+        "reduce-scatter per step instead of per micro-batch, for those units' whole parameters and float32 "
+        "gradients in memory on every rank (units on one rank, e.g. the experts at efsdp 1, always do)",
+    )
 
 
 class CheckpointConfig(Section):

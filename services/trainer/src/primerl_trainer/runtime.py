@@ -117,6 +117,7 @@ def _build(config: TrainerConfig, device: torch.device) -> TrainingRuntime:
         max_grad_norm=config.optimizer.max_grad_norm,
         dp_group=dims.group("dp_shard"),
         cp_group=dims.group("cp") if dims.cp_enabled else None,
+        accumulate_unsharded=config.parallel.accumulate_unsharded,
     )
     checkpointer = restored_step = None
     if config.checkpoint.dir is not None:

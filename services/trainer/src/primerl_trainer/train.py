@@ -64,6 +64,7 @@ class Trainer:
         cp_group: dist.ProcessGroup | None = None,
         step: int = 0,
         logprob_chunk_size: int | None = None,
+        accumulate_unsharded: bool = False,
     ) -> None:
         if mode not in _SUM_KEYS:
             raise ValueError(f"mode must be one of {sorted(_SUM_KEYS)}, got {mode!r}")
@@ -79,6 +80,8 @@ class Trainer:
         self.max_grad_norm = max_grad_norm
         self.step = step
         self._logprob_chunk_size = logprob_chunk_size
+        # ParallelConfig.accumulate_unsharded (distributed.fsdp.defer_local_gradient_reduction).
+        self.accumulate_unsharded = accumulate_unsharded
         self._dp_group = dp_group
         self._cp_group = cp_group
         distributed = dist.is_available() and dist.is_initialized()
@@ -117,7 +120,9 @@ class Trainer:
             self._expert_load.start()
         shards = shard_micro_batches(micro_batches, rank=self._dp_rank, world_size=self._dp_size)
         for index, micro_batch in enumerate(shards):
-            defer_local_gradient_reduction(self.model, defer=index < len(shards) - 1)
+            defer_local_gradient_reduction(
+                self.model, defer=index < len(shards) - 1, sharded_units=self.accumulate_unsharded
+            )
             sums += self._forward_backward(micro_batch, num_loss_tokens=total_loss_tokens)
 
         grad_norm = clip_grad_norm_(self.model.parameters(), self.max_grad_norm)

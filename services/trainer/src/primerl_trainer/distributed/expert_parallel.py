@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -32,9 +33,15 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from primerl_trainer.kernels.gather import accumulation_dtype, gather_sum
+from primerl_trainer.kernels.token_rows import gather_rows, gather_sum_rows, scaled_rows_and_dots
 
-__all__ = ["AllToAllDispatcher", "EPCommBackend", "apply_expert_parallel", "check_ep_comm_backend"]
+__all__ = [
+    "AllToAllDispatcher",
+    "DispatchOptions",
+    "EPCommBackend",
+    "apply_expert_parallel",
+    "check_ep_comm_backend",
+]
 
 EPCommBackend = Literal["torch", "deepep"]
 
@@ -82,13 +89,30 @@ def apply_expert_parallel(
         moe.dispatcher = AllToAllDispatcher(ep_mesh.get_group(), num_experts=num_experts)
 
 
+@dataclass
+class DispatchOptions:
+    """How a dispatcher runs on the GPU (the results are the same within float32 rounding; on the
+    CPU both switches are ignored and the reference paths run).
+
+    fused_rows: the row gathers and weighted sums as single Triton passes (kernels.token_rows)
+    rather than eager gathers, casts, products and sums.
+    early_sizes: the split sizes go to pinned host memory right after the counts are exchanged and
+    the host waits for that copy alone (an event), so the work launched before the wait (the send
+    rows' gathers) is still queued on the GPU while the host launches what follows; otherwise
+    `.tolist()` waits for everything launched so far."""
+
+    fused_rows: bool = True
+    early_sizes: bool = True
+
+
 class AllToAllDispatcher:
     """Runs one MoE layer's experts over an ep group with all-to-all-v exchanges (gloo or NCCL)."""
 
-    def __init__(self, group: dist.ProcessGroup, *, num_experts: int) -> None:
+    def __init__(self, group: dist.ProcessGroup, *, num_experts: int, options: DispatchOptions | None = None) -> None:
         self.group = group
         self.ep = dist.get_world_size(group)
         self.num_local_experts = num_experts // self.ep
+        self.options = options or DispatchOptions()
 
     # Split sizes come to the host and collectives run in between: compiled blocks run this eagerly.
     @torch.compiler.disable
@@ -106,41 +130,45 @@ class AllToAllDispatcher:
         num_ranks, num_local = self.ep, self.num_local_experts
         num_tokens, top_k = expert_ids_TK.shape
         device = x_TD.device
+        fused = self.options.fused_rows
         tokens_per_expert_E = torch.bincount(expert_ids_TK.reshape(-1), minlength=num_ranks * num_local)
         rank_TK = expert_ids_TK // num_local
         to_rank_TP = torch.zeros(num_tokens, num_ranks, dtype=torch.bool, device=device).scatter_(1, rank_TK, True)
 
-        # 1. Per destination: tokens, then copies per local expert.
+        # 1. Per destination: tokens, then copies per local expert; the split sizes start for the host.
         send_counts = torch.cat([to_rank_TP.sum(0)[:, None], tokens_per_expert_E.view(num_ranks, num_local)], dim=1)
         recv_counts = torch.empty_like(send_counts)
         dist.all_to_all_single(recv_counts, send_counts, group=self.group)
+        sizes = _HostSizes(
+            torch.cat([send_counts[:, 0], recv_counts[:, 0], recv_counts[:, 1:].sum()[None]]),
+            early=self.options.early_sizes,
+        )
 
         # 2. Send rows in (rank, token) order: slot_TP[t, p] is token t's row for rank p. What needs
-        # no sizes is launched before the sync, over the whole [P * T] grid (rows not sent go to a
-        # spare last slot; the grid's tail past the sent rows is cut off after the sync).
+        # no sizes is launched before the sync, over the whole [P * T] grid (the grid's tail past
+        # the sent rows, which repeats token 0, is cut off after the sync).
         send_PT = to_rank_TP.t().reshape(-1)
         position_PT = send_PT.cumsum(0) - 1
         grid = send_PT.numel()
-        flat_R = torch.zeros(grid + 1, dtype=torch.long, device=device)
-        flat_R.scatter_(0, torch.where(send_PT, position_PT, grid), torch.arange(grid, device=device))
-        token_R, rank_R = flat_R % num_tokens, flat_R // num_tokens
+        flat_G = torch.zeros(grid + 1, dtype=torch.long, device=device)
+        flat_G.scatter_(0, torch.where(send_PT, position_PT, grid), torch.arange(grid, device=device))
+        flat_G = flat_G[:grid]
+        token_G, rank_G = flat_G % num_tokens, flat_G // num_tokens
         slot_TP = torch.where(send_PT, position_PT, 0).view(num_ranks, num_tokens).t()
-        on_rank_RK = rank_TK[token_R] == rank_R[:, None]
+        on_rank_GK = rank_TK[token_G] == rank_G[:, None]
         # The experts elsewhere get score 0 and id num_local (sorted after the real ones).
-        ids_RK = torch.where(on_rank_RK, expert_ids_TK[token_R] % num_local, num_local).to(torch.float32)
+        ids_GK = torch.where(on_rank_GK, expert_ids_TK[token_G] % num_local, num_local).to(torch.float32)
+        sent_x_GD = _GatherRows.apply(x_TD, token_G, slot_TP, to_rank_TP, fused)
+        sent_scores_GK = _GatherRows.apply(scores_TK, token_G, slot_TP, to_rank_TP, False) * on_rank_GK
+        # Scores and ids travel together (float32 holds ids below 2^24 exactly).
+        routing_GJ = torch.cat([sent_scores_GK.to(torch.float32), ids_GK], dim=1)
 
         # The layer's one host sync: all_to_all_single takes its split sizes as Python ints.
-        sizes = torch.cat([send_counts[:, 0], recv_counts[:, 0], recv_counts[:, 1:].sum()[None]]).tolist()
-        send_splits, recv_splits, num_copies = sizes[:num_ranks], sizes[num_ranks : 2 * num_ranks], sizes[-1]
-        num_sent = sum(send_splits)
-        token_S, rank_S = token_R[:num_sent], rank_R[:num_sent]
-        sent_x_SD = _GatherRows.apply(x_TD, token_S, slot_TP, to_rank_TP)
-        sent_scores_SK = _GatherRows.apply(scores_TK, token_S, slot_TP, to_rank_TP) * on_rank_RK[:num_sent]
-        # Scores and ids travel together (float32 holds ids below 2^24 exactly).
-        routing_SJ = torch.cat([sent_scores_SK.to(torch.float32), ids_RK[:num_sent]], dim=1)
-
-        recv_x_MD = _AllToAll.apply(sent_x_SD, recv_splits, send_splits, self.group)
-        recv_routing_MJ = _AllToAll.apply(routing_SJ, recv_splits, send_splits, self.group)
+        split_sizes = sizes.wait()
+        send_splits, recv_splits = split_sizes[:num_ranks], split_sizes[num_ranks : 2 * num_ranks]
+        num_copies, num_sent = split_sizes[-1], sum(send_splits)
+        recv_x_MD = _AllToAll.apply(sent_x_GD[:num_sent], recv_splits, send_splits, self.group)
+        recv_routing_MJ = _AllToAll.apply(routing_GJ[:num_sent], recv_splits, send_splits, self.group)
         recv_scores_MK = recv_routing_MJ[:, :top_k].to(scores_TK.dtype)
         recv_ids_MK = recv_routing_MJ[:, top_k:].detach().to(torch.long)
 
@@ -152,13 +180,33 @@ class AllToAllDispatcher:
         valid_MK = recv_ids_MK < num_local
         inverse_MK = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=device))
         inverse_MK = torch.where(valid_MK.reshape(-1), inverse_MK, 0).view_as(recv_ids_MK)
-        copies_CD = _GatherRows.apply(recv_x_MD, order_C // top_k, inverse_MK, valid_MK)
-        partial_MD = _CombineRows.apply(experts(copies_CD, offsets_L), recv_scores_MK, inverse_MK, valid_MK, order_C)
+        copies_CD = _GatherRows.apply(recv_x_MD, order_C // top_k, inverse_MK, valid_MK, fused)
+        partial_MD = _CombineRows.apply(
+            experts(copies_CD, offsets_L), recv_scores_MK, inverse_MK, valid_MK, order_C, fused
+        )
 
         # 4. Partial sums back to their tokens' ranks, added up there.
         partial_SD = _AllToAll.apply(partial_MD, send_splits, recv_splits, self.group)
-        out_TD = _CombineRows.apply(partial_SD, None, slot_TP, to_rank_TP, token_S * num_ranks + rank_S)
+        copy_S = flat_G[:num_sent] % num_tokens * num_ranks + flat_G[:num_sent] // num_tokens
+        out_TD = _CombineRows.apply(partial_SD, None, slot_TP, to_rank_TP, copy_S, fused)
         return out_TD, tokens_per_expert_E
+
+
+class _HostSizes:
+    """A small integer tensor on its way to the host (see DispatchOptions.early_sizes)."""
+
+    def __init__(self, sizes: torch.Tensor, *, early: bool) -> None:
+        self._sizes, self._event = sizes, None
+        if early and sizes.is_cuda:
+            self._sizes = torch.empty(sizes.shape, dtype=sizes.dtype, pin_memory=True)
+            self._sizes.copy_(sizes, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def wait(self) -> list[int]:
+        if self._event is not None:
+            self._event.synchronize()
+        return self._sizes.tolist()
 
 
 class _GatherRows(torch.autograd.Function):
@@ -167,15 +215,21 @@ class _GatherRows(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, x_TD: torch.Tensor, index_R: torch.Tensor, slots_TJ: torch.Tensor, valid_TJ: torch.Tensor
+        ctx,
+        x_TD: torch.Tensor,
+        index_R: torch.Tensor,
+        slots_TJ: torch.Tensor,
+        valid_TJ: torch.Tensor,
+        fused: bool,
     ) -> torch.Tensor:
         ctx.save_for_backward(slots_TJ, valid_TJ)
-        return x_TD[index_R]
+        ctx.fused = fused
+        return gather_rows(x_TD, index_R, fused=fused)
 
     @staticmethod
     def backward(ctx, grad_RD: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         slots_TJ, valid_TJ = ctx.saved_tensors
-        return gather_sum(grad_RD, slots_TJ, valid_TJ), None, None, None
+        return gather_sum_rows(grad_RD, slots_TJ, valid_TK=valid_TJ, fused=ctx.fused), None, None, None, None
 
 
 class _CombineRows(torch.autograd.Function):
@@ -191,23 +245,23 @@ class _CombineRows(torch.autograd.Function):
         slots_TJ: torch.Tensor,
         valid_TJ: torch.Tensor,
         copy_R: torch.Tensor,
+        fused: bool,
     ) -> torch.Tensor:
         ctx.save_for_backward(rows_RD, weights_TJ, slots_TJ, valid_TJ, copy_R)
-        ctx.has_weights = weights_TJ is not None
-        return gather_sum(rows_RD, slots_TJ, weights_TJ if weights_TJ is not None else valid_TJ)
+        ctx.has_weights, ctx.fused = weights_TJ is not None, fused
+        return gather_sum_rows(rows_RD, slots_TJ, weights_TJ, valid_TJ, fused=fused)
 
     @staticmethod
     def backward(ctx, grad_TD: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         rows_RD, weights_TJ, slots_TJ, valid_TJ, copy_R = ctx.saved_tensors
-        width = slots_TJ.shape[1]
+        token_R = copy_R // slots_TJ.shape[1]
         if not ctx.has_weights:
-            return grad_TD[copy_R // width], None, None, None, None
-        dtype = accumulation_dtype(rows_RD)
-        grad_copies_RD = grad_TD[copy_R // width].to(dtype)
-        grad_rows_RD = (grad_copies_RD * weights_TJ.reshape(-1)[copy_R, None].to(dtype)).to(rows_RD.dtype)
-        grad_weights_R = (rows_RD.to(dtype) * grad_copies_RD).sum(dim=-1)
+            return gather_rows(grad_TD, token_R, fused=ctx.fused), None, None, None, None, None
+        grad_rows_RD, grad_weights_R = scaled_rows_and_dots(
+            grad_TD, rows_RD, token_R, weights_TJ.reshape(-1)[copy_R], fused=ctx.fused
+        )
         grad_weights_TJ = torch.where(valid_TJ, grad_weights_R[slots_TJ], 0.0).to(weights_TJ.dtype)
-        return grad_rows_RD, grad_weights_TJ, None, None, None
+        return grad_rows_RD, grad_weights_TJ, None, None, None, None
 
 
 class _AllToAll(torch.autograd.Function):

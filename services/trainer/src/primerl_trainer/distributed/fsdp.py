@@ -51,34 +51,38 @@ def apply_fsdp(
     # addition of every gradient. Such units keep their parameters gathered, and their gradients
     # are reduced once per step (see `defer_local_gradient_reduction`).
     reshard_after_forward = reshard_after_forward and mesh.size() > 1
-    # (module, its mesh) of every FSDP unit.
+    # (module, its mesh, its reshard_after_forward; None: FSDP's choice, the root's) of every FSDP unit.
     units = []
     for block in model.layers.values():
         if experts_mesh is not None:
             # Checkpoint wrappers pass attribute lookups through to the block they wrap.
             experts = getattr(getattr(block, "moe", None), "experts", None)
             if experts is not None:
+                experts_reshard = reshard_after_forward and experts_mesh.size() > 1
                 fully_shard(
                     experts,
                     mesh=experts_mesh,
                     mp_policy=policy,
                     offload_policy=offload_policy,
-                    reshard_after_forward=reshard_after_forward and experts_mesh.size() > 1,
+                    reshard_after_forward=experts_reshard,
                     shard_placement_fn=_experts_placement(experts_mesh.size()),
                 )
-                units.append((experts, experts_mesh))
-        units.append((fully_shard(block, reshard_after_forward=reshard_after_forward, **config), mesh))
+                units.append((experts, experts_mesh, experts_reshard))
+        block = fully_shard(block, reshard_after_forward=reshard_after_forward, **config)
+        units.append((block, mesh, reshard_after_forward))
     if model.lm_head is not None:
-        units.append((fully_shard(model.tok_embeddings, reshard_after_forward=reshard_after_forward, **config), mesh))
+        embeddings = fully_shard(model.tok_embeddings, reshard_after_forward=reshard_after_forward, **config)
+        units.append((embeddings, mesh, reshard_after_forward))
         # Backward needs the head first: keeping it gathered after forward saves an all-gather.
         fully_shard([model.norm, model.lm_head], reshard_after_forward=False, **config)
-        units.append((model.norm, mesh))  # the pair's one FSDP state
+        units.append((model.norm, mesh, False))  # the pair's one FSDP state
     # A tied head reads the embedding's weight outside the embedding's forward, so both stay
     # with the root, whose parameters are gathered for the whole forward.
-    units.append((fully_shard(model, **config), mesh))
-    model.primerl_local_fsdp_units = [unit for unit, unit_mesh in units if unit_mesh.size() == 1]
+    units.append((fully_shard(model, **config), mesh, None))
+    model.primerl_local_fsdp_units = [unit for unit, unit_mesh, _ in units if unit_mesh.size() == 1]
+    model.primerl_sharded_fsdp_units = [(unit, after) for unit, unit_mesh, after in units if unit_mesh.size() > 1]
     factor = gradient_divide_factor or float(mesh.size())
-    for unit, unit_mesh in units:
+    for unit, unit_mesh, _ in units:
         if factor == unit_mesh.size():
             continue
         unit.set_gradient_divide_factor(factor)
@@ -96,10 +100,22 @@ def _experts_placement(mesh_size: int) -> Callable[[nn.Parameter], Shard | None]
     return placement
 
 
-def defer_local_gradient_reduction(model: nn.Module, defer: bool) -> None:
+def defer_local_gradient_reduction(model: nn.Module, defer: bool, *, sharded_units: bool = False) -> None:
     """Whether the next backward leaves the gradients of `model`'s single-rank FSDP units
     unreduced (accumulated unsharded in the reduce dtype, as FSDP does without gradient sync):
     True for every micro-batch of a step but the last. A model not sharded by `apply_fsdp` is
-    left alone."""
+    left alone.
+
+    `sharded_units` (ParallelConfig.accumulate_unsharded): the units sharded over several ranks
+    too, which then also stay gathered from one micro-batch to the next (no reshard after forward
+    or backward while deferring): one all-gather and one reduce-scatter per step instead of per
+    micro-batch, for their unsharded parameters and float32 gradients in memory."""
     for unit in getattr(model, "primerl_local_fsdp_units", ()):
         unit.set_requires_gradient_sync(not defer, recurse=False)
+    if not sharded_units:
+        return
+    for unit, reshard_after_forward in getattr(model, "primerl_sharded_fsdp_units", ()):
+        unit.set_requires_gradient_sync(not defer, recurse=False)
+        unit.set_reshard_after_backward(not defer, recurse=False)
+        if reshard_after_forward is not None:
+            unit.set_reshard_after_forward(reshard_after_forward and not defer, recurse=False)
