@@ -13,7 +13,9 @@ Targets (`LoRAConfig.target_modules`), by module:
                       of MoE layers with shared experts (GLM-4.5), as PEFT's gate_proj, up_proj and
                       down_proj match both (HF mlp.gate_proj, mlp.shared_experts.gate_proj, ...)
     experts           moe.experts.w13 (gate and up of each expert) and w2 (down), one A and B
-                      per expert and projection, as PEFT names them per expert
+                      per expert and projection, as PEFT names them per expert; experts whose
+                      checkpoint fuses gate and up (GPT-OSS: `lora_fused_gate_up`) get one A
+                      and B for both, PEFT's 3D layout of fused experts (as vLLM reads it)
 The routers stay frozen and untouched. Unknown names are ignored with a warning.
 
 Export: `merge_lora` turns a stream of (own name, full tensor) from the model's state dict into
@@ -69,6 +71,8 @@ _PARAMETRIZED = re.compile(r"(?P<module>.+)\.parametrizations\.(?P<param>[^.]+)\
 _HF_EXPERT = re.compile(
     r"(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w3|w2)\.weight"
 )
+# Fused expert stacks (GPT-OSS): one tensor per layer and projection.
+_HF_FUSED_EXPERTS = re.compile(r"(?P<prefix>.+\.experts)\.(?P<proj>gate_up_proj|down_proj)")
 # Mixtral-style checkpoints (MiniMax-M2) name an expert's projections w1 (gate), w3 (up), w2 (down).
 _MIXTRAL_EXPERT_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
@@ -166,7 +170,12 @@ def apply_lora(model: nn.Module, config: LoRAConfig, *, seed: int = 0) -> list[s
             num_experts, two_hidden, dim = module.w13.shape
             common = {"num_experts": num_experts, "rank": config.rank, "alpha": config.alpha, "generator": generator}
             hidden = two_hidden // 2
-            gate_up = ExpertsLoRA({"gate": hidden, "up": hidden}, dim, like=module.w13, **common)
+            projections = (
+                {"gate_up": two_hidden}
+                if getattr(module, "lora_fused_gate_up", False)
+                else {"gate": hidden, "up": hidden}
+            )
+            gate_up = ExpertsLoRA(projections, dim, like=module.w13, **common)
             parametrize.register_parametrization(module, "w13", gate_up)
             parametrize.register_parametrization(
                 module, "w2", ExpertsLoRA({"down": dim}, hidden, like=module.w2, **common)
@@ -207,7 +216,7 @@ def _delta(parts: dict[str, torch.Tensor], scale: float) -> torch.Tensor:
 
     if "lora_A" in parts:
         return scale * product(parts["lora_B"], parts["lora_A"])
-    names = [name for name in ("gate", "up", "down") if f"{name}_lora_A" in parts]
+    names = [name for name in ("gate", "up", "gate_up", "down") if f"{name}_lora_A" in parts]
     return scale * torch.cat([product(parts[f"{n}_lora_B"], parts[f"{n}_lora_A"]) for n in names], dim=1)
 
 
@@ -265,6 +274,10 @@ def lora_adapter_tensors(
             yield f"base_model.model.{hf_name.removesuffix('.weight')}.{part}.weight", tensor
             continue
         projection, ab = part.split("_lora_")
+        fused = _HF_FUSED_EXPERTS.fullmatch(hf_names[0]) if len(hf_names) == 1 else None
+        if fused is not None:
+            yield _fused_experts_adapter(fused, ab, tensor, base_name, to_hf)
+            continue
         # One tensor per expert: [E, rank, in] or [E, out, rank].
         modules = {}
         for hf_name in hf_names:
@@ -274,3 +287,21 @@ def lora_adapter_tensors(
             modules[int(match["expert"]), proj] = f"{match['prefix']}.{match['expert']}.{match['proj']}"
         for expert, per_expert in enumerate(tensor.unbind(0)):
             yield f"base_model.model.{modules[expert, f'{projection}_proj']}.lora_{ab}.weight", per_expert
+
+
+def _fused_experts_adapter(
+    fused: re.Match[str],
+    ab: str,
+    tensor: torch.Tensor,
+    base_name: str,
+    to_hf: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]],
+) -> tuple[str, torch.Tensor]:
+    """PEFT's layout of a fused expert stack's adapter, as vLLM loads it: gate_up under
+    `<experts>.base_layer`, down under `<experts>`; A [E * rank, in] (expert-major), B [out,
+    rank * E] (expert-minor) with the output rows in the checkpoint's order, which the state-dict
+    adapter gives by converting B [E, out, rank] as if it were the weight (rank for in)."""
+    name = f"base_model.model.{fused['prefix']}{'.base_layer' if fused['proj'] == 'gate_up_proj' else ''}"
+    if ab == "A":
+        return f"{name}.lora_A.weight", tensor.reshape(-1, tensor.shape[-1])
+    (hub_b,) = to_hf({base_name: tensor}).values()  # [E, rank, out], the checkpoint's input-major layout
+    return f"{name}.lora_B.weight", hub_b.permute(2, 1, 0).reshape(hub_b.shape[2], -1)

@@ -379,3 +379,83 @@ def test_sink_gradients_equal_the_definition() -> None:
     _reference_attention(*wanted[:3], position_ids, window=3, sinks=wanted[3]).pow(2).sum().backward()
     for got, ref in zip(inputs, wanted, strict=True):
         torch.testing.assert_close(got.grad, ref.grad, rtol=1e-10, atol=1e-12)
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    """The tiny-model maker's GPT-OSS (tiny vocabulary, window 8, sliding and full layers, YaRN)."""
+    from primerl_launcher.tiny_model import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-gpt-oss") / "gpt-oss", family="gpt-oss", dtype="bfloat16")
+
+
+@torch.no_grad()
+def test_tiny_model_maker_writes_a_gpt_oss_checkpoint(tiny_checkpoint: pathlib.Path) -> None:
+    from primerl_launcher.tiny_model import VOCAB_SIZE as TINY_VOCAB_SIZE
+
+    weights = read_hf_state_dict(tiny_checkpoint)
+    assert weights["model.layers.0.mlp.experts.gate_up_proj"].dtype == torch.bfloat16
+    assert weights["model.layers.0.self_attn.sinks"].abs().sum() > 0
+    own = load_model(tiny_checkpoint, impl="auto", dtype=torch.float32)
+    assert isinstance(own, GptOssModel)
+    assert own.args.layer_windows == (8, None, 8, None) and own.args.rope.factor == 8.0
+    # Longer than the window.
+    input_ids = torch.randint(0, TINY_VOCAB_SIZE, (2, 20), generator=torch.Generator().manual_seed(0))
+    logits, expert_ids = reference_forward(reference(tiny_checkpoint), input_ids)
+    out = own(input_ids)
+    assert (out.logits - logits).abs().max() <= 1e-4
+    assert torch.equal(out.routed_experts.sort(dim=-1).values, expert_ids)
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_one_rl_step_changes_the_loss(tiny_checkpoint: pathlib.Path, lora: bool) -> None:
+    """hf_parity.assert_rl_step_changes_loss: with LoRA, q/k/v/o and the experts' stacks."""
+    hf_parity.assert_rl_step_changes_loss(tiny_checkpoint, lora=lora)
+
+
+@torch.no_grad()
+def test_lora_adapter_of_fused_experts_is_the_merged_delta(full_checkpoint: pathlib.Path) -> None:
+    """LoRA on GPT-OSS's experts: one A and B per expert for the fused gate_up (and for down);
+    the published adapter (PEFT's 3D layout as vLLM reads it: gate_up under experts.base_layer,
+    A [E * r, in], B [out, r * E] with HF's interleaved rows) times the scale is the merged
+    weights' change under the hub's names."""
+    from primerl_trainer.config import LoRAConfig
+    from primerl_trainer.export import exported_tensors
+    from primerl_trainer.lora import apply_lora
+
+    model = load_model(full_checkpoint, impl="custom")
+    base = hf_parity.export_hf_state_dict(model)
+    rank, alpha = 2, 4.0
+    adapted = apply_lora(model, LoRAConfig(enabled=True, rank=rank, alpha=alpha, target_modules=["q", "o", "experts"]))
+    assert "layers.0.moe.experts.w13" in adapted and "layers.0.attention.wo.weight" in adapted
+    generator = torch.Generator().manual_seed(3)
+    for name, parameter in model.named_parameters():
+        if "lora_B" in name:
+            parameter.copy_(torch.randn(parameter.shape, generator=generator))
+    state = list(model.state_dict().items())
+    merged = dict(exported_tensors(model, iter(state), kind="weights", dtype=torch.float32, lora_scale=alpha / rank))
+    adapter = dict(exported_tensors(model, iter(state), kind="adapter", dtype=torch.float32, lora_scale=None))
+    prefix = "base_model.model.model.layers.1.mlp.experts"
+    for hf_name, module in (("gate_up_proj", f"{prefix}.base_layer"), ("down_proj", prefix)):
+        a, b = adapter[f"{module}.lora_A.weight"], adapter[f"{module}.lora_B.weight"]
+        weight = f"model.layers.1.mlp.experts.{hf_name}"
+        num_experts, in_features, out_features = base[weight].shape
+        assert a.shape == (num_experts * rank, in_features) and b.shape == (out_features, rank * num_experts)
+        a, b = a.view(num_experts, rank, in_features), b.view(out_features, rank, num_experts)
+        for expert in range(num_experts):
+            delta = (alpha / rank) * b[..., expert] @ a[expert]
+            torch.testing.assert_close(merged[weight][expert] - base[weight][expert], delta.T)
+    assert "base_model.model.model.layers.0.self_attn.o_proj.lora_B.weight" in adapter
+
+
+def test_expert_parallel_trains_as_one_process(tmp_path: pathlib.Path) -> None:
+    """ep=2 over 2 CPU ranks (hf_parity.assert_expert_parallel_trains_as_one_process), on the
+    tiny-model maker's GPT-OSS at a smaller width (the experts' biases split with their weights)."""
+    from primerl_launcher.tiny_model import TinyGptOssSpec, make_tiny_model
+
+    spec = TinyGptOssSpec(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+        moe_intermediate_size=32, sliding_window=4,
+    )  # fmt: skip
+    model_dir = make_tiny_model(tmp_path / "ep-gpt-oss", family="gpt-oss", spec=spec)
+    hf_parity.assert_expert_parallel_trains_as_one_process(model_dir, tmp_path, num_routers=0)

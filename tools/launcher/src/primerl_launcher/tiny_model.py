@@ -46,6 +46,7 @@ __all__ = [
     "VOCAB_SIZE",
     "DType",
     "TinyGlm4MoeSpec",
+    "TinyGptOssSpec",
     "TinyMiniMaxM2Spec",
     "TinyModelSpec",
     "TinyMoeSpec",
@@ -319,6 +320,44 @@ class TinyQwen3_5MoeSpec(TinyMoeSpec):
         }
 
 
+@dataclass(frozen=True)
+class TinyGptOssSpec(TinyMoeSpec):
+    """GPT-OSS: every layer sparse (biased router, experts with biases and the clamped SwiGLU),
+    attention with sinks and q/k/v/o bias, sliding-window and full layers alternating with a
+    window shorter than typical test prompts, YaRN RoPE as the hub's config writes it
+    (`rope_scaling`), untied head. The experts' width is `intermediate_size` (no dense MLP)."""
+
+    model_class: ClassVar[str] = "GptOssForCausalLM"
+    model_type: ClassVar[str] = "gpt_oss"
+
+    sliding_window: int = 8
+    yarn_factor: float = 8.0
+
+    def family_config(self) -> dict[str, Any]:
+        return {
+            "intermediate_size": self.moe_intermediate_size,
+            "num_local_experts": self.num_experts,
+            "num_experts_per_tok": self.num_experts_per_tok,
+            "layer_types": [
+                "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(self.num_hidden_layers)
+            ],
+            "sliding_window": self.sliding_window,
+            "rope_scaling": {
+                "rope_type": "yarn",
+                "factor": self.yarn_factor,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": int(self.max_position_embeddings / self.yarn_factor),
+            },
+            "attention_bias": True,
+            "swiglu_limit": 7.0,
+            "output_router_logits": False,
+            "router_aux_loss_coef": 0.001,
+            "tie_word_embeddings": False,
+        }
+
+
 # One entry per family: its name on the command line -> its default tiny shape.
 FAMILIES: dict[str, TinyModelSpec] = {
     "qwen3": TinyQwen3Spec(),
@@ -326,6 +365,7 @@ FAMILIES: dict[str, TinyModelSpec] = {
     "glm4-moe": TinyGlm4MoeSpec(),
     "minimax-m2": TinyMiniMaxM2Spec(),
     "qwen3.5-moe": TinyQwen3_5MoeSpec(),
+    "gpt-oss": TinyGptOssSpec(),
 }
 # The older names callers pick the Qwen3 models by (the launcher's tiny-dense / tiny-moe).
 KINDS = {"dense": "qwen3", "moe": "qwen3-moe"}

@@ -141,7 +141,10 @@ def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, *, alpha: float, limit:
 
 class GptOssExperts(GroupedExperts):
     """GroupedExperts' stacked layout (w13 [E, 2F, D] gate rows then up rows, w2 [E, D, F]) plus
-    biases w13_bias [E, 2F] and w2_bias [E, D], and the clamped SwiGLU."""
+    biases w13_bias [E, 2F] and w2_bias [E, D], and the clamped SwiGLU. The checkpoint fuses gate
+    and up, so LoRA adapts them as one projection (one A and B per expert)."""
+
+    lora_fused_gate_up = True
 
     def __init__(
         self, *, dim: int, hidden_dim: int, num_experts: int, alpha: float, limit: float, experts_impl: str = "auto"
