@@ -1,0 +1,426 @@
+"""Own Qwen3.5-MoE (`qwen3_5_moe`, `qwen3_5_moe_text`) against transformers' Qwen3_5MoeForCausalLM
+on tiny random checkpoints (float32): logits and router choices, rows longer than a chunk, packed
+rows against the samples run alone, router replay, the gradients of one loss, the HF state-dict
+round trip (text and multimodal checkpoints); the Gated DeltaNet's forms (chunked against
+recurrent, its causal convolution and state carried over, packed rows restarting both) and
+against transformers' PyTorch path; the tiny-model maker's `qwen3.5-moe` family.
+
+transformers runs its own PyTorch path on the CPU (no flash-linear-attention or causal-conv1d
+here); that path ignores sample boundaries in packed rows (its DeltaNet state and convolution
+run across them), so packed rows are compared with transformers' runs of each sample alone."""
+
+import pathlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from primerl_launcher.tiny_model import make_tiny_model
+from primerl_trainer.distributed.context_parallel import RowLayout
+from primerl_trainer.models import export_hf_state_dict, load_model, read_hf_state_dict
+from primerl_trainer.models.common.gated_delta_net import (
+    GatedDeltaNet,
+    causal_conv1d,
+    chunked_gated_delta_rule,
+    l2_normalize,
+    recurrent_gated_delta_rule,
+    segments_of,
+)
+from primerl_trainer.models.qwen3_5_moe.model import Qwen3_5MoeModel, Qwen3_5MoeModelArgs
+from primerl_trainer.models.qwen3_5_moe.state_dict_adapter import Qwen3_5MoeStateDictAdapter
+from primerl_trainer.models.registry import read_hf_config
+
+from . import hf_parity
+from .conftest import packed_inputs
+from .hf_parity import reference, reference_forward
+
+VOCAB_SIZE, NUM_EXPERTS = 96, 8
+# The issue's bounds (float32): logits against transformers, the chunked rule against the recurrent one.
+LOGIT_TOLERANCE, RULE_TOLERANCE = 1e-4, 1e-5
+
+TEXT = {
+    "num_hidden_layers": 3,
+    "layer_types": ["linear_attention", "full_attention", "linear_attention"],
+    # Two value heads per key head.
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "tie_word_embeddings": True,
+}
+# The multimodal checkpoint: transformers' default layer rule (every 4th layer full), one value
+# head per key head, an untied head (transformers' causal LM does not tie a multimodal
+# checkpoint's head, whatever its config says).
+MULTIMODAL = {
+    "num_hidden_layers": 4,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 2,
+}
+
+
+def text_config(variant: dict) -> dict:
+    return {
+        "vocab_size": VOCAB_SIZE,
+        "hidden_size": 32,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "linear_key_head_dim": 8,
+        "linear_value_head_dim": 8,
+        "moe_intermediate_size": 16,
+        "shared_expert_intermediate_size": 24,
+        "num_experts": NUM_EXPERTS,
+        "num_experts_per_tok": 3,
+        "initializer_range": 0.1,
+        "dtype": "float32",
+        **variant,
+    }
+
+
+def perturb(model: torch.nn.Module) -> None:
+    """Every parameter moved off its init (zero-centred norm weights at 0, dt_bias at 1, ...)."""
+    for parameter in model.parameters():
+        parameter.add_(0.1 * torch.randn_like(parameter))
+
+
+def make_checkpoint(path: pathlib.Path, variant: dict, *, multimodal: bool = False) -> pathlib.Path:
+    from transformers import (
+        Qwen3_5MoeConfig,
+        Qwen3_5MoeForCausalLM,
+        Qwen3_5MoeForConditionalGeneration,
+        Qwen3_5MoeTextConfig,
+    )
+
+    text = text_config(variant)
+    if not multimodal:
+        return hf_parity.save_random_checkpoint(
+            path, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig(**text), perturb=perturb
+        )
+    vision = {"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2, "out_hidden_size": 32}
+    config = Qwen3_5MoeConfig(text_config=text, vision_config=vision)
+    return hf_parity.save_random_checkpoint(path, Qwen3_5MoeForConditionalGeneration, config, perturb=perturb)
+
+
+def random_ids(*shape: int, seed: int = 0) -> torch.Tensor:
+    return hf_parity.random_ids(*shape, vocab_size=VOCAB_SIZE, seed=seed)
+
+
+@pytest.fixture(scope="module")
+def text_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    return make_checkpoint(tmp_path_factory.mktemp("qwen3-5-moe-text"), TEXT)
+
+
+@pytest.fixture(scope="module")
+def multimodal_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    return make_checkpoint(tmp_path_factory.mktemp("qwen3-5-moe-vl"), MULTIMODAL, multimodal=True)
+
+
+@pytest.fixture(scope="module", params=["text", "multimodal"])
+def checkpoint(request: pytest.FixtureRequest) -> pathlib.Path:
+    return request.getfixturevalue(f"{request.param}_checkpoint")
+
+
+def test_auto_picks_the_own_implementation(text_checkpoint: pathlib.Path, multimodal_checkpoint: pathlib.Path) -> None:
+    text = load_model(text_checkpoint, impl="auto")
+    assert isinstance(text, Qwen3_5MoeModel) and not text.args.multimodal
+    assert text.args.layer_types == tuple(TEXT["layer_types"]) and text.args.rotary_dim == 4
+    assert text.args.moe_layers == (0, 1, 2) and text.lm_head is None
+    vl = load_model(multimodal_checkpoint, impl="auto")
+    assert isinstance(vl, Qwen3_5MoeModel) and vl.args.multimodal and vl.lm_head is not None
+    assert vl.args.layer_types == ("linear_attention",) * 3 + ("full_attention",)
+
+
+def test_logits_and_routing_equal_transformers_on_a_batch(checkpoint: pathlib.Path) -> None:
+    hf_parity.assert_batch_matches(load_model(checkpoint, impl="custom"), reference(checkpoint))
+
+
+@pytest.mark.parametrize("chunk_size", [64, 16])
+@torch.no_grad()
+def test_rows_longer_than_a_chunk_equal_transformers(text_checkpoint: pathlib.Path, chunk_size: int) -> None:
+    own, hf = load_model(text_checkpoint, impl="custom"), reference(text_checkpoint)
+    for module in own.modules():
+        if isinstance(module, GatedDeltaNet):
+            module.chunk_size = chunk_size
+    input_ids = random_ids(2, 150, seed=3)
+    logits, expert_ids = reference_forward(hf, input_ids)
+    out = own(input_ids)
+    assert (out.logits - logits).abs().max() <= 1e-4
+    assert torch.equal(out.routed_experts.sort(dim=-1).values, expert_ids)
+
+
+@torch.no_grad()
+def test_packed_samples_equal_separate_runs(checkpoint: pathlib.Path) -> None:
+    """Samples shorter than the convolution (1, 2 tokens) and longer than a chunk (70)."""
+    own, hf = load_model(checkpoint, impl="custom"), reference(checkpoint)
+    samples, input_ids, position_ids = packed_inputs([6, 1, 13, 2, 70, 3], seed=5)
+    samples = [sample % VOCAB_SIZE for sample in samples]
+    packed = own(input_ids % VOCAB_SIZE, position_ids)
+    separate = [reference_forward(hf, sample) for sample in samples]
+    assert (packed.logits - torch.cat([logits for logits, _ in separate], dim=1)).abs().max() <= LOGIT_TOLERANCE
+    assert torch.equal(packed.routed_experts.sort(dim=-1).values, torch.cat([ids for _, ids in separate]))
+    # The trainer's row layout (no context parallel) gives the same.
+    layout = RowLayout.of(position_ids[0], cp_rank=0, cp_size=1)
+    laid_out = own(input_ids % VOCAB_SIZE, position_ids, row_layout=layout)
+    assert (laid_out.logits - packed.logits).abs().max() <= LOGIT_TOLERANCE
+
+
+def test_replaying_transformers_routing_gives_its_logits(text_checkpoint: pathlib.Path) -> None:
+    own, hf = load_model(text_checkpoint, impl="custom"), reference(text_checkpoint)
+    hf_parity.assert_replay_gives_reference_logits(own, hf)
+
+
+def test_one_step_gradients_equal_transformers(text_checkpoint: pathlib.Path) -> None:
+    """One cross-entropy over packed rows; transformers runs each sample alone (its packed rows
+    would leak the DeltaNet state), the summed losses give the same gradients."""
+    own, hf = load_model(text_checkpoint, impl="custom"), reference(text_checkpoint)
+    samples, input_ids, position_ids = packed_inputs([9, 30, 7], seed=3)
+    samples = [sample % VOCAB_SIZE for sample in samples]
+
+    num_predicted = sum(sample.shape[1] - 1 for sample in samples)
+
+    def loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits[0, :-1], ids[0, 1:], reduction="sum") / num_predicted
+
+    packed_logits = own(input_ids % VOCAB_SIZE, position_ids).logits
+    own_loss = sum(
+        loss(logits, sample)
+        for logits, sample in zip(packed_logits.split([s.shape[1] for s in samples], dim=1), samples, strict=True)
+    )
+    ref_loss = sum(loss(hf(input_ids=sample, use_cache=False).logits, sample) for sample in samples)
+    own_loss.backward()
+    ref_loss.backward()
+    assert abs(own_loss.item() - ref_loss.item()) <= 1e-5
+
+    ref_grads = Qwen3_5MoeStateDictAdapter(own.args).from_hf(hf_parity.hub_gradients(hf))
+    own_grads = {name: p.grad for name, p in own.named_parameters()}
+    assert own_grads.keys() == ref_grads.keys()
+    for name, grad in own_grads.items():
+        assert grad is not None and grad.abs().sum() > 0, name
+        torch.testing.assert_close(grad, ref_grads[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_hf_to_own_to_hf_is_bit_exact(text_checkpoint: pathlib.Path) -> None:
+    hf_parity.assert_hf_round_trip_is_bit_exact(text_checkpoint)
+
+
+def test_multimodal_round_trip_keeps_the_language_model(multimodal_checkpoint: pathlib.Path) -> None:
+    """The vision tower is not the trainer's: the rest comes back under its names, bit-exact."""
+    original = read_hf_state_dict(multimodal_checkpoint)
+    exported = export_hf_state_dict(load_model(multimodal_checkpoint, impl="custom"))
+    vision = {key for key in original if key.startswith("model.visual.")}
+    assert vision and exported.keys() == original.keys() - vision
+    assert all(key.startswith("model.language_model.") for key in exported.keys() - {"lm_head.weight"})
+    for name, tensor in exported.items():
+        assert tensor.dtype == original[name].dtype and torch.equal(tensor, original[name]), name
+
+
+def test_mtp_layers_are_dropped(text_checkpoint: pathlib.Path) -> None:
+    mtp = {"mtp.fc.weight": torch.zeros(32, 64), "mtp.layers.0.mlp.gate.weight": torch.zeros(8, 32)}
+    hf_parity.assert_extra_layers_dropped(
+        text_checkpoint, Qwen3_5MoeStateDictAdapter, mtp=mtp, unknown="model.layers.0.linear_attn.unknown.weight"
+    )
+
+
+def test_stacked_experts_load_like_per_expert_ones(text_checkpoint: pathlib.Path) -> None:
+    model = load_model(text_checkpoint, impl="custom")
+    adapter = Qwen3_5MoeStateDictAdapter(model.args)
+    hf_state_dict = read_hf_state_dict(text_checkpoint)
+    stacked = {key: value for key, value in hf_state_dict.items() if ".mlp.experts." not in key}
+    for layer in range(model.args.num_layers):
+        prefix = f"model.layers.{layer}.mlp.experts"
+        experts = range(NUM_EXPERTS)
+        stacked[f"{prefix}.gate_up_proj"] = torch.stack(
+            [
+                torch.cat(
+                    [hf_state_dict[f"{prefix}.{e}.gate_proj.weight"], hf_state_dict[f"{prefix}.{e}.up_proj.weight"]]
+                )
+                for e in experts
+            ]
+        )
+        stacked[f"{prefix}.down_proj"] = torch.stack([hf_state_dict[f"{prefix}.{e}.down_proj.weight"] for e in experts])
+    loaded, wanted = adapter.from_hf(stacked), adapter.from_hf(hf_state_dict)
+    assert loaded.keys() == wanted.keys()
+    assert all(torch.equal(loaded[key], wanted[key]) for key in wanted)
+
+
+def test_context_parallel_is_refused(text_checkpoint: pathlib.Path) -> None:
+    model = load_model(text_checkpoint, impl="custom")
+    layout = RowLayout.of(torch.arange(16), cp_rank=0, cp_size=2)
+    with pytest.raises(ValueError, match="context parallel is not supported"):
+        model(random_ids(1, layout.num_local_tokens), row_layout=layout)
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"hidden_act": "gelu"}, r"hidden_act 'gelu'"),
+        ({"attention_bias": True}, r"attention_bias"),
+        ({"layer_types": ["linear_attention", "sliding_attention", "full_attention"]}, r"layer_types must name"),
+        ({"layer_types": ["full_attention"]}, r"layer_types must name"),
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}}, r"rope type 'yarn'"),
+        (
+            {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.05}},
+            r"partial_rotary",
+        ),
+        ({"linear_num_value_heads": 3}, r"linear_num_value_heads \(3\) must be a multiple"),
+    ],
+)
+def test_bad_configs_are_refused(text_checkpoint: pathlib.Path, change: dict, match: str) -> None:
+    config = read_hf_config(text_checkpoint) | change
+    with pytest.raises(ValueError, match=match):
+        Qwen3_5MoeModel(Qwen3_5MoeModelArgs.from_hf_config(config))
+
+
+# The Gated DeltaNet's own forms.
+
+
+def rule_inputs(num_seqs: int, seq_len: int, *, num_heads: int = 3, seed: int = 0) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator)
+
+    return {
+        "q": l2_normalize(randn(num_seqs, seq_len, num_heads, 8)),
+        "k": l2_normalize(randn(num_seqs, seq_len, num_heads, 8)),
+        "v": randn(num_seqs, seq_len, num_heads, 6),
+        # Decays from ~0.4 to ~1 per token, write strengths in (0, 1).
+        "g": -F.softplus(randn(num_seqs, seq_len, num_heads)),
+        "beta": torch.sigmoid(randn(num_seqs, seq_len, num_heads)),
+    }
+
+
+@pytest.mark.parametrize("chunk_size", [64, 16, 7])
+def test_chunked_and_recurrent_forms_agree(chunk_size: int) -> None:
+    inputs = rule_inputs(2, 100)
+    initial_state = torch.randn(2, 3, 8, 6, generator=torch.Generator().manual_seed(1))
+    for state in (None, initial_state):
+        chunked, chunked_final = chunked_gated_delta_rule(
+            **inputs, scale=8**-0.5, chunk_size=chunk_size, initial_state=state
+        )
+        recurrent, recurrent_final = recurrent_gated_delta_rule(**inputs, scale=8**-0.5, initial_state=state)
+        assert (chunked - recurrent).abs().max() <= RULE_TOLERANCE
+        assert (chunked_final - recurrent_final).abs().max() <= RULE_TOLERANCE
+
+
+def test_rule_state_carries_over_a_split() -> None:
+    """A sequence run in two parts, the second from the first's final state, equals one run."""
+    inputs = rule_inputs(1, 90, seed=2)
+    whole, whole_final = chunked_gated_delta_rule(**inputs, scale=0.5, chunk_size=16)
+    first, state = chunked_gated_delta_rule(**{k: v[:, :37] for k, v in inputs.items()}, scale=0.5, chunk_size=16)
+    second, final = chunked_gated_delta_rule(
+        **{k: v[:, 37:] for k, v in inputs.items()}, scale=0.5, chunk_size=16, initial_state=state
+    )
+    assert (torch.cat([first, second], dim=1) - whole).abs().max() <= RULE_TOLERANCE
+    assert (final - whole_final).abs().max() <= RULE_TOLERANCE
+
+
+def test_rules_equal_transformers_torch_path() -> None:
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import (
+        torch_chunk_gated_delta_rule,
+        torch_recurrent_gated_delta_rule,
+    )
+
+    inputs = rule_inputs(2, 80, seed=3)
+    raw_q, raw_k = inputs["q"] * 3.0, inputs["k"] * 0.5  # transformers normalises them itself
+    reference_args = {"query": raw_q, "key": raw_k, "value": inputs["v"], "g": inputs["g"], "beta": inputs["beta"]}
+    ours = {
+        "q": l2_normalize(raw_q),
+        "k": l2_normalize(raw_k),
+        "v": inputs["v"],
+        "g": inputs["g"],
+        "beta": inputs["beta"],
+    }
+    chunked, _ = chunked_gated_delta_rule(**ours, scale=8**-0.5)
+    recurrent, _ = recurrent_gated_delta_rule(**ours, scale=8**-0.5)
+    theirs_chunked, _ = torch_chunk_gated_delta_rule(**reference_args, use_qk_l2norm_in_kernel=True)
+    theirs_recurrent, _ = torch_recurrent_gated_delta_rule(**reference_args, use_qk_l2norm_in_kernel=True)
+    assert (chunked - theirs_chunked).abs().max() <= RULE_TOLERANCE
+    assert (recurrent - theirs_recurrent).abs().max() <= RULE_TOLERANCE
+
+
+def test_causal_conv_state_carries_over_a_split() -> None:
+    generator = torch.Generator().manual_seed(4)
+    x, weight = torch.randn(2, 11, 5, generator=generator), torch.randn(5, 4, generator=generator)
+    whole, whole_state = causal_conv1d(x, weight)
+    # The reference: silu of a plain zero-padded depthwise convolution.
+    expected = F.silu(F.conv1d(F.pad(x.transpose(1, 2), (3, 0)), weight[:, None], groups=5)).transpose(1, 2)
+    assert (whole - expected).abs().max() <= 1e-6
+    for split in (1, 2, 6):
+        first, state = causal_conv1d(x[:, :split], weight)
+        second, final = causal_conv1d(x[:, split:], weight, initial_state=state)
+        assert (torch.cat([first, second], dim=1) - whole).abs().max() <= 1e-6
+        assert torch.equal(final, whole_state)
+
+
+def gated_delta_net(seed: int = 0) -> GatedDeltaNet:
+    torch.manual_seed(seed)
+    layer = GatedDeltaNet(
+        dim=16, num_k_heads=2, num_v_heads=4, head_k_dim=8, head_v_dim=4, conv_width=4, norm_eps=1e-6, impl="torch"
+    )
+    with torch.no_grad():
+        perturb(layer)
+    return layer
+
+
+@torch.no_grad()
+def test_packed_rows_restart_the_state_at_each_sample() -> None:
+    layer = gated_delta_net()
+    lengths = [1, 2, 5, 40, 3]
+    x = torch.randn(1, sum(lengths), 16, generator=torch.Generator().manual_seed(5))
+    position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
+    segments = segments_of(position_ids)
+    assert segments is not None and segments.num_samples == len(lengths) and segments.max_len == 40
+    packed = layer(x, segments)
+    alone = torch.cat([layer(part) for part in x.split(lengths, dim=1)], dim=1)
+    assert (packed - alone).abs().max() <= RULE_TOLERANCE
+    # Run as one sample, the later samples would read the earlier ones' state.
+    assert (layer(x) - alone)[:, lengths[0] :].abs().max() > 1e-3
+    # Two rows of packed samples: no sample crosses a row's end.
+    rows = torch.cat([x, x.flip(1)])
+    two_rows = layer(rows, segments_of(position_ids.expand(2, -1)))
+    second_row = torch.cat([layer(part) for part in x.flip(1).split(lengths, dim=1)], dim=1)
+    assert (two_rows - torch.cat([alone, second_row])).abs().max() <= RULE_TOLERANCE
+    # Rows that are one sample each need no segments.
+    assert segments_of(torch.arange(9)[None].expand(2, 9)) is None
+
+
+def test_packed_gradients_equal_separate_runs() -> None:
+    layer = gated_delta_net(seed=1)
+    lengths = [3, 20, 1, 9]
+    x = torch.randn(1, sum(lengths), 16, generator=torch.Generator().manual_seed(6), requires_grad=True)
+    segments = segments_of(torch.cat([torch.arange(n) for n in lengths])[None])
+    layer(x, segments).pow(2).sum().backward()
+    packed = {name: p.grad.clone() for name, p in layer.named_parameters()} | {"x": x.grad.clone()}
+    layer.zero_grad()
+    x.grad = None
+    sum(layer(part).pow(2).sum() for part in x.split(lengths, dim=1)).backward()
+    alone = {name: p.grad for name, p in layer.named_parameters()} | {"x": x.grad}
+    for name, grad in packed.items():
+        assert grad.abs().sum() > 0, name
+        torch.testing.assert_close(grad, alone[name], rtol=1e-5, atol=1e-5, msg=name)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="flash-linear-attention's kernels need CUDA")
+def test_fla_kernels_equal_the_torch_path_on_cuda() -> None:
+    pytest.importorskip("fla")
+    layer = gated_delta_net().cuda()
+    lengths = [3, 100, 1, 70]
+    x = torch.randn(1, sum(lengths), 16, device="cuda")
+    segments = segments_of(torch.cat([torch.arange(n) for n in lengths])[None].cuda())
+    outs = {}
+    for impl in ("torch", "fla"):
+        layer.impl = impl
+        outs[impl] = layer(x, segments)
+    assert (outs["fla"] - outs["torch"]).abs().max() <= 1e-3
+
+
+@torch.no_grad()
+def test_tiny_model_maker_writes_a_qwen3_5_moe_checkpoint(tmp_path: pathlib.Path) -> None:
+    path = make_tiny_model(tmp_path / "qwen3.5", family="qwen3.5-moe", dtype="bfloat16")
+    own = load_model(path, impl="auto", dtype=torch.float32)
+    assert isinstance(own, Qwen3_5MoeModel) and set(own.args.layer_types) == {"linear_attention", "full_attention"}
+    samples, input_ids, position_ids = packed_inputs([30, 12], seed=7)
+    hf = reference(path)
+    separate = [reference_forward(hf, sample) for sample in samples]
+    out = own(input_ids, position_ids)
+    assert (out.logits - torch.cat([logits for logits, _ in separate], dim=1)).abs().max() <= 1e-4
+    assert torch.equal(out.routed_experts.sort(dim=-1).values, torch.cat([ids for _, ids in separate]))
