@@ -75,8 +75,12 @@ def reference_forward(
 
 
 def hub_gradients(hf: nn.Module) -> dict[str, torch.Tensor]:
-    """The gradients of transformers' model after a backward, under the checkpoint's names."""
-    return HFCausalLM(hf).hf_state_dict({f"hf_model.{n}": p.grad for n, p in hf.named_parameters()})
+    """The gradients of transformers' model after a backward, under the checkpoint's names; the
+    parameters that got none are left out (AFMoE's and Laguna's router biases are parameters
+    there, buffers in the own models)."""
+    return HFCausalLM(hf).hf_state_dict(
+        {f"hf_model.{n}": p.grad for n, p in hf.named_parameters() if p.grad is not None}
+    )
 
 
 @torch.no_grad()

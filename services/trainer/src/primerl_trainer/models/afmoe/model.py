@@ -2,8 +2,8 @@
 dense SwiGLU block and the rest a mixture of experts, with
 - sandwich norms: each sub-block's output is RMS-normed again before the residual add
   (post_attention_norm, post_ffn_norm beside the usual attention_norm and ffn_norm);
-- RMSNorm weights applied in float32 before the cast back (transformers keeps AFMoE's norms in
-  float32; the other families cast first, then scale);
+- RMSNorm weights applied to the float32 normalised values before the cast back (the other
+  families cast first, then scale: two roundings in bf16 where AFMoE has one);
 - attention layers of two kinds (`layer_types`): "sliding_attention" layers attend to the last
   `sliding_window` tokens and rotate q/k with RoPE, "full_attention" layers attend causally to
   everything and use no positions at all (NoPE); every layer has per-head q/k RMSNorm,
@@ -113,7 +113,7 @@ def check_supported_afmoe_config(config: dict[str, Any]) -> None:
 
 
 class AfmoeRMSNorm(RMSNorm):
-    """RMSNorm scaled in float32, then cast once (transformers' AfmoeRMSNorm, float32 weights)."""
+    """RMSNorm scaled in float32, then cast once (transformers' AfmoeRMSNorm)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()

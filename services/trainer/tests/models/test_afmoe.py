@@ -1,0 +1,217 @@
+"""Own AFMoE / Trinity (`afmoe`) against transformers' AfmoeForCausalLM on tiny random checkpoints
+(float32): logits and router choices, packed rows, router replay, the gradient of one loss, the HF
+state-dict round trip and the Hugging Face export, configs it cannot run; expert parallel over 2
+CPU ranks."""
+
+import pathlib
+
+import pytest
+import torch
+
+from primerl_trainer.hf_export import export_hf_model
+from primerl_trainer.models import load_model, read_hf_state_dict
+from primerl_trainer.models.afmoe.model import AfmoeModel, AfmoeModelArgs
+from primerl_trainer.models.afmoe.state_dict_adapter import AfmoeStateDictAdapter
+from primerl_trainer.models.common.norms import RMSNorm
+from primerl_trainer.models.registry import read_hf_config
+
+from . import hf_parity
+from .conftest import packed_inputs
+from .hf_parity import TOLERANCE, reference, reference_forward
+
+VOCAB_SIZE, NUM_LAYERS, NUM_EXPERTS = 96, 4, 8
+
+# Every particular on: sliding layers (window 5, RoPE) between full ones (NoPE), muP embedding
+# scale, q/k/v/o bias, route_scale, 2 shared experts, a dense first layer.
+FULL = {
+    "global_attn_every_n_layers": 2,
+    "sliding_window": 5,
+    "mup_enabled": True,
+    "attention_bias": True,
+    "route_scale": 2.5,
+    "num_experts_per_tok": 3,
+    "num_shared_experts": 2,
+    "num_dense_layers": 1,
+}
+# The other branches: full attention only, no scale, no bias, no shared expert, no dense layer.
+PLAIN = {
+    "layer_types": ["full_attention"] * NUM_LAYERS,
+    "mup_enabled": False,
+    "attention_bias": False,
+    "route_scale": 1.0,
+    "num_experts_per_tok": 2,
+    "num_shared_experts": 0,
+    "num_dense_layers": 0,
+}
+
+
+def make_checkpoint(path: pathlib.Path, variant: dict, *, seed: int = 0) -> pathlib.Path:
+    """A tiny AfmoeForCausalLM with random weights (large enough that routing is decided by the
+    router, not by ties; transformers starts the router at zero), random expert biases and norm
+    weights away from one, saved as a Hugging Face folder."""
+    from transformers import AfmoeConfig, AfmoeForCausalLM
+
+    fields = {
+        "vocab_size": VOCAB_SIZE,
+        "hidden_size": 32,
+        "intermediate_size": 48,
+        "moe_intermediate_size": 16,
+        "num_hidden_layers": NUM_LAYERS,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        "num_experts": NUM_EXPERTS,
+        "initializer_range": 0.2,
+        "dtype": "float32",
+    }
+    config = AfmoeConfig(**(fields | variant))
+
+    def perturb(model: torch.nn.Module) -> None:
+        for name, parameter in model.named_parameters():
+            if "norm" in name:
+                parameter.uniform_(0.5, 1.5)
+            elif name.endswith(".bias"):
+                parameter.normal_(std=0.1)
+        for layer in model.model.layers[config.num_dense_layers :]:
+            layer.mlp.expert_bias.normal_(std=0.1)
+            layer.mlp.router.gate.weight.normal_(std=0.2)
+
+    return hf_parity.save_random_checkpoint(path, AfmoeForCausalLM, config, perturb=perturb, seed=seed)
+
+
+@pytest.fixture(scope="module", params=["full", "plain"])
+def checkpoint(request, tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    variant = FULL if request.param == "full" else PLAIN
+    return make_checkpoint(tmp_path_factory.mktemp(f"afmoe-{request.param}"), variant)
+
+
+@pytest.fixture(scope="module")
+def full_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    return make_checkpoint(tmp_path_factory.mktemp("afmoe-full"), FULL)
+
+
+def test_auto_picks_the_own_implementation(full_checkpoint: pathlib.Path) -> None:
+    model = load_model(full_checkpoint, impl="auto")
+    assert isinstance(model, AfmoeModel)
+    args = model.args
+    assert args.moe_layers == (1, 2, 3) and args.num_shared_experts == 2 and args.mup
+    assert args.layer_types == ("sliding_attention", "full_attention") * 2 and args.sliding_window == 5
+    assert args.routing.scaling_factor == 2.5 and args.norm_topk_prob
+    assert [block.attention.sliding_window for block in model.layers.values()] == [5, None, 5, None]
+    assert model.layers["1"].moe.router.e_score_correction_bias.abs().sum() > 0
+
+
+def test_logits_and_routing_equal_transformers_on_a_batch(checkpoint: pathlib.Path) -> None:
+    hf_parity.assert_batch_matches(load_model(checkpoint, impl="custom"), reference(checkpoint))
+
+
+@torch.no_grad()
+def test_packed_samples_equal_separate_runs(checkpoint: pathlib.Path) -> None:
+    """Samples packed in one row (longer than the window) equal transformers run on each alone.
+    (transformers' AFMoE builds its masks without the position ids, so its own packed forward
+    lets samples see each other: it is no reference here.)"""
+    own, hf = load_model(checkpoint, impl="custom"), reference(checkpoint)
+    samples, input_ids, position_ids = packed_inputs([6, 13, 3], seed=5)
+    packed = own(input_ids % VOCAB_SIZE, position_ids)
+    separate = [reference_forward(hf, sample % VOCAB_SIZE) for sample in samples]
+    assert (packed.logits - torch.cat([logits for logits, _ in separate], dim=1)).abs().max() <= TOLERANCE
+    assert torch.equal(packed.routed_experts.sort(dim=-1).values, torch.cat([ids for _, ids in separate]))
+
+
+def test_flex_attention_equals_sdpa_with_sliding_windows(full_checkpoint: pathlib.Path) -> None:
+    _, input_ids, position_ids = packed_inputs([6, 13, 3], seed=6)
+    input_ids = input_ids % VOCAB_SIZE
+    with torch.no_grad():
+        sdpa = load_model(full_checkpoint, impl="custom")(input_ids, position_ids).logits
+        flex = load_model(full_checkpoint, impl="custom", attn_backend="flex")(input_ids, position_ids).logits
+    assert (sdpa - flex).abs().max() <= TOLERANCE
+
+
+def test_replaying_transformers_routing_gives_its_logits(full_checkpoint: pathlib.Path) -> None:
+    own, hf = load_model(full_checkpoint, impl="custom"), reference(full_checkpoint)
+    hf_parity.assert_replay_gives_reference_logits(own, hf)
+
+
+def test_replay_takes_other_experts_with_the_same_weight_rule(full_checkpoint: pathlib.Path) -> None:
+    """Experts the router would not choose, weighed by the unbiased scores, renormalised, x 2.5."""
+    own = load_model(full_checkpoint, impl="custom")
+    hf_parity.assert_forced_experts_weighted_and_trained(own, scaling_factor=2.5)
+
+
+def test_one_step_gradients_equal_transformers(full_checkpoint: pathlib.Path) -> None:
+    own, hf = load_model(full_checkpoint, impl="custom"), reference(full_checkpoint)
+    # One sample per row: transformers' AFMoE does not keep packed samples apart.
+    hf_parity.assert_one_step_gradients_match(own, hf, AfmoeStateDictAdapter, packed=False)
+
+
+def test_hf_to_own_to_hf_is_bit_exact(checkpoint: pathlib.Path) -> None:
+    hf_parity.assert_hf_round_trip_is_bit_exact(checkpoint)
+
+
+def test_norms_scale_before_the_cast_as_transformers_does(full_checkpoint: pathlib.Path) -> None:
+    """In bf16 AFMoE's norms scale the float32 normalised values and cast once; the other
+    families' norm (cast, then scale) rounds differently."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(full_checkpoint, dtype=torch.bfloat16)
+    own = load_model(full_checkpoint, impl="custom", dtype=torch.bfloat16)
+    x = torch.randn(64, 32, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(0))
+    hf_norm, own_norm = hf.model.layers[1].post_mlp_layernorm, own.layers["1"].post_ffn_norm
+    assert torch.equal(own_norm(x), hf_norm(x))
+    assert not torch.equal(RMSNorm.forward(own_norm, x), hf_norm(x))
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"num_dense_layers": NUM_LAYERS}, r"num_dense_layers \(4\) must lie in"),
+        ({"layer_types": ["full_attention"] * 3}, r"layer_types must name 4 layers"),
+        ({"layer_types": ["chunked_attention"] * 4}, r"layer_types must name 4 layers"),
+        ({"sliding_window": None}, r"sliding_window \(None\)"),
+        ({"num_experts_per_tok": NUM_EXPERTS + 1}, r"top_k \(9\) exceeds"),
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}}, r"rope type 'yarn'"),
+        ({"hidden_act": "gelu"}, r"hidden_act 'gelu'"),
+        ({"score_func": "softmax"}, r"score_func 'softmax'"),
+        ({"route_norm": False}, r"route_norm False"),
+        ({"n_group": 4, "topk_group": 2}, r"n_group 4 with topk_group 2"),
+        ({"attention_dropout": 0.1}, r"attention_dropout 0.1"),
+        ({"num_experts": 0}, r"num_experts 0"),
+    ],
+)
+def test_bad_configs_are_refused(full_checkpoint: pathlib.Path, change: dict, match: str) -> None:
+    config = read_hf_config(full_checkpoint) | change
+    with pytest.raises(ValueError, match=match):
+        AfmoeModel(AfmoeModelArgs.from_hf_config(config))
+
+
+@torch.no_grad()
+def test_export_loads_back_in_transformers(full_checkpoint: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    model = load_model(full_checkpoint, impl="custom")
+    generator = torch.Generator().manual_seed(7)
+    for parameter in model.parameters():
+        parameter.add_(0.05 * torch.randn(parameter.shape, generator=generator))
+    out = export_hf_model(
+        model,
+        source_dir=full_checkpoint,
+        out_dir=tmp_path / "export",
+        dtype=torch.float32,
+        lora_scale=None,
+        is_destination=True,
+        step=1,
+    )
+    assert read_hf_state_dict(out).keys() == read_hf_state_dict(full_checkpoint).keys()
+    input_ids = hf_parity.random_ids(1, 10, vocab_size=VOCAB_SIZE, seed=4)
+    logits, _ = reference_forward(reference(out), input_ids)
+    assert (model(input_ids).logits - logits).abs().max() <= TOLERANCE
+
+
+def test_expert_parallel_trains_as_one_process(tmp_path: pathlib.Path) -> None:
+    """ep=2 over 2 CPU ranks (hf_parity.assert_expert_parallel_trains_as_one_process): losses,
+    replay, LoRA and resume under FSDP2 as one process."""
+    from primerl_launcher.tiny_model import VOCAB_SIZE as TINY_VOCAB_SIZE
+
+    # The training helpers sample byte tokens: the tiny tokenizer's vocabulary; weights at the
+    # usual scale, so that a few Adam steps stay in float32's comfortable range.
+    variant = FULL | {"vocab_size": TINY_VOCAB_SIZE, "hidden_size": 64, "initializer_range": 0.02}
+    model_dir = make_checkpoint(tmp_path / "ep-afmoe", variant)
+    hf_parity.assert_expert_parallel_trains_as_one_process(model_dir, tmp_path, num_routers=NUM_LAYERS - 1)
