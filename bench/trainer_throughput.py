@@ -1,32 +1,45 @@
-"""Training throughput of the trainer's own Qwen3-MoE and Qwen3 models against transformers'
-implementations of the same checkpoints, on one GPU (bf16, packed rows of --seq-len tokens).
+"""Training throughput of the trainer's own models against transformers' implementations of the
+same checkpoints, on one GPU (bf16, packed rows of --seq-len tokens).
 
-Both implementations are loaded through the model registry (impl="custom" / impl="hf") from the
-same random checkpoint, written once in Hugging Face format, and take the same training steps on
-the same tokens. A step is what the trainer's step is (train.Trainer.train_step): --micro-batches
-micro-batches (default N = 8, i.e. 32,768 tokens per optimizer step at the default 4,096 tokens
-per micro-batch), each a forward, next-token cross-entropy and backward whose gradients add up,
-then one AdamW step (lr 1e-5, weight decay 0.01, torch's default betas and eps, for both). The
-own models run as the trainer runs them: blocks compiled by their parallelize function, the
-loss through the fused linear cross-entropy (kernels.linear_cross_entropy) on the hidden states,
-and the trainer's optimizer (optim.build_optimizer: TritonAdamW on CUDA). Transformers' models
-run as a user would run them: their own forward (the MoE's own expert code), bf16 logits and a
-float32 cross-entropy, and torch's fastest AdamW (fused=True). A second own row takes
-transformers' logits loss path, to show what the model and the loss each contribute. Gradient
-clipping, which both would pay alike, is left out. Warm-up steps (compiling included) are left
-out; figures are medians over --steps steps timed with CUDA events: the whole step, a step's
-first micro-batch (fresh gradients), its later ones (gradients added to the held ones), the
-optimizer step, and "1-mb step" = first micro-batch + optimizer step (a step of one micro-batch).
+Two ways to pick the models:
+- --kinds moe,dense (the default): a Qwen3-1.7B-like dense model and a Qwen3-30B-A3B-like MoE
+  of 8 layers each (CONFIGS). Last line: RESULT moe_speedup_vs_hf=<own MoE tokens/s over
+  transformers', per step of N micro-batches> dense_mfu=<own dense>.
+- --family glm4_moe,gpt_oss: a family of FAMILIES at its hub widths (hidden size, heads, expert
+  count and width, vocabulary) with as many layers as fit one GPU with the optimizer (--layers
+  auto, see fit_layers), the same for both implementations. Last line: RESULT
+  <family>_speedup=<own tokens/s over transformers', per step of N micro-batches> per family.
+  A family is one FAMILIES entry: its hub config, its tiny --smoke widths, its activation
+  estimate for the fit, and which attention each implementation takes.
+
+Both implementations load the same random checkpoint, written once in Hugging Face format (no
+hub download), and take the same training steps on the same tokens. A step is what the
+trainer's step is (train.Trainer.train_step): --micro-batches micro-batches (default N = 8, i.e.
+32,768 tokens per optimizer step at 4,096 tokens per micro-batch), each a forward, next-token
+cross-entropy and backward whose gradients add up, then one AdamW step (lr 1e-5, weight decay
+0.01, torch's default betas and eps, for both). The own models run as the trainer runs them:
+blocks compiled by their parallelize function, the loss through the fused linear cross-entropy
+(kernels.linear_cross_entropy) on the hidden states, and the trainer's optimizer
+(optim.build_optimizer: TritonAdamW on CUDA). Transformers' models run as a user would run them:
+their own forward, uncompiled, with the attention and experts implementations transformers
+picks by default on the device (a family may name a faster attention transformers offers there:
+GPT-OSS's default, eager, materialises every score; flex_attention is its fused one), bf16
+logits and a float32 cross-entropy, and torch's fastest AdamW (fused=True). The table names
+each row's attention and experts implementation. A second own row takes transformers' logits
+loss path, to show what the model and the loss each contribute. Gradient clipping, which both
+would pay alike, is left out. Warm-up steps (compiling included) are left out; figures are
+medians over --steps steps timed with CUDA events: the whole step, a step's first micro-batch
+(fresh gradients), its later ones (gradients added to the held ones), the optimizer step, and
+"1-mb step" = first micro-batch + optimizer step (a step of one micro-batch). Peak memory is
+torch's max_memory_allocated over the timed steps.
 
 MFU = (6 * active parameters + causal attention) FLOPs per token * tokens/s / peak, where the
-active parameters are the matrices a token passes through (attention, the dense or the top-k
-experts' feed-forward, the router, the vocabulary projection; not the embedding lookup) and the
-attention term is 6 * layers * heads * head_dim * seq_len / 2 per token (QK^T and PV, forward
-and backward, half the square for causal masking). The peak is an 8192^3 bf16 matrix product
+active parameters are the matrices a token passes through (attention, the dense, shared and
+top-k experts' feed-forward, the router, the vocabulary projection; not the embedding lookup),
+counted on transformers' model built on the meta device, and the attention term is 6 * heads *
+head_dim * (mean keys a query sees) per token and attention layer: seq_len / 2 for causal
+layers, about the window for sliding-window ones. The peak is an 8192^3 bf16 matrix product
 measured in the same run; its ratio to the 989 TFLOP/s datasheet figure is printed.
-
-Last line: RESULT moe_speedup_vs_hf=<own MoE tokens/s over transformers', per step of N
-micro-batches> dense_mfu=<own dense>
 """
 
 from __future__ import annotations
@@ -40,20 +53,23 @@ import shutil
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from primerl_trainer.kernels import linear_cross_entropy
 from primerl_trainer.models import load_model, model_spec_of
-from primerl_trainer.models.hf import HFCausalLM
+from primerl_trainer.models.moe import GroupedExperts, grouped_mm_supported
 from primerl_trainer.optim import OptimizerConfig, build_optimizer
 
 DATASHEET_BF16_TFLOPS = 989.0
 # AdamW settings of both implementations (torch.optim.AdamW's default betas, eps and weight decay;
 # the trainer's optimizer leaves norms undecayed, which costs nothing).
 LR, WEIGHT_DECAY = 1e-5, 0.01
+SMOKE_SEQ_LEN = 256
 
 # Qwen3-1.7B-like attention and vocabulary; the MoE feed-forward of the Qwen3-30B-A3B family.
 COMMON = {
@@ -104,12 +120,164 @@ SMOKE = {"vocab_size": 1000, "hidden_size": 128, "num_hidden_layers": 2, "num_at
          "moe_intermediate_size": 64}  # fmt: skip
 
 
+def no_layer_fields(num_layers: int) -> dict[str, Any]:
+    return {}
+
+
+def alternating_sliding_and_full(num_layers: int) -> dict[str, Any]:
+    """GPT-OSS's layer_types: sliding-window attention on even layers, full on odd ones."""
+    return {"layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]}
+
+
+@dataclass(frozen=True)
+class Family:
+    """A model family benchmarked at its hub widths.
+
+    config: the hub's config.json (what both implementations read); its num_hidden_layers is the
+    hub's depth, the most layers the fit takes. layer_fields: the fields that list every layer
+    (layer_types, a hybrid pattern) for a given layer count. smoke: --smoke's tiny widths.
+    activation_bytes_per_token_layer: what transformers' model holds for the backward per token
+    and layer in bf16, an estimate from the widths for fit_layers (the table's peak GiB checks
+    it). hf_attention: transformers' attention on CUDA (None: its default); own_attention: the
+    own model's backend (common/attention.py)."""
+
+    config: dict[str, Any]
+    smoke: dict[str, Any]
+    activation_bytes_per_token_layer: int
+    seq_len: int = 4096
+    min_layers: int = 2
+    layer_fields: Callable[[int], dict[str, Any]] = no_layer_fields
+    hf_attention: str | None = None
+    own_attention: str = "sdpa"
+
+
+FAMILIES: dict[str, Family] = {
+    # GLM-4.5-Air (zai-org/GLM-4.5-Air's config.json): 128 routed experts of 1408 (top-8, sigmoid
+    # scores with correction bias, one group), one shared expert, the first layer dense (10944),
+    # 96 query heads / 8 KV heads of 128 with q/k/v bias, RoPE on half of each head.
+    # Activations per token and MoE layer: attention ~60k bf16 values (norms, q/k/v before and
+    # after RoPE, output, projections), experts 8 x (4096 in + 2816 gate/up + 1408 + 2 x 4096
+    # out) + the shared expert ~145k: ~205k values, 410 KB; 460 KB with slack.
+    "glm4_moe": Family(
+        config={
+            "architectures": ["Glm4MoeForCausalLM"],
+            "model_type": "glm4_moe",
+            "vocab_size": 151552,
+            "hidden_size": 4096,
+            "intermediate_size": 10944,
+            "moe_intermediate_size": 1408,
+            "num_hidden_layers": 46,
+            "num_attention_heads": 96,
+            "num_key_value_heads": 8,
+            "head_dim": 128,
+            "partial_rotary_factor": 0.5,
+            "attention_bias": True,
+            "use_qk_norm": False,
+            "n_routed_experts": 128,
+            "num_experts_per_tok": 8,
+            "n_shared_experts": 1,
+            "n_group": 1,
+            "topk_group": 1,
+            "routed_scaling_factor": 1.0,
+            "norm_topk_prob": True,
+            "first_k_dense_replace": 1,
+            "num_nextn_predict_layers": 1,
+            "hidden_act": "silu",
+            "max_position_embeddings": 131072,
+            "rope_theta": 1_000_000,
+            "rope_scaling": None,
+            "rms_norm_eps": 1e-5,
+            "initializer_range": 0.02,
+            "attention_dropout": 0.0,
+            "tie_word_embeddings": False,
+            "use_cache": False,
+        },
+        smoke={
+            "vocab_size": 1000,
+            "hidden_size": 128,
+            "intermediate_size": 256,
+            "moe_intermediate_size": 32,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 32,
+            "n_routed_experts": 16,
+            "num_experts_per_tok": 4,
+        },
+        activation_bytes_per_token_layer=460_000,
+    ),
+    # GPT-OSS-20B (openai/gpt-oss-20b's config.json, experts in bf16 rather than MXFP4): 32
+    # experts of 2880 (top-4, softmax over the top-k, expert biases, clamped SwiGLU), 64 query
+    # heads / 8 KV heads of 64 with bias and a learned sink per head, sliding window 128 on
+    # every other layer, YaRN RoPE (factor 32 over 4096). transformers' default attention for it
+    # is eager (no SDPA: the sinks); flex_attention is the fused one it offers on CUDA.
+    # Activations per token and layer: attention ~30k values, experts 4 x (2880 in + 5760
+    # gate/up + ~2 x 2880 clamped/gated + 2 x 2880 out) ~80k: ~110k values, 220 KB; 300 KB with slack.
+    "gpt_oss": Family(
+        config={
+            "architectures": ["GptOssForCausalLM"],
+            "model_type": "gpt_oss",
+            "vocab_size": 201088,
+            "hidden_size": 2880,
+            "intermediate_size": 2880,
+            "num_hidden_layers": 24,
+            "num_attention_heads": 64,
+            "num_key_value_heads": 8,
+            "head_dim": 64,
+            "num_local_experts": 32,
+            "num_experts_per_tok": 4,
+            "experts_per_token": 4,
+            "sliding_window": 128,
+            "attention_bias": True,
+            "swiglu_limit": 7.0,
+            "hidden_act": "silu",
+            "initial_context_length": 4096,
+            "max_position_embeddings": 131072,
+            "rope_theta": 150000,
+            "rope_scaling": {
+                "rope_type": "yarn",
+                "factor": 32.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "original_max_position_embeddings": 4096,
+                "truncate": False,
+            },
+            "rms_norm_eps": 1e-5,
+            "initializer_range": 0.02,
+            "attention_dropout": 0.0,
+            "router_aux_loss_coef": 0.9,
+            "output_router_logits": False,
+            "tie_word_embeddings": False,
+            "use_cache": False,
+        },
+        smoke={
+            "vocab_size": 1000,
+            "hidden_size": 128,
+            "intermediate_size": 128,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 32,
+            "num_local_experts": 8,
+            "num_experts_per_tok": 2,
+            "experts_per_token": 2,
+            "sliding_window": 16,
+        },
+        activation_bytes_per_token_layer=300_000,
+        layer_fields=alternating_sliding_and_full,
+        hf_attention="flex_attention",
+        own_attention="flex",
+    ),
+}
+
+
 @dataclass
 class Run:
-    kind: str
+    kind: str  # the --kinds kind or the --family family
     impl: str
     loss_path: str
     micro_batches: int = 0
+    layers: int = 0
+    attention: str = ""  # the attention implementation this row ran
+    experts: str = ""  # the experts implementation this row ran ("-" for a dense model)
     step_ms: float = float("nan")  # micro_batches forwards+backwards and the optimizer step
     forward_backward_ms: float = float("nan")  # a step's first micro-batch (fresh gradients)
     accumulating_ms: float = float("nan")  # a later micro-batch (its gradients added to the held ones)
@@ -123,18 +291,80 @@ class Run:
     error: str = ""
 
 
-def flops_per_token(config: dict, seq_len: int) -> float:
-    dim, num_layers = config["hidden_size"], config["num_hidden_layers"]
-    heads, kv_heads, head_dim = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
-    attention = dim * head_dim * (2 * heads + 2 * kv_heads)
-    if config["model_type"] == "qwen3_moe":
-        feed_forward = 3 * dim * config["moe_intermediate_size"] * config["num_experts_per_tok"]
-        feed_forward += dim * config["num_experts"]  # router
-    else:
-        feed_forward = 3 * dim * config["intermediate_size"]
-    active = num_layers * (attention + feed_forward) + config["vocab_size"] * dim
-    causal_attention = 6 * num_layers * heads * head_dim * seq_len / 2
-    return 6 * active + causal_attention
+@dataclass(frozen=True)
+class Case:
+    """One model the benchmark runs: its name, its config, and each implementation's attention."""
+
+    name: str
+    config: dict[str, Any]
+    hf_attention: str | None = None
+    own_attention: str = "sdpa"
+
+
+def family_config(family: Family, num_layers: int, *, smoke: bool) -> dict[str, Any]:
+    config = family.config | family.layer_fields(num_layers) | {"num_hidden_layers": num_layers}
+    return config | (family.smoke if smoke else {})
+
+
+def meta_model(config: dict[str, Any]) -> torch.nn.Module:
+    """transformers' model of `config` on the meta device (no memory, no initialisation)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(AutoConfig.for_model(**config))
+
+
+def parameter_counts(config: dict[str, Any]) -> tuple[int, int]:
+    """(all parameters, the active ones a token passes through). Active: every matrix but the
+    embedding lookup (the vocabulary projection counts, tied or not); stacked experts' tensors
+    ([experts, ...], named `.experts.`) count top_k / experts of theirs."""
+    model = meta_model(config)
+    embedding, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    top_k = config.get("num_experts_per_tok", 0)
+    total = active = 0
+    for name, param in model.named_parameters():
+        total += param.numel()
+        if param.ndim < 2 or (param is embedding and param is not head):
+            continue
+        active += param.numel() // param.shape[0] * top_k if ".experts." in name else param.numel()
+    return total, active
+
+
+def flops_per_token(config: dict[str, Any], seq_len: int) -> float:
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    layer_types = config.get("layer_types") or ["full_attention"] * config["num_hidden_layers"]
+    window = config.get("sliding_window") or seq_len
+    mean_keys = {
+        "full_attention": seq_len / 2,
+        # query i sees min(i + 1, window) keys (itself included)
+        "sliding_attention": sum(min(i + 1, window) for i in range(seq_len)) / seq_len,
+    }
+    attention = sum(6 * heads * head_dim * mean_keys.get(kind, 0.0) for kind in layer_types)
+    return 6 * parameter_counts(config)[1] + attention
+
+
+def predicted_peak_bytes(family: Family, config: dict[str, Any], seq_len: int) -> float:
+    """The larger implementation's peak (transformers', with its float32 logits) as fit_layers
+    models it: 8 B per parameter (bf16 weights, gradients and AdamW's two moments), the
+    activations of every layer, and the loss: bf16 logits, their float32 copy, float32
+    log-softmax and its gradient (16 B per logit)."""
+    parameters, _ = parameter_counts(config)
+    activations = seq_len * config["num_hidden_layers"] * family.activation_bytes_per_token_layer
+    return 8 * parameters + activations + 16 * seq_len * config["vocab_size"]
+
+
+def fit_layers(family: Family, seq_len: int, budget_bytes: float) -> tuple[int, float]:
+    """The most layers (at least family.min_layers, at most the hub's) whose predicted peak
+    stays within `budget_bytes`, and that peak."""
+    layers = family.min_layers
+    peak = predicted_peak_bytes(family, family_config(family, layers, smoke=False), seq_len)
+    while layers < family.config["num_hidden_layers"]:
+        bigger = predicted_peak_bytes(family, family_config(family, layers + 1, smoke=False), seq_len)
+        if bigger > budget_bytes:
+            break
+        layers, peak = layers + 1, bigger
+    return layers, peak
 
 
 def matmul_peak_tflops(size: int = 8192, repeats: int = 30) -> float:
@@ -163,6 +393,9 @@ def write_checkpoint(config: dict, path: pathlib.Path, device: str) -> None:
     model.save_pretrained(path, max_shard_size="100GB")
     (path / "config.json").write_text(json.dumps(config | {"dtype": "bfloat16"}))
     del model
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
 
 
 def check_linear_cross_entropy(vocab_size: int, dim: int, device: str) -> dict[str, float]:
@@ -189,19 +422,28 @@ def check_linear_cross_entropy(vocab_size: int, dim: int, device: str) -> dict[s
     }
 
 
-def train(model, optimizer, input_ids, targets, *, loss_path: str, micro_batches: int, warmup: int, steps: int,
-          device: str):  # fmt: skip
+def loss_function(model, impl: str, loss_path: str, input_ids: torch.Tensor, targets: torch.Tensor):
+    """The micro-batch's loss: the own model's fused linear cross-entropy on its hidden states,
+    or a float32 cross-entropy on bf16 logits (transformers' model is called as a user calls it:
+    no cache, no router logits)."""
+
+    def loss() -> torch.Tensor:
+        if loss_path == "fused":
+            out = model(input_ids, compute_logits=False)
+            return linear_cross_entropy(out.hidden_states[0], model.output_weight, targets).loss
+        logits = model(input_ids=input_ids, use_cache=False).logits if impl == "hf" else model(input_ids).logits
+        return F.cross_entropy(logits[0].float(), targets)
+
+    return loss
+
+
+def train(loss_fn, optimizer, *, micro_batches: int, warmup: int, steps: int, device: str):
     """One step = `micro_batches` forwards and backwards (gradients accumulating), then the
     optimizer step. Returns (per step: [forward+backward ms of each micro-batch], optimizer ms),
     the first step's wall seconds and the first loss."""
 
     def forward_backward() -> torch.Tensor:
-        if loss_path == "fused":
-            out = model(input_ids, compute_logits=False)
-            loss = linear_cross_entropy(out.hidden_states[0], model.output_weight, targets).loss
-        else:
-            out = model(input_ids)
-            loss = F.cross_entropy(out.logits[0].float(), targets)
+        loss = loss_fn()
         loss.backward()
         return loss.detach()
 
@@ -251,34 +493,72 @@ def train(model, optimizer, input_ids, targets, *, loss_path: str, micro_batches
     return parts, first_step_s, first_loss.item()
 
 
-def bench_kind(kind: str, config: dict, path: pathlib.Path, args, peak_tflops: float, profile_dir) -> list[Run]:
-    device = args.device
+def load_hf_model(path: pathlib.Path, *, device: str, attention: str | None, experts: str | None):
+    """transformers' model of the checkpoint, with its default attention and experts
+    implementations unless named; returns it and the names it resolved to."""
+    from transformers import AutoModelForCausalLM
+
+    kwargs: dict[str, str] = {}
+    if attention:
+        kwargs["attn_implementation"] = attention
+    if experts:
+        kwargs["experts_implementation"] = experts
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, **kwargs).to(device).train()
+    resolved_experts = getattr(model.config, "_experts_implementation", None) or "eager"
+    has_experts = any(".experts." in name for name, _ in model.named_parameters())
+    return model, model.config._attn_implementation, resolved_experts if has_experts else "-"
+
+
+def load_own_model(path: pathlib.Path, *, device: str, attention: str, compile: bool):
+    model = load_model(path, impl="custom", dtype=torch.bfloat16, device=device, attn_backend=attention)
+    experts = {m.experts_impl for m in model.modules() if isinstance(m, GroupedExperts)}
+    if not experts:
+        experts_name = "-"
+    elif experts == {"auto"}:
+        experts_name = "grouped_mm" if grouped_mm_supported(torch.device(device), torch.bfloat16) else "loop"
+    else:
+        experts_name = ",".join(sorted(experts))
+    if compile:
+        model = model_spec_of(model).parallelize_fn(model, compile=True)
+    return model.train(), attention + (" compiled" if compile else ""), experts_name
+
+
+def bench_case(case: Case, path: pathlib.Path, args, peak_tflops: float, profile_dir) -> list[Run]:
+    config, device, seq_len = case.config, args.device, args.seq_len
     generator = torch.Generator().manual_seed(0)
-    input_ids = torch.randint(0, config["vocab_size"], (1, args.seq_len), generator=generator).to(device)
+    input_ids = torch.randint(0, config["vocab_size"], (1, seq_len), generator=generator).to(device)
     targets = torch.roll(input_ids[0], -1)
     targets[-1] = -100  # the last token predicts nothing
-    flops = flops_per_token(config, args.seq_len)
+    flops = flops_per_token(config, seq_len)
     runs = []
     for impl in ("hf", "custom"):
         model = optimizer = None
-        loss_paths = ["logits"] if impl == "hf" else ["fused", "logits"]
+        loss_paths = ["logits"] if impl == "hf" else args.own_loss_paths.split(",")
         try:
-            model = load_model(path, impl=impl, dtype=torch.bfloat16, device=device)
-            if impl == "custom" and not args.no_compile:
-                model = model_spec_of(model).parallelize_fn(model, compile=True)
-            assert isinstance(model, HFCausalLM) == (impl == "hf")
-            if impl == "custom":  # the trainer's own optimizer (TritonAdamW on CUDA)
-                optimizer = build_optimizer(model, OptimizerConfig(lr=LR, weight_decay=WEIGHT_DECAY))
-            else:  # what a user of transformers' model takes: torch's fastest AdamW
+            start = time.perf_counter()
+            if impl == "hf":
+                model, attention, experts = load_hf_model(
+                    path, device=device, attention=case.hf_attention, experts=args.hf_experts
+                )
+                # what a user of transformers' model takes: torch's fastest AdamW
                 optimizer = torch.optim.AdamW(
                     model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=device == "cuda"
                 )
+            else:
+                model, attention, experts = load_own_model(
+                    path, device=device, attention=case.own_attention, compile=not args.no_compile
+                )
+                # the trainer's own optimizer (TritonAdamW on CUDA)
+                optimizer = build_optimizer(model, OptimizerConfig(lr=LR, weight_decay=WEIGHT_DECAY))
+            print(f"{case.name} {impl}: loaded in {time.perf_counter() - start:.0f} s "
+                  f"(attention {attention}, experts {experts})", flush=True)  # fmt: skip
             for loss_path in loss_paths:
-                run = Run(kind, impl, loss_path, micro_batches=args.micro_batches)
+                run = Run(case.name, impl, loss_path, micro_batches=args.micro_batches,
+                          layers=config["num_hidden_layers"], attention=attention, experts=experts)  # fmt: skip
                 runs.append(run)
                 try:
                     parts, run.first_step_s, run.first_loss = train(
-                        model, optimizer, input_ids, targets, loss_path=loss_path,
+                        loss_function(model, impl, loss_path, input_ids, targets), optimizer,
                         micro_batches=args.micro_batches, warmup=args.warmup, steps=args.steps, device=device,
                     )  # fmt: skip
                     run.step_ms = statistics.median(sum(fbs) + opt for fbs, opt in parts)
@@ -287,19 +567,23 @@ def bench_kind(kind: str, config: dict, path: pathlib.Path, args, peak_tflops: f
                         run.accumulating_ms = statistics.median(fb for fbs, _ in parts for fb in fbs[1:])
                     run.optimizer_ms = statistics.median(opt for _, opt in parts)
                     run.one_micro_batch_step_ms = statistics.median(fbs[0] + opt for fbs, opt in parts)
-                    run.tokens_per_s = args.micro_batches * args.seq_len / run.step_ms * 1e3
+                    run.tokens_per_s = args.micro_batches * seq_len / run.step_ms * 1e3
                     run.mfu = flops * run.tokens_per_s / (peak_tflops * 1e12)
                     if device == "cuda":
                         run.peak_gib = torch.cuda.max_memory_allocated() / 2**30
                     if profile_dir is not None and impl == "custom" and loss_path == "fused":
-                        profile(model, optimizer, input_ids, targets, profile_dir / f"profile-{kind}.txt")
+                        profile(model, optimizer, input_ids, targets, profile_dir / f"profile-{case.name}.txt")
                 except Exception as exc:  # one failing variant must not cost the others' numbers
                     run.error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
                 print(json.dumps(asdict(run)), flush=True)
+                optimizer.zero_grad(set_to_none=True)
         except Exception as exc:
-            runs.append(Run(kind, impl, "-", error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"))
+            runs.append(Run(case.name, impl, "-", layers=config["num_hidden_layers"],
+                            error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"))  # fmt: skip
             print(json.dumps(asdict(runs[-1])), flush=True)
         del model, optimizer
+        if impl == "custom" and not args.no_compile:
+            torch._dynamo.reset()  # compiled code must not keep this model's tensors alive
         gc.collect()
         if device == "cuda":
             torch.cuda.empty_cache()
@@ -320,15 +604,115 @@ def profile(model, optimizer, input_ids, targets, out_path: pathlib.Path) -> Non
     out_path.write_text(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=90))
 
 
+def device_memory_bytes(args) -> float:
+    if args.gpu_memory_gib is not None:
+        return args.gpu_memory_gib * 2**30
+    if args.device == "cuda":
+        return float(torch.cuda.mem_get_info()[1])
+    return 80e9  # a CPU run has no GPU to fit: an 80 GB card's figure, for --fit-only
+
+
+def build_cases(args) -> list[Case]:
+    if args.family is None:
+        kinds = (args.kinds or "moe,dense").split(",")
+        for kind in kinds:
+            if kind not in CONFIGS:
+                raise ValueError(f"--kinds takes {sorted(CONFIGS)}, got {kind!r}")
+        smoke = SMOKE if args.smoke else {}
+        return [Case(kind, CONFIGS[kind] | {k: v for k, v in smoke.items() if k in CONFIGS[kind]}) for kind in kinds]
+
+    budget = args.memory_fraction * device_memory_bytes(args)
+    cases = []
+    for name in args.family.split(","):
+        if name not in FAMILIES:
+            raise ValueError(f"--family takes {sorted(FAMILIES)}, got {name!r}")
+        family = FAMILIES[name]
+        if args.layers is not None:
+            layers = args.layers
+        elif args.smoke:
+            layers = family.min_layers
+        else:
+            layers, peak = fit_layers(family, args.seq_len, budget)
+            print(f"{name}: {layers} layers fit {budget / 2**30:.1f} GiB "
+                  f"({args.memory_fraction:.2f} of {device_memory_bytes(args) / 2**30:.1f}): predicted peak "
+                  f"{peak / 2**30:.1f} GiB", flush=True)  # fmt: skip
+        if layers < family.min_layers:
+            raise ValueError(f"--layers {layers}: {name} needs at least {family.min_layers}")
+        # The family's attentions are GPU paths (flex has no backward on the CPU); a CPU (smoke)
+        # run takes each implementation's default.
+        on_gpu = args.device == "cuda"
+        config = family_config(family, layers, smoke=args.smoke)
+        cases.append(Case(name, config, hf_attention=family.hf_attention if on_gpu else None,
+                          own_attention=family.own_attention if on_gpu else "sdpa"))  # fmt: skip
+    return cases
+
+
+def print_table(runs: list[Run], args, peak: float) -> None:
+    n = args.micro_batches
+    print(f"one step = {n} micro-batch(es) of {args.seq_len} tokens, then AdamW; 'fwd+bwd' is a step's first "
+          "micro-batch, 'accum' a later one (its gradients added to the held ones), "
+          "'1-mb step' fwd+bwd + adamw")  # fmt: skip
+    print(f"{'model':<9} {'L':>2} {'impl':<7} {'loss':<7} {'attention':<23} {'experts':<11} {'step ms':>8} "
+          f"{'fwd+bwd':>8} {'accum':>6} {'adamw':>6} {'1-mb step':>9} {'tokens/s':>9} {'MFU':>6} {'MFU@989':>8} "
+          f"{'peak GiB':>9} {'loss@0':>7} {'1st step s':>10}")  # fmt: skip
+    for r in runs:
+        head = f"{r.kind:<9} {r.layers:>2} {r.impl:<7} {r.loss_path:<7} {r.attention:<23} {r.experts:<11}"
+        if r.error:
+            print(f"{head} ERROR {r.error}")
+            continue
+        print(f"{head} {r.step_ms:>8.1f} {r.forward_backward_ms:>8.1f} {r.accumulating_ms:>6.1f} "
+              f"{r.optimizer_ms:>6.1f} {r.one_micro_batch_step_ms:>9.1f} {r.tokens_per_s:>9.0f} {r.mfu:>6.1%} "
+              f"{r.mfu * peak / DATASHEET_BF16_TFLOPS:>8.1%} {r.peak_gib:>9.1f} {r.first_loss:>7.3f} "
+              f"{r.first_step_s:>10.1f}")  # fmt: skip
+
+
+def speedups(runs: list[Run], names: list[str], n: int) -> dict[str, float]:
+    """Own (fused loss) tokens/s over transformers' per model, printing the partial ratios."""
+
+    def find(name: str, impl: str, loss_path: str) -> Run | None:
+        return next((r for r in runs if (r.kind, r.impl, r.loss_path) == (name, impl, loss_path) and not r.error), None)
+
+    result = {}
+    for name in names:
+        hf, own, own_logits = find(name, "hf", "logits"), find(name, "custom", "fused"), find(name, "custom", "logits")
+        if not (hf and own):
+            result[name] = float("nan")
+            continue
+        result[name] = own.tokens_per_s / hf.tokens_per_s
+        ratios = {
+            f"per step of {n} micro-batches": result[name],
+            "forward+backward of a micro-batch": hf.forward_backward_ms / own.forward_backward_ms,
+            "per step of 1 micro-batch": hf.one_micro_batch_step_ms / own.one_micro_batch_step_ms,
+        }
+        if n > 1:
+            ratios["accumulating micro-batch"] = hf.accumulating_ms / own.accumulating_ms
+        if own_logits:
+            ratios[f"own with transformers' logits loss path, per step of {n}"] = (
+                own_logits.tokens_per_s / hf.tokens_per_s
+            )
+        print(f"{name} own / transformers: " + "; ".join(f"{v:.2f}x {k}" for k, v in ratios.items()))
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--kinds", default="moe,dense", help="comma-separated: moe, dense")
-    parser.add_argument("--seq-len", type=int, default=4096)
+    parser.add_argument("--kinds", default=None, help="comma-separated: moe, dense (the default: moe,dense)")
+    parser.add_argument("--family", default=None, help=f"comma-separated, of {sorted(FAMILIES)}; instead of --kinds")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="--family's layer count (default: as many as fit; --smoke: the least)")  # fmt: skip
+    parser.add_argument("--memory-fraction", type=float, default=0.85,
+                        help="the share of the GPU's memory the fitted layers' predicted peak may take")  # fmt: skip
+    parser.add_argument("--gpu-memory-gib", type=float, default=None, help="fit for this much (default: the GPU's)")
+    parser.add_argument("--fit-only", action="store_true", help="print the fitted layer counts and stop")
+    parser.add_argument("--seq-len", type=int, default=None,
+                        help=f"default: the family's (4096), --kinds 4096; --smoke {SMOKE_SEQ_LEN}")  # fmt: skip
     parser.add_argument(
         "--micro-batches", type=int, default=8, help="micro-batches of --seq-len tokens per optimizer step"
     )
     parser.add_argument("--warmup", type=int, default=2, help="steps left out of the timing (compiling included)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps; medians are reported")
+    parser.add_argument("--own-loss-paths", default="fused,logits", help="the own rows: fused and/or logits")
+    parser.add_argument("--hf-experts", default=None, help="transformers' experts_implementation (default: its own)")
     parser.add_argument("--checkpoint-dir", type=pathlib.Path, default=None, help="default: a temporary folder")
     parser.add_argument(
         "--profile-dir", type=pathlib.Path, default=None, help="write a kernel profile of the own models"
@@ -338,84 +722,63 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--no-compile", action="store_true", help="own models uncompiled (smoke runs on the CPU)")
     args = parser.parse_args()
-    kinds = args.kinds.split(",")
-    for kind in kinds:
-        if kind not in CONFIGS:
-            raise ValueError(f"--kinds takes {sorted(CONFIGS)}, got {kind!r}")
+    if args.family is not None and args.kinds is not None:
+        raise ValueError("give --kinds or --family, not both")
+    if args.seq_len is None:
+        families = [FAMILIES[name] for name in (args.family or "").split(",") if name in FAMILIES]
+        args.seq_len = SMOKE_SEQ_LEN if args.smoke else max((f.seq_len for f in families), default=4096)
+    wall = time.perf_counter()
+    cases = build_cases(args)
+    if args.fit_only:
+        return
 
     if args.device == "cuda":
         name = torch.cuda.get_device_name()
         peak = matmul_peak_tflops()
     else:
         name, peak = args.device, 1.0  # smoke runs on the CPU: MFU meaningless
-    print(f"device: {name}   torch {torch.__version__}", flush=True)
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()  # the loading and writing bars, per checkpoint
+    print(f"device: {name}   torch {torch.__version__}   transformers {transformers.__version__}", flush=True)
     print(f"bf16 matmul 8192^3: {peak:.0f} TFLOP/s measured = {peak / DATASHEET_BF16_TFLOPS:.3f} of the "
           f"{DATASHEET_BF16_TFLOPS:.0f} datasheet", flush=True)  # fmt: skip
-    configs = {
-        kind: CONFIGS[kind] | ({k: v for k, v in SMOKE.items() if k in CONFIGS[kind]} if args.smoke else {})
-        for kind in kinds
-    }
-    check = check_linear_cross_entropy(configs[kinds[0]]["vocab_size"], configs[kinds[0]]["hidden_size"], args.device)
+    check = check_linear_cross_entropy(cases[0].config["vocab_size"], cases[0].config["hidden_size"], args.device)
     print("fused linear cross-entropy vs F.cross_entropy (bf16, relative error): "
           + ", ".join(f"{k} {v:.1e}" for k, v in check.items()), flush=True)  # fmt: skip
 
     runs: list[Run] = []
-    # Checkpoints of ~11 GB: in memory where /dev/shm has room, else on disk.
+    # Checkpoints of ~12 GB: in memory where /dev/shm has room, else on disk; each is removed
+    # once its runs are done unless --checkpoint-dir keeps them.
     shm = pathlib.Path("/dev/shm")
     tmp_root = shm if shm.is_dir() and shutil.disk_usage(shm).free > 40 * 2**30 else None
     with tempfile.TemporaryDirectory(prefix="trainer-throughput-", dir=tmp_root) as tmp:
         root = args.checkpoint_dir or pathlib.Path(tmp)
-        for kind in kinds:
-            path = root / kind
+        for case in cases:
+            path = root / case.name
             start = time.perf_counter()
-            write_checkpoint(configs[kind], path, args.device)
-            print(f"{kind}: checkpoint written in {time.perf_counter() - start:.0f} s", flush=True)
-            runs += bench_kind(kind, configs[kind], path, args, peak, args.profile_dir)
+            total, active = parameter_counts(case.config)
+            write_checkpoint(case.config, path, args.device)
+            print(f"{case.name}: {case.config['num_hidden_layers']} layers, {total / 1e9:.2f}B parameters "
+                  f"({active / 1e9:.2f}B active); checkpoint written in {time.perf_counter() - start:.0f} s",
+                  flush=True)  # fmt: skip
+            runs += bench_case(case, path, args, peak, args.profile_dir)
+            if args.checkpoint_dir is None:
+                shutil.rmtree(path)
     if args.json:
         args.json.write_text(json.dumps([asdict(r) for r in runs], indent=1))
 
     print()
-    n = args.micro_batches
-    print(f"one step = {n} micro-batch(es) of {args.seq_len} tokens, then AdamW; 'fwd+bwd' is a step's first "
-          "micro-batch, 'accum' a later one (its gradients added to the held ones), "
-          "'1-mb step' fwd+bwd + adamw")  # fmt: skip
-    print(f"{'model':<6} {'impl':<7} {'loss':<7} {'step ms':>8} {'fwd+bwd':>8} {'accum':>6} {'adamw':>6} "
-          f"{'1-mb step':>9} {'tokens/s':>9} {'MFU':>6} {'MFU@989':>8} {'peak GiB':>9} {'loss@0':>7} "
-          f"{'1st step s':>10}")  # fmt: skip
-    for r in runs:
-        if r.error:
-            print(f"{r.kind:<6} {r.impl:<7} {r.loss_path:<7} ERROR {r.error}")
-            continue
-        print(f"{r.kind:<6} {r.impl:<7} {r.loss_path:<7} {r.step_ms:>8.1f} {r.forward_backward_ms:>8.1f} "
-              f"{r.accumulating_ms:>6.1f} {r.optimizer_ms:>6.1f} {r.one_micro_batch_step_ms:>9.1f} "
-              f"{r.tokens_per_s:>9.0f} {r.mfu:>6.1%} {r.mfu * peak / DATASHEET_BF16_TFLOPS:>8.1%} "
-              f"{r.peak_gib:>9.1f} {r.first_loss:>7.3f} {r.first_step_s:>10.1f}")  # fmt: skip
-
-    def find(kind: str, impl: str, loss_path: str) -> Run | None:
-        return next((r for r in runs if (r.kind, r.impl, r.loss_path) == (kind, impl, loss_path) and not r.error), None)
-
-    hf_moe, own_moe, own_moe_logits = (
-        find("moe", "hf", "logits"),
-        find("moe", "custom", "fused"),
-        find("moe", "custom", "logits"),
-    )
-    own_dense = find("dense", "custom", "fused")
-    speedup = own_moe.tokens_per_s / hf_moe.tokens_per_s if hf_moe and own_moe else float("nan")
-    if hf_moe and own_moe:
-        ratios = {
-            f"per step of {n} micro-batches": speedup,
-            "forward+backward of a micro-batch": hf_moe.forward_backward_ms / own_moe.forward_backward_ms,
-            "per step of 1 micro-batch": hf_moe.one_micro_batch_step_ms / own_moe.one_micro_batch_step_ms,
-        }
-        if n > 1:
-            ratios["accumulating micro-batch"] = hf_moe.accumulating_ms / own_moe.accumulating_ms
-        if own_moe_logits:
-            ratios[f"own with transformers' logits loss path, per step of {n}"] = (
-                own_moe_logits.tokens_per_s / hf_moe.tokens_per_s
-            )
-        print("\nMoE own / transformers: " + "; ".join(f"{v:.2f}x {k}" for k, v in ratios.items()))
-    dense_mfu = own_dense.mfu if own_dense else float("nan")
-    print(f"RESULT moe_speedup_vs_hf={speedup:.3f} dense_mfu={dense_mfu:.3f}")
+    print_table(runs, args, peak)
+    print()
+    result = speedups(runs, [case.name for case in cases], args.micro_batches)
+    print(f"wall: {time.perf_counter() - wall:.0f} s")
+    if args.family is not None:
+        print("RESULT " + " ".join(f"{name}_speedup={value:.3f}" for name, value in result.items()))
+        return
+    own_dense = next((r for r in runs if (r.kind, r.impl, r.loss_path) == ("dense", "custom", "fused")), None)
+    dense_mfu = own_dense.mfu if own_dense and not own_dense.error else float("nan")
+    print(f"RESULT moe_speedup_vs_hf={result.get('moe', float('nan')):.3f} dense_mfu={dense_mfu:.3f}")
 
 
 if __name__ == "__main__":

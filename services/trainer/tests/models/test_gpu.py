@@ -1,16 +1,20 @@
 """The own models on CUDA: float32 parity with transformers, and the bf16 fast paths
-(grouped GEMM experts, compiled flex attention, compiled blocks) against the plain ones."""
+(grouped GEMM experts, compiled flex attention, compiled blocks) against the plain ones and
+against transformers in bf16; Qwen3 / Qwen3-MoE and each family of FAMILY_CHECKPOINTS."""
 
 import pathlib
+from collections.abc import Callable
 
 import pytest
 import torch
 
 from primerl_trainer.distributed import apply_activation_checkpointing, apply_compile
-from primerl_trainer.models import load_model
+from primerl_trainer.models import load_model, model_spec_of
 from primerl_trainer.models.moe import MoE, grouped_mm_supported
 
+from . import test_glm4_moe, test_minimax_m2
 from .conftest import packed_inputs, random_ids
+from .hf_parity import reference_forward
 
 pytestmark = pytest.mark.gpu
 
@@ -107,6 +111,73 @@ def test_replay_on_cuda_accepts_uint8(moe_path: pathlib.Path) -> None:
     assert torch.equal(replayed.logits, free.logits)
 
 
+def _gpt_oss_case(tmp_path: pathlib.Path) -> tuple[pathlib.Path, list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """test_gpt_oss's FULL checkpoint (sliding window 4, sinks, biases, clamped SwiGLU, YaRN) and
+    packed rows on CUDA whose samples are longer than the window."""
+    from . import test_gpt_oss
+
+    path = test_gpt_oss.make_checkpoint(tmp_path / "gpt-oss", test_gpt_oss.FULL)
+    samples, input_ids, position_ids = packed_inputs([100, 28, 300])
+    vocab_size = test_gpt_oss.VOCAB_SIZE
+    return path, [s.cuda() % vocab_size for s in samples], input_ids.cuda() % vocab_size, position_ids.cuda()
+
+
+@torch.no_grad()
+def test_gpt_oss_float32_logits_and_routing_equal_transformers_on_cuda(tmp_path: pathlib.Path) -> None:
+    """Both attention backends (sdpa: the explicit sink softmax; flex: compiled, windows as
+    BlockMasks, sinks through the lse) on packed rows against transformers' eager attention on
+    each sample alone (its GPT-OSS lets packed samples see each other)."""
+    from . import test_gpt_oss
+
+    path, samples, input_ids, position_ids = _gpt_oss_case(tmp_path)
+    hf = test_gpt_oss.reference(path).cuda()
+    separate = [reference_forward(hf, sample) for sample in samples]
+    logits, expert_ids = torch.cat([out for out, _ in separate], dim=1), torch.cat([ids for _, ids in separate])
+    for backend in ("sdpa", "flex"):
+        own = load_model(path, device="cuda", attn_backend=backend)(input_ids, position_ids)
+        assert (own.logits - logits).abs().max() <= 1e-4, backend
+        assert torch.equal(own.routed_experts.sort(dim=-1).values, expert_ids), backend
+
+
+def test_gpt_oss_bf16_trainer_path_is_as_close_to_float32_as_eager_and_transformers(tmp_path: pathlib.Path) -> None:
+    """bf16 on packed rows, replaying a float32 run's routing: the trainer's fast path (flex with
+    sinks and windows, grouped GEMM experts with biases, blocks checkpointed and compiled by
+    parallelize_gpt_oss) no further from float32 than eager bf16 (sdpa's explicit sink softmax,
+    per-expert loop), logits and every gradient (the sinks' included). Then with its own routing
+    against transformers in bf16 (eager attention, each sample alone): the same experts for nearly
+    every token, logits no further from float32 than transformers'."""
+    from . import test_gpt_oss
+
+    path, samples, input_ids, position_ids = _gpt_oss_case(tmp_path)
+    reference = load_model(path, device="cuda")
+    eager = load_model(path, dtype=torch.bfloat16, device="cuda", experts_impl="loop")
+    fast = load_model(path, dtype=torch.bfloat16, device="cuda", attn_backend="flex")
+    model_spec_of(fast).parallelize_fn(fast, activation_checkpointing=True, compile=True)
+    expected = reference(input_ids, position_ids)
+    expected.logits.logsumexp(-1).mean().backward()
+    errors = {}
+    for name, model in (("eager", eager), ("fast", fast)):
+        out = model(input_ids, position_ids, routed_experts=expected.routed_experts)
+        out.logits.float().logsumexp(-1).mean().backward()
+        errors[name] = [relative_error(out.logits, expected.logits)] + [
+            relative_error(p.grad, p_ref.grad)
+            for p, p_ref in zip(model.parameters(), reference.parameters(), strict=True)
+        ]
+    assert max(errors["eager"]) < 0.1
+    for fast_error, eager_error in zip(errors["fast"], errors["eager"], strict=True):
+        assert fast_error <= 1.5 * eager_error + 1e-3
+
+    hf = test_gpt_oss.reference(path).to(torch.bfloat16).cuda()
+    with torch.no_grad():
+        separate = [reference_forward(hf, sample) for sample in samples]
+        own = fast(input_ids, position_ids)
+    hf_logits, hf_experts = torch.cat([out for out, _ in separate], dim=1), torch.cat([ids for _, ids in separate])
+    same_experts = (own.routed_experts.sort(dim=-1).values == hf_experts).all(dim=-1).float().mean().item()
+    assert same_experts >= 0.9
+    own_error, hf_error = relative_error(own.logits, expected.logits), relative_error(hf_logits, expected.logits)
+    assert own_error <= 1.5 * hf_error + 1e-3
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_triton_linear_cross_entropy_equals_the_pytorch_path(dtype: torch.dtype) -> None:
     """The Triton softmax-gradient kernel (CUDA) against the same function on the CPU's
@@ -168,3 +239,73 @@ def test_triton_adamw_equals_torch_fused_adamw(dtype: torch.dtype) -> None:
         for key in ("exp_avg", "exp_avg_sq"):
             assert relative_error(ours.state[ours_param][key], theirs.state[theirs_param][key]) < tolerance
         assert ours.state[ours_param]["step"].item() == theirs.state[theirs_param]["step"].item()
+
+
+# The other families' tiny random checkpoints, every particular on (their CPU test modules'):
+# one entry per family.
+FAMILY_CHECKPOINTS: dict[str, Callable[[pathlib.Path], pathlib.Path]] = {
+    "glm4_moe": lambda path: test_glm4_moe.make_checkpoint(path, test_glm4_moe.FULL),
+    "minimax_m2": lambda path: test_minimax_m2.make_checkpoint(path, test_minimax_m2.PARTIAL),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILY_CHECKPOINTS))
+def family_path(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    return FAMILY_CHECKPOINTS[request.param](tmp_path_factory.mktemp(request.param))
+
+
+def family_inputs(lengths: list[int], vocab_size: int) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """packed_inputs on CUDA, in the family checkpoint's vocabulary."""
+    samples, input_ids, position_ids = packed_inputs(lengths)
+    return [s.cuda() % vocab_size for s in samples], input_ids.cuda() % vocab_size, position_ids.cuda()
+
+
+@torch.no_grad()
+def test_family_float32_logits_and_routing_equal_transformers_on_cuda(family_path: pathlib.Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    own = load_model(family_path, device="cuda")
+    hf = AutoModelForCausalLM.from_pretrained(family_path, dtype=torch.float32, attn_implementation="sdpa").cuda()
+    samples, input_ids, position_ids = family_inputs([30, 50], own.args.vocab_size)
+    packed = own(input_ids, position_ids)
+    separate = [reference_forward(hf, sample) for sample in samples]
+    assert (packed.logits - torch.cat([logits for logits, _ in separate], dim=1)).abs().max() <= 1e-4
+    assert torch.equal(packed.routed_experts.sort(dim=-1).values, torch.cat([ids for _, ids in separate]))
+
+
+def test_family_bf16_trainer_path_is_as_close_to_float32_as_eager_and_transformers(family_path: pathlib.Path) -> None:
+    """The trainer's bf16 path (grouped GEMM experts, flex attention on packed rows, blocks
+    checkpointed and compiled by the family's parallelize function) against a float32 run,
+    replaying its routing: no further off than eager bf16 with the per-expert loop, logits and
+    every gradient. Then with its own routing against transformers in bf16 on the same GPU (its
+    default experts implementation): the same experts for nearly every token, and logits no
+    further from float32 than transformers' own."""
+    from transformers import AutoModelForCausalLM
+
+    reference = load_model(family_path, device="cuda")
+    eager = load_model(family_path, dtype=torch.bfloat16, device="cuda", experts_impl="loop")
+    fast = load_model(family_path, dtype=torch.bfloat16, device="cuda", attn_backend="flex")
+    model_spec_of(fast).parallelize_fn(fast, activation_checkpointing=True, compile=True)
+    _, input_ids, position_ids = family_inputs([100, 28, 500], reference.args.vocab_size)
+    expected = reference(input_ids, position_ids)
+    expected.logits.logsumexp(-1).mean().backward()
+    errors = {}
+    for name, model in (("eager", eager), ("fast", fast)):
+        out = model(input_ids, position_ids, routed_experts=expected.routed_experts)
+        out.logits.float().logsumexp(-1).mean().backward()
+        errors[name] = [relative_error(out.logits, expected.logits)] + [
+            relative_error(p.grad, p_ref.grad)
+            for p, p_ref in zip(model.parameters(), reference.parameters(), strict=True)
+        ]
+    assert max(errors["eager"]) < 0.1
+    for fast_error, eager_error in zip(errors["fast"], errors["eager"], strict=True):
+        assert fast_error <= 1.5 * eager_error + 1e-3
+
+    hf = AutoModelForCausalLM.from_pretrained(family_path, dtype=torch.bfloat16, attn_implementation="sdpa").cuda()
+    with torch.no_grad():
+        hf_logits, hf_experts = reference_forward(hf, input_ids, position_ids)
+        own = fast(input_ids, position_ids)
+    same_experts = (own.routed_experts.sort(dim=-1).values == hf_experts).all(dim=-1).float().mean().item()
+    assert same_experts >= 0.9
+    own_error, hf_error = relative_error(own.logits, expected.logits), relative_error(hf_logits, expected.logits)
+    assert own_error <= 1.5 * hf_error + 1e-3
