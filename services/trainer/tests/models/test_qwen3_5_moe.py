@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from primerl_launcher.tiny_model import VOCAB_SIZE as TINY_VOCAB_SIZE
 from primerl_launcher.tiny_model import make_tiny_model
 from primerl_trainer.distributed.context_parallel import RowLayout
 from primerl_trainer.models import export_hf_state_dict, load_model, read_hf_state_dict
@@ -413,9 +414,15 @@ def test_fla_kernels_equal_the_torch_path_on_cuda() -> None:
     assert (outs["fla"] - outs["torch"]).abs().max() <= 1e-3
 
 
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    """The tiny-model maker's Qwen3.5-MoE (tiny vocabulary, DeltaNet and full attention layers)."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-qwen3-5-moe") / "qwen3.5", family="qwen3.5-moe")
+
+
 @torch.no_grad()
-def test_tiny_model_maker_writes_a_qwen3_5_moe_checkpoint(tmp_path: pathlib.Path) -> None:
-    path = make_tiny_model(tmp_path / "qwen3.5", family="qwen3.5-moe", dtype="bfloat16")
+def test_tiny_model_maker_writes_a_qwen3_5_moe_checkpoint(tiny_checkpoint: pathlib.Path) -> None:
+    path = tiny_checkpoint
     own = load_model(path, impl="auto", dtype=torch.float32)
     assert isinstance(own, Qwen3_5MoeModel) and set(own.args.layer_types) == {"linear_attention", "full_attention"}
     samples, input_ids, position_ids = packed_inputs([30, 12], seed=7)
@@ -424,3 +431,45 @@ def test_tiny_model_maker_writes_a_qwen3_5_moe_checkpoint(tmp_path: pathlib.Path
     out = own(input_ids, position_ids)
     assert (out.logits - torch.cat([logits for logits, _ in separate], dim=1)).abs().max() <= 1e-4
     assert torch.equal(out.routed_experts.sort(dim=-1).values, torch.cat([ids for _, ids in separate]))
+
+
+GDN_PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_one_rl_step_changes_the_loss(tiny_checkpoint: pathlib.Path, lora: bool) -> None:
+    """hf_parity.assert_rl_step_changes_loss; with LoRA its targets (attention, shared expert and
+    routed experts) are adapted, the routers and the shared expert's gate are not, nor the
+    DeltaNet projections, which that check does not name (the next test does)."""
+    hf_parity.assert_rl_step_changes_loss(
+        tiny_checkpoint, lora=lora, unadapted=("router.gate", "shared_experts_gate", *GDN_PROJECTIONS)
+    )
+
+
+def test_lora_adapts_the_linear_attention_projections(tiny_checkpoint: pathlib.Path) -> None:
+    """The DeltaNet projections as LoRA targets: adapted, trained by a backward, exported under
+    PEFT's names of the hub's modules."""
+    from primerl_trainer.config import LoRAConfig
+    from primerl_trainer.export import exported_tensors
+    from primerl_trainer.lora import apply_lora
+
+    model = load_model(tiny_checkpoint, impl="custom", dtype=torch.float32)
+    linear_layers = [i for i, kind in enumerate(model.args.layer_types) if kind == "linear_attention"]
+    adapted = apply_lora(model, LoRAConfig(enabled=True, rank=4, target_modules=list(GDN_PROJECTIONS)))
+    assert set(adapted) == {f"layers.{i}.attention.{name}.weight" for i in linear_layers for name in GDN_PROJECTIONS}
+    model(random_ids(1, 12) % TINY_VOCAB_SIZE).logits.pow(2).mean().backward()
+    lora_grads = {name: p.grad for name, p in model.named_parameters() if p.requires_grad}
+    # B starts at zero, so only B gets a gradient on the first step.
+    assert all(grad.abs().sum() > 0 for name, grad in lora_grads.items() if name.endswith("lora_B"))
+    state = model.state_dict().items()
+    adapter = dict(exported_tensors(model, state, kind="adapter", dtype=torch.float32, lora_scale=2.0))
+    assert adapter.keys() == {
+        f"base_model.model.model.layers.{i}.linear_attn.{name}.lora_{ab}.weight"
+        for i in linear_layers
+        for name in GDN_PROJECTIONS
+        for ab in "AB"
+    }
+    layer = f"base_model.model.model.layers.{linear_layers[0]}.linear_attn"
+    # q and k of 2 key heads, v of 4 value heads, 32 dims each.
+    assert adapter[f"{layer}.in_proj_qkv.lora_B.weight"].shape == (2 * 2 * 32 + 4 * 32, 4)
+    assert adapter[f"{layer}.out_proj.lora_A.weight"].shape == (4, 4 * 32)
