@@ -10,7 +10,8 @@ Two ways to pick the models:
   auto, see fit_layers), the same for both implementations. Last line: RESULT
   <family>_speedup=<own tokens/s over transformers', per step of N micro-batches> per family.
   A family is one FAMILIES entry: its hub config, its tiny --smoke widths, its activation
-  estimate for the fit, and which attention each implementation takes.
+  estimate for the fit, and which attention each implementation takes (a hybrid family adds its
+  sequence length, its least layer count and its layer pattern there too).
 
 Both implementations load the same random checkpoint, written once in Hugging Face format (no
 hub download), and take the same training steps on the same tokens. A step is what the
