@@ -24,7 +24,7 @@ from .conftest import packed_inputs
 
 TOLERANCE = 1e-5
 # Every LoRA target: attention, dense and shared-expert projections, routed experts.
-LORA_TARGETS = ["q", "k", "v", "o", "gate", "up", "down", "experts"]
+LORA_TARGETS = ["q", "k", "v", "o", "g", "gate", "up", "down", "experts"]
 
 
 def save_random_checkpoint(

@@ -1,13 +1,15 @@
 """Own AFMoE / Trinity (`afmoe`) against transformers' AfmoeForCausalLM on tiny random checkpoints
 (float32): logits and router choices, packed rows, router replay, the gradient of one loss, the HF
-state-dict round trip and the Hugging Face export, configs it cannot run; expert parallel over 2
-CPU ranks."""
+state-dict round trip and the Hugging Face export, configs it cannot run; the tiny-model maker's
+`afmoe` family; the RL step with and without LoRA; expert parallel over 2 CPU ranks."""
 
 import pathlib
 
 import pytest
 import torch
 
+from primerl_launcher.tiny_model import VOCAB_SIZE as TINY_VOCAB_SIZE
+from primerl_launcher.tiny_model import make_tiny_model
 from primerl_trainer.hf_export import export_hf_model
 from primerl_trainer.models import load_model, read_hf_state_dict
 from primerl_trainer.models.afmoe.model import AfmoeModel, AfmoeModelArgs
@@ -205,11 +207,36 @@ def test_export_loads_back_in_transformers(full_checkpoint: pathlib.Path, tmp_pa
     assert (model(input_ids).logits - logits).abs().max() <= TOLERANCE
 
 
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-afmoe") / "afmoe", family="afmoe")
+
+
+@torch.no_grad()
+def test_tiny_model_maker_writes_an_afmoe_checkpoint(tiny_path: pathlib.Path) -> None:
+    weights = read_hf_state_dict(tiny_path)
+    assert weights["model.layers.1.mlp.expert_bias"].abs().sum() > 0
+    assert weights["model.layers.1.mlp.router.gate.weight"].abs().sum() > 0
+    own = load_model(tiny_path, impl="auto", dtype=torch.float32)
+    assert isinstance(own, AfmoeModel) and own.args.moe_layers == (1, 2, 3) and own.args.mup
+    assert own.args.sliding_window == 8 and own.args.layer_types[:2] == ("sliding_attention", "full_attention")
+    input_ids = torch.randint(0, TINY_VOCAB_SIZE, (2, 20), generator=torch.Generator().manual_seed(0))
+    logits, expert_ids = reference_forward(reference(tiny_path), input_ids)
+    out = own(input_ids)
+    assert (out.logits - logits).abs().max() <= 1e-4
+    assert torch.equal(out.routed_experts.sort(dim=-1).values, expert_ids)
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_rl_step_changes_the_loss(tiny_path: pathlib.Path, lora: bool) -> None:
+    """Every projection (the attention's output gates, target g, included) and expert stack takes
+    LoRA."""
+    hf_parity.assert_rl_step_changes_loss(tiny_path, lora=lora)
+
+
 def test_expert_parallel_trains_as_one_process(tmp_path: pathlib.Path) -> None:
     """ep=2 over 2 CPU ranks (hf_parity.assert_expert_parallel_trains_as_one_process): losses,
     replay, LoRA and resume under FSDP2 as one process."""
-    from primerl_launcher.tiny_model import VOCAB_SIZE as TINY_VOCAB_SIZE
-
     # The training helpers sample byte tokens: the tiny tokenizer's vocabulary; weights at the
     # usual scale, so that a few Adam steps stay in float32's comfortable range.
     variant = FULL | {"vocab_size": TINY_VOCAB_SIZE, "hidden_size": 64, "initializer_range": 0.02}

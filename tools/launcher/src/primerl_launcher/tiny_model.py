@@ -45,6 +45,7 @@ __all__ = [
     "STAMP_FILE",
     "VOCAB_SIZE",
     "DType",
+    "TinyAfmoeSpec",
     "TinyGlm4MoeSpec",
     "TinyGptOssSpec",
     "TinyMiniMaxM2Spec",
@@ -102,6 +103,10 @@ class TinyModelSpec:
     # drawn at random so that they change choices, and kept in float32 whatever the dtype, as
     # the hub's checkpoints store them. Matched by the end of the buffer's name.
     float32_buffers: ClassVar[tuple[str, ...]] = ()
+    # Parameters transformers starts at zero that would leave routing to ties (AFMoE's router
+    # gate; AFMoE's and Laguna's router biases are parameters, not buffers): drawn at random,
+    # then cast with the rest. Matched by the end of the parameter's name.
+    random_parameters: ClassVar[tuple[str, ...]] = ()
 
     vocab_size: int = VOCAB_SIZE
     hidden_size: int = 256
@@ -358,6 +363,47 @@ class TinyGptOssSpec(TinyMoeSpec):
         }
 
 
+@dataclass(frozen=True)
+class TinyAfmoeSpec(TinyMoeSpec):
+    """Trinity / AFMoE: sliding-window layers (RoPE, a window shorter than typical test prompts)
+    and full NoPE layers alternating, a dense first layer, sigmoid routing with a random expert
+    bias and a random router (transformers starts both at zero), route_scale, a shared expert,
+    gated attention, sandwich norms, muP embedding scale; untied head. Its config also names the
+    routing fields the hub's files carry (score_func, route_norm, n_group, topk_group)."""
+
+    model_class: ClassVar[str] = "AfmoeForCausalLM"
+    model_type: ClassVar[str] = "afmoe"
+    random_parameters: ClassVar[tuple[str, ...]] = ("mlp.router.gate.weight", "mlp.expert_bias")
+
+    sliding_window: int = 8
+    num_dense_layers: int = 1
+    num_shared_experts: int = 1
+    route_scale: float = 2.5
+
+    def family_config(self) -> dict[str, Any]:
+        return {
+            "num_experts": self.num_experts,
+            "num_experts_per_tok": self.num_experts_per_tok,
+            "moe_intermediate_size": self.moe_intermediate_size,
+            "num_shared_experts": self.num_shared_experts,
+            "num_dense_layers": self.num_dense_layers,
+            "global_attn_every_n_layers": 2,
+            "layer_types": [
+                "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(self.num_hidden_layers)
+            ],
+            "sliding_window": self.sliding_window,
+            "route_scale": self.route_scale,
+            "score_func": "sigmoid",
+            "route_norm": True,
+            "n_group": 1,
+            "topk_group": 1,
+            "mup_enabled": True,
+            "attention_bias": False,
+            "output_router_logits": False,
+            "tie_word_embeddings": False,
+        }
+
+
 # One entry per family: its name on the command line -> its default tiny shape.
 FAMILIES: dict[str, TinyModelSpec] = {
     "qwen3": TinyQwen3Spec(),
@@ -366,6 +412,7 @@ FAMILIES: dict[str, TinyModelSpec] = {
     "minimax-m2": TinyMiniMaxM2Spec(),
     "qwen3.5-moe": TinyQwen3_5MoeSpec(),
     "gpt-oss": TinyGptOssSpec(),
+    "afmoe": TinyAfmoeSpec(),
 }
 # The older names callers pick the Qwen3 models by (the launcher's tiny-dense / tiny-moe).
 KINDS = {"dense": "qwen3", "moe": "qwen3-moe"}
@@ -499,6 +546,9 @@ def _save_weights(out: pathlib.Path, spec: TinyModelSpec, *, seed: int, dtype: D
                 for name, buffer in model.named_buffers()
                 if name.endswith(spec.float32_buffers)
             }
+            for name, parameter in model.named_parameters():
+                if name.endswith(spec.random_parameters):
+                    parameter.data.normal_(0.0, config.initializer_range)
     model.to(getattr(torch, dtype))
     for name, buffer in float32_buffers.items():
         module_name, _, buffer_name = name.rpartition(".")
