@@ -18,6 +18,9 @@ Targets (`LoRAConfig.target_modules`), by module:
                       per expert and projection, as PEFT names them per expert; experts whose
                       checkpoint fuses gate and up (GPT-OSS: `lora_fused_gate_up`) get one A
                       and B for both, PEFT's 3D layout of fused experts (as vLLM reads it)
+    in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, out_proj
+                      the Gated DeltaNet layers' projections (Qwen3.5: attention.<name>, HF
+                      linear_attn.<name>)
 The routers stay frozen and untouched. Unknown names are ignored with a warning.
 
 Export: `merge_lora` turns a stream of (own name, full tensor) from the model's state dict into
@@ -66,6 +69,7 @@ LINEAR_TARGETS = {
     "gate": ("feed_forward.w1", "shared_experts.w1"),
     "up": ("feed_forward.w3", "shared_experts.w3"),
     "down": ("feed_forward.w2", "shared_experts.w2"),
+    **{name: (f"attention.{name}",) for name in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")},
 }
 TARGETS = (*LINEAR_TARGETS, "experts")
 _HF_ALIASES = {f"{name}_proj": name for name in LINEAR_TARGETS}
