@@ -36,6 +36,9 @@ class GroupedSigmoidRouting:
     num_groups: int = 1
     top_k_groups: int = 1
     scaling_factor: float = 1.0
+    # Laguna's `moe_router_logit_softcapping`: the router's logits become cap * tanh(logits / cap)
+    # before the sigmoid (0: none).
+    logit_softcap: float = 0.0
 
     def check(self, *, num_experts: int, top_k: int) -> None:
         if self.num_groups < 1 or num_experts % self.num_groups:
@@ -85,7 +88,11 @@ class TokenChoiceTopKRouter(nn.Module):
             probs_TE = F.softmax(self.gate(x_TD), dim=-1, dtype=torch.float32)
         else:
             # In float32 from the start, as the reference computes the router's logits.
-            probs_TE = torch.sigmoid(F.linear(x_TD.float(), self.gate.weight.float()))
+            logits_TE = F.linear(x_TD.float(), self.gate.weight.float())
+            if self.grouped_sigmoid.logit_softcap > 0:
+                cap = self.grouped_sigmoid.logit_softcap
+                logits_TE = torch.tanh(logits_TE / cap) * cap
+            probs_TE = torch.sigmoid(logits_TE)
         if replayed_experts_TK is None:
             expert_ids_TK = torch.topk(self._choice_scores(probs_TE), self.top_k, dim=-1).indices
         else:
