@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import gc
 import importlib.metadata
 import importlib.util
@@ -57,6 +56,8 @@ import sys
 import tempfile
 import time
 from typing import Any
+
+from parallel_ep_variants import AllToAllTimers, parse_variant, report_variants, run_variants
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 OUT = pathlib.Path(os.environ["OUT"]) if os.environ.get("OUT") else None
@@ -129,6 +130,7 @@ class Run:
     cp: int = 1
     seq_len: int = 4096
     micro_batches: int = 8  # in the whole batch (each dp rank takes its share)
+    accumulate_unsharded: bool = False  # ParallelConfig.accumulate_unsharded
     activation_checkpointing: bool = False
     dtype: str = "bfloat16"
     warmup: int = 2  # steps left out of the timing (compiling included)
@@ -136,6 +138,8 @@ class Run:
     # The dense one-GPU run: the seq_len to try, in order (the planner's pick, longer ones, then shorter
     # ones); it keeps the longest that fits.
     lengths: tuple[int, ...] = ()
+    # Expert parallel: variants timed after the run's own steps (parallel_ep_variants).
+    variants: tuple[str, ...] = ()
     # measured
     ok: bool = False
     error: str = ""
@@ -145,6 +149,9 @@ class Run:
     tokens_per_s_per_gpu: float = float("nan")
     mfu: float = float("nan")
     tried: dict[str, str] = dataclasses.field(default_factory=dict)
+    a2a_ms: float = float("nan")  # per step, rank 0 (see parallel_ep_variants)
+    wait_ms: float = float("nan")
+    variant_results: list[dict] = dataclasses.field(default_factory=list)
     # predicted
     predicted_step_s: float = float("nan")
     predicted_peak_bytes: float = float("nan")
@@ -214,7 +221,7 @@ def train_run(run: Run, checkpoint: pathlib.Path, *, device: str, compile: bool)
                 "activation_checkpointing": run.activation_checkpointing,
                 "compile": compile,
             },
-            parallel={"ep": run.ep, "cp": run.cp},
+            parallel={"ep": run.ep, "cp": run.cp, "accumulate_unsharded": run.accumulate_unsharded},
             mode="sft",
             device=device,
             seq_len=length,
@@ -237,14 +244,23 @@ def train_run(run: Run, checkpoint: pathlib.Path, *, device: str, compile: bool)
             dims = runtime.parallel_dims
             assert (dims.world_size, dims.ep, dims.cp) == (run.nproc, run.ep, run.cp), dims
             rank = runtime.rank
-            times, peaks = [], []
+            timers = AllToAllTimers()
+            if run.ep > 1:
+                timers.install()
+            times, peaks, a2a, waits = [], [], [], []
             for step in range(run.warmup + run.steps):
                 if step == run.warmup and PROFILE:
                     profile_step(runtime.trainer, batch, run.name, rank)
+                timers.take()
                 metrics = runtime.trainer.train_step(batch)
+                a2a_ms, wait_ms = timers.take()
                 if step >= run.warmup:
                     times.append(metrics["step_time_s"])
                     peaks.append(metrics["peak_memory_bytes"])
+                    a2a.append(a2a_ms)
+                    waits.append(wait_ms)
+            if run.ep > 1:
+                run.a2a_ms, run.wait_ms = statistics.median(a2a), statistics.median(waits)
             peak = torch.tensor([max(peaks)], dtype=torch.float64, device=runtime.device)
             if dist.get_world_size() > 1:
                 dist.all_reduce(peak, op=dist.ReduceOp.MAX)
@@ -255,9 +271,17 @@ def train_run(run: Run, checkpoint: pathlib.Path, *, device: str, compile: bool)
             run.tried[str(length)] = "ok"
             if rank == 0:
                 print(
-                    f"  {run.name} seq {length}: {run.step_s * 1e3:.0f} ms/step, peak {run.peak_bytes / 2**30:.1f} GiB",
+                    f"  {run.name} seq {length}: {run.step_s * 1e3:.0f} ms/step, peak {run.peak_bytes / 2**30:.1f} GiB"
+                    + (f", all-to-all {run.a2a_ms:.0f} ms, host waits {run.wait_ms:.0f} ms" if run.ep > 1 else ""),
                     flush=True,
                 )
+            if run.variants:
+                run.variant_results = run_variants(
+                    runtime.trainer, batch, list(run.variants), warmup=1, steps=run.steps, timers=timers
+                )
+                if rank == 0:
+                    for variant in run.variant_results:
+                        print(f"  {run.name} [{variant['name']}]: {variant['step_s'] * 1e3:.0f} ms/step", flush=True)
         except Exception as exc:
             if run.nproc > 1:  # the other rank waits in a collective: let torchrun stop both
                 raise
@@ -353,6 +377,7 @@ def launch(run: Run, checkpoint: pathlib.Path, args: argparse.Namespace) -> Run:
 def worker_main(args: argparse.Namespace) -> None:
     data = json.loads(args.worker)
     data["lengths"] = tuple(data["lengths"])
+    data["variants"] = tuple(data["variants"])
     run = Run(**data)
     train_run(
         run,
@@ -435,7 +460,17 @@ def bench_main(args: argparse.Namespace) -> None:
     rates = load_planner_rates(args, "" if smoke else _device_name())
     runs = [
         Run("moe 1 GPU", "moe", num_experts=experts, seq_len=moe_seq, micro_batches=8),
-        Run("moe ep=2", "moe", num_experts=2 * experts, nproc=2, ep=2, seq_len=moe_seq, micro_batches=16),
+        Run(
+            "moe ep=2",
+            "moe",
+            num_experts=2 * experts,
+            nproc=2,
+            ep=2,
+            seq_len=moe_seq,
+            micro_batches=16,
+            accumulate_unsharded=not args.ep_reshard,
+            variants=tuple(args.ep_variants or ()),
+        ),
         Run(
             "dense L",
             "dense",
@@ -448,6 +483,8 @@ def bench_main(args: argparse.Namespace) -> None:
             steps=2,
         ),
     ]
+    for name in args.ep_variants or ():
+        parse_variant(name)
     if args.dense_seq:
         runs[2].lengths = (args.dense_seq,)
     for run in runs:
@@ -527,6 +564,14 @@ def report(runs: list[Run], rates) -> None:
         return getattr(by_name[name], field) / getattr(by_name[other], field)
 
     ep_scaling = ratio("moe ep=2", "moe 1 GPU", "tokens_per_s_per_gpu")
+    if "moe ep=2" in by_name and "moe 1 GPU" in by_name:
+        ep_run = by_name["moe ep=2"]
+        report_variants(
+            ep_run.variant_results,
+            tokens_per_step=ep_run.tokens_per_step,
+            nproc=ep_run.nproc,
+            baseline_tokens_per_s=by_name["moe 1 GPU"].tokens_per_s_per_gpu,
+        )
     cp_memory = ratio("dense 2L cp=2", "dense L", "peak_bytes")
     cp_mfu = ratio("dense 2L cp=2", "dense L", "mfu")
     if OUT is not None:
@@ -541,264 +586,6 @@ def report(runs: list[Run], rates) -> None:
     )
     print(f"planner_time_err={worst_time:.3f} planner_mem_err={worst_memory:.3f}")
     print(f"RESULT ep_scaling={ep_scaling:.3f} cp_memory_ratio={cp_memory:.3f} cp_mfu_ratio={cp_mfu:.3f}")
-
-
-# --- calibration ------------------------------------------------------------------------------------
-
-
-def _timed_ms(fn, *, repeats: int, device: str) -> float:
-    import torch
-
-    for _ in range(3):
-        fn()
-    if device == "cuda":
-        torch.cuda.synchronize()
-        events = []
-        for _ in range(repeats):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            events.append((start, end))
-        torch.cuda.synchronize()
-        return statistics.median(s.elapsed_time(e) for s, e in events)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
-
-
-def calibrate_worker(args: argparse.Namespace) -> None:
-    """Under torchrun: kernel rates on rank 0, collectives over all ranks; rank 0 prints the file."""
-    import torch
-    import torch.distributed as dist
-    import torch.nn.functional as F
-
-    smoke = args.smoke
-    device = "cpu" if smoke else "cuda"
-    if device == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("gloo" if smoke else "nccl")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    dtype = torch.bfloat16
-    scale = 16 if smoke else 1  # smoke: the same shapes divided by this
-    repeats = 3 if smoke else 20
-    lines: dict[str, Any] = {}
-    if rank == 0:
-        name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
-        total_gib = torch.cuda.mem_get_info()[1] / 2**30 if device == "cuda" else 0.0
-        lines["device"] = (name, total_gib)
-        copy_bytes = 2**31 // scale**2
-        src = torch.empty(copy_bytes, dtype=torch.uint8, device=device)
-        dst = torch.empty_like(src)
-        lines["hbm"] = 2 * copy_bytes / _timed_ms(lambda: dst.copy_(src), repeats=repeats, device=device) / 1e6
-        del src, dst
-        matmul = []
-        for m, k, n in (
-            (8192, 8192, 8192),
-            (4096, 2048, 6144),
-            (4096, 2048, 12288),
-            (4096, 6144, 2048),
-            (4096, 2048, 151936),
-            (16384, 7168, 7168),
-            (16384, 2048, 7168),
-        ):
-            a = torch.randn(m // scale, k // scale, device=device, dtype=dtype)
-            b = torch.randn(k // scale, n // scale, device=device, dtype=dtype)
-            ms = _timed_ms(lambda a=a, b=b: a @ b, repeats=repeats, device=device)
-            matmul.append((m, k, n, 2 * (m * k * n / scale**3) / ms / 1e9))
-        lines["matmul"] = matmul
-        grouped = []
-        if hasattr(torch, "_grouped_mm") and not smoke:
-            for rows, k, n in (
-                (256, 2048, 1536),
-                (256, 768, 2048),
-                (1024, 2048, 1536),
-                (1024, 768, 2048),
-                (2048, 7168, 4096),
-                (2048, 2048, 7168),
-            ):
-                experts = 16
-                x = torch.randn(rows * experts, k, device=device, dtype=dtype)
-                w = torch.randn(experts, n, k, device=device, dtype=dtype)
-                offs = torch.arange(1, experts + 1, device=device, dtype=torch.int32) * rows
-                ms = _timed_ms(
-                    lambda x=x, w=w, o=offs: torch._grouped_mm(x, w.transpose(-2, -1), offs=o),
-                    repeats=repeats,
-                    device=device,
-                )
-                grouped.append((rows, k, n, 2 * rows * experts * k * n / ms / 1e9))
-        lines["grouped_mm"] = grouped
-        attention = []
-        for seq in (4096, 16384, 32768, 65536):
-            heads, head_dim, s = 16, 128, seq // scale**2
-            q, k, v = (
-                torch.randn(1, heads, s, head_dim, device=device, dtype=dtype, requires_grad=True) for _ in range(3)
-            )
-            grad = torch.randn(1, heads, s, head_dim, device=device, dtype=dtype)
-            fwd_ms = _timed_ms(
-                lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
-                repeats=repeats,
-                device=device,
-            )
-
-            def step(q=q, k=k, v=v, grad=grad) -> None:
-                F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
-
-            total_ms = _timed_ms(step, repeats=repeats, device=device)
-            flops = 2 * heads * 2 * head_dim * s**2 / 2
-            attention.append((seq, head_dim, flops / fwd_ms / 1e9, 2.5 * flops / max(total_ms - fwd_ms, 1e-6) / 1e9))
-        lines["attention"] = attention
-        lines["activations"] = measure_activation_factors(device, smoke)
-    collectives = {}
-    if world > 1:
-        numel = (256 * 2**20 // 2) // scale**2  # bf16 elements of 256 MiB
-        full = torch.empty(numel, dtype=dtype, device=device)
-        shard = torch.empty(numel // world, dtype=dtype, device=device)
-        full32 = torch.empty(numel, dtype=torch.float32, device=device)
-        shard32 = torch.empty(numel // world, dtype=torch.float32, device=device)
-        out = torch.empty_like(full)
-        # torch 2.13 renames it (the device's 2.11 has only the old name).
-        reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
-        busbw = lambda nbytes, ms: nbytes * (world - 1) / world / ms / 1e6  # noqa: E731
-        r = 3 if smoke else 10
-        collectives["all_gather"] = busbw(
-            full.nbytes, _timed_ms(lambda: dist.all_gather_into_tensor(full, shard), repeats=r, device=device)
-        )
-        collectives["reduce_scatter"] = busbw(
-            full32.nbytes, _timed_ms(lambda: reduce_scatter(shard32, full32), repeats=r, device=device)
-        )
-        collectives["all_to_all"] = busbw(
-            full.nbytes, _timed_ms(lambda: dist.all_to_all_single(out, full), repeats=r, device=device)
-        )
-    if rank == 0:
-        text = rates_toml(lines, collectives, world)
-        print(text, flush=True)
-        check_rates_file(text)
-        gpu = "h100" if "H100" in lines["device"][0] else "h200" if "H200" in lines["device"][0] else "gpu"
-        if OUT is not None:
-            (OUT / f"rates-{gpu}.toml").write_text(text)
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def measure_activation_factors(device: str, smoke: bool) -> dict[str, float]:
-    """Bytes autograd keeps after a forward of the trainer's compiled blocks, over the planner's
-    count (planner.memory.layer_activation_elements), for the bench's dense and MoE shapes."""
-    import torch
-
-    from primerl_trainer.models.registry import MODEL_SPECS
-    from primerl_trainer.planner import shape_from_hf_config
-    from primerl_trainer.planner.memory import layer_activation_elements
-
-    factors = {}
-    tokens = 256 if smoke else 4096
-    for kind in ("dense", "moe"):
-        config = model_config(kind, SMOKE_EXPERTS if smoke else MOE_EXPERTS_PER_GPU, smoke) | {"num_hidden_layers": 2}
-        spec = MODEL_SPECS[config["model_type"]]
-        with torch.device("meta"):
-            model = spec.model_cls(spec.args_cls.from_hf_config(config))
-        model = model.to_empty(device=device).to(torch.bfloat16)
-        for param in model.parameters():
-            torch.nn.init.normal_(param, std=0.02)
-        model = spec.parallelize_fn(model, compile=not smoke)
-        input_ids = torch.randint(0, config["vocab_size"], (1, tokens), device=device)
-        for _ in range(2):  # compile, then measure
-            if device == "cuda":
-                torch.cuda.synchronize()
-            before = torch.cuda.memory_allocated() if device == "cuda" else 0
-            out = model(input_ids, compute_logits=False)
-            hidden = out.hidden_states[0]
-            after = torch.cuda.memory_allocated() if device == "cuda" else 0
-            hidden.float().sum().backward()
-        del out, hidden
-        shape = shape_from_hf_config(config)
-        counted = layer_activation_elements(shape, moe=kind == "moe") * 2 * tokens * config["num_hidden_layers"]
-        saved = after - before - tokens * config["hidden_size"] * 2
-        factors[kind] = saved / counted if device == "cuda" else 1.0
-        del model
-        gc.collect()
-    return factors
-
-
-def rates_toml(lines: dict[str, Any], collectives: dict[str, float], world: int) -> str:
-    from primerl_trainer.planner.rates import load_rates
-
-    name, total_gib = lines["device"]
-    gpu = "h100" if "H100" in name else "h200"
-    known = load_rates(gpu)  # what cannot be measured on one node is kept from the shipped file
-    today = datetime.date.today().isoformat()
-    where = f"bench/parallel_throughput.py --calibrate on {name}, {today}"
-    out = io.StringIO()
-    w = out.write
-    w(f"# Per-kernel rates of one {name}, for primerl-trainer plan. Measured by {where}.\n")
-    w(f'gpu = "{name}"\nsource = "{where}"\n')
-    w(f"memory_gib = {total_gib:.1f}\nreserved_gib = {known.reserved_gib}\ngpus_per_node = {known.gpus_per_node}\n\n")
-    w(f'[hbm]\ngbps = {lines["hbm"]:.0f}\nsource = "device-to-device copy, read + write: {where}"\n\n')
-    w(f'[matmul]\nsource = "bf16 a @ b: {where}"\nshapes = [\n')
-    for m, k, n, tflops in lines["matmul"]:
-        w(f"  {{ m = {m}, k = {k}, n = {n}, tflops = {tflops:.0f} }},\n")
-    w("]\n\n")
-    grouped = lines["grouped_mm"] or [(r, k, n, t) for r, k, n, t in known.grouped_mm]
-    source = f"torch._grouped_mm, 16 experts, bf16: {where}" if lines["grouped_mm"] else "kept: not measured"
-    w(f'[grouped_mm]\nsource = "{source}"\nshapes = [\n')
-    for rows, k, n, tflops in grouped:
-        w(f"  {{ rows_per_expert = {rows}, k = {k}, n = {n}, tflops = {tflops:.0f} }},\n")
-    w("]\n\n")
-    w(f'[attention]\nsource = "SDPA causal (flash), 16 heads, bf16, fwd and bwd: {where}"\nshapes = [\n')
-    for seq, head_dim, fwd, bwd in lines["attention"]:
-        w(f"  {{ seq_len = {seq}, head_dim = {head_dim}, fwd_tflops = {fwd:.0f}, bwd_tflops = {bwd:.0f} }},\n")
-    w("]\n\n")
-    if collectives:
-        w(f'[intra_node]\nsource = "NCCL busbw over {world} GPUs of one host, 256 MiB: {where}"\n')
-        w(
-            f"all_gather_gbps = {collectives['all_gather']:.0f}\nreduce_scatter_gbps = "
-            f"{collectives['reduce_scatter']:.0f}\nall_to_all_gbps = {collectives['all_to_all']:.0f}\n\n"
-        )
-    else:
-        link = known.intra_node
-        w(
-            f'[intra_node]\nsource = "kept: {link.source}"\nall_gather_gbps = {link.all_gather_gbps:.0f}\n'
-            f"reduce_scatter_gbps = {link.reduce_scatter_gbps:.0f}\nall_to_all_gbps = {link.all_to_all_gbps:.0f}\n\n"
-        )
-    link = known.inter_node
-    w(
-        f'[inter_node]\nsource = "kept (one node measures no network): {link.source}"\n'
-        f"all_gather_gbps = {link.all_gather_gbps:.0f}\nreduce_scatter_gbps = {link.reduce_scatter_gbps:.0f}\n"
-        f"all_to_all_gbps = {link.all_to_all_gbps:.0f}\n\n"
-    )
-    factors = lines["activations"]
-    w(
-        f'[activations]\nsource = "saved bytes of compiled blocks at 4096 tokens over the planner\'s count: {where}"\n'
-        f"factor_dense = {factors['dense']:.3f}\nfactor_moe = {factors['moe']:.3f}\n"
-    )
-    return out.getvalue()
-
-
-def check_rates_file(text: str) -> None:
-    """The planner reads what calibration prints."""
-    from primerl_trainer.planner.rates import load_rates
-
-    with tempfile.NamedTemporaryFile("w", suffix=".toml") as file:
-        file.write(text)
-        file.flush()
-        load_rates(file.name)
-
-
-def calibrate_main(args: argparse.Namespace) -> None:
-    nproc = 2 if args.smoke else args.calibrate_gpus
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        __file__,
-        "--calibrate-worker",
-    ] + (["--smoke"] if args.smoke else [])
-    subprocess.run(command, check=True)
 
 
 def main() -> None:
@@ -818,11 +605,21 @@ def main() -> None:
     parser.add_argument("--steps", type=int, help="timed steps, whose median counts (default: MoE 3, dense 2)")
     parser.add_argument("--only", nargs="+", help="run only these runs (by name; 'dense 2L cp=2' needs 'dense L')")
     parser.add_argument("--dense-seq", type=int, help="L of the dense runs (default: the longest that fits)")
+    parser.add_argument(
+        "--ep-variants",
+        nargs="+",
+        help="also time these variants of the ep=2 run in its processes (parallel_ep_variants.py), e.g. "
+        "reference fused fused+early fused+early+unsharded",
+    )
+    parser.add_argument(
+        "--ep-reshard",
+        action="store_true",
+        help="the ep=2 run without parallel.accumulate_unsharded (FSDP reshards and reduces every micro-batch)",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--checkpoint", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     parser.add_argument("--write-checkpoints", help=argparse.SUPPRESS)
-    parser.add_argument("--calibrate-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     use_source_tree()
     check_modules()
@@ -830,9 +627,9 @@ def main() -> None:
         worker_main(args)
     elif args.write_checkpoints:
         write_checkpoints(pathlib.Path(args.write_checkpoints), args.smoke, args.only)
-    elif args.calibrate_worker:
-        calibrate_worker(args)
     elif args.calibrate:
+        from parallel_calibrate import calibrate_main
+
         calibrate_main(args)
     else:
         if OUT is not None:

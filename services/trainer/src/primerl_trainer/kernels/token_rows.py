@@ -43,7 +43,7 @@ def fused_rows_available(x: torch.Tensor) -> bool:
 def gather_rows(x_TD: torch.Tensor, index_R: torch.Tensor, *, fused: bool = True) -> torch.Tensor:
     """x_TD[index_R] for a 2-D x (a row per index)."""
     if not (fused and fused_rows_available(x_TD)) or x_TD.shape[1] == 0:
-        return x_TD.index_select(0, index_R)
+        return x_TD[index_R]
     return _gather_sum(x_TD, index_R[:, None], None, None)
 
 
