@@ -235,6 +235,31 @@ def assert_rl_step_changes_loss(
     assert changed == trainable
 
 
+def assert_context_parallel_trains_as_one_process(
+    model_dir: pathlib.Path, tmp_path: pathlib.Path, *, tolerances: tuple[float, float] = (1e-5, 1e-5)
+) -> None:
+    """cp=2 on the CPU (gloo, torchrun), as test_context_parallel runs Qwen3-MoE: two steps on
+    packed rows split zig-zag over 2 ranks, with replayed routing, in float64, give the
+    one-process losses and logprobs within `tolerances[0]` and weights within `tolerances[1]`.
+    Not float64's 1e-10: sigmoid routers compute their logits in float32 (as transformers' do),
+    whose rounding depends on how many tokens a rank holds (measured on GLM-4.5 and MiniMax-M2:
+    logprobs ~1e-6 apart after two steps, weights ~2e-7); a wrong split moves them by ~0.1."""
+    from .. import test_context_parallel as cp_test
+
+    (tmp_path / "data").mkdir()
+    (tmp_path / "cp").mkdir()
+    data, reference = cp_test._cp_data(model_dir, tmp_path / "data", replay=True, dtype=torch.float64)
+    result = cp_test._run_workers(model_dir, data, tmp_path / "cp", nproc=2, cp=2, dtype=torch.float64)
+    # The routers' correction biases (buffers, not in the reference's parameters) come back unchanged.
+    for name, buffer in load_model(model_dir).named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            for tensors in (result["weights"], result["published"]):
+                assert torch.equal(tensors.pop(name), buffer.to(torch.float64)), name
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(cp_test.TOLERANCES, torch.float64, tolerances)
+        cp_test._assert_matches_one_process(result, reference, torch.float64)
+
+
 def assert_expert_parallel_trains_as_one_process(
     model_dir: pathlib.Path, tmp_path: pathlib.Path, *, num_routers: int
 ) -> None:

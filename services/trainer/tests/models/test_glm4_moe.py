@@ -285,3 +285,19 @@ def test_lora_adapter_export_names_the_shared_experts(tiny_checkpoint: pathlib.P
     for mlp in mlps:
         assert adapter[f"base_model.model.{mlp}.gate_proj.lora_B.weight"].shape == (width[mlp], 4)
         assert adapter[f"base_model.model.{mlp}.down_proj.lora_A.weight"].shape == (4, width[mlp])
+
+
+def test_context_parallel_trains_as_one_process(tmp_path: pathlib.Path) -> None:
+    """cp=2 over 2 CPU ranks (hf_parity.assert_context_parallel_trains_as_one_process): partial
+    rotary, the dense first layer and the shared expert on a split row."""
+    spec = TinyGlm4MoeSpec(
+        hidden_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+    )
+    model_dir = make_tiny_model(tmp_path / "cp-glm4-moe", family="glm4-moe", spec=spec)
+    hf_parity.assert_context_parallel_trains_as_one_process(model_dir, tmp_path)

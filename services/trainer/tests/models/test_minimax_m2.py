@@ -181,3 +181,21 @@ def test_one_rl_step_changes_the_loss(tmp_path: pathlib.Path, lora: bool) -> Non
     model_dir = make_tiny_model(tmp_path / "minimax-m2", family="minimax-m2")
     assert isinstance(load_model(model_dir, impl="auto"), MiniMaxM2Model)
     hf_parity.assert_rl_step_changes_loss(model_dir, lora=lora)
+
+
+def test_context_parallel_trains_as_one_process(tmp_path: pathlib.Path) -> None:
+    """cp=2 over 2 CPU ranks (hf_parity.assert_context_parallel_trains_as_one_process), on the
+    tiny-model maker's MiniMax-M2 (partial rotary, q/k norm over all heads on a split row)."""
+    from primerl_launcher.tiny_model import TinyMiniMaxM2Spec, make_tiny_model
+
+    spec = TinyMiniMaxM2Spec(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        rotary_dim=16,
+        moe_intermediate_size=32,
+    )
+    model_dir = make_tiny_model(tmp_path / "cp-minimax-m2", family="minimax-m2", spec=spec)
+    hf_parity.assert_context_parallel_trains_as_one_process(model_dir, tmp_path)
