@@ -2,8 +2,10 @@
 predictions; and (--calibrate) the per-kernel rates the planner uses.
 
     python3 bench/parallel_throughput.py              # the comparison (~6 min on 2 H100)
-    python3 bench/parallel_throughput.py --calibrate  # a rates file for this GPU (~3 min)
+    python3 bench/parallel_throughput.py --calibrate  # a rates file for this GPU (~3 min; parallel_calibrate.py)
     python3 bench/parallel_throughput.py --smoke      # tiny shapes, CPU, gloo: checks the script
+    python3 bench/parallel_throughput.py --only 'moe 1 GPU' 'moe ep=2' --ep-variants reference fused+early
+        # the MoE runs, and variants of the ep=2 one timed in its processes (parallel_ep_variants.py)
 
 Launch it once, with plain python3 from the repository root: it starts its own workers (a
 process per one-GPU run, torchrun over two ranks for the two-GPU runs) and collects their results.
@@ -14,8 +16,10 @@ the timed steps; peak: the largest over ranks).
 
 (a) expert parallel: the MoE shape of bench/trainer_throughput.py with 256 experts at ep=2 on two
     GPUs against 128 experts on one (the same experts per GPU: the difference is the dispatch and
-    combine), 8 micro-batches of 4096 tokens per GPU per step, bf16 weights and AdamW state.
-    ep_scaling = per-GPU tokens/s at ep=2 over one GPU's.
+    combine), 8 micro-batches of 4096 tokens per GPU per step, bf16 weights and AdamW state; the
+    ep=2 run with parallel.accumulate_unsharded (the dense part, FSDP-sharded over the 2 ranks,
+    gathered and reduced once per step, as the one-GPU run's units of one rank are; --ep-reshard:
+    without). ep_scaling = per-GPU tokens/s at ep=2 over one GPU's.
 (b) context parallel: the dense shape of trainer_throughput.py with activation checkpointing and
     float32 master weights (the trainer's default; --dense-dtype), one sequence of L tokens on one
     GPU (L the longest that fits, at least 32,768: the planner's memory model picks the first
