@@ -335,27 +335,35 @@ def _reference_attention(q, k, v, position_ids, *, window, sinks):
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "flex"])
-@pytest.mark.parametrize("packed", [False, True])
-def test_attention_windows_and_sinks_are_the_definition(backend: str, packed: bool) -> None:
+@pytest.mark.parametrize("rows", ["batch", "packed", "layout-packed", "layout-one-sample", "layout-long"])
+def test_attention_windows_and_sinks_are_the_definition(backend: str, rows: str) -> None:
+    """Batched rows, a packed row, and rows given with their RowLayout (as the trainer gives
+    them; one sample: sdpa's mask-free path without a window; long: flex's tiles of 128 keys
+    empty, full and partial by the window)."""
+    from primerl_trainer.distributed.context_parallel import RowLayout
+
     generator = torch.Generator().manual_seed(0)
-    batch, seq_len, heads, kv_heads, head_dim = (1, 22, 4, 2, 8) if packed else (2, 22, 4, 2, 8)
+    lengths, windows = ((390, 10), (3, 130)) if rows == "layout-long" else ((6, 13, 3), (3, 5))
+    batch, seq_len, heads, kv_heads, head_dim = (2 if rows == "batch" else 1), sum(lengths), 4, 2, 8
     q = torch.randn(batch, seq_len, heads, head_dim, generator=generator, dtype=torch.float64)
     k = torch.randn(batch, seq_len, kv_heads, head_dim, generator=generator, dtype=torch.float64)
     v = torch.randn(batch, seq_len, kv_heads, head_dim, generator=generator, dtype=torch.float64)
     sinks = torch.randn(heads, generator=generator, dtype=torch.float64)
-    if packed:
-        position_ids = torch.cat([torch.arange(n) for n in (6, 13, 3)])[None]
+    if rows.endswith(("packed", "long")):
+        position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
     else:
         position_ids = torch.arange(seq_len).expand(batch, seq_len)
+    layout = RowLayout.of(position_ids[0], cp_rank=0, cp_size=1) if rows.startswith("layout") else None
     mask = build_attention_mask(
-        position_ids if packed else None,
+        position_ids if rows == "packed" else None,
         backend=backend,
         batch_size=batch,
         seq_len=seq_len,
         device=q.device,
-        sliding_windows=[3, 5],
+        layout=layout,
+        sliding_windows=windows,
     )
-    for window in (None, 3, 5):
+    for window in (None, *windows):
         for sink in (None, sinks):
             out = attention(q, k, v, mask, sliding_window=window, sinks=sink)
             wanted = _reference_attention(q, k, v, position_ids, window=window, sinks=sink)
@@ -459,3 +467,61 @@ def test_expert_parallel_trains_as_one_process(tmp_path: pathlib.Path) -> None:
     )  # fmt: skip
     model_dir = make_tiny_model(tmp_path / "ep-gpt-oss", family="gpt-oss", spec=spec)
     hf_parity.assert_expert_parallel_trains_as_one_process(model_dir, tmp_path, num_routers=0)
+
+
+def test_cp2_with_router_replay_trains_as_one_process(tmp_path: pathlib.Path) -> None:
+    """Context parallel over 2 CPU ranks (test_context_parallel's cp_worker, float64, replayed
+    routing): windows by row index and sinks on this rank's queries over the gathered keys, with
+    sdpa (dense and chunked masks) and flex (forward), equal one process."""
+    from primerl_launcher.tiny_model import TinyGptOssSpec, make_tiny_model
+
+    from ..test_context_parallel import _assert_matches_one_process, _cp_data, _run_workers
+
+    spec = TinyGptOssSpec(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+        moe_intermediate_size=32, sliding_window=4,
+    )  # fmt: skip
+    model_dir = make_tiny_model(tmp_path / "cp-gpt-oss", family="gpt-oss", spec=spec)
+    data, reference = _cp_data(model_dir, tmp_path, replay=True, dtype=torch.float64)
+    out = tmp_path / "out"
+    out.mkdir()
+    result = _run_workers(model_dir, data, out, nproc=2, cp=2, dtype=torch.float64)
+    _assert_matches_one_process(result, reference, torch.float64)
+
+
+def test_flex_tiles_of_a_windowed_row_layout_follow_the_window() -> None:
+    """The BlockMask's tiles (128 x 128) of a row layout with a window: every tile holding an
+    allowed (query, key) pair is kept, a tile left unmasked ("full") holds only allowed pairs, and
+    the window skips tiles the document rule alone keeps and keeps some full."""
+    from primerl_trainer.distributed.context_parallel import RowLayout
+
+    position_ids = torch.cat([torch.arange(n) for n in (600, 3, 100)])
+    layout = RowLayout.of(position_ids, cp_rank=0, cp_size=1)
+    mask = build_attention_mask(
+        None, backend="flex", batch_size=1, seq_len=703, device=torch.device("cpu"), layout=layout,
+        sliding_windows=[300],
+    )  # fmt: skip
+    docs, rows = layout.document_ids, torch.arange(703)
+    causal = (rows[:, None] >= rows) & (docs[:, None] == docs)
+
+    def tiles(block) -> tuple[torch.Tensor, torch.Tensor]:
+        kept = torch.zeros(6, 6, dtype=torch.bool)
+        full = torch.zeros(6, 6, dtype=torch.bool)
+        for q_tile in range(6):
+            kept[q_tile, block.kv_indices[0, 0, q_tile, : block.kv_num_blocks[0, 0, q_tile]]] = True
+            full[q_tile, block.full_kv_indices[0, 0, q_tile, : block.full_kv_num_blocks[0, 0, q_tile]]] = True
+        return kept | full, full
+
+    def tile_any_all(allowed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        padded = torch.nn.functional.pad(allowed, (0, 768 - 703, 0, 768 - 703))
+        per_tile = padded.view(6, 128, 6, 128).transpose(1, 2).flatten(2)
+        real = torch.nn.functional.pad(torch.ones(703, 703, dtype=torch.bool), (0, 65, 0, 65))
+        real = real.view(6, 128, 6, 128).transpose(1, 2).flatten(2)
+        return per_tile.any(-1), (per_tile | ~real).all(-1)
+
+    for block, allowed in ((mask.block, causal), (mask.windowed[300].block, causal & (rows[:, None] - rows < 300))):
+        kept, full = tiles(block)
+        any_allowed, all_allowed = tile_any_all(allowed)
+        assert torch.equal(kept, any_allowed) and (full <= all_allowed).all()
+    windowed_kept, windowed_full = tiles(mask.windowed[300].block)
+    assert windowed_kept.sum() < tiles(mask.block)[0].sum() and windowed_full.sum() > 0

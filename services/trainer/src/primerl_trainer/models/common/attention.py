@@ -213,10 +213,10 @@ def _document_block_mask(
     q_docs = docs[q_positions]
 
     def tile_bounds(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        tail = -values.numel() % _FLEX_BLOCK
-        low = F.pad(values, (0, tail), value=torch.iinfo(values.dtype).max).view(-1, _FLEX_BLOCK).amin(1)
-        high = F.pad(values, (0, tail), value=-1).view(-1, _FLEX_BLOCK).amax(1)
-        return low, high
+        # Padded by repeating the last value (F.pad's fill is a float: int64's max would wrap).
+        tail = values[-1:].expand(-values.numel() % _FLEX_BLOCK)
+        tiles = torch.cat((values, tail)).view(-1, _FLEX_BLOCK)
+        return tiles.amin(1), tiles.amax(1)
 
     q_pos_low, q_pos_high = tile_bounds(q_positions)
     q_doc_low, q_doc_high = tile_bounds(q_docs)
