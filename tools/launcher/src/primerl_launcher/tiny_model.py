@@ -48,6 +48,7 @@ __all__ = [
     "TinyAfmoeSpec",
     "TinyGlm4MoeSpec",
     "TinyGptOssSpec",
+    "TinyLagunaSpec",
     "TinyMiniMaxM2Spec",
     "TinyModelSpec",
     "TinyMoeSpec",
@@ -404,6 +405,62 @@ class TinyAfmoeSpec(TinyMoeSpec):
         }
 
 
+@dataclass(frozen=True)
+class TinyLagunaSpec(TinyMoeSpec):
+    """Laguna: sliding-window layers (default RoPE over the whole head, a window shorter than
+    typical test prompts) and full layers (YaRN over half of each head) alternating, per-layer
+    query head counts, a dense first layer, sigmoid routing with a random correction bias
+    (transformers starts it at zero; a parameter there) and soft-capped logits, a routed scaling
+    factor, a shared expert, per-head softplus output gates; untied head. RoPE lives in
+    rope_parameters, one dict per kind of layer."""
+
+    model_class: ClassVar[str] = "LagunaForCausalLM"
+    model_type: ClassVar[str] = "laguna"
+    random_parameters: ClassVar[tuple[str, ...]] = ("mlp.gate.e_score_correction_bias",)
+
+    sliding_window: int = 8
+    shared_expert_intermediate_size: int = 128
+    moe_routed_scaling_factor: float = 2.5
+    moe_router_logit_softcapping: float = 8.0
+    yarn_factor: float = 8.0
+
+    def config_dict(self, dtype: DType) -> dict[str, Any]:
+        config = super().config_dict(dtype)
+        del config["rope_theta"]
+        return config
+
+    def family_config(self) -> dict[str, Any]:
+        layers = range(self.num_hidden_layers)
+        return {
+            "num_experts": self.num_experts,
+            "num_experts_per_tok": self.num_experts_per_tok,
+            "moe_intermediate_size": self.moe_intermediate_size,
+            "shared_expert_intermediate_size": self.shared_expert_intermediate_size,
+            "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in layers],
+            "mlp_layer_types": ["dense" if i == 0 else "sparse" for i in layers],
+            "num_attention_heads_per_layer": [self.num_attention_heads * (1 if i % 2 == 0 else 2) for i in layers],
+            "sliding_window": self.sliding_window,
+            "rope_parameters": {
+                "full_attention": {
+                    "rope_type": "yarn",
+                    "rope_theta": self.rope_theta,
+                    "partial_rotary_factor": 0.5,
+                    "factor": self.yarn_factor,
+                    "original_max_position_embeddings": int(self.max_position_embeddings / self.yarn_factor),
+                },
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 1.0},
+            },
+            "gating": True,
+            "attention_bias": False,
+            "moe_routed_scaling_factor": self.moe_routed_scaling_factor,
+            "moe_router_logit_softcapping": self.moe_router_logit_softcapping,
+            "moe_apply_router_weight_on_input": False,
+            "output_router_logits": False,
+            "router_aux_loss_coef": 0.001,
+            "tie_word_embeddings": False,
+        }
+
+
 # One entry per family: its name on the command line -> its default tiny shape.
 FAMILIES: dict[str, TinyModelSpec] = {
     "qwen3": TinyQwen3Spec(),
@@ -413,6 +470,7 @@ FAMILIES: dict[str, TinyModelSpec] = {
     "qwen3.5-moe": TinyQwen3_5MoeSpec(),
     "gpt-oss": TinyGptOssSpec(),
     "afmoe": TinyAfmoeSpec(),
+    "laguna": TinyLagunaSpec(),
 }
 # The older names callers pick the Qwen3 models by (the launcher's tiny-dense / tiny-moe).
 KINDS = {"dense": "qwen3", "moe": "qwen3-moe"}

@@ -32,6 +32,9 @@ from primerl_trainer.models.gpt_oss.model import GptOssModel, GptOssModelArgs
 from primerl_trainer.models.gpt_oss.parallelize import parallelize_gpt_oss
 from primerl_trainer.models.gpt_oss.state_dict_adapter import GptOssStateDictAdapter
 from primerl_trainer.models.hf import HFCausalLM
+from primerl_trainer.models.laguna.model import LagunaModel, LagunaModelArgs
+from primerl_trainer.models.laguna.parallelize import parallelize_laguna
+from primerl_trainer.models.laguna.state_dict_adapter import LagunaStateDictAdapter
 from primerl_trainer.models.minimax_m2.model import MiniMaxM2Model, MiniMaxM2ModelArgs
 from primerl_trainer.models.minimax_m2.parallelize import parallelize_minimax_m2
 from primerl_trainer.models.minimax_m2.state_dict_adapter import MiniMaxM2StateDictAdapter
@@ -72,6 +75,7 @@ MODEL_SPECS: dict[str, ModelSpec] = {
         ),
         ModelSpec("gpt_oss", GptOssModel, GptOssModelArgs, GptOssStateDictAdapter, parallelize_gpt_oss),
         ModelSpec("afmoe", AfmoeModel, AfmoeModelArgs, AfmoeStateDictAdapter, parallelize_afmoe),
+        ModelSpec("laguna", LagunaModel, LagunaModelArgs, LagunaStateDictAdapter, parallelize_laguna),
     )
 }
 

@@ -1,0 +1,1 @@
+"""Laguna (`laguna`): model, Hugging Face state-dict adapter, parallelize function."""
