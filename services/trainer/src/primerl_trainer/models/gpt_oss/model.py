@@ -13,10 +13,14 @@ experts, with these particulars:
 
 Layers run, take replayed experts (R3) and report routing as in Qwen3MoeModel, whose forward
 this model reuses.
+
+On GPUs run it with attn_backend "flex": every layer has sinks, which SDPA's kernels lack, so
+"sdpa" takes the explicit softmax that holds every score (right, for CPUs and tests).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Self
 
@@ -32,6 +36,8 @@ from primerl_trainer.models.qwen3_moe.model import MoETransformerBlock, Qwen3Moe
 
 if TYPE_CHECKING:
     from primerl_trainer.distributed.context_parallel import RowLayout
+
+logger = logging.getLogger(__name__)
 
 # transformers' GptOssConfig defaults, for fields a config.json leaves out.
 DEFAULT_ROPE_THETA = 150_000.0
@@ -212,6 +218,7 @@ class GptOssBlock(MoETransformerBlock):
 class GptOssModel(Qwen3MoeModel):
     args: GptOssModelArgs
     moe_block_cls = GptOssBlock
+    _warned_sdpa = False
 
     def build_block(self, layer_id: int) -> nn.Module:
         return GptOssBlock(self.args, layer_id)
@@ -233,6 +240,9 @@ class GptOssModel(Qwen3MoeModel):
                 f"[1, {row_layout.num_local_tokens}], got {list(input_ids.shape)}"
             )
         h = self.tok_embeddings(input_ids)
+        if h.is_cuda and self.attn_backend == "sdpa" and not self._warned_sdpa:
+            self._warned_sdpa = True
+            logger.warning("GPT-OSS on CUDA with attn_backend 'sdpa' holds every attention score; use 'flex'")
         mask = build_attention_mask(
             position_ids,
             backend=self.attn_backend,
