@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from primerl_trainer.models.common.attention import AttentionMask, attention, build_attention_mask
+from primerl_trainer.models.common.attention import AttentionMask, attention
 from primerl_trainer.models.gpt_oss.rope import RopeParameters
 from primerl_trainer.models.moe import GroupedExperts, MoE, _grouped_linear, _local
 from primerl_trainer.models.qwen3.model import Attention, common_args_from_hf_config
@@ -116,8 +116,7 @@ class GptOssAttention(Attention):
     """Qwen3's without q/k norms, with biases (o included), a sink per head and this layer's window."""
 
     def __init__(self, args: GptOssModelArgs, *, sliding_window: int | None) -> None:
-        super().__init__(args, bias=args.attention_bias)
-        self.wo = nn.Linear(args.num_heads * args.head_dim, args.dim, bias=args.attention_bias)
+        super().__init__(args, bias=args.attention_bias, out_bias=args.attention_bias)
         self.sinks = nn.Parameter(torch.empty(args.num_heads))
         self.sliding_window = sliding_window
 
@@ -128,6 +127,7 @@ class GptOssAttention(Attention):
         return self.heads(q), self.heads(k)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: AttentionMask) -> torch.Tensor:
+        """Attention.forward's, with the sinks in the softmax."""
         batch_size, seq_len, _ = x.shape
         projections = (self.wq, self.wk, self.wv)
         bias = torch.cat([p.bias for p in projections]) if self.wq.bias is not None else None
@@ -223,37 +223,25 @@ class GptOssModel(Qwen3MoeModel):
     def build_block(self, layer_id: int) -> nn.Module:
         return GptOssBlock(self.args, layer_id)
 
-    def embed(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor | None, row_layout: RowLayout | None = None
-    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor], AttentionMask]:
-        """Qwen3Model.embed's, with the masks of the layers' sliding windows and GPT-OSS's RoPE."""
-        if input_ids.ndim != 2:
-            raise ValueError(f"input_ids must be [batch, seq_len], got shape {list(input_ids.shape)}")
-        if position_ids is not None and position_ids.shape != input_ids.shape:
-            raise ValueError(
-                f"position_ids must have the shape of input_ids {list(input_ids.shape)}, got {list(position_ids.shape)}"
-            )
-        batch_size, seq_len = input_ids.shape
-        if row_layout is not None and (batch_size, seq_len) != (1, row_layout.num_local_tokens):
-            raise ValueError(
-                f"a row layout of {row_layout.num_local_tokens} local tokens needs input_ids of shape "
-                f"[1, {row_layout.num_local_tokens}], got {list(input_ids.shape)}"
-            )
-        h = self.tok_embeddings(input_ids)
-        if h.is_cuda and self.attn_backend == "sdpa" and not self._warned_sdpa:
+    @property
+    def sliding_windows(self) -> tuple[int, ...]:
+        return self.args.sliding_windows
+
+    def attention_mask(
+        self,
+        position_ids: torch.Tensor | None,
+        *,
+        batch_size: int,
+        seq_len: int,
+        device: torch.device,
+        row_layout: RowLayout | None,
+    ) -> AttentionMask:
+        if torch.device(device).type == "cuda" and self.attn_backend == "sdpa" and not self._warned_sdpa:
             self._warned_sdpa = True
             logger.warning("GPT-OSS on CUDA with attn_backend 'sdpa' holds every attention score; use 'flex'")
-        mask = build_attention_mask(
-            position_ids,
-            backend=self.attn_backend,
-            batch_size=batch_size,
-            seq_len=seq_len,
-            device=h.device,
-            layout=row_layout,
-            cp_group=self.cp_group,
-            sliding_windows=self.args.sliding_windows,
+        return super().attention_mask(
+            position_ids, batch_size=batch_size, seq_len=seq_len, device=device, row_layout=row_layout
         )
-        if position_ids is None:
-            position_ids = torch.arange(seq_len, device=h.device).expand(batch_size, seq_len)
-        rope = self.args.rope.cos_sin(position_ids, head_dim=self.args.head_dim, dtype=h.dtype)
-        return h, rope, mask
+
+    def rope(self, position_ids: torch.Tensor, *, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.args.rope.cos_sin(position_ids, head_dim=self.args.head_dim, dtype=dtype)
