@@ -210,6 +210,13 @@ def test_mxfp4_codes_round_trip() -> None:
     assert blocks.shape == (3, 4, 2, 16) and scales.shape == (3, 4, 2) and blocks.dtype == scales.dtype == torch.uint8
     assert torch.equal(dequantize_mxfp4(blocks, scales, dtype=torch.float32), exact)
     assert torch.equal(dequantize_mxfp4(blocks, scales), exact.bfloat16())
+    # transformers' dequantization (it returns the experts' input-major layout), and in slices.
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    assert torch.equal(convert_moe_packed_tensors(blocks, scales, dtype=torch.float32).transpose(1, 2), exact)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("primerl_trainer.models.gpt_oss.mxfp4._BLOCKS_PER_SLICE", 5)
+        assert torch.equal(dequantize_mxfp4(blocks, scales, dtype=torch.float32), exact)
     noisy = torch.randn(5, 64, generator=generator)
     error = (dequantize_mxfp4(*quantize_mxfp4(noisy), dtype=torch.float32) - noisy).abs()
     # Half the largest gap between codes (2 between 4 and 6) at each block's scale.

@@ -12,6 +12,7 @@ import torch
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 SCALE_BIAS = 127
 BLOCK = 32
+_BLOCKS_PER_SLICE = 1 << 20
 
 
 def dequantize_mxfp4(
@@ -26,10 +27,15 @@ def dequantize_mxfp4(
             f"MXFP4 blocks [..., G, 16] must match scales [..., G]: got {list(blocks.shape)} and {list(scales.shape)}"
         )
     table = torch.tensor(E2M1_VALUES, dtype=dtype, device=blocks.device)
-    codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).flatten(-2).long()
-    values = table[codes]
-    exponents = scales.to(torch.int32) - SCALE_BIAS
-    return torch.ldexp(values, exponents[..., None].to(dtype)).flatten(-2).to(dtype)
+    flat_blocks, flat_scales = blocks.reshape(-1, BLOCK // 2), scales.reshape(-1)
+    out = torch.empty(flat_scales.numel(), BLOCK, dtype=dtype, device=blocks.device)
+    # In slices of blocks: the codes' index tensor would otherwise be 4 bytes per weight.
+    for start in range(0, flat_scales.numel(), _BLOCKS_PER_SLICE):
+        part = flat_blocks[start : start + _BLOCKS_PER_SLICE]
+        codes = torch.stack((part & 0x0F, part >> 4), dim=-1).flatten(-2).int()
+        exponents = flat_scales[start : start + _BLOCKS_PER_SLICE].to(torch.int32) - SCALE_BIAS
+        torch.ldexp(table[codes], exponents[:, None].to(dtype), out=out[start : start + _BLOCKS_PER_SLICE])
+    return out.view(*scales.shape[:-1], scales.shape[-1] * BLOCK)
 
 
 def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
