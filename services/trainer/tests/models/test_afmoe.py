@@ -243,6 +243,12 @@ def test_rl_step_changes_the_loss(narrow_tiny_path: pathlib.Path, lora: bool) ->
     hf_parity.assert_rl_step_changes_loss(narrow_tiny_path, lora=lora)
 
 
+def test_context_parallel_trains_as_one_process(narrow_tiny_path: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    """cp=2 over 2 CPU ranks (hf_parity.assert_context_parallel_trains_as_one_process): sliding windows and NoPE full layers, sandwich norms, gates and the shared expert
+    on rows split zig-zag."""
+    hf_parity.assert_context_parallel_trains_as_one_process(narrow_tiny_path, tmp_path)
+
+
 def test_expert_parallel_trains_as_one_process(tmp_path: pathlib.Path) -> None:
     """ep=2 over 2 CPU ranks (hf_parity.assert_expert_parallel_trains_as_one_process): losses,
     replay, LoRA and resume under FSDP2 as one process."""
