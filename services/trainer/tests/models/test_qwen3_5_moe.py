@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from primerl_launcher.tiny_model import VOCAB_SIZE as TINY_VOCAB_SIZE
-from primerl_launcher.tiny_model import make_tiny_model
+from primerl_launcher.tiny_model import TinyQwen3_5MoeSpec, make_tiny_model
 from primerl_trainer.distributed.context_parallel import RowLayout
 from primerl_trainer.models import export_hf_state_dict, load_model, read_hf_state_dict
 from primerl_trainer.models.common.gated_delta_net import (
@@ -240,13 +240,6 @@ def test_stacked_experts_load_like_per_expert_ones(text_checkpoint: pathlib.Path
     loaded, wanted = adapter.from_hf(stacked), adapter.from_hf(hf_state_dict)
     assert loaded.keys() == wanted.keys()
     assert all(torch.equal(loaded[key], wanted[key]) for key in wanted)
-
-
-def test_context_parallel_is_refused(text_checkpoint: pathlib.Path) -> None:
-    model = load_model(text_checkpoint, impl="custom")
-    layout = RowLayout.of(torch.arange(16), cp_rank=0, cp_size=2)
-    with pytest.raises(ValueError, match="context parallel is not supported"):
-        model(random_ids(1, layout.num_local_tokens), row_layout=layout)
 
 
 @pytest.mark.parametrize(
@@ -509,3 +502,15 @@ def test_expert_parallel_trains_as_one_process(tiny_checkpoint: pathlib.Path, tm
         wanted = data["reference"]["metrics"][2][key]
         rel = 1e-4 if key == "grad_norm" else 1e-5
         assert result["resumed_metrics"][key] == pytest.approx(wanted, rel=rel, abs=1e-5), key
+
+
+def test_context_parallel_trains_as_one_process(tmp_path: pathlib.Path) -> None:
+    """cp=2 over 2 CPU ranks (hf_parity.assert_context_parallel_trains_as_one_process: packed rows,
+    a one-sample row, a row shorter than 2 * cp, replayed routing): the DeltaNet layers gather
+    the row and keep their tokens, the gated attention gathers keys and values."""
+    spec = TinyQwen3_5MoeSpec(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+        moe_intermediate_size=32, shared_expert_intermediate_size=32,
+    )  # fmt: skip
+    model_dir = make_tiny_model(tmp_path / "cp-qwen3.5-moe", family="qwen3.5-moe", spec=spec)
+    hf_parity.assert_context_parallel_trains_as_one_process(model_dir, tmp_path)

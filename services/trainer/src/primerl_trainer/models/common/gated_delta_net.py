@@ -15,6 +15,12 @@ PyTorch path, saying so once.
 
 Packed rows: `Segments` names where each sample starts. The convolution and the recurrence
 start from zero state at every sample start, so nothing flows from one sample into the next.
+
+Context parallel (`ContextParallelRow`): the ranks of a row split zig-zag gather the convolution's
+inputs and the gates of the whole row (one all-gather per layer, as attention gathers keys and
+values), run the convolution and the rule over it and keep their own tokens' outputs. The
+projections, the norm and everything around the layer stay split; the scan itself is repeated
+on every rank (passing the recurrent state between ranks instead is left to do).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from primerl_trainer.distributed.cp_collectives import gather_sequence
 from primerl_trainer.models.common.attention import document_ids
 from primerl_trainer.models.common.norms import RMSNorm
 
@@ -82,6 +89,25 @@ class Segments:
         return x.reshape(-1, *x.shape[2:])[self.padded_index].view(batch_size, -1, *x.shape[2:])
 
 
+@dataclass(frozen=True)
+class ContextParallelRow:
+    """This rank's share of one row split zig-zag over `cp_size` ranks (the process group named
+    `group_name`): its tokens are the row's at `local_positions` [t]."""
+
+    group_name: str
+    cp_size: int
+    local_positions: torch.Tensor
+
+    def gather(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
+        """Each [1, t, ...] -> [1, cp_size * t, ...], the whole row in order, in one collective
+        (through the widest dtype and back, which is exact). Differentiable."""
+        dtype = compute_dtype(*tensors)
+        flat = [t.reshape(t.shape[1], -1) for t in tensors]
+        row = gather_sequence(torch.cat([t.to(dtype) for t in flat], dim=-1), self.group_name, self.cp_size)
+        parts = row.split([t.shape[-1] for t in flat], dim=-1)
+        return [part.to(t.dtype).view(1, -1, *t.shape[2:]) for part, t in zip(parts, tensors, strict=True)]
+
+
 def segments_of(position_ids: torch.Tensor | None) -> Segments | None:
     """The samples of rows whose position ids restart at each sample; None when each row is one
     sample (position_ids None, or counting up from the row's first token)."""
@@ -91,6 +117,11 @@ def segments_of(position_ids: torch.Tensor | None) -> Segments | None:
     if not bool((docs[:, -1] == 0).all()):
         return Segments.of(docs)
     return None
+
+
+def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    """float32, or a wider dtype of the inputs (float64 runs stay float64)."""
+    return functools.reduce(torch.promote_types, (t.dtype for t in tensors), torch.float32)
 
 
 def l2_normalize(x: torch.Tensor) -> torch.Tensor:
@@ -123,11 +154,12 @@ def recurrent_gated_delta_rule(
     initial_state: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The rule token by token. q, k [N, L, H, Dk] (L2-normalised), v [N, L, H, Dv], g and beta
-    [N, L, H]; `initial_state` [N, H, Dk, Dv] (None: zeros). In float32; returns (o [N, L, H, Dv]
-    in v's dtype, final state [N, H, Dk, Dv] float32)."""
-    q, k, v, g, beta = (t.float() for t in (q, k, v, g, beta))
+    [N, L, H]; `initial_state` [N, H, Dk, Dv] (None: zeros). In float32 (or wider inputs' dtype);
+    returns (o [N, L, H, Dv] in v's dtype, final state [N, H, Dk, Dv] in that compute dtype)."""
+    out_dtype, dtype = v.dtype, compute_dtype(q, k, v, g, beta)
+    q, k, v, g, beta = (t.to(dtype) for t in (q, k, v, g, beta))
     num_seqs, seq_len, num_heads, k_dim = k.shape
-    state = q.new_zeros(num_seqs, num_heads, k_dim, v.shape[-1]) if initial_state is None else initial_state.float()
+    state = q.new_zeros(num_seqs, num_heads, k_dim, v.shape[-1]) if initial_state is None else initial_state.to(dtype)
     outs = []
     for t in range(seq_len):
         state = state * g[:, t, :, None, None].exp()
@@ -136,7 +168,7 @@ def recurrent_gated_delta_rule(
         state = state + k[:, t, :, :, None] * delta[:, :, None, :]
         outs.append(torch.einsum("nhkv,nhk->nhv", state, q[:, t] * scale))
     out = torch.stack(outs, dim=1) if outs else v.new_zeros(v.shape)
-    return out.to(v.dtype), state
+    return out.to(out_dtype), state
 
 
 def chunked_gated_delta_rule(
@@ -157,7 +189,7 @@ def chunked_gated_delta_rule(
     triangular system (I + A) D = beta V - (beta G K) S_0, A_ij = beta_i (G_i / G_j) k_i.k_j for
     j < i. Then o_i = G_i q_i S_0 + sum_{j<=i} (G_i / G_j) (q_i.k_j) d_j and the state leaving the
     chunk is G_C S_0 + sum_j (G_C / G_j) k_j d_j^T."""
-    out_dtype = v.dtype
+    out_dtype, dtype = v.dtype, compute_dtype(q, k, v, g, beta)
     num_seqs, seq_len, num_heads, k_dim = k.shape
     v_dim = v.shape[-1]
     pad = -seq_len % chunk_size
@@ -166,7 +198,7 @@ def chunked_gated_delta_rule(
     def chunks(x: torch.Tensor) -> torch.Tensor:
         # [N, L, H, ...] -> [N, H, num_chunks, C, ...], zero padded (a padded token has g = 0 and
         # beta = 0: it neither decays nor writes the state, and its output is dropped).
-        x = x.float().transpose(1, 2)
+        x = x.to(dtype).transpose(1, 2)
         x = F.pad(x, (0, 0, 0, pad)) if x.ndim == 4 else F.pad(x, (0, pad))
         return x.reshape(num_seqs, num_heads, num_chunks, chunk_size, *x.shape[3:])
 
@@ -186,7 +218,7 @@ def chunked_gated_delta_rule(
     k_to_end = k * (log_decay[..., -1:] - log_decay).exp()[..., None]
     chunk_decay = log_decay[..., -1].exp()[..., None, None]
 
-    state = q.new_zeros(num_seqs, num_heads, k_dim, v_dim) if initial_state is None else initial_state.float()
+    state = q.new_zeros(num_seqs, num_heads, k_dim, v_dim) if initial_state is None else initial_state.to(dtype)
     outs = []
     for i in range(num_chunks):
         written = written_v[:, :, i] - written_k[:, :, i] @ state
@@ -197,10 +229,10 @@ def chunked_gated_delta_rule(
 
 
 class GatedRMSNorm(RMSNorm):
-    """RMSNorm of each output head, times silu of the gate z (in float32), in x's dtype."""
+    """RMSNorm of each output head, times silu of the gate z (in float32 at least), in x's dtype."""
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        return (super().forward(x) * F.silu(gate.float())).to(x.dtype)
+        return (super().forward(x) * F.silu(gate.to(compute_dtype(gate)))).to(x.dtype)
 
 
 @functools.cache
@@ -266,20 +298,28 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(head_v_dim, eps=norm_eps)
         self.out_proj = nn.Linear(value_dim, dim, bias=False)
 
-    def forward(self, x: torch.Tensor, segments: Segments | None = None) -> torch.Tensor:
-        """x [B, T, dim]; `segments` the samples of packed rows (None: one per row)."""
+    def forward(
+        self, x: torch.Tensor, segments: Segments | None = None, cp: ContextParallelRow | None = None
+    ) -> torch.Tensor:
+        """x [B, T, dim]; `segments` the samples of packed rows (None: one per row); `cp`: x is
+        this rank's share of one row (B = 1) and `segments` the whole row's samples."""
         batch_size, seq_len, _ = x.shape
         mixed_qkv = self.in_proj_qkv(x)
         beta = self.in_proj_b(x).sigmoid()
-        # In float32: in bf16 exp(A_log) and the softplus lose the small decays.
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        # In float32 at least: in bf16 exp(A_log) and the softplus lose the small decays.
+        dtype = compute_dtype(x)
+        g = -self.A_log.to(dtype).exp() * F.softplus(self.in_proj_a(x).to(dtype) + self.dt_bias)
+        if cp is not None:
+            mixed_qkv, g, beta = cp.gather(mixed_qkv, g, beta)
         if self._use_fla(x):
             out = self._fla_core(mixed_qkv, g, beta, segments)
         elif segments is None:
             out = self._torch_core(mixed_qkv, g, beta)
         else:
             padded = self._torch_core(segments.pad(mixed_qkv), segments.pad(g), segments.pad(beta))
-            out = segments.unpad(padded, batch_size)
+            out = segments.unpad(padded, mixed_qkv.shape[0])
+        if cp is not None:
+            out = out[:, cp.local_positions]
         z = self.in_proj_z(x).view(batch_size, seq_len, self.num_v_heads, self.head_v_dim)
         return self.out_proj(self.norm(out, z).reshape(batch_size, seq_len, -1))
 
@@ -298,7 +338,7 @@ class GatedDeltaNet(nn.Module):
         mixed_qkv, _ = causal_conv1d(mixed_qkv, self.conv1d.weight.squeeze(1))
         q, k, v = self._split_heads(mixed_qkv)
         group = self.num_v_heads // self.num_k_heads
-        q, k = (l2_normalize(t.float()).repeat_interleave(group, dim=2) for t in (q, k))
+        q, k = (l2_normalize(t.to(compute_dtype(t))).repeat_interleave(group, dim=2) for t in (q, k))
         out, _ = chunked_gated_delta_rule(q, k, v, g, beta, scale=self.head_k_dim**-0.5, chunk_size=self.chunk_size)
         return out
 

@@ -19,7 +19,8 @@ coincide with plain RoPE when the three position rows are equal, as they are for
 
 Layers run, take replayed experts (R3) and report routing as in Qwen3MoeModel, whose forward
 this model reuses. Packed rows restart the DeltaNet's convolution and recurrent state at every
-sample; context parallel is refused (the recurrent state would have to pass between ranks).
+sample. Context parallel: attention as every family's; the DeltaNet layers gather the row's
+convolution inputs and gates and each rank runs the whole row's scan (gated_delta_net.py).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from torch import nn
 from primerl_trainer.models.common.attention import AttentionMask, attention
 from primerl_trainer.models.common.feed_forward import FeedForward
 from primerl_trainer.models.common.gated_delta_net import (
+    ContextParallelRow,
     GatedDeltaNet,
     GatedDeltaNetImpl,
     Segments,
@@ -150,10 +152,12 @@ class ZeroCenteredRMSNorm(nn.Module):
 @dataclass(frozen=True)
 class LayerMasks:
     """What each kind of layer gets in place of the mask: the attention layers the attention
-    mask, the DeltaNet layers the samples of packed rows (None: one per row)."""
+    mask, the DeltaNet layers the samples of packed rows (None: one per row) and, under context
+    parallel, this rank's share of the row."""
 
     attention: AttentionMask
     segments: Segments | None
+    cp: ContextParallelRow | None = None
 
 
 class GatedAttention(Attention):
@@ -198,7 +202,7 @@ class LinearAttention(GatedDeltaNet):
         )
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], masks: LayerMasks) -> torch.Tensor:
-        return super().forward(x, masks.segments)
+        return super().forward(x, masks.segments, masks.cp)
 
 
 class Qwen3_5MoeBlock(MoETransformerBlock):
@@ -254,16 +258,15 @@ class Qwen3_5MoeModel(Qwen3MoeModel):
         device: torch.device,
         row_layout: RowLayout | None,
     ) -> LayerMasks:
-        if row_layout is not None and row_layout.cp_size > 1:
-            raise ValueError(
-                "context parallel is not supported by Qwen3.5-MoE's Gated DeltaNet layers (their recurrent state "
-                "would have to pass between cp ranks); use parallel.cp 1"
-            )
         mask = super().attention_mask(
             position_ids, batch_size=batch_size, seq_len=seq_len, device=device, row_layout=row_layout
         )
         if row_layout is None:
-            segments = segments_of(position_ids)
-        else:
-            segments = None if row_layout.single_document else Segments.of(row_layout.document_ids[None].to(device))
-        return LayerMasks(mask, segments)
+            return LayerMasks(mask, segments_of(position_ids))
+        # The whole row's samples (its pad tokens, after them, are samples of their own).
+        docs = row_layout.document_ids[None].to(device)
+        if row_layout.cp_size == 1:
+            return LayerMasks(mask, None if row_layout.single_document else Segments.of(docs))
+        # super() has checked the cp group against the layout.
+        cp = ContextParallelRow(self.cp_group.group_name, row_layout.cp_size, row_layout.global_positions.to(device))
+        return LayerMasks(mask, None if bool((docs == 0).all()) else Segments.of(docs), cp)
