@@ -244,8 +244,9 @@ def test_rl_step_changes_the_loss(narrow_tiny_path: pathlib.Path, lora: bool) ->
 
 
 def test_context_parallel_trains_as_one_process(narrow_tiny_path: pathlib.Path, tmp_path: pathlib.Path) -> None:
-    """cp=2 over 2 CPU ranks (hf_parity.assert_context_parallel_trains_as_one_process): sliding windows and NoPE full layers, sandwich norms, gates and the shared expert
-    on rows split zig-zag."""
+    """cp=2 over 2 CPU ranks (hf_parity.assert_context_parallel_trains_as_one_process): sliding
+    windows and NoPE full layers, sandwich norms, gates and the shared expert on rows split
+    zig-zag."""
     hf_parity.assert_context_parallel_trains_as_one_process(narrow_tiny_path, tmp_path)
 
 

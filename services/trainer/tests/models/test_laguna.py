@@ -114,8 +114,8 @@ def test_auto_picks_the_own_implementation(full_checkpoint: pathlib.Path) -> Non
     args = model.args
     assert args.moe_layers == (1, 2) and args.heads_per_layer == (4, 2, 6, 4) and args.gate_per_head
     assert (args.routing.scaling_factor, args.routing.logit_softcap) == (2.5, 2.0)
-    assert args.ropes["full_attention"].rotary_dim == 8 and args.ropes["full_attention"].parameters.factor == 4.0
-    assert args.ropes["sliding_attention"].rotary_dim == 16
+    assert args.rope_of("full_attention").rotary_dim == 8 and args.rope_of("full_attention").parameters.factor == 4.0
+    assert args.rope_of("sliding_attention").rotary_dim == 16
     assert [block.attention.sliding_window for block in model.layers.values()] == [5, None, 5, None]
     assert [block.attention.wq.out_features for block in model.layers.values()] == [64, 32, 96, 64]
     assert model.layers["1"].moe.router.e_score_correction_bias.abs().sum() > 0
@@ -233,7 +233,7 @@ def test_tiny_model_maker_writes_a_laguna_checkpoint(tiny_path: pathlib.Path) ->
     assert weights["model.layers.1.mlp.experts.e_score_correction_bias"].abs().sum() > 0
     own = load_model(tiny_path, impl="auto", dtype=torch.float32)
     assert isinstance(own, LagunaModel) and own.args.moe_layers == (1, 2, 3)
-    assert own.args.heads_per_layer == (4, 8, 4, 8) and own.args.ropes["full_attention"].parameters.factor == 8.0
+    assert own.args.heads_per_layer == (4, 8, 4, 8) and own.args.rope_of("full_attention").parameters.factor == 8.0
     input_ids = torch.randint(0, TINY_VOCAB_SIZE, (2, 20), generator=torch.Generator().manual_seed(0))
     logits, expert_ids = reference_forward(reference(tiny_path), input_ids)
     out = own(input_ids)
@@ -258,8 +258,9 @@ def test_rl_step_changes_the_loss(narrow_tiny_path: pathlib.Path, lora: bool) ->
 
 
 def test_context_parallel_trains_as_one_process(narrow_tiny_path: pathlib.Path, tmp_path: pathlib.Path) -> None:
-    """cp=2 over 2 CPU ranks (hf_parity.assert_context_parallel_trains_as_one_process): per-kind RoPE (YaRN on half of each head), sliding windows, per-layer head counts and gates
-    on rows split zig-zag."""
+    """cp=2 over 2 CPU ranks (hf_parity.assert_context_parallel_trains_as_one_process): per-kind
+    RoPE (YaRN on half of each head), sliding windows, per-layer head counts and gates on rows
+    split zig-zag."""
     hf_parity.assert_context_parallel_trains_as_one_process(narrow_tiny_path, tmp_path)
 
 

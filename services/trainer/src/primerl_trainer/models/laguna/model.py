@@ -58,7 +58,11 @@ class LagunaModelArgs(Qwen3MoeModelArgs):
     heads_per_layer: tuple[int, ...]
     layer_types: tuple[str, ...]
     sliding_window: int | None
-    ropes: dict[str, LayerRope]
+    # (layer type, its RoPE) per kind of layer present; a tuple keeps the args hashable.
+    ropes: tuple[tuple[str, LayerRope], ...]
+
+    def rope_of(self, layer_type: str) -> LayerRope:
+        return dict(self.ropes)[layer_type]
 
     @classmethod
     def from_hf_config(cls, config: dict[str, Any]) -> Self:
@@ -109,7 +113,7 @@ class LagunaModelArgs(Qwen3MoeModelArgs):
             heads_per_layer=heads,
             layer_types=layer_types,
             sliding_window=window if SLIDING in layer_types else None,
-            ropes={kind: _layer_rope(config, kind, common["head_dim"]) for kind in sorted(set(layer_types))},
+            ropes=tuple((kind, _layer_rope(config, kind, common["head_dim"])) for kind in sorted(set(layer_types))),
         )
 
 
@@ -238,5 +242,5 @@ class LagunaModel(Qwen3MoeModel):
         """One cos/sin table per kind of layer, [B, T, that kind's rotary_dim]."""
         return {
             kind: rope.parameters.cos_sin(position_ids, head_dim=rope.rotary_dim, dtype=dtype)
-            for kind, rope in self.args.ropes.items()
+            for kind, rope in self.args.ropes
         }
