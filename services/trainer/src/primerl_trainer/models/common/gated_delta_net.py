@@ -311,17 +311,26 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.to(dtype).exp() * F.softplus(self.in_proj_a(x).to(dtype) + self.dt_bias)
         if cp is not None:
             mixed_qkv, g, beta = cp.gather(mixed_qkv, g, beta)
-        if self._use_fla(x):
-            out = self._fla_core(mixed_qkv, g, beta, segments)
-        elif segments is None:
-            out = self._torch_core(mixed_qkv, g, beta)
-        else:
-            padded = self._torch_core(segments.pad(mixed_qkv), segments.pad(g), segments.pad(beta))
-            out = segments.unpad(padded, mixed_qkv.shape[0])
+        out = self.core(mixed_qkv, g, beta, segments)
         if cp is not None:
             out = out[:, cp.local_positions]
         z = self.in_proj_z(x).view(batch_size, seq_len, self.num_v_heads, self.head_v_dim)
         return self.out_proj(self.norm(out, z).reshape(batch_size, seq_len, -1))
+
+    # Left out of compiled graphs: the PyTorch scan is a Python loop over chunks (unrolled, and
+    # recompiled for every new row shape), fla's kernels prepare their chunk indices on the host.
+    @torch.compiler.disable
+    def core(
+        self, mixed_qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, segments: Segments | None
+    ) -> torch.Tensor:
+        """The projected q, k, v [B, T, channels], decays and write strengths [B, T, Hv] -> the
+        rule's output [B, T, Hv, Dv] (convolution, heads, normalisation and the scan)."""
+        if self._use_fla(mixed_qkv):
+            return self._fla_core(mixed_qkv, g, beta, segments)
+        if segments is None:
+            return self._torch_core(mixed_qkv, g, beta)
+        padded = self._torch_core(segments.pad(mixed_qkv), segments.pad(g), segments.pad(beta))
+        return segments.unpad(padded, mixed_qkv.shape[0])
 
     def _split_heads(self, mixed_qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         key_dim = self.num_k_heads * self.head_k_dim

@@ -28,6 +28,7 @@ def parallelize_qwen3_moe(
     reshard_after_forward: bool = True,
     cpu_offload: bool = False,
     gradient_divide_factor: float | None = None,
+    compile_fullgraph: bool = True,
 ) -> Qwen3MoeModel:
     """In place; returns the model.
 
@@ -35,7 +36,8 @@ def parallelize_qwen3_moe(
     None: no FSDP. ep_mesh ("ep", of more than one rank): split each layer's experts over it;
     efsdp_mesh ("efsdp"): the FSDP2 mesh of the experts then (required with ep_mesh and dp_mesh).
     gradient_divide_factor: FSDP divides summed gradients by it, the experts' included (None:
-    dp_mesh's size)."""
+    dp_mesh's size). compile_fullgraph: False for families whose blocks hold code compile leaves
+    out (expert parallel always breaks the graph)."""
     experts_mesh = shard_placement_fn = None
     expert_parallel = ep_mesh is not None and ep_mesh.size() > 1
     if expert_parallel:
@@ -64,5 +66,5 @@ def parallelize_qwen3_moe(
         shard_placement_fn=shard_placement_fn,
         experts_mesh=experts_mesh,
         # The all-to-all's split sizes come to the host: a graph break in every MoE block.
-        compile_fullgraph=not expert_parallel,
+        compile_fullgraph=compile_fullgraph and not expert_parallel,
     )
