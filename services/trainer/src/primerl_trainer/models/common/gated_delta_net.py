@@ -105,7 +105,7 @@ class ContextParallelRow:
         flat = [t.reshape(t.shape[1], -1) for t in tensors]
         row = gather_sequence(torch.cat([t.to(dtype) for t in flat], dim=-1), self.group_name, self.cp_size)
         parts = row.split([t.shape[-1] for t in flat], dim=-1)
-        return [part.to(t.dtype).view(1, -1, *t.shape[2:]) for part, t in zip(parts, tensors, strict=True)]
+        return [part.to(t.dtype).reshape(1, -1, *t.shape[2:]) for part, t in zip(parts, tensors, strict=True)]
 
 
 def segments_of(position_ids: torch.Tensor | None) -> Segments | None:
