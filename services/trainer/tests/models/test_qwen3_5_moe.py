@@ -255,6 +255,7 @@ def test_stacked_experts_load_like_per_expert_ones(text_checkpoint: pathlib.Path
             r"partial_rotary",
         ),
         ({"linear_num_value_heads": 3}, r"linear_num_value_heads \(3\) must be a multiple"),
+        ({"quantization_config": {"quant_method": "fp8"}}, r"quantization_config"),
     ],
 )
 def test_bad_configs_are_refused(text_checkpoint: pathlib.Path, change: dict, match: str) -> None:

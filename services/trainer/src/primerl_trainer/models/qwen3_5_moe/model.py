@@ -75,6 +75,11 @@ class Qwen3_5MoeModelArgs(Qwen3MoeModelArgs):
         """From the multimodal config.json (its `text_config`) or the text model's."""
         multimodal = "text_config" in config
         text = config["text_config"] if multimodal else config
+        if config.get("quantization_config") or text.get("quantization_config"):
+            # The hub's FP8 variants: weight_scale_inv beside each weight.
+            raise ValueError(
+                "a quantized checkpoint (quantization_config) needs impl='hf'; the own model loads unquantized weights"
+            )
         check_supported_qwen3_5_moe_config(text)
         num_layers = text["num_hidden_layers"]
         layer_types = tuple(text.get("layer_types") or _default_layer_types(text, num_layers))
