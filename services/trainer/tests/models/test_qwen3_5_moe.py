@@ -424,6 +424,30 @@ def test_fla_kernels_equal_the_torch_path_on_cuda(dtype: torch.dtype) -> None:
         assert error <= tolerance, error
 
 
+@pytest.mark.gpu
+@torch.no_grad()
+def test_model_on_cuda_equals_transformers(tiny_checkpoint: pathlib.Path) -> None:
+    """float32 on CUDA, packed rows, against transformers' runs of each sample on the CPU: the
+    PyTorch path within the CPU's bound, fla's kernels (when importable) within TF32's."""
+    own = load_model(tiny_checkpoint, impl="custom", dtype=torch.float32, device="cuda")
+    samples, input_ids, position_ids = packed_inputs([6, 1, 90, 13], seed=8)
+    hf = reference(tiny_checkpoint)
+    expected = torch.cat([reference_forward(hf, sample)[0] for sample in samples], dim=1)
+    impls = {"torch": LOGIT_TOLERANCE}
+    try:
+        import fla  # noqa: F401
+
+        impls["fla"] = 5e-3
+    except ImportError:
+        pass
+    for impl, tolerance in impls.items():
+        for module in own.modules():
+            if isinstance(module, GatedDeltaNet):
+                module.impl = impl
+        logits = own(input_ids.cuda(), position_ids.cuda()).logits.cpu()
+        assert (logits - expected).abs().max() <= tolerance, impl
+
+
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     """The tiny-model maker's Qwen3.5-MoE (tiny vocabulary, DeltaNet and full attention layers)."""
