@@ -112,8 +112,11 @@ class LoRAConfig(Section):
     alpha: float = Field(default=32.0, gt=0, description="the update is scaled by alpha / rank")
     target_modules: list[str] = Field(
         default=["q", "k", "v", "o", "gate", "up", "down"],
-        description="q, k, v, o, gate, up, down (dense MLP), experts (every routed expert's gate, up and down); "
-        "HF names such as q_proj work too; unknown names are ignored with a warning",
+        description="q, k, v, o (attention); g (the attention's output gate: AFMoE, Laguna); gate, up, down "
+        "(the dense MLP and the shared experts); experts (every routed expert's gate and up, or its fused "
+        "gate_up as GPT-OSS stores it, and down); in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, out_proj "
+        "(Qwen3.5's Gated DeltaNet layers); HF names such as q_proj work too; the routers are never adapted; "
+        "unknown names are ignored with a warning",
     )
 
 

@@ -126,6 +126,9 @@ def _copy_model_files(source: pathlib.Path, staging: pathlib.Path, *, dtype: tor
             continue
         shutil.copyfile(path, staging / path.name)
     config = json.loads(config_path.read_text())
+    # The weights written are never quantized (the own models dequantize an MXFP4 source on loading):
+    # a quantization_config kept from the source would make transformers and vLLM misread them.
+    config.pop("quantization_config", None)
     dtype_name = str(dtype).removeprefix("torch.")
     config["dtype"] = dtype_name
     if "torch_dtype" in config:
