@@ -2,15 +2,20 @@
 after the run's own steps (--ep-variants), with a breakdown of each step's all-to-all time.
 
 A variant is "reference" or features joined by "+":
-    fused      the dispatch's row moves as Triton passes (DispatchOptions.fused_rows)
-    early      split sizes through pinned memory and an event (DispatchOptions.early_sizes)
+    packed     the routing rides in the rows' all-to-all: one exchange each way per layer instead
+               of two (DispatchOptions.packed)
     unsharded  FSDP's sharded units gathered through the micro-batches, reduced once per step
                (ParallelConfig.accumulate_unsharded)
-e.g. `--ep-variants reference fused fused+early fused+early+unsharded`.
+e.g. `--ep-variants unsharded packed+unsharded` (round 1's best, then with the packed dispatch).
+The row moves are the fused Triton ones and the split sizes come through pinned memory in every
+variant (round 1 measured both ahead).
 
 Breakdown per step, on rank 0: `a2a ms`, the time the compute stream spends from before to after
-each all_to_all_single (counts, tokens, routing, partial sums, and their backwards: transfer plus
-waiting for the other ranks), summed; `wait ms`, the host's time blocked on the split sizes.
+each all_to_all_single (counts, tokens and their routing, partial sums, and their backwards:
+transfer plus waiting for the other ranks), summed; `a2a calls`; `wait ms`, the host's time
+blocked on the split sizes; `retries`, the CUDA caching allocator's retries (a retry frees cached
+blocks with cudaFree, which waits for the whole device: a stall of this rank that the other waits
+out in its next all-to-all).
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import statistics
 import time
 from typing import Any
 
-FEATURES = ("fused", "early", "unsharded")
+FEATURES = ("packed", "unsharded")
 
 
 def parse_variant(name: str) -> frozenset[str]:
@@ -39,18 +44,31 @@ def apply_variant(trainer, features: frozenset[str]) -> None:
 
     for module in trainer.model.modules():
         if isinstance(module, MoE) and module.dispatcher is not None:
-            module.dispatcher.options = DispatchOptions(fused_rows="fused" in features, early_sizes="early" in features)
+            module.dispatcher.options = DispatchOptions(packed="packed" in features)
     trainer.accumulate_unsharded = "unsharded" in features
+
+
+@dataclasses.dataclass
+class StepBreakdown:
+    """What one step spent on rank 0 (see the module docstring)."""
+
+    a2a_ms: float = 0.0
+    a2a_calls: int = 0
+    wait_ms: float = 0.0
+    alloc_retries: int = 0
 
 
 class AllToAllTimers:
     """Times every all_to_all_single on the calling stream (CUDA events; wall time on the CPU)
-    and the host's waits for the split sizes, by wrapping both for this process."""
+    and the host's waits for the split sizes, by wrapping both for this process; counts the
+    caching allocator's retries."""
 
     def __init__(self) -> None:
         self._pairs: list[tuple[Any, Any]] = []
         self._cpu_s = 0.0
         self._wait_s = 0.0
+        self._calls = 0
+        self._retries = _alloc_retries()
 
     def install(self) -> None:
         import torch
@@ -62,6 +80,7 @@ class AllToAllTimers:
         wait = expert_parallel._HostSizes.wait
 
         def timed_all_to_all(*args, **kwargs):
+            self._calls += 1
             output = args[0] if args else kwargs["output"]
             if not output.is_cuda:
                 start = time.perf_counter()
@@ -85,25 +104,39 @@ class AllToAllTimers:
         dist.all_to_all_single = timed_all_to_all
         expert_parallel._HostSizes.wait = timed_wait
 
-    def take(self) -> tuple[float, float]:
-        """(all-to-all ms, wait ms) since the last take."""
+    def take(self) -> StepBreakdown:
+        """What was spent since the last take."""
         import torch
 
         if self._pairs:
             torch.cuda.synchronize()
-        a2a_ms = sum(start.elapsed_time(end) for start, end in self._pairs) + self._cpu_s * 1e3
-        wait_ms = self._wait_s * 1e3
-        self._pairs, self._cpu_s, self._wait_s = [], 0.0, 0.0
-        return a2a_ms, wait_ms
+        retries = _alloc_retries()
+        breakdown = StepBreakdown(
+            a2a_ms=sum(start.elapsed_time(end) for start, end in self._pairs) + self._cpu_s * 1e3,
+            a2a_calls=self._calls,
+            wait_ms=self._wait_s * 1e3,
+            alloc_retries=retries - self._retries,
+        )
+        self._pairs, self._cpu_s, self._wait_s, self._calls, self._retries = [], 0.0, 0.0, 0, retries
+        return breakdown
 
 
-@dataclasses.dataclass
-class VariantResult:
-    name: str
-    step_s: float
-    peak_bytes: float
-    a2a_ms: float
-    wait_ms: float
+def _alloc_retries() -> int:
+    import torch
+
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return 0
+    return torch.cuda.memory_stats().get("num_alloc_retries", 0)
+
+
+def median_breakdown(breakdowns: list[StepBreakdown]) -> StepBreakdown:
+    """Field by field; retries summed over the steps."""
+    return StepBreakdown(
+        a2a_ms=statistics.median(b.a2a_ms for b in breakdowns),
+        a2a_calls=int(statistics.median(b.a2a_calls for b in breakdowns)),
+        wait_ms=statistics.median(b.wait_ms for b in breakdowns),
+        alloc_retries=sum(b.alloc_retries for b in breakdowns),
+    )
 
 
 def run_variants(trainer, batch, names: list[str], *, warmup: int, steps: int, timers: AllToAllTimers) -> list[dict]:
@@ -115,23 +148,22 @@ def run_variants(trainer, batch, names: list[str], *, warmup: int, steps: int, t
     results = []
     for name in names:
         apply_variant(trainer, parse_variant(name))
-        times, peaks, a2a, waits = [], [], [], []
+        times, peaks, breakdowns = [], [], []
         for step in range(warmup + steps):
             timers.take()
             metrics = trainer.train_step(batch)
-            a2a_ms, wait_ms = timers.take()
+            breakdown = timers.take()
             if step >= warmup:
                 times.append(metrics["step_time_s"])
                 peaks.append(metrics["peak_memory_bytes"])
-                a2a.append(a2a_ms)
-                waits.append(wait_ms)
+                breakdowns.append(breakdown)
         peak = torch.tensor([max(peaks)], dtype=torch.float64, device=next(trainer.model.parameters()).device)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        result = VariantResult(
-            name, statistics.median(times), float(peak), statistics.median(a2a), statistics.median(waits)
+        results.append(
+            {"name": name, "step_s": statistics.median(times), "peak_bytes": float(peak)}
+            | dataclasses.asdict(median_breakdown(breakdowns))
         )
-        results.append(dataclasses.asdict(result))
     return results
 
 
@@ -140,12 +172,13 @@ def report_variants(variants: list[dict], *, tokens_per_step: int, nproc: int, b
     if not variants:
         return
     print("\nep=2 variants (same processes, after the run's own steps; ep_scaling against 'moe 1 GPU'):")
-    columns = ("step ms", "tok/s/GPU", "ep_scaling", "peak GiB", "a2a ms", "wait ms")
+    columns = ("step ms", "tok/s/GPU", "ep_scaling", "peak GiB", "a2a ms", "a2a calls", "wait ms", "retries")
     print(f"{'variant':<26} " + " ".join(f"{column:>10}" for column in columns))
     for variant in variants:
         per_gpu = tokens_per_step / variant["step_s"] / nproc
         print(
             f"{variant['name']:<26} {variant['step_s'] * 1e3:>10.0f} {per_gpu:>10.0f} "
             f"{per_gpu / baseline_tokens_per_s:>10.3f} {variant['peak_bytes'] / 2**30:>10.1f} "
-            f"{variant['a2a_ms']:>10.0f} {variant['wait_ms']:>10.0f}"
+            f"{variant['a2a_ms']:>10.0f} {variant['a2a_calls']:>10} {variant['wait_ms']:>10.0f} "
+            f"{variant['alloc_retries']:>10}"
         )

@@ -4,7 +4,7 @@ predictions; and (--calibrate) the per-kernel rates the planner uses.
     python3 bench/parallel_throughput.py              # the comparison (~6 min on 2 H100)
     python3 bench/parallel_throughput.py --calibrate  # a rates file for this GPU (~3 min; parallel_calibrate.py)
     python3 bench/parallel_throughput.py --smoke      # tiny shapes, CPU, gloo: checks the script
-    python3 bench/parallel_throughput.py --only 'moe 1 GPU' 'moe ep=2' --ep-variants reference fused+early
+    python3 bench/parallel_throughput.py --only 'moe 1 GPU' 'moe ep=2' --ep-variants unsharded packed+unsharded
         # the MoE runs, and variants of the ep=2 one timed in its processes (parallel_ep_variants.py)
 
 Launch it once, with plain python3 from the repository root: it starts its own workers (a
@@ -28,6 +28,10 @@ the timed steps; peak: the largest over ranks).
     trainer_throughput.py, peak from the rates file).
 (c) the planner (primerl_trainer.planner, rates of this GPU kind or --rates) for every run, with
     its relative error.
+Every run's processes get PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (--alloc-conf): near
+full memory the caching allocator otherwise retries (frees its cached blocks with cudaFree, a wait
+for the whole device) several times a step, and under ep=2 the other rank waits that stall out in
+its next all-to-all. Each run line says how many retries its timed steps had.
 
 Outputs: stdout, and under $OUT (when set) parallel_throughput.json (every run and prediction),
 parallel_throughput.txt (this stdout) or, with --calibrate, rates-<gpu>.toml.
@@ -61,7 +65,7 @@ import tempfile
 import time
 from typing import Any
 
-from parallel_ep_variants import AllToAllTimers, parse_variant, report_variants, run_variants
+from parallel_ep_variants import AllToAllTimers, median_breakdown, parse_variant, report_variants, run_variants
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 OUT = pathlib.Path(os.environ["OUT"]) if os.environ.get("OUT") else None
@@ -154,7 +158,9 @@ class Run:
     mfu: float = float("nan")
     tried: dict[str, str] = dataclasses.field(default_factory=dict)
     a2a_ms: float = float("nan")  # per step, rank 0 (see parallel_ep_variants)
+    a2a_calls: int = 0
     wait_ms: float = float("nan")
+    alloc_retries: int = 0  # over the timed steps, rank 0
     variant_results: list[dict] = dataclasses.field(default_factory=list)
     # predicted
     predicted_step_s: float = float("nan")
@@ -251,20 +257,21 @@ def train_run(run: Run, checkpoint: pathlib.Path, *, device: str, compile: bool)
             timers = AllToAllTimers()
             if run.ep > 1:
                 timers.install()
-            times, peaks, a2a, waits = [], [], [], []
+            times, peaks, breakdowns = [], [], []
             for step in range(run.warmup + run.steps):
                 if step == run.warmup and PROFILE:
                     profile_step(runtime.trainer, batch, run.name, rank)
                 timers.take()
                 metrics = runtime.trainer.train_step(batch)
-                a2a_ms, wait_ms = timers.take()
+                breakdown = timers.take()
                 if step >= run.warmup:
                     times.append(metrics["step_time_s"])
                     peaks.append(metrics["peak_memory_bytes"])
-                    a2a.append(a2a_ms)
-                    waits.append(wait_ms)
+                    breakdowns.append(breakdown)
+            breakdown = median_breakdown(breakdowns)
+            run.alloc_retries = breakdown.alloc_retries
             if run.ep > 1:
-                run.a2a_ms, run.wait_ms = statistics.median(a2a), statistics.median(waits)
+                run.a2a_ms, run.a2a_calls, run.wait_ms = breakdown.a2a_ms, breakdown.a2a_calls, breakdown.wait_ms
             peak = torch.tensor([max(peaks)], dtype=torch.float64, device=runtime.device)
             if dist.get_world_size() > 1:
                 dist.all_reduce(peak, op=dist.ReduceOp.MAX)
@@ -275,8 +282,13 @@ def train_run(run: Run, checkpoint: pathlib.Path, *, device: str, compile: bool)
             run.tried[str(length)] = "ok"
             if rank == 0:
                 print(
-                    f"  {run.name} seq {length}: {run.step_s * 1e3:.0f} ms/step, peak {run.peak_bytes / 2**30:.1f} GiB"
-                    + (f", all-to-all {run.a2a_ms:.0f} ms, host waits {run.wait_ms:.0f} ms" if run.ep > 1 else ""),
+                    f"  {run.name} seq {length}: {run.step_s * 1e3:.0f} ms/step, "
+                    f"peak {run.peak_bytes / 2**30:.1f} GiB, allocator retries {run.alloc_retries} in {run.steps} steps"
+                    + (
+                        f", all-to-all {run.a2a_ms:.0f} ms in {run.a2a_calls} calls, host waits {run.wait_ms:.0f} ms"
+                        if run.ep > 1
+                        else ""
+                    ),
                     flush=True,
                 )
             if run.variants:
@@ -359,8 +371,9 @@ def launch(run: Run, checkpoint: pathlib.Path, args: argparse.Namespace) -> Run:
         command += worker
     else:
         command = [sys.executable, *worker]
+    env = os.environ | ({"PYTORCH_CUDA_ALLOC_CONF": args.alloc_conf} if args.alloc_conf else {})
     with tempfile.TemporaryFile("w+") as stderr:
-        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True)
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
         assert process.stdout is not None
         for line in process.stdout:  # through this process's stdout (and $OUT's copy)
             print(line, end="", flush=True)
@@ -495,6 +508,7 @@ def bench_main(args: argparse.Namespace) -> None:
         run.warmup = run.warmup if args.warmup is None else args.warmup
         run.steps = run.steps if args.steps is None else args.steps
     print(f"planner rates: {rates.gpu} ({rates.source})", flush=True)
+    print(f"PYTORCH_CUDA_ALLOC_CONF of every run: {args.alloc_conf or os.environ.get('PYTORCH_CUDA_ALLOC_CONF', '')!r}")
     shm = pathlib.Path("/dev/shm")
     tmp_root = shm if shm.is_dir() and shutil.disk_usage(shm).free > 60 * 2**30 else None
     with tempfile.TemporaryDirectory(prefix="parallel-throughput-", dir=tmp_root) as tmp:
@@ -613,12 +627,18 @@ def main() -> None:
         "--ep-variants",
         nargs="+",
         help="also time these variants of the ep=2 run in its processes (parallel_ep_variants.py), e.g. "
-        "reference fused fused+early fused+early+unsharded",
+        "unsharded packed+unsharded",
     )
     parser.add_argument(
         "--ep-reshard",
         action="store_true",
         help="the ep=2 run without parallel.accumulate_unsharded (FSDP reshards and reduces every micro-batch)",
+    )
+    parser.add_argument(
+        "--alloc-conf",
+        default="expandable_segments:True",
+        help="PYTORCH_CUDA_ALLOC_CONF of every run ('' keeps the environment's): expandable segments spare the "
+        "caching allocator its retries (cudaFree of cached blocks, a device-wide wait) when memory runs near full",
     )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--checkpoint", help=argparse.SUPPRESS)

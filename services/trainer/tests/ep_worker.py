@@ -9,6 +9,7 @@ and expert choice with replayed experts, then a third step with router replay. W
 the batches file, the checkpoint of step 2 is then loaded into the model sharded by plain FSDP over
 the same ranks (ep 1), which trains the third step again; with "lora", a LoRA model (experts
 adapted) trains the first batch under the same mesh and is published, merged and as an adapter.
+"packed" False: the dispatch sends the routing in an all-to-all of its own (DispatchOptions).
 """
 
 import pathlib
@@ -23,11 +24,13 @@ from primerl_trainer.batch import BatchSpec
 from primerl_trainer.checkpoint import Checkpointer
 from primerl_trainer.config import LoRAConfig
 from primerl_trainer.config_types import OptimizerConfig
+from primerl_trainer.distributed.expert_parallel import DispatchOptions
 from primerl_trainer.distributed.parallel_dims import ParallelDims
 from primerl_trainer.export import exported_tensors, gather_state_dict
 from primerl_trainer.lora import apply_lora
 from primerl_trainer.losses import token_logprobs
 from primerl_trainer.models import model_spec_of
+from primerl_trainer.models.moe import MoE
 from primerl_trainer.optim import build_lr_scheduler, build_optimizer
 from primerl_trainer.process_group import init_distributed
 from primerl_trainer.train import Trainer
@@ -72,6 +75,9 @@ def main(model_dir: pathlib.Path, batches_file: pathlib.Path, out_dir: pathlib.P
         model_dir, device, ParallelDims(world_size=world_size, ep=ep), plain_spec, optimizer_config, None, compute_dtype
     )
     trainer.accumulate_unsharded = data.get("accumulate_unsharded", False)
+    for module in trainer.model.modules():
+        if isinstance(module, MoE):
+            module.dispatcher.options = DispatchOptions(packed=data.get("packed", True))
     checkpointer = Checkpointer(out_dir / "checkpoints", interval=2)
     metrics = []
     for batch in batches[:2]:

@@ -218,23 +218,26 @@ def _assert_matches_one_process(result: dict, reference: dict, probe_routed_expe
 
 
 @pytest.mark.parametrize(
-    ("device_type", "accumulate_unsharded"),
-    [("cpu", False), ("cpu", True), pytest.param("cuda", False, marks=pytest.mark.gpu)],
+    ("device_type", "accumulate_unsharded", "packed"),
+    [("cpu", False, True), ("cpu", True, False), pytest.param("cuda", False, True, marks=pytest.mark.gpu)],
 )
 def test_ep2_trains_as_one_process_and_its_checkpoint_resumes_under_fsdp2(
     device_type: str,
     accumulate_unsharded: bool,
+    packed: bool,
     moe_dir: pathlib.Path,
     ep_data: tuple[pathlib.Path, dict],
     tmp_path: pathlib.Path,
 ) -> None:
     """accumulate_unsharded: the FSDP units sharded over the 2 ranks stay gathered through each
-    rank's 2 micro-batches and reduce once per step."""
+    rank's 2 micro-batches and reduce once per step. packed: the routing rides in the rows'
+    all-to-all (DispatchOptions.packed; else an all-to-all of its own)."""
     if device_type == "cuda" and torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     batches, data = ep_data
     data_file = tmp_path / "batches.pt"
-    torch.save(torch.load(batches) | {"resume": True, "accumulate_unsharded": accumulate_unsharded}, data_file)
+    options = {"resume": True, "accumulate_unsharded": accumulate_unsharded, "packed": packed}
+    torch.save(torch.load(batches) | options, data_file)
     result = _run_workers(moe_dir, data_file, tmp_path, nproc=2, ep=2, device_type=device_type)
     _assert_matches_one_process(result, data["reference"], data["probe_routed_experts"])
     # The third step again, from the ep=2 checkpoint of step 2 loaded into FSDP over 2 ranks.

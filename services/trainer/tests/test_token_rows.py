@@ -23,6 +23,18 @@ def _check_against_reference() -> None:
             weights = torch.randn(12, 3, generator=generator).to(dtype)
             valid = torch.rand(12, 3, generator=generator) > 0.3
             assert torch.equal(token_rows.gather_rows(rows, index[:, 0]), rows[index[:, 0]])
+            # Rows read from, and written into, column slices of wider buffers (the packed dispatch).
+            wide = torch.randn(30, num_cols + 6, generator=generator).to(dtype)
+            out = torch.full((12, num_cols + 5), 7.0, dtype=dtype)
+            token_rows.gather_rows(wide[:, 2 : 2 + num_cols], index[:, 0], out=out[:, 1 : 1 + num_cols])
+            assert torch.equal(out[:, 1 : 1 + num_cols], wide[index[:, 0], 2 : 2 + num_cols])
+            assert (out[:, 0] == 7).all() and (out[:, 1 + num_cols :] == 7).all()
+            torch.testing.assert_close(
+                token_rows.gather_sum_rows(wide[:, 2 : 2 + num_cols], index, valid_TK=index > 10),
+                token_rows.gather_sum_rows(wide[:, 2 : 2 + num_cols].contiguous(), index, valid_TK=index > 10),
+                rtol=0,
+                atol=0,
+            )
             for w, v in ((None, None), (weights, None), (None, valid), (weights, valid)):
                 fused = token_rows.gather_sum_rows(rows, index, w, v)
                 reference = token_rows.gather_sum_rows(rows, index, w, v, fused=False)

@@ -10,7 +10,7 @@ over efsdp). A layer's forward on every rank, once the router has chosen (`AllTo
        only sync of the layer, forward and backward);
     2. each token sent once to every rank that holds one or more of its experts (not once per
        expert: with top-8 over 2 ranks that moves a quarter of the bytes), with its local expert
-       ids and scores there: one all_to_all_single of tokens (uneven splits) and a small one;
+       ids and scores there in extra columns of its row: one all_to_all_single (uneven splits);
     3. the receiver expands the tokens into copies grouped by local expert, runs the local experts
        as grouped matrix products and sums each token's copies weighted by their scores;
     4. one all_to_all_single brings each token's partial sums back; the sender adds them.
@@ -91,18 +91,15 @@ def apply_expert_parallel(
 
 @dataclass
 class DispatchOptions:
-    """How a dispatcher runs on the GPU (the results are the same within float32 rounding; on the
-    CPU both switches are ignored and the reference paths run).
+    """How a dispatcher exchanges its rows (the results are the same either way).
 
-    fused_rows: the row gathers and weighted sums as single Triton passes (kernels.token_rows)
-    rather than eager gathers, casts, products and sums.
-    early_sizes: the split sizes go to pinned host memory right after the counts are exchanged and
-    the host waits for that copy alone (an event), so the work launched before the wait (the send
-    rows' gathers) is still queued on the GPU while the host launches what follows; otherwise
-    `.tolist()` waits for everything launched so far."""
+    packed: each token's scores and local expert ids travel in the all-to-all of its row, as
+    float32 bits in extra columns of the row buffer (and their gradients in the backward's), so
+    the dispatch is one exchange each way instead of two: every exchange is also a wait for the
+    slowest rank, and at this size (~16 MiB a call over NVLink) a call costs more in latency and
+    waiting than in bytes."""
 
-    fused_rows: bool = True
-    early_sizes: bool = True
+    packed: bool = True
 
 
 class AllToAllDispatcher:
@@ -130,7 +127,6 @@ class AllToAllDispatcher:
         num_ranks, num_local = self.ep, self.num_local_experts
         num_tokens, top_k = expert_ids_TK.shape
         device = x_TD.device
-        fused = self.options.fused_rows
         tokens_per_expert_E = torch.bincount(expert_ids_TK.reshape(-1), minlength=num_ranks * num_local)
         rank_TK = expert_ids_TK // num_local
         to_rank_TP = torch.zeros(num_tokens, num_ranks, dtype=torch.bool, device=device).scatter_(1, rank_TK, True)
@@ -139,14 +135,11 @@ class AllToAllDispatcher:
         send_counts = torch.cat([to_rank_TP.sum(0)[:, None], tokens_per_expert_E.view(num_ranks, num_local)], dim=1)
         recv_counts = torch.empty_like(send_counts)
         dist.all_to_all_single(recv_counts, send_counts, group=self.group)
-        sizes = _HostSizes(
-            torch.cat([send_counts[:, 0], recv_counts[:, 0], recv_counts[:, 1:].sum()[None]]),
-            early=self.options.early_sizes,
-        )
+        sizes = _HostSizes(torch.cat([send_counts[:, 0], recv_counts[:, 0], recv_counts[:, 1:].sum()[None]]))
 
         # 2. Send rows in (rank, token) order: slot_TP[t, p] is token t's row for rank p. What needs
         # no sizes is launched before the sync, over the whole [P * T] grid (the grid's tail past
-        # the sent rows, which repeats token 0, is cut off after the sync).
+        # the sent rows, which repeats token 0, is left out of the exchange).
         send_PT = to_rank_TP.t().reshape(-1)
         position_PT = send_PT.cumsum(0) - 1
         grid = send_PT.numel()
@@ -154,23 +147,32 @@ class AllToAllDispatcher:
         flat_G.scatter_(0, torch.where(send_PT, position_PT, grid), torch.arange(grid, device=device))
         flat_G = flat_G[:grid]
         token_G, rank_G = flat_G % num_tokens, flat_G // num_tokens
+        copy_G = token_G * num_ranks + rank_G
         slot_TP = torch.where(send_PT, position_PT, 0).view(num_ranks, num_tokens).t()
         on_rank_GK = rank_TK[token_G] == rank_G[:, None]
-        # The experts elsewhere get score 0 and id num_local (sorted after the real ones).
+        # The experts elsewhere get score 0 and id num_local (sorted after the real ones); scores and
+        # ids travel as float32 (which holds ids below 2^24 exactly).
         ids_GK = torch.where(on_rank_GK, expert_ids_TK[token_G] % num_local, num_local).to(torch.float32)
-        sent_x_GD = _GatherRows.apply(x_TD, token_G, slot_TP, to_rank_TP, fused)
-        sent_scores_GK = _GatherRows.apply(scores_TK, token_G, slot_TP, to_rank_TP, False) * on_rank_GK
-        # Scores and ids travel together (float32 holds ids below 2^24 exactly).
-        routing_GJ = torch.cat([sent_scores_GK.to(torch.float32), ids_GK], dim=1)
+        sent_scores_GK = (_GatherRows.apply(scores_TK, token_G, slot_TP, to_rank_TP) * on_rank_GK).to(torch.float32)
+        if self.options.packed:
+            sent_GW = _PackRows.apply(x_TD, token_G, slot_TP, to_rank_TP, sent_scores_GK, ids_GK)
+        else:
+            sent_x_GD = _GatherRows.apply(x_TD, token_G, slot_TP, to_rank_TP)
+            routing_GJ = torch.cat([sent_scores_GK, ids_GK], dim=1)
 
         # The layer's one host sync: all_to_all_single takes its split sizes as Python ints.
         split_sizes = sizes.wait()
         send_splits, recv_splits = split_sizes[:num_ranks], split_sizes[num_ranks : 2 * num_ranks]
         num_copies, num_sent = split_sizes[-1], sum(send_splits)
-        recv_x_MD = _AllToAll.apply(sent_x_GD[:num_sent], recv_splits, send_splits, self.group)
-        recv_routing_MJ = _AllToAll.apply(routing_GJ[:num_sent], recv_splits, send_splits, self.group)
-        recv_scores_MK = recv_routing_MJ[:, :top_k].to(scores_TK.dtype)
-        recv_ids_MK = recv_routing_MJ[:, top_k:].detach().to(torch.long)
+        if self.options.packed:
+            recv_MW = _AllToAll.apply(sent_GW, recv_splits, send_splits, self.group)
+            recv_x_MD, recv_scores_MK, recv_ids_MK = _UnpackRows.apply(recv_MW, x_TD.shape[1], top_k)
+        else:
+            recv_x_MD = _AllToAll.apply(sent_x_GD, recv_splits, send_splits, self.group)
+            recv_routing_MJ = _AllToAll.apply(routing_GJ, recv_splits, send_splits, self.group)
+            recv_scores_MK, recv_ids_MK = recv_routing_MJ[:, :top_k], recv_routing_MJ[:, top_k:].detach()
+        recv_scores_MK = recv_scores_MK.to(scores_TK.dtype)
+        recv_ids_MK = recv_ids_MK.to(torch.long)
 
         # 3. Copies grouped by local expert (a stable sort: deterministic, no atomics).
         sorted_ids, order = torch.sort(recv_ids_MK.reshape(-1), stable=True)
@@ -180,24 +182,23 @@ class AllToAllDispatcher:
         valid_MK = recv_ids_MK < num_local
         inverse_MK = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=device))
         inverse_MK = torch.where(valid_MK.reshape(-1), inverse_MK, 0).view_as(recv_ids_MK)
-        copies_CD = _GatherRows.apply(recv_x_MD, order_C // top_k, inverse_MK, valid_MK, fused)
-        partial_MD = _CombineRows.apply(
-            experts(copies_CD, offsets_L), recv_scores_MK, inverse_MK, valid_MK, order_C, fused
-        )
+        copies_CD = _GatherRows.apply(recv_x_MD, order_C // top_k, inverse_MK, valid_MK)
+        partial_MD = _CombineRows.apply(experts(copies_CD, offsets_L), recv_scores_MK, inverse_MK, valid_MK, order_C)
 
         # 4. Partial sums back to their tokens' ranks, added up there.
         partial_SD = _AllToAll.apply(partial_MD, send_splits, recv_splits, self.group)
-        copy_S = flat_G[:num_sent] % num_tokens * num_ranks + flat_G[:num_sent] // num_tokens
-        out_TD = _CombineRows.apply(partial_SD, None, slot_TP, to_rank_TP, copy_S, fused)
-        return out_TD, tokens_per_expert_E
+        return _CombineRows.apply(partial_SD, None, slot_TP, to_rank_TP, copy_G[:num_sent]), tokens_per_expert_E
 
 
 class _HostSizes:
-    """A small integer tensor on its way to the host (see DispatchOptions.early_sizes)."""
+    """A small integer tensor on its way to the host: on CUDA through pinned memory and an event,
+    so the host waits for that copy alone and the work launched before the wait (the send rows'
+    gathers) stays queued on the GPU while the host launches what follows (`.tolist()` would wait
+    for everything launched so far)."""
 
-    def __init__(self, sizes: torch.Tensor, *, early: bool) -> None:
+    def __init__(self, sizes: torch.Tensor) -> None:
         self._sizes, self._event = sizes, None
-        if early and sizes.is_cuda:
+        if sizes.is_cuda:
             self._sizes = torch.empty(sizes.shape, dtype=sizes.dtype, pin_memory=True)
             self._sizes.copy_(sizes, non_blocking=True)
             self._event = torch.cuda.Event()
@@ -209,27 +210,95 @@ class _HostSizes:
         return self._sizes.tolist()
 
 
+def _routing_layout(x: torch.Tensor, top_k: int) -> tuple[int, int]:
+    """(columns of x's dtype before the routing, columns after) in a packed row buffer: the row,
+    padded so the routing starts 4-byte aligned, then top_k scores and top_k ids as float32 bits."""
+    num_cols, itemsize = x.shape[-1], x.element_size()
+    row_cols = num_cols + (num_cols * itemsize) % 4 // itemsize
+    return row_cols, 2 * top_k * 4 // itemsize
+
+
+def _routing_view(packed_RW: torch.Tensor, row_cols: int) -> torch.Tensor:
+    """The float32 [R, 2K] routing columns of a packed buffer (a view: writes land in the buffer)."""
+    return packed_RW[:, row_cols:].view(torch.float32)
+
+
+class _PackRows(torch.autograd.Function):
+    """The send buffer of the packed dispatch: row r is x_TD[token_G[r]] followed by that row's
+    float32 scores and ids (see _routing_layout); token t's rows are the ones slots_TP[t] lists
+    (valid_TP says which). The backward sums each token's row gradients (a gather) and unpacks
+    the scores' gradients."""
+
+    @staticmethod
+    def forward(
+        ctx,
+        x_TD: torch.Tensor,
+        token_G: torch.Tensor,
+        slots_TP: torch.Tensor,
+        valid_TP: torch.Tensor,
+        scores_GK: torch.Tensor,
+        ids_GK: torch.Tensor,
+    ) -> torch.Tensor:
+        num_cols, top_k = x_TD.shape[1], scores_GK.shape[1]
+        row_cols, routing_cols = _routing_layout(x_TD, top_k)
+        packed_GW = x_TD.new_empty(token_G.shape[0], row_cols + routing_cols)
+        gather_rows(x_TD, token_G, out=packed_GW[:, :num_cols])
+        if row_cols > num_cols:
+            packed_GW[:, num_cols:row_cols].zero_()
+        routing_GJ = _routing_view(packed_GW, row_cols)
+        routing_GJ[:, :top_k] = scores_GK
+        routing_GJ[:, top_k:] = ids_GK
+        ctx.save_for_backward(slots_TP, valid_TP)
+        ctx.layout = (num_cols, row_cols, top_k)
+        return packed_GW
+
+    @staticmethod
+    def backward(ctx, grad_GW: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        slots_TP, valid_TP = ctx.saved_tensors
+        num_cols, row_cols, top_k = ctx.layout
+        grad_x_TD = gather_sum_rows(grad_GW[:, :num_cols], slots_TP, valid_TK=valid_TP)
+        grad_scores_GK = _routing_view(grad_GW, row_cols)[:, :top_k]
+        return grad_x_TD, None, None, None, grad_scores_GK, None
+
+
+class _UnpackRows(torch.autograd.Function):
+    """A received packed buffer -> (its rows [M, D], a view; scores [M, K] float32; ids [M, K]
+    float32, no gradient). The backward packs the rows' and scores' gradients into one buffer."""
+
+    @staticmethod
+    def forward(ctx, packed_MW: torch.Tensor, num_cols: int, top_k: int) -> tuple[torch.Tensor, ...]:
+        row_cols, _ = _routing_layout(packed_MW[:, :num_cols], top_k)
+        routing_MJ = _routing_view(packed_MW, row_cols)
+        ids_MK = routing_MJ[:, top_k:].clone()
+        ctx.mark_non_differentiable(ids_MK)
+        ctx.layout = (num_cols, row_cols, top_k)
+        return packed_MW[:, :num_cols], routing_MJ[:, :top_k].clone(), ids_MK
+
+    @staticmethod
+    def backward(ctx, grad_x_MD: torch.Tensor, grad_scores_MK: torch.Tensor, _) -> tuple[torch.Tensor | None, ...]:
+        num_cols, row_cols, top_k = ctx.layout
+        grad_MW = grad_x_MD.new_empty(grad_x_MD.shape[0], row_cols + 2 * top_k * 4 // grad_x_MD.element_size())
+        grad_MW[:, :num_cols] = grad_x_MD
+        grad_MW[:, num_cols:].zero_()
+        _routing_view(grad_MW, row_cols)[:, :top_k] = grad_scores_MK
+        return grad_MW, None, None
+
+
 class _GatherRows(torch.autograd.Function):
     """rows_RD = x_TD[index_R], where row r is one of the copies that slots_TJ[t] lists for
     token t (valid_TJ says which). The backward sums each token's copies: a gather."""
 
     @staticmethod
     def forward(
-        ctx,
-        x_TD: torch.Tensor,
-        index_R: torch.Tensor,
-        slots_TJ: torch.Tensor,
-        valid_TJ: torch.Tensor,
-        fused: bool,
+        ctx, x_TD: torch.Tensor, index_R: torch.Tensor, slots_TJ: torch.Tensor, valid_TJ: torch.Tensor
     ) -> torch.Tensor:
         ctx.save_for_backward(slots_TJ, valid_TJ)
-        ctx.fused = fused
-        return gather_rows(x_TD, index_R, fused=fused)
+        return gather_rows(x_TD, index_R)
 
     @staticmethod
     def backward(ctx, grad_RD: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         slots_TJ, valid_TJ = ctx.saved_tensors
-        return gather_sum_rows(grad_RD, slots_TJ, valid_TK=valid_TJ, fused=ctx.fused), None, None, None, None
+        return gather_sum_rows(grad_RD, slots_TJ, valid_TK=valid_TJ), None, None, None
 
 
 class _CombineRows(torch.autograd.Function):
@@ -245,45 +314,52 @@ class _CombineRows(torch.autograd.Function):
         slots_TJ: torch.Tensor,
         valid_TJ: torch.Tensor,
         copy_R: torch.Tensor,
-        fused: bool,
     ) -> torch.Tensor:
         ctx.save_for_backward(rows_RD, weights_TJ, slots_TJ, valid_TJ, copy_R)
-        ctx.has_weights, ctx.fused = weights_TJ is not None, fused
-        return gather_sum_rows(rows_RD, slots_TJ, weights_TJ, valid_TJ, fused=fused)
+        ctx.has_weights = weights_TJ is not None
+        return gather_sum_rows(rows_RD, slots_TJ, weights_TJ, valid_TJ)
 
     @staticmethod
     def backward(ctx, grad_TD: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         rows_RD, weights_TJ, slots_TJ, valid_TJ, copy_R = ctx.saved_tensors
         token_R = copy_R // slots_TJ.shape[1]
         if not ctx.has_weights:
-            return gather_rows(grad_TD, token_R, fused=ctx.fused), None, None, None, None, None
-        grad_rows_RD, grad_weights_R = scaled_rows_and_dots(
-            grad_TD, rows_RD, token_R, weights_TJ.reshape(-1)[copy_R], fused=ctx.fused
-        )
+            return gather_rows(grad_TD, token_R), None, None, None, None
+        grad_rows_RD, grad_weights_R = scaled_rows_and_dots(grad_TD, rows_RD, token_R, weights_TJ.reshape(-1)[copy_R])
         grad_weights_TJ = torch.where(valid_TJ, grad_weights_R[slots_TJ], 0.0).to(weights_TJ.dtype)
-        return grad_rows_RD, grad_weights_TJ, None, None, None, None
+        return grad_rows_RD, grad_weights_TJ, None, None, None
 
 
 class _AllToAll(torch.autograd.Function):
-    """all_to_all_single with uneven splits; the backward sends the gradients back the same way."""
+    """all_to_all_single with uneven splits of x's first sum(input_splits) rows (a send grid's
+    tail past them stays home); the backward sends the gradients back the same way (the tail's: 0)."""
 
     @staticmethod
     def forward(
         ctx, x: torch.Tensor, output_splits: list[int], input_splits: list[int], group: dist.ProcessGroup
     ) -> torch.Tensor:
-        ctx.splits, ctx.group = (output_splits, input_splits), group
-        return _all_to_all(x, output_splits, input_splits, group)
+        ctx.splits, ctx.group, ctx.num_rows = (output_splits, input_splits), group, x.shape[0]
+        return _all_to_all(x[: sum(input_splits)], output_splits, input_splits, group)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         output_splits, input_splits = ctx.splits
-        return _all_to_all(grad, input_splits, output_splits, ctx.group), None, None, None
+        num_sent = sum(input_splits)
+        grad_x = grad.new_empty((ctx.num_rows, *grad.shape[1:]))
+        grad_x[num_sent:].zero_()
+        _all_to_all(grad, input_splits, output_splits, ctx.group, out=grad_x[:num_sent])
+        return grad_x, None, None, None
 
 
 def _all_to_all(
-    x: torch.Tensor, output_splits: list[int], input_splits: list[int], group: dist.ProcessGroup
+    x: torch.Tensor,
+    output_splits: list[int],
+    input_splits: list[int],
+    group: dist.ProcessGroup,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    out = x.new_empty((sum(output_splits), *x.shape[1:]))
+    if out is None:
+        out = x.new_empty((sum(output_splits), *x.shape[1:]))
     dist.all_to_all_single(
         out, x.contiguous(), output_split_sizes=output_splits, input_split_sizes=input_splits, group=group
     )

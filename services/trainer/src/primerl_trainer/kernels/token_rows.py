@@ -40,11 +40,16 @@ def fused_rows_available(x: torch.Tensor) -> bool:
     )
 
 
-def gather_rows(x_TD: torch.Tensor, index_R: torch.Tensor, *, fused: bool = True) -> torch.Tensor:
-    """x_TD[index_R] for a 2-D x (a row per index)."""
+def gather_rows(
+    x_TD: torch.Tensor, index_R: torch.Tensor, *, out: torch.Tensor | None = None, fused: bool = True
+) -> torch.Tensor:
+    """x_TD[index_R] for a 2-D x (a row per index), into `out` when given ([R, D], rows of any
+    stride, columns contiguous). x's rows may be strided too (a column slice of a wider buffer)."""
     if not (fused and fused_rows_available(x_TD)) or x_TD.shape[1] == 0:
-        return x_TD[index_R]
-    return _gather_sum(x_TD, index_R[:, None], None, None)
+        if out is None:
+            return x_TD[index_R]
+        return out.copy_(x_TD[index_R])
+    return _gather_sum(x_TD, index_R[:, None], None, None, out)
 
 
 def gather_sum_rows(
@@ -57,7 +62,8 @@ def gather_sum_rows(
 ) -> torch.Tensor:
     """out[t] = sum over k (where valid_TK[t, k], when given) of weights[t, k] (1 when None) *
     rows[index_TK[t, k]], in rows' dtype, accumulated in float32. Index entries that are not valid
-    must still lie in range (the reference reads them and multiplies by 0)."""
+    must still lie in range (the reference reads them and multiplies by 0). rows may be strided
+    (a column slice of a wider buffer)."""
     if not (fused and fused_rows_available(rows_ND)) or rows_ND.shape[1] == 0 or index_TK.shape[1] == 0:
         if valid_TK is None:
             return gather_sum(rows_ND, index_TK, weights_TK)
@@ -90,12 +96,18 @@ def scaled_rows_and_dots(
 
 
 def _gather_sum(
-    rows_ND: torch.Tensor, index_TK: torch.Tensor, weights_TK: torch.Tensor | None, valid_TK: torch.Tensor | None
+    rows_ND: torch.Tensor,
+    index_TK: torch.Tensor,
+    weights_TK: torch.Tensor | None,
+    valid_TK: torch.Tensor | None,
+    out_TD: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    rows_ND, index_TK = rows_ND.contiguous(), index_TK.contiguous()
+    rows_ND, index_TK = _unit_column_stride(rows_ND), index_TK.contiguous()
     num_out, width = index_TK.shape
     num_cols = rows_ND.shape[1]
-    out_TD = rows_ND.new_empty(num_out, num_cols)
+    if out_TD is None:
+        out_TD = rows_ND.new_empty(num_out, num_cols)
+    assert out_TD.shape == (num_out, num_cols) and out_TD.stride(1) == 1, (out_TD.shape, out_TD.stride())
     if num_out == 0:
         return out_TD
     block = min(BLOCK_D, triton.next_power_of_2(num_cols))
@@ -103,10 +115,14 @@ def _gather_sum(
         rows_ND, index_TK,
         index_TK if weights_TK is None else weights_TK.contiguous(),
         index_TK if valid_TK is None else valid_TK.contiguous().view(torch.uint8),
-        out_TD, num_cols,
+        out_TD, num_cols, rows_ND.stride(0), out_TD.stride(0),
         WIDTH=width, HAS_WEIGHTS=weights_TK is not None, HAS_VALID=valid_TK is not None, BLOCK_D=block, num_warps=4,
     )  # fmt: skip
     return out_TD
+
+
+def _unit_column_stride(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(1) == 1 or x.shape[1] == 1 else x.contiguous()
 
 
 if triton is not None:
@@ -119,6 +135,8 @@ if triton is not None:
         valid_ptr,
         out_ptr,
         num_cols,
+        rows_stride,
+        out_stride,
         WIDTH: tl.constexpr,
         HAS_WEIGHTS: tl.constexpr,
         HAS_VALID: tl.constexpr,
@@ -134,11 +152,11 @@ if triton is not None:
             mask = in_cols
             if HAS_VALID:
                 mask = mask & (tl.load(valid_ptr + row * WIDTH + k).to(tl.int32) + tl.zeros_like(cols) != 0)
-            term = tl.load(rows_ptr + src * num_cols + cols, mask=mask, other=0.0).to(tl.float32)
+            term = tl.load(rows_ptr + src * rows_stride + cols, mask=mask, other=0.0).to(tl.float32)
             if HAS_WEIGHTS:
                 term = term * tl.load(weights_ptr + row * WIDTH + k).to(tl.float32)
             acc += term
-        tl.store(out_ptr + row * num_cols + cols, acc.to(out_ptr.dtype.element_ty), mask=in_cols)
+        tl.store(out_ptr + row * out_stride + cols, acc.to(out_ptr.dtype.element_ty), mask=in_cols)
 
     @triton.jit
     def _scaled_rows_and_dots_kernel(
