@@ -180,10 +180,12 @@ class AfmoeMoEBlock(SandwichNorms, MoETransformerBlock):
         self.layer_type = layer_type
         super().__init__(args)
         self.add_sandwich_norms(args)
-        self.shared_experts = FeedForward(dim=args.dim, hidden_dim=args.moe_hidden_dim * args.num_shared_experts)
 
     def routing(self, args: AfmoeModelArgs) -> GroupedSigmoidRouting:
         return args.routing
+
+    def build_shared_experts(self, args: AfmoeModelArgs) -> nn.Module:
+        return FeedForward(dim=args.dim, hidden_dim=args.moe_hidden_dim * args.num_shared_experts)
 
     def forward(
         self,
@@ -193,9 +195,8 @@ class AfmoeMoEBlock(SandwichNorms, MoETransformerBlock):
         replayed_experts_TK: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         x = self.attend(x, rope, mask)
-        h = self.ffn_norm(x)
-        routed, expert_ids_TK, tokens_per_expert_E = self.moe(h, replayed_experts_TK)
-        return x + self.post_ffn_norm(routed + self.shared_experts(h)), expert_ids_TK, tokens_per_expert_E
+        out, expert_ids_TK, tokens_per_expert_E = self.run_experts(self.ffn_norm(x), replayed_experts_TK)
+        return x + self.post_ffn_norm(out), expert_ids_TK, tokens_per_expert_E
 
 
 class AfmoeModel(Qwen3MoeModel):

@@ -1,5 +1,16 @@
-"""Rotary position embeddings (the default "rope_type"), computed once per forward from the
-position ids and shared by every layer."""
+"""Rotary position embeddings, computed once per forward from the position ids and shared by every
+layer: the default table (`rope_cos_sin`), YaRN as the Hugging Face configs define it
+(`RopeParameters`, `rope_type` "yarn": inverse frequencies that blend interpolated (divided by
+`factor`) and extrapolated ones over a ramp of dims set by `beta_fast`/`beta_slow` rotations
+within `original_max_position_embeddings`, cos and sin times an attention factor, 0.1 ln(factor) + 1
+unless the config gives one), and their application to all of each head's dims or its leading
+ones (partial rotary)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -7,17 +18,13 @@ import torch
 def rope_cos_sin(
     position_ids: torch.Tensor, *, head_dim: int, theta: float, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of shape [B, T, head_dim] for position ids of shape [B, T].
+    """cos and sin of shape [B, T, head_dim] for position ids of shape [B, T] (the default RoPE).
 
     The angles are taken in float32 and only the result is cast to `dtype`, as transformers
     does, so that large positions keep their precision. Nothing is cached on the module:
     the table is tiny next to one layer's work, and a buffer-free model loads from the meta
     device and shards under FSDP without special cases."""
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.float32, device=position_ids.device) / head_dim
-    inv_freq = 1.0 / (theta**exponents)
-    freqs = position_ids[..., None].float() * inv_freq
-    angles = torch.cat((freqs, freqs), dim=-1)
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+    return RopeParameters(theta=theta).cos_sin(position_ids, head_dim=head_dim, dtype=dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -26,3 +33,111 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on the first cos.shape[-1] dims of each head of x [B, T, H, D]; the rest unchanged
+    (all of them when the table is as wide as the head)."""
+    rotary_dim = cos.shape[-1]
+    if rotary_dim == x.shape[-1]:
+        return apply_rope(x, cos, sin)
+    return torch.cat((apply_rope(x[..., :rotary_dim], cos, sin), x[..., rotary_dim:]), dim=-1)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RopeParameters:
+    theta: float
+    # YaRN; factor None: the default RoPE.
+    factor: float | None = None
+    original_max_position_embeddings: int | None = None
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+
+    @classmethod
+    def from_hf_config(cls, config: dict[str, Any], *, default_theta: float) -> RopeParameters:
+        """From `rope_parameters` (transformers 5) or the hub's `rope_theta` + `rope_scaling`."""
+        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+        theta = rope.get("rope_theta", config.get("rope_theta", default_theta))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "yarn"):
+            raise ValueError(
+                f"rope_parameters: rope type {rope_type!r} is not supported (default, yarn); use impl='hf'"
+            )
+        if rope.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ValueError(f"rope_parameters: partial_rotary_factor {rope['partial_rotary_factor']} is not supported")
+        if rope_type == "default":
+            return cls(theta=theta)
+        original = rope.get("original_max_position_embeddings")
+        factor = rope.get("factor")
+        if factor is None and original:
+            factor = config["max_position_embeddings"] / original
+        if not original or not factor or factor <= 0:
+            raise ValueError(
+                "rope_parameters: yarn needs original_max_position_embeddings and a positive factor, got "
+                f"{original!r} and {factor!r}"
+            )
+        return cls(
+            theta=theta,
+            factor=float(factor),
+            original_max_position_embeddings=int(original),
+            beta_fast=rope.get("beta_fast") or 32.0,
+            beta_slow=rope.get("beta_slow") or 1.0,
+            truncate=rope.get("truncate", True),
+            attention_factor=rope.get("attention_factor"),
+            mscale=rope.get("mscale"),
+            mscale_all_dim=rope.get("mscale_all_dim"),
+        )
+
+    def inv_freq(self, head_dim: int, device: torch.device | None = None) -> torch.Tensor:
+        """[head_dim / 2] float32."""
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim
+        base_freqs = self.theta**exponents
+        if self.factor is None:
+            return 1.0 / base_freqs
+        low, high = self._ramp_bounds(head_dim)
+        if low == high:
+            high += 0.001
+        ramp = ((torch.arange(head_dim // 2, dtype=torch.float32, device=device) - low) / (high - low)).clamp(0, 1)
+        extrapolated = 1.0 - ramp
+        return (1.0 / (self.factor * base_freqs)) * (1 - extrapolated) + (1.0 / base_freqs) * extrapolated
+
+    def _ramp_bounds(self, head_dim: int) -> tuple[float, float]:
+        def dim_of(rotations: float) -> float:
+            wavelengths = self.original_max_position_embeddings / (rotations * 2 * math.pi)
+            return head_dim * math.log(wavelengths) / (2 * math.log(self.theta))
+
+        low, high = dim_of(self.beta_fast), dim_of(self.beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        return max(low, 0), min(high, head_dim - 1)
+
+    @property
+    def cos_sin_scale(self) -> float:
+        if self.factor is None:
+            return 1.0
+        if self.attention_factor is not None:
+            return self.attention_factor
+
+        def mscale(scale: float, m: float = 1.0) -> float:
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+        if self.mscale and self.mscale_all_dim:
+            return mscale(self.factor, self.mscale) / mscale(self.factor, self.mscale_all_dim)
+        return mscale(self.factor)
+
+    def cos_sin(
+        self, position_ids: torch.Tensor, *, head_dim: int, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [B, T, head_dim] (both halves alike, for apply_rope), taken in float32,
+        scaled, then cast to `dtype`."""
+        freqs = position_ids[..., None].float() * self.inv_freq(head_dim, position_ids.device)
+        angles = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = angles.cos(), angles.sin()
+        scale = self.cos_sin_scale
+        if scale != 1.0:
+            cos, sin = cos * scale, sin * scale
+        return cos.to(dtype), sin.to(dtype)

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from primerl_trainer.models.common.feed_forward import FeedForward
-from primerl_trainer.models.common.rope import apply_rope
+from primerl_trainer.models.common.rope import apply_partial_rope  # noqa: F401  (re-exported: qwen3_5_moe's import)
 from primerl_trainer.models.moe import GroupedSigmoidRouting
 from primerl_trainer.models.qwen3.model import Attention, TransformerBlock, common_args_from_hf_config
 from primerl_trainer.models.qwen3_moe.model import MoETransformerBlock, Qwen3MoeModel, Qwen3MoeModelArgs
@@ -87,7 +87,8 @@ def check_supported_glm4_moe_config(config: dict[str, Any]) -> None:
 
 
 class Glm4MoeAttention(Attention):
-    """Qwen3's, with optional q/k/v bias and q/k norm, and partial rotary."""
+    """Qwen3's, with optional q/k/v bias and q/k norm (partial rotary: Attention.rotate by the
+    model's table of rotary_dim)."""
 
     def __init__(self, args: Glm4MoeModelArgs) -> None:
         super().__init__(args, bias=args.attention_bias)
@@ -97,17 +98,6 @@ class Glm4MoeAttention(Attention):
 
     def qk_heads(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return super().qk_heads(q, k) if self.q_norm is not None else (self.heads(q), self.heads(k))
-
-    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return apply_partial_rope(x, cos, sin)
-
-
-def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE on the first cos.shape[-1] dims of each head of x [B, T, H, D]; the rest unchanged."""
-    rotary_dim = cos.shape[-1]
-    if rotary_dim == x.shape[-1]:
-        return apply_rope(x, cos, sin)
-    return torch.cat((apply_rope(x[..., :rotary_dim], cos, sin), x[..., rotary_dim:]), dim=-1)
 
 
 class Glm4MoeDenseBlock(TransformerBlock):
@@ -120,21 +110,14 @@ class Glm4MoeDenseBlock(TransformerBlock):
 class Glm4MoeBlock(MoETransformerBlock):
     """GLM's attention, then the routed experts (`moe`) plus the shared experts (`shared_experts`)."""
 
-    def __init__(self, args: Glm4MoeModelArgs) -> None:
-        super().__init__(args)
-        self.shared_experts = FeedForward(dim=args.dim, hidden_dim=args.moe_hidden_dim * args.num_shared_experts)
-
     def build_attention(self, args: Glm4MoeModelArgs) -> nn.Module:
         return Glm4MoeAttention(args)
 
     def routing(self, args: Glm4MoeModelArgs) -> GroupedSigmoidRouting:
         return args.routing
 
-    def run_experts(
-        self, h: torch.Tensor, replayed_experts_TK: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        routed, expert_ids_TK, tokens_per_expert_E = self.moe(h, replayed_experts_TK)
-        return routed + self.shared_experts(h), expert_ids_TK, tokens_per_expert_E
+    def build_shared_experts(self, args: Glm4MoeModelArgs) -> nn.Module:
+        return FeedForward(dim=args.dim, hidden_dim=args.moe_hidden_dim * args.num_shared_experts)
 
 
 class Glm4MoeModel(Qwen3MoeModel):

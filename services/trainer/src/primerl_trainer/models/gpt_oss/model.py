@@ -4,7 +4,7 @@ experts, with these particulars:
 - Attention: grouped-query with bias on q, k, v and o (`attention_bias`), no q/k norm, a learned
   sink logit per head in the softmax's denominator, and per layer (`layer_types`) either full
   causal attention or a sliding window of `sliding_window` keys (common/attention.py).
-- RoPE: default or YaRN as `rope_parameters` define it (rope.py).
+- RoPE: default or YaRN as `rope_parameters` define it (common/rope.py).
 - Router: a linear layer with bias; top-k of its logits, weights the softmax over those k
   (the same as the softmax over all experts renormalised at the k: moe.TokenChoiceTopKRouter
   with norm_topk_prob, whose replay gathers at the given experts).
@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from primerl_trainer.models.common.attention import AttentionMask, attention
-from primerl_trainer.models.gpt_oss.rope import RopeParameters
+from primerl_trainer.models.common.rope import RopeParameters
 from primerl_trainer.models.moe import GroupedExperts, MoE, _grouped_linear, _local
 from primerl_trainer.models.qwen3.model import Attention, common_args_from_hf_config
 from primerl_trainer.models.qwen3_moe.model import MoETransformerBlock, Qwen3MoeModel, Qwen3MoeModelArgs
@@ -126,17 +126,8 @@ class GptOssAttention(Attention):
     def qk_heads(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.heads(q), self.heads(k)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: AttentionMask) -> torch.Tensor:
-        """Attention.forward's, with the sinks in the softmax."""
-        batch_size, seq_len, _ = x.shape
-        projections = (self.wq, self.wk, self.wv)
-        bias = torch.cat([p.bias for p in projections]) if self.wq.bias is not None else None
-        qkv = F.linear(x, torch.cat([p.weight for p in projections]), bias)
-        q, k, v = qkv.split([p.out_features for p in projections], dim=-1)
-        q, k = self.qk_heads(q, k)
-        q, k = self.rotate(q, *rope), self.rotate(k, *rope)
-        out = attention(q, k, self.heads(v), mask, sliding_window=self.sliding_window, sinks=self.sinks)
-        return self.wo(out.reshape(batch_size, seq_len, -1))
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
+        return attention(q, k, v, mask, sliding_window=self.sliding_window, sinks=self.sinks)
 
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, *, alpha: float, limit: float) -> torch.Tensor:

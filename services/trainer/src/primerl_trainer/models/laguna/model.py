@@ -30,8 +30,7 @@ from torch import nn
 
 from primerl_trainer.models.common.attention import AttentionMask
 from primerl_trainer.models.common.feed_forward import FeedForward
-from primerl_trainer.models.glm4_moe.model import apply_partial_rope
-from primerl_trainer.models.gpt_oss.rope import RopeParameters
+from primerl_trainer.models.common.rope import RopeParameters
 from primerl_trainer.models.moe import GroupedSigmoidRouting
 from primerl_trainer.models.qwen3.model import Attention, TransformerBlock, common_args_from_hf_config
 from primerl_trainer.models.qwen3_moe.model import MoETransformerBlock, Qwen3MoeModel, Qwen3MoeModelArgs
@@ -182,9 +181,6 @@ class LagunaAttention(Attention):
         self.gate_per_head = args.gate_per_head
         self.wg = nn.Linear(args.dim, num_heads if args.gate_per_head else num_heads * args.head_dim, bias=False)
 
-    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return apply_partial_rope(x, cos, sin)
-
     def gate_heads(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         gate = F.softplus(self.wg(x).float()).to(out.dtype)
         return out * (gate[..., None] if self.gate_per_head else self.heads(gate))
@@ -212,7 +208,6 @@ class LagunaMoEBlock(MoETransformerBlock):
     def __init__(self, args: LagunaModelArgs, layer_id: int) -> None:
         self.layer_id = layer_id
         super().__init__(args)
-        self.shared_experts = FeedForward(dim=args.dim, hidden_dim=args.shared_hidden_dim)
 
     def build_attention(self, args: LagunaModelArgs) -> nn.Module:
         return LagunaAttention(args, self.layer_id)
@@ -220,11 +215,8 @@ class LagunaMoEBlock(MoETransformerBlock):
     def routing(self, args: LagunaModelArgs) -> GroupedSigmoidRouting:
         return args.routing
 
-    def run_experts(
-        self, h: torch.Tensor, replayed_experts_TK: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        routed, expert_ids_TK, tokens_per_expert_E = self.moe(h, replayed_experts_TK)
-        return routed + self.shared_experts(h), expert_ids_TK, tokens_per_expert_E
+    def build_shared_experts(self, args: LagunaModelArgs) -> nn.Module:
+        return FeedForward(dim=args.dim, hidden_dim=args.shared_hidden_dim)
 
 
 class LagunaModel(Qwen3MoeModel):

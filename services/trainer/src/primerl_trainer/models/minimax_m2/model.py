@@ -20,7 +20,6 @@ import torch
 from torch import nn
 
 from primerl_trainer.models.common.norms import RMSNorm
-from primerl_trainer.models.glm4_moe.model import apply_partial_rope
 from primerl_trainer.models.moe import GroupedSigmoidRouting
 from primerl_trainer.models.qwen3.model import Attention, common_args_from_hf_config
 from primerl_trainer.models.qwen3_moe.model import MoETransformerBlock, Qwen3MoeModel, Qwen3MoeModelArgs
@@ -106,9 +105,6 @@ class MiniMaxM2Attention(Attention):
     def qk_heads(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # Normalised before the split into heads: one RMS over all of a token's heads.
         return self.heads(self.q_norm(q)), self.heads(self.k_norm(k))
-
-    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return apply_partial_rope(x, cos, sin)
 
 
 class MiniMaxM2Block(MoETransformerBlock):

@@ -20,7 +20,7 @@ from primerl_trainer.models.common.attention import AttentionBackend, AttentionM
 from primerl_trainer.models.common.feed_forward import FeedForward
 from primerl_trainer.models.common.norms import RMSNorm
 from primerl_trainer.models.common.outputs import CausalLMOutput
-from primerl_trainer.models.common.rope import apply_rope, rope_cos_sin
+from primerl_trainer.models.common.rope import apply_partial_rope, rope_cos_sin
 
 if TYPE_CHECKING:
     from primerl_trainer.distributed.context_parallel import RowLayout
@@ -50,7 +50,7 @@ class Qwen3ModelArgs:
 class Attention(nn.Module):
     """Grouped-query attention with q/k RMSNorm and RoPE. Other families change its particulars
     through the hooks: `bias` on q/k/v, `out_bias` on the output projection, build_qk_norms,
-    qk_heads, rotate and gate_heads; `sliding_window` (None: full causal attention) for a layer
+    qk_heads, rotate, attend and gate_heads; `sliding_window` (None: full causal attention) for a layer
     that attends to its last that many keys only (the model's `sliding_windows` must name it)."""
 
     sliding_window: int | None = None
@@ -79,7 +79,12 @@ class Attention(nn.Module):
         return self.q_norm(self.heads(q)), self.k_norm(self.heads(k))
 
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return apply_rope(x, cos, sin)
+        """RoPE on the leading cos.shape[-1] dims of each head (all of them but with partial rotary)."""
+        return apply_partial_rope(x, cos, sin)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
+        """The attention of the rotated heads (families with sinks pass them here)."""
+        return attention(q, k, v, mask, sliding_window=self.sliding_window)
 
     def gate_heads(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """The attention's output heads [B, T, H, head_dim] before the output projection, given
@@ -97,7 +102,7 @@ class Attention(nn.Module):
         q, k, v = qkv.split([p.out_features for p in projections], dim=-1)
         q, k = self.qk_heads(q, k)
         q, k = self.rotate(q, *rope), self.rotate(k, *rope)
-        out = self.gate_heads(x, attention(q, k, self.heads(v), mask, sliding_window=self.sliding_window))
+        out = self.gate_heads(x, self.attend(q, k, self.heads(v), mask))
         return self.wo(out.reshape(batch_size, seq_len, -1))
 
 

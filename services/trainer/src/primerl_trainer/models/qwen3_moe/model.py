@@ -69,6 +69,7 @@ class MoETransformerBlock(nn.Module):
         self.attention = self.build_attention(args)
         self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.moe = self.build_moe(args)
+        self.shared_experts = self.build_shared_experts(args)
 
     def build_attention(self, args: Qwen3MoeModelArgs) -> nn.Module:
         return Attention(args)
@@ -88,11 +89,20 @@ class MoETransformerBlock(nn.Module):
             grouped_sigmoid=self.routing(args),
         )
 
+    def build_shared_experts(self, args: Qwen3MoeModelArgs) -> nn.Module | None:
+        """None: no shared experts (Qwen3-MoE); families with them give the module whose output
+        run_experts adds to the routed one."""
+        return None
+
     def run_experts(
         self, h: torch.Tensor, replayed_experts_TK: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The normed hidden states through the experts: (output, expert ids [T, K], tokens per expert [E])."""
-        return self.moe(h, replayed_experts_TK)
+        """The normed hidden states through the experts (and the shared experts, if any): (output,
+        expert ids [T, K], tokens per expert [E])."""
+        routed, expert_ids_TK, tokens_per_expert_E = self.moe(h, replayed_experts_TK)
+        if self.shared_experts is not None:
+            routed = routed + self.shared_experts(h)
+        return routed, expert_ids_TK, tokens_per_expert_E
 
     def forward(
         self,
