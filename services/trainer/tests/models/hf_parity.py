@@ -1,8 +1,10 @@
-"""What the tests of own mixture-of-experts models against transformers share: transformers'
-model, logits with the experts its routers chose and gradients under the hub's names, and the
-checks every family runs against them (a batch, packed rows, router replay, one step's
-gradients, the state-dict round trip, one RL step of the trainer with and without LoRA, expert
-parallel over 2 CPU ranks). Each family's test module keeps its checkpoints and its particulars."""
+"""What the tests of own mixture-of-experts models against transformers share: the checkpoint
+fixtures, transformers' model, logits with the experts its routers chose and gradients under the
+hub's names, and the checks every family runs against them (a batch, packed rows, flex = sdpa,
+router replay, one step's gradients, the state-dict round trip, the export loading back in
+transformers, refused configs, the tiny maker's checkpoint, one RL step of the trainer with and
+without LoRA, expert and context parallel over 2 CPU ranks). Each family's test module keeps its
+checkpoints and its particulars (variants, expected fields, error messages)."""
 
 import pathlib
 from collections.abc import Callable
@@ -13,10 +15,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from primerl_launcher.tiny_model import VOCAB_SIZE as TINY_VOCAB_SIZE
 from primerl_trainer.config import LoRAConfig
+from primerl_trainer.hf_export import export_hf_model
 from primerl_trainer.lora import apply_lora
 from primerl_trainer.models import HFCausalLM, export_hf_state_dict, load_model, read_hf_state_dict
 from primerl_trainer.models.moe import GroupedExperts
+from primerl_trainer.models.registry import MODEL_SPECS, read_hf_config
 from primerl_trainer.optim import LRScheduleConfig, OptimizerConfig, build_lr_scheduler, build_optimizer
 from primerl_trainer.train import Trainer
 
@@ -25,6 +30,9 @@ from .conftest import packed_inputs
 TOLERANCE = 1e-5
 # Every LoRA target: attention, dense and shared-expert projections, routed experts.
 LORA_TARGETS = ["q", "k", "v", "o", "g", "gate", "up", "down", "experts"]
+# A random checkpoint the training helpers can run: they sample byte tokens (the tiny tokenizer's
+# vocabulary); weights at the usual scale, so that a few Adam steps stay in float32's comfortable range.
+TRAINABLE = {"vocab_size": TINY_VOCAB_SIZE, "initializer_range": 0.02}
 
 
 def save_random_checkpoint(
@@ -41,11 +49,33 @@ def save_random_checkpoint(
     return path
 
 
-def reference(path: pathlib.Path) -> nn.Module:
-    """transformers' model of a checkpoint folder: float32, SDPA, eval mode."""
+def checkpoint_fixtures(make_checkpoint: Callable[..., pathlib.Path], family: str, **variants: dict) -> tuple:
+    """A family module's checkpoint fixtures (module scope): `checkpoint`, each variant in turn, then
+    `<variant>_checkpoint` per variant (in the order given), each made once:
+
+        checkpoint, full_checkpoint, plain_checkpoint = checkpoint_fixtures(make, "glm4-moe", full=..., plain=...)
+    """
+
+    def one(name: str, variant: dict):
+        def fixture(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+            return make_checkpoint(tmp_path_factory.mktemp(f"{family}-{name}"), variant)
+
+        return pytest.fixture(fixture, scope="module", name=f"{name}_checkpoint")
+
+    def checkpoint(request: pytest.FixtureRequest) -> pathlib.Path:
+        return request.getfixturevalue(f"{request.param}_checkpoint")
+
+    each = pytest.fixture(checkpoint, scope="module", params=list(variants), name="checkpoint")
+    return each, *(one(name, variant) for name, variant in variants.items())
+
+
+def reference(path: pathlib.Path, *, attn_implementation: str = "sdpa", **kwargs: Any) -> nn.Module:
+    """transformers' model of a checkpoint folder: float32, SDPA (unless told), eval mode."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
+    return AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation=attn_implementation, **kwargs
+    ).eval()
 
 
 def random_ids(*shape: int, vocab_size: int, seed: int = 0) -> torch.Tensor:
@@ -95,7 +125,10 @@ def assert_batch_matches(own: nn.Module, hf: nn.Module) -> None:
 
 
 @torch.no_grad()
-def assert_packed_matches_separate_runs(own: nn.Module, hf: nn.Module) -> None:
+def assert_packed_matches_separate_runs(own: nn.Module, hf: nn.Module, *, hf_packs: bool = True) -> None:
+    """Samples of 6, 13 and 3 tokens packed in one row equal transformers run on each alone, and,
+    with `hf_packs`, transformers' own packed forward (position ids restarting; families whose
+    transformers model builds its masks without the position ids let packed samples see each other)."""
     vocab_size = own.args.vocab_size
     samples, input_ids, position_ids = packed_inputs([6, 13, 3], seed=5)
     samples = [sample % vocab_size for sample in samples]
@@ -103,9 +136,20 @@ def assert_packed_matches_separate_runs(own: nn.Module, hf: nn.Module) -> None:
     separate = [reference_forward(hf, sample) for sample in samples]
     assert (packed.logits - torch.cat([logits for logits, _ in separate], dim=1)).abs().max() <= TOLERANCE
     assert torch.equal(packed.routed_experts.sort(dim=-1).values, torch.cat([ids for _, ids in separate]))
-    # transformers' own packed forward (position ids restarting) agrees too.
-    logits, _ = reference_forward(hf, input_ids % vocab_size, position_ids)
-    assert (packed.logits - logits).abs().max() <= TOLERANCE
+    if hf_packs:
+        logits, _ = reference_forward(hf, input_ids % vocab_size, position_ids)
+        assert (packed.logits - logits).abs().max() <= TOLERANCE
+
+
+@torch.no_grad()
+def assert_flex_equals_sdpa(path: pathlib.Path) -> None:
+    """The flex backend (windows as BlockMasks, sinks through the log-sum-exp) gives sdpa's logits
+    on a packed row of samples longer and shorter than the windows."""
+    sdpa = load_model(path, impl="custom")
+    flex = load_model(path, impl="custom", attn_backend="flex")
+    _, input_ids, position_ids = packed_inputs([6, 13, 3], seed=6)
+    input_ids = input_ids % sdpa.args.vocab_size
+    assert (sdpa(input_ids, position_ids).logits - flex(input_ids, position_ids).logits).abs().max() <= TOLERANCE
 
 
 @torch.no_grad()
@@ -176,6 +220,61 @@ def assert_hf_round_trip_is_bit_exact(path: pathlib.Path) -> None:
     assert exported.keys() == original.keys()
     for name, tensor in original.items():
         assert exported[name].dtype == tensor.dtype and torch.equal(exported[name], tensor), name
+
+
+def assert_config_refused(path: pathlib.Path, change: dict, match: str) -> None:
+    """The checkpoint's config with `change` is refused (ValueError matching `match`) when the own
+    model's args are read from it or the model is built."""
+    config = read_hf_config(path) | change
+    spec = MODEL_SPECS[config["model_type"]]
+    with pytest.raises(ValueError, match=match):
+        spec.model_cls(spec.args_cls.from_hf_config(config))
+
+
+@torch.no_grad()
+def assert_export_loads_back(
+    path: pathlib.Path,
+    out_dir: pathlib.Path,
+    *,
+    names_of: pathlib.Path | None = None,
+    load_reference: Callable[..., nn.Module] = reference,
+) -> pathlib.Path:
+    """The own model of `path`, its weights moved, exported as a Hugging Face folder (float32) at
+    `out_dir`: the tensor names of `names_of` (default: `path`), an unquantized config, and
+    transformers' model of it (`load_reference`) gives the own logits and routing. Returns the export."""
+    model = load_model(path, impl="custom")
+    generator = torch.Generator().manual_seed(7)
+    for parameter in model.parameters():
+        parameter.add_(0.05 * torch.randn(parameter.shape, generator=generator))
+    out = export_hf_model(
+        model, source_dir=path, out_dir=out_dir, dtype=torch.float32, lora_scale=None, is_destination=True, step=1
+    )
+    assert read_hf_state_dict(out).keys() == read_hf_state_dict(names_of or path).keys()
+    config = read_hf_config(out)
+    assert "quantization_config" not in config and config["dtype"] == "float32"
+    input_ids = random_ids(1, 10, vocab_size=model.args.vocab_size, seed=4)
+    logits, expert_ids = reference_forward(load_reference(out), input_ids)
+    own = model(input_ids)
+    assert (own.logits - logits).abs().max() <= TOLERANCE
+    assert torch.equal(own.routed_experts.sort(dim=-1).values, expert_ids)
+    return out
+
+
+@torch.no_grad()
+def assert_maker_checkpoint_equals_transformers(
+    path: pathlib.Path, model_cls: type, *, load_reference: Callable[..., nn.Module] = reference
+) -> nn.Module:
+    """The tiny-model maker's checkpoint at `path` loads with impl="auto" as `model_cls` (float32)
+    and gives transformers' logits (within 1e-4) and routing on 2 rows of 20 tokens (longer than
+    the maker's windows). Returns the own model, for the family's fields."""
+    own = load_model(path, impl="auto", dtype=torch.float32)
+    assert isinstance(own, model_cls)
+    input_ids = random_ids(2, 20, vocab_size=TINY_VOCAB_SIZE)
+    logits, expert_ids = reference_forward(load_reference(path), input_ids)
+    out = own(input_ids)
+    assert (out.logits - logits).abs().max() <= 1e-4
+    assert torch.equal(out.routed_experts.sort(dim=-1).values, expert_ids)
+    return own
 
 
 def assert_extra_layers_dropped(path: pathlib.Path, adapter_cls: type, *, mtp: dict, unknown: str) -> None:

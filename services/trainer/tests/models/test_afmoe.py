@@ -8,18 +8,14 @@ import pathlib
 import pytest
 import torch
 
-from primerl_launcher.tiny_model import VOCAB_SIZE as TINY_VOCAB_SIZE
 from primerl_launcher.tiny_model import TinyAfmoeSpec, make_tiny_model
-from primerl_trainer.hf_export import export_hf_model
 from primerl_trainer.models import load_model, read_hf_state_dict
-from primerl_trainer.models.afmoe.model import AfmoeModel, AfmoeModelArgs
+from primerl_trainer.models.afmoe.model import AfmoeModel
 from primerl_trainer.models.afmoe.state_dict_adapter import AfmoeStateDictAdapter
 from primerl_trainer.models.common.norms import RMSNorm
-from primerl_trainer.models.registry import read_hf_config
 
 from . import hf_parity
-from .conftest import packed_inputs
-from .hf_parity import TOLERANCE, reference, reference_forward
+from .hf_parity import reference
 
 VOCAB_SIZE, NUM_LAYERS, NUM_EXPERTS = 96, 4, 8
 
@@ -81,15 +77,9 @@ def make_checkpoint(path: pathlib.Path, variant: dict, *, seed: int = 0) -> path
     return hf_parity.save_random_checkpoint(path, AfmoeForCausalLM, config, perturb=perturb, seed=seed)
 
 
-@pytest.fixture(scope="module", params=["full", "plain"])
-def checkpoint(request, tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
-    variant = FULL if request.param == "full" else PLAIN
-    return make_checkpoint(tmp_path_factory.mktemp(f"afmoe-{request.param}"), variant)
-
-
-@pytest.fixture(scope="module")
-def full_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
-    return make_checkpoint(tmp_path_factory.mktemp("afmoe-full"), FULL)
+checkpoint, full_checkpoint, plain_checkpoint = hf_parity.checkpoint_fixtures(
+    make_checkpoint, "afmoe", full=FULL, plain=PLAIN
+)
 
 
 def test_auto_picks_the_own_implementation(full_checkpoint: pathlib.Path) -> None:
@@ -107,26 +97,16 @@ def test_logits_and_routing_equal_transformers_on_a_batch(checkpoint: pathlib.Pa
     hf_parity.assert_batch_matches(load_model(checkpoint, impl="custom"), reference(checkpoint))
 
 
-@torch.no_grad()
 def test_packed_samples_equal_separate_runs(checkpoint: pathlib.Path) -> None:
     """Samples packed in one row (longer than the window) equal transformers run on each alone.
     (transformers' AFMoE builds its masks without the position ids, so its own packed forward
     lets samples see each other: it is no reference here.)"""
     own, hf = load_model(checkpoint, impl="custom"), reference(checkpoint)
-    samples, input_ids, position_ids = packed_inputs([6, 13, 3], seed=5)
-    packed = own(input_ids % VOCAB_SIZE, position_ids)
-    separate = [reference_forward(hf, sample % VOCAB_SIZE) for sample in samples]
-    assert (packed.logits - torch.cat([logits for logits, _ in separate], dim=1)).abs().max() <= TOLERANCE
-    assert torch.equal(packed.routed_experts.sort(dim=-1).values, torch.cat([ids for _, ids in separate]))
+    hf_parity.assert_packed_matches_separate_runs(own, hf, hf_packs=False)
 
 
 def test_flex_attention_equals_sdpa_with_sliding_windows(full_checkpoint: pathlib.Path) -> None:
-    _, input_ids, position_ids = packed_inputs([6, 13, 3], seed=6)
-    input_ids = input_ids % VOCAB_SIZE
-    with torch.no_grad():
-        sdpa = load_model(full_checkpoint, impl="custom")(input_ids, position_ids).logits
-        flex = load_model(full_checkpoint, impl="custom", attn_backend="flex")(input_ids, position_ids).logits
-    assert (sdpa - flex).abs().max() <= TOLERANCE
+    hf_parity.assert_flex_equals_sdpa(full_checkpoint)
 
 
 def test_replaying_transformers_routing_gives_its_logits(full_checkpoint: pathlib.Path) -> None:
@@ -181,30 +161,11 @@ def test_norms_scale_before_the_cast_as_transformers_does(full_checkpoint: pathl
     ],
 )
 def test_bad_configs_are_refused(full_checkpoint: pathlib.Path, change: dict, match: str) -> None:
-    config = read_hf_config(full_checkpoint) | change
-    with pytest.raises(ValueError, match=match):
-        AfmoeModel(AfmoeModelArgs.from_hf_config(config))
+    hf_parity.assert_config_refused(full_checkpoint, change, match)
 
 
-@torch.no_grad()
 def test_export_loads_back_in_transformers(full_checkpoint: pathlib.Path, tmp_path: pathlib.Path) -> None:
-    model = load_model(full_checkpoint, impl="custom")
-    generator = torch.Generator().manual_seed(7)
-    for parameter in model.parameters():
-        parameter.add_(0.05 * torch.randn(parameter.shape, generator=generator))
-    out = export_hf_model(
-        model,
-        source_dir=full_checkpoint,
-        out_dir=tmp_path / "export",
-        dtype=torch.float32,
-        lora_scale=None,
-        is_destination=True,
-        step=1,
-    )
-    assert read_hf_state_dict(out).keys() == read_hf_state_dict(full_checkpoint).keys()
-    input_ids = hf_parity.random_ids(1, 10, vocab_size=VOCAB_SIZE, seed=4)
-    logits, _ = reference_forward(reference(out), input_ids)
-    assert (model(input_ids).logits - logits).abs().max() <= TOLERANCE
+    hf_parity.assert_export_loads_back(full_checkpoint, tmp_path / "export")
 
 
 @pytest.fixture(scope="module")
@@ -212,19 +173,13 @@ def tiny_path(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny-afmoe") / "afmoe", family="afmoe")
 
 
-@torch.no_grad()
 def test_tiny_model_maker_writes_an_afmoe_checkpoint(tiny_path: pathlib.Path) -> None:
     weights = read_hf_state_dict(tiny_path)
     assert weights["model.layers.1.mlp.expert_bias"].abs().sum() > 0
     assert weights["model.layers.1.mlp.router.gate.weight"].abs().sum() > 0
-    own = load_model(tiny_path, impl="auto", dtype=torch.float32)
-    assert isinstance(own, AfmoeModel) and own.args.moe_layers == (1, 2, 3) and own.args.mup
+    own = hf_parity.assert_maker_checkpoint_equals_transformers(tiny_path, AfmoeModel)
+    assert own.args.moe_layers == (1, 2, 3) and own.args.mup
     assert own.args.sliding_window == 8 and own.args.layer_types[:2] == ("sliding_attention", "full_attention")
-    input_ids = torch.randint(0, TINY_VOCAB_SIZE, (2, 20), generator=torch.Generator().manual_seed(0))
-    logits, expert_ids = reference_forward(reference(tiny_path), input_ids)
-    out = own(input_ids)
-    assert (out.logits - logits).abs().max() <= 1e-4
-    assert torch.equal(out.routed_experts.sort(dim=-1).values, expert_ids)
 
 
 @pytest.fixture(scope="module")
@@ -253,8 +208,5 @@ def test_context_parallel_trains_as_one_process(narrow_tiny_path: pathlib.Path, 
 def test_expert_parallel_trains_as_one_process(tmp_path: pathlib.Path) -> None:
     """ep=2 over 2 CPU ranks (hf_parity.assert_expert_parallel_trains_as_one_process): losses,
     replay, LoRA and resume under FSDP2 as one process."""
-    # The training helpers sample byte tokens: the tiny tokenizer's vocabulary; weights at the
-    # usual scale, so that a few Adam steps stay in float32's comfortable range.
-    variant = FULL | {"vocab_size": TINY_VOCAB_SIZE, "hidden_size": 64, "initializer_range": 0.02}
-    model_dir = make_checkpoint(tmp_path / "ep-afmoe", variant)
+    model_dir = make_checkpoint(tmp_path / "ep-afmoe", FULL | hf_parity.TRAINABLE | {"hidden_size": 64})
     hf_parity.assert_expert_parallel_trains_as_one_process(model_dir, tmp_path, num_routers=NUM_LAYERS - 1)

@@ -8,7 +8,6 @@ import pathlib
 import pytest
 import torch
 
-from primerl_launcher.tiny_model import VOCAB_SIZE as TINY_VOCAB_SIZE
 from primerl_launcher.tiny_model import TinyGlm4MoeSpec, make_tiny_model
 from primerl_trainer.hf_export import export_hf_model
 from primerl_trainer.models import load_model, read_hf_state_dict
@@ -16,7 +15,7 @@ from primerl_trainer.models.glm4_moe.model import Glm4MoeModel
 from primerl_trainer.models.glm4_moe.state_dict_adapter import Glm4MoeStateDictAdapter
 
 from . import hf_parity
-from .hf_parity import TOLERANCE, reference, reference_forward
+from .hf_parity import reference
 
 VOCAB_SIZE, NUM_LAYERS, NUM_EXPERTS = 96, 3, 8
 
@@ -75,19 +74,9 @@ def make_checkpoint(path: pathlib.Path, variant: dict, *, seed: int = 0) -> path
     return hf_parity.save_random_checkpoint(path, Glm4MoeForCausalLM, config, perturb=random_biases, seed=seed)
 
 
-def random_ids(*shape: int, seed: int = 0) -> torch.Tensor:
-    return hf_parity.random_ids(*shape, vocab_size=VOCAB_SIZE, seed=seed)
-
-
-@pytest.fixture(scope="module", params=["full", "plain"])
-def checkpoint(request, tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
-    variant = FULL if request.param == "full" else PLAIN
-    return make_checkpoint(tmp_path_factory.mktemp(f"glm4-moe-{request.param}"), variant)
-
-
-@pytest.fixture(scope="module")
-def full_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
-    return make_checkpoint(tmp_path_factory.mktemp("glm4-moe-full"), FULL)
+checkpoint, full_checkpoint, plain_checkpoint = hf_parity.checkpoint_fixtures(
+    make_checkpoint, "glm4-moe", full=FULL, plain=PLAIN
+)
 
 
 def test_auto_picks_the_own_implementation(full_checkpoint: pathlib.Path) -> None:
@@ -145,63 +134,37 @@ def test_multi_token_prediction_layers_are_dropped(full_checkpoint: pathlib.Path
         ({"topk_group": 5}, r"topk_group \(5\) must lie in"),
         ({"topk_group": 1, "num_experts_per_tok": 3}, r"top_k \(3\) exceeds"),
         ({"first_k_dense_replace": NUM_LAYERS}, r"first_k_dense_replace \(3\) leaves no"),
-        ({"partial_rotary_factor": 0.05}, r"partial_rotary_factor"),
+        (
+            {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.05}},
+            r"partial_rotary_factor 0.05 of head_dim 16",
+        ),
         ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}}, r"rope type 'yarn'"),
         ({"hidden_act": "gelu"}, r"hidden_act 'gelu'"),
     ],
 )
 def test_bad_configs_are_refused(full_checkpoint: pathlib.Path, change: dict, match: str) -> None:
-    from primerl_trainer.models.glm4_moe.model import Glm4MoeModelArgs
-    from primerl_trainer.models.registry import read_hf_config
-
-    config = read_hf_config(full_checkpoint) | change
-    if "partial_rotary_factor" in change:
-        config["rope_parameters"] = config["rope_parameters"] | change
-    with pytest.raises(ValueError, match=match):
-        Glm4MoeModel(Glm4MoeModelArgs.from_hf_config(config))
+    hf_parity.assert_config_refused(full_checkpoint, change, match)
 
 
-@torch.no_grad()
 def test_export_loads_back_in_transformers(full_checkpoint: pathlib.Path, tmp_path: pathlib.Path) -> None:
-    model = load_model(full_checkpoint, impl="custom")
-    generator = torch.Generator().manual_seed(7)
-    for parameter in model.parameters():
-        parameter.add_(0.05 * torch.randn(parameter.shape, generator=generator))
-    out = export_hf_model(
-        model,
-        source_dir=full_checkpoint,
-        out_dir=tmp_path / "export",
-        dtype=torch.float32,
-        lora_scale=None,
-        is_destination=True,
-        step=1,
-    )
-    assert read_hf_state_dict(out).keys() == read_hf_state_dict(full_checkpoint).keys()
-    input_ids = random_ids(1, 10, seed=4)
-    logits, _ = reference_forward(reference(out), input_ids)
-    assert (model(input_ids).logits - logits).abs().max() <= TOLERANCE
+    hf_parity.assert_export_loads_back(full_checkpoint, tmp_path / "export")
 
 
-@torch.no_grad()
 def test_tiny_model_maker_writes_a_glm4_moe_checkpoint(tmp_path: pathlib.Path) -> None:
     path = make_tiny_model(tmp_path / "glm", family="glm4-moe", dtype="bfloat16")
     weights = read_hf_state_dict(path)
     assert weights["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == torch.float32
     assert weights["model.layers.1.mlp.gate.e_score_correction_bias"].abs().sum() > 0
     assert weights["model.layers.0.mlp.gate_proj.weight"].dtype == torch.bfloat16  # the dense first layer
-    own = load_model(path, impl="auto", dtype=torch.float32)
-    assert isinstance(own, Glm4MoeModel) and own.args.moe_layers == (1, 2, 3)
+    own = hf_parity.assert_maker_checkpoint_equals_transformers(path, Glm4MoeModel)
+    assert own.args.moe_layers == (1, 2, 3)
     assert (own.args.routing.num_groups, own.args.rotary_dim, own.args.qk_norm) == (2, 32, True)
-    input_ids = torch.randint(0, TINY_VOCAB_SIZE, (2, 12), generator=torch.Generator().manual_seed(0))
-    logits, expert_ids = reference_forward(reference(path), input_ids)
-    out = own(input_ids)
-    assert (out.logits - logits).abs().max() <= 1e-4
-    assert torch.equal(out.routed_experts.sort(dim=-1).values, expert_ids)
 
 
-def test_expert_parallel_trains_as_one_process(tmp_path: pathlib.Path) -> None:
-    """ep=2 over 2 CPU ranks (hf_parity.assert_expert_parallel_trains_as_one_process), on the
-    tiny-model maker's GLM-4.5 with a dense first layer and 2 MoE layers."""
+@pytest.fixture(scope="module")
+def narrow_tiny_path(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    """The maker's GLM-4.5 (a dense first layer, 2 MoE layers, a shared expert, partial rotary) at
+    a smaller width, for the runs over 2 ranks."""
     spec = TinyGlm4MoeSpec(
         hidden_size=64,
         num_hidden_layers=3,
@@ -211,8 +174,12 @@ def test_expert_parallel_trains_as_one_process(tmp_path: pathlib.Path) -> None:
         intermediate_size=128,
         moe_intermediate_size=32,
     )
-    model_dir = make_tiny_model(tmp_path / "ep-glm4-moe", family="glm4-moe", spec=spec)
-    hf_parity.assert_expert_parallel_trains_as_one_process(model_dir, tmp_path, num_routers=2)
+    return make_tiny_model(tmp_path_factory.mktemp("narrow-glm4-moe") / "glm", family="glm4-moe", spec=spec)
+
+
+def test_expert_parallel_trains_as_one_process(narrow_tiny_path: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    """ep=2 over 2 CPU ranks (hf_parity.assert_expert_parallel_trains_as_one_process)."""
+    hf_parity.assert_expert_parallel_trains_as_one_process(narrow_tiny_path, tmp_path, num_routers=2)
 
 
 @pytest.fixture(scope="module")
@@ -287,17 +254,7 @@ def test_lora_adapter_export_names_the_shared_experts(tiny_checkpoint: pathlib.P
         assert adapter[f"base_model.model.{mlp}.down_proj.lora_A.weight"].shape == (4, width[mlp])
 
 
-def test_context_parallel_trains_as_one_process(tmp_path: pathlib.Path) -> None:
+def test_context_parallel_trains_as_one_process(narrow_tiny_path: pathlib.Path, tmp_path: pathlib.Path) -> None:
     """cp=2 over 2 CPU ranks (hf_parity.assert_context_parallel_trains_as_one_process): partial
     rotary, the dense first layer and the shared expert on a split row."""
-    spec = TinyGlm4MoeSpec(
-        hidden_size=64,
-        num_hidden_layers=3,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=32,
-        intermediate_size=128,
-        moe_intermediate_size=32,
-    )
-    model_dir = make_tiny_model(tmp_path / "cp-glm4-moe", family="glm4-moe", spec=spec)
-    hf_parity.assert_context_parallel_trains_as_one_process(model_dir, tmp_path)
+    hf_parity.assert_context_parallel_trains_as_one_process(narrow_tiny_path, tmp_path)

@@ -5,6 +5,7 @@ window shorter than the samples; router replay; the gradient of one loss; the HF
 trip, MXFP4 expert checkpoints and the Hugging Face export; refused configs; the attention
 windows and sinks themselves (sdpa and flex, batched, packed); expert parallel over 2 CPU ranks."""
 
+import functools
 import json
 import pathlib
 
@@ -13,16 +14,15 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from primerl_trainer.hf_export import export_hf_model
+from primerl_launcher.tiny_model import TinyGptOssSpec, make_tiny_model
 from primerl_trainer.models import load_model, read_hf_state_dict
 from primerl_trainer.models.common.attention import attention, build_attention_mask, document_ids
-from primerl_trainer.models.gpt_oss.model import GptOssModel, GptOssModelArgs
+from primerl_trainer.models.gpt_oss.model import GptOssModel
 from primerl_trainer.models.gpt_oss.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 from primerl_trainer.models.gpt_oss.state_dict_adapter import GptOssStateDictAdapter
 from primerl_trainer.models.registry import read_hf_config
 
 from . import hf_parity
-from .conftest import packed_inputs
 from .hf_parity import TOLERANCE, reference_forward
 
 VOCAB_SIZE, NUM_LAYERS, NUM_EXPERTS, WINDOW = 96, 3, 8, 4
@@ -90,25 +90,16 @@ def make_checkpoint(path: pathlib.Path, variant: dict, *, seed: int = 0) -> path
     )
 
 
-def reference(path: pathlib.Path, **kwargs) -> nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager", **kwargs).eval()
+reference = functools.partial(hf_parity.reference, attn_implementation="eager")
 
 
 def random_ids(*shape: int, seed: int = 0) -> torch.Tensor:
     return hf_parity.random_ids(*shape, vocab_size=VOCAB_SIZE, seed=seed)
 
 
-@pytest.fixture(scope="module", params=["full", "plain"])
-def checkpoint(request, tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
-    variant = FULL if request.param == "full" else PLAIN
-    return make_checkpoint(tmp_path_factory.mktemp(f"gpt-oss-{request.param}"), variant)
-
-
-@pytest.fixture(scope="module")
-def full_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
-    return make_checkpoint(tmp_path_factory.mktemp("gpt-oss-full"), FULL)
+checkpoint, full_checkpoint, plain_checkpoint = hf_parity.checkpoint_fixtures(
+    make_checkpoint, "gpt-oss", full=FULL, plain=PLAIN
+)
 
 
 def test_auto_picks_the_own_implementation(full_checkpoint: pathlib.Path) -> None:
@@ -124,27 +115,17 @@ def test_logits_and_routing_equal_transformers_on_a_batch(checkpoint: pathlib.Pa
     hf_parity.assert_batch_matches(load_model(checkpoint, impl="custom"), reference(checkpoint))
 
 
-@torch.no_grad()
 def test_packed_samples_equal_separate_runs(checkpoint: pathlib.Path) -> None:
     """Samples of 6, 13 and 3 tokens in one row; the window (4) is shorter than two of them.
     (Not against transformers' packed forward: GptOssModel builds its masks without the position
     ids, so its packed rows attend across samples.)"""
     own, hf = load_model(checkpoint, impl="custom"), reference(checkpoint)
-    samples, input_ids, position_ids = packed_inputs([6, 13, 3], seed=5)
-    packed = own(input_ids % VOCAB_SIZE, position_ids)
-    separate = [reference_forward(hf, sample % VOCAB_SIZE) for sample in samples]
-    assert (packed.logits - torch.cat([logits for logits, _ in separate], dim=1)).abs().max() <= TOLERANCE
-    assert torch.equal(packed.routed_experts.sort(dim=-1).values, torch.cat([ids for _, ids in separate]))
+    hf_parity.assert_packed_matches_separate_runs(own, hf, hf_packs=False)
 
 
-@torch.no_grad()
 def test_flex_backend_equals_sdpa(full_checkpoint: pathlib.Path) -> None:
     """The flex path (windows as BlockMasks, sinks through the log-sum-exp) on packed rows."""
-    sdpa = load_model(full_checkpoint, impl="custom")
-    flex = load_model(full_checkpoint, impl="custom", attn_backend="flex")
-    _, input_ids, position_ids = packed_inputs([6, 13, 3], seed=5)
-    input_ids = input_ids % VOCAB_SIZE
-    assert (sdpa(input_ids, position_ids).logits - flex(input_ids, position_ids).logits).abs().max() <= TOLERANCE
+    hf_parity.assert_flex_equals_sdpa(full_checkpoint)
 
 
 def test_replaying_transformers_routing_gives_its_logits(full_checkpoint: pathlib.Path) -> None:
@@ -275,32 +256,13 @@ def test_mxfp4_checkpoint_loads_and_equals_transformers_dequantized(
     # bf16 loading dequantizes to the same values.
     bf16 = load_model(path, impl="auto", dtype=torch.bfloat16)
     assert torch.equal(bf16.layers["2"].moe.experts.w2.float(), own.layers["2"].moe.experts.w2)
-    # Export is unquantized: the Hugging Face names of the dequantized weights.
-    exported = hf_parity.export_hf_state_dict(own)
-    assert exported.keys() == read_hf_state_dict(full_checkpoint).keys()
+    # Export is unquantized: the Hugging Face names of the dequantized weights, a config without
+    # the source's quantization_config, and transformers loads it back as it is.
+    hf_parity.assert_export_loads_back(path, tmp_path / "export", names_of=full_checkpoint, load_reference=reference)
 
 
-@torch.no_grad()
 def test_export_loads_back_in_transformers(full_checkpoint: pathlib.Path, tmp_path: pathlib.Path) -> None:
-    model = load_model(full_checkpoint, impl="custom")
-    generator = torch.Generator().manual_seed(7)
-    for parameter in model.parameters():
-        parameter.add_(0.05 * torch.randn(parameter.shape, generator=generator))
-    out = export_hf_model(
-        model,
-        source_dir=full_checkpoint,
-        out_dir=tmp_path / "export",
-        dtype=torch.float32,
-        lora_scale=None,
-        is_destination=True,
-        step=1,
-    )
-    assert read_hf_state_dict(out).keys() == read_hf_state_dict(full_checkpoint).keys()
-    input_ids = random_ids(1, 10, seed=4)
-    logits, expert_ids = reference_forward(reference(out), input_ids)
-    own = model(input_ids)
-    assert (own.logits - logits).abs().max() <= TOLERANCE
-    assert torch.equal(own.routed_experts.sort(dim=-1).values, expert_ids)
+    hf_parity.assert_export_loads_back(full_checkpoint, tmp_path / "export", load_reference=reference)
 
 
 @pytest.mark.parametrize(
@@ -319,9 +281,7 @@ def test_export_loads_back_in_transformers(full_checkpoint: pathlib.Path, tmp_pa
     ],
 )
 def test_bad_configs_are_refused(full_checkpoint: pathlib.Path, change: dict, match: str) -> None:
-    config = read_hf_config(full_checkpoint) | change
-    with pytest.raises(ValueError, match=match):
-        GptOssModel(GptOssModelArgs.from_hf_config(config))
+    hf_parity.assert_config_refused(full_checkpoint, change, match)
 
 
 def _reference_attention(q, k, v, position_ids, *, window, sinks):
@@ -399,27 +359,15 @@ def test_sink_gradients_equal_the_definition() -> None:
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     """The tiny-model maker's GPT-OSS (tiny vocabulary, window 8, sliding and full layers, YaRN)."""
-    from primerl_launcher.tiny_model import make_tiny_model
-
     return make_tiny_model(tmp_path_factory.mktemp("tiny-gpt-oss") / "gpt-oss", family="gpt-oss", dtype="bfloat16")
 
 
-@torch.no_grad()
 def test_tiny_model_maker_writes_a_gpt_oss_checkpoint(tiny_checkpoint: pathlib.Path) -> None:
-    from primerl_launcher.tiny_model import VOCAB_SIZE as TINY_VOCAB_SIZE
-
     weights = read_hf_state_dict(tiny_checkpoint)
     assert weights["model.layers.0.mlp.experts.gate_up_proj"].dtype == torch.bfloat16
     assert weights["model.layers.0.self_attn.sinks"].abs().sum() > 0
-    own = load_model(tiny_checkpoint, impl="auto", dtype=torch.float32)
-    assert isinstance(own, GptOssModel)
+    own = hf_parity.assert_maker_checkpoint_equals_transformers(tiny_checkpoint, GptOssModel, load_reference=reference)
     assert own.args.layer_windows == (8, None, 8, None) and own.args.rope.factor == 8.0
-    # Longer than the window.
-    input_ids = torch.randint(0, TINY_VOCAB_SIZE, (2, 20), generator=torch.Generator().manual_seed(0))
-    logits, expert_ids = reference_forward(reference(tiny_checkpoint), input_ids)
-    out = own(input_ids)
-    assert (out.logits - logits).abs().max() <= 1e-4
-    assert torch.equal(out.routed_experts.sort(dim=-1).values, expert_ids)
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
@@ -463,32 +411,30 @@ def test_lora_adapter_of_fused_experts_is_the_merged_delta(full_checkpoint: path
     assert "base_model.model.model.layers.0.self_attn.o_proj.lora_B.weight" in adapter
 
 
-def test_expert_parallel_trains_as_one_process(tmp_path: pathlib.Path) -> None:
-    """ep=2 over 2 CPU ranks (hf_parity.assert_expert_parallel_trains_as_one_process), on the
-    tiny-model maker's GPT-OSS at a smaller width (the experts' biases split with their weights)."""
-    from primerl_launcher.tiny_model import TinyGptOssSpec, make_tiny_model
-
+@pytest.fixture(scope="module")
+def narrow_tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    """The maker's GPT-OSS at a smaller width, 2 layers (sliding, full), window 4: the runs over 2 ranks."""
     spec = TinyGptOssSpec(
         hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
         moe_intermediate_size=32, sliding_window=4,
     )  # fmt: skip
-    model_dir = make_tiny_model(tmp_path / "ep-gpt-oss", family="gpt-oss", spec=spec)
-    hf_parity.assert_expert_parallel_trains_as_one_process(model_dir, tmp_path, num_routers=0)
+    return make_tiny_model(tmp_path_factory.mktemp("narrow-gpt-oss") / "gpt-oss", family="gpt-oss", spec=spec)
 
 
-def test_cp2_with_router_replay_trains_as_one_process(tmp_path: pathlib.Path) -> None:
+def test_expert_parallel_trains_as_one_process(narrow_tiny_checkpoint: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    """ep=2 over 2 CPU ranks (hf_parity.assert_expert_parallel_trains_as_one_process): the experts'
+    biases split with their weights."""
+    hf_parity.assert_expert_parallel_trains_as_one_process(narrow_tiny_checkpoint, tmp_path, num_routers=0)
+
+
+def test_cp2_with_router_replay_trains_as_one_process(
+    narrow_tiny_checkpoint: pathlib.Path, tmp_path: pathlib.Path
+) -> None:
     """Context parallel over 2 CPU ranks (test_context_parallel's cp_worker, float64, replayed
     routing): windows by row index and sinks on this rank's queries over the gathered keys, with
     sdpa (dense and chunked masks) and flex (forward), equal one process."""
-    from primerl_launcher.tiny_model import TinyGptOssSpec, make_tiny_model
-
-    spec = TinyGptOssSpec(
-        hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
-        moe_intermediate_size=32, sliding_window=4,
-    )  # fmt: skip
-    model_dir = make_tiny_model(tmp_path / "cp-gpt-oss", family="gpt-oss", spec=spec)
     # Softmax routing in float64 throughout: float64's bounds hold.
-    hf_parity.assert_context_parallel_trains_as_one_process(model_dir, tmp_path, tolerances=(1e-10, 1e-10))
+    hf_parity.assert_context_parallel_trains_as_one_process(narrow_tiny_checkpoint, tmp_path, tolerances=(1e-10, 1e-10))
 
 
 def test_flex_tiles_of_a_windowed_row_layout_follow_the_window() -> None:

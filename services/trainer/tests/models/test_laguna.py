@@ -8,17 +8,13 @@ import pathlib
 import pytest
 import torch
 
-from primerl_launcher.tiny_model import VOCAB_SIZE as TINY_VOCAB_SIZE
 from primerl_launcher.tiny_model import TinyLagunaSpec, make_tiny_model
-from primerl_trainer.hf_export import export_hf_model
 from primerl_trainer.models import load_model, read_hf_state_dict
-from primerl_trainer.models.laguna.model import LagunaModel, LagunaModelArgs
+from primerl_trainer.models.laguna.model import LagunaModel
 from primerl_trainer.models.laguna.state_dict_adapter import LagunaStateDictAdapter
-from primerl_trainer.models.registry import read_hf_config
 
 from . import hf_parity
-from .conftest import packed_inputs
-from .hf_parity import TOLERANCE, reference, reference_forward
+from .hf_parity import reference
 
 VOCAB_SIZE, NUM_LAYERS, NUM_EXPERTS = 96, 4, 8
 
@@ -92,20 +88,9 @@ def make_checkpoint(path: pathlib.Path, variant: dict, *, seed: int = 0) -> path
     return hf_parity.save_random_checkpoint(path, LagunaForCausalLM, config, perturb=perturb, seed=seed)
 
 
-@pytest.fixture(scope="module", params=["full", "plain"])
-def checkpoint(request, tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
-    variant = FULL if request.param == "full" else PLAIN
-    return make_checkpoint(tmp_path_factory.mktemp(f"laguna-{request.param}"), variant)
-
-
-@pytest.fixture(scope="module")
-def full_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
-    return make_checkpoint(tmp_path_factory.mktemp("laguna-full"), FULL)
-
-
-@pytest.fixture(scope="module")
-def plain_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
-    return make_checkpoint(tmp_path_factory.mktemp("laguna-plain"), PLAIN)
+checkpoint, full_checkpoint, plain_checkpoint = hf_parity.checkpoint_fixtures(
+    make_checkpoint, "laguna", full=FULL, plain=PLAIN
+)
 
 
 def test_auto_picks_the_own_implementation(full_checkpoint: pathlib.Path) -> None:
@@ -130,12 +115,7 @@ def test_packed_samples_equal_separate_runs(checkpoint: pathlib.Path) -> None:
 
 
 def test_flex_attention_equals_sdpa_with_sliding_windows(full_checkpoint: pathlib.Path) -> None:
-    _, input_ids, position_ids = packed_inputs([6, 13, 3], seed=6)
-    input_ids = input_ids % VOCAB_SIZE
-    with torch.no_grad():
-        sdpa = load_model(full_checkpoint, impl="custom")(input_ids, position_ids).logits
-        flex = load_model(full_checkpoint, impl="custom", attn_backend="flex")(input_ids, position_ids).logits
-    assert (sdpa - flex).abs().max() <= TOLERANCE
+    hf_parity.assert_flex_equals_sdpa(full_checkpoint)
 
 
 def test_replaying_transformers_routing_gives_its_logits(full_checkpoint: pathlib.Path) -> None:
@@ -196,30 +176,11 @@ def _with_rope(kind: str, **change: object) -> dict:
     ],
 )
 def test_bad_configs_are_refused(full_checkpoint: pathlib.Path, change: dict, match: str) -> None:
-    config = read_hf_config(full_checkpoint) | change
-    with pytest.raises(ValueError, match=match):
-        LagunaModel(LagunaModelArgs.from_hf_config(config))
+    hf_parity.assert_config_refused(full_checkpoint, change, match)
 
 
-@torch.no_grad()
 def test_export_loads_back_in_transformers(full_checkpoint: pathlib.Path, tmp_path: pathlib.Path) -> None:
-    model = load_model(full_checkpoint, impl="custom")
-    generator = torch.Generator().manual_seed(7)
-    for parameter in model.parameters():
-        parameter.add_(0.05 * torch.randn(parameter.shape, generator=generator))
-    out = export_hf_model(
-        model,
-        source_dir=full_checkpoint,
-        out_dir=tmp_path / "export",
-        dtype=torch.float32,
-        lora_scale=None,
-        is_destination=True,
-        step=1,
-    )
-    assert read_hf_state_dict(out).keys() == read_hf_state_dict(full_checkpoint).keys()
-    input_ids = hf_parity.random_ids(1, 10, vocab_size=VOCAB_SIZE, seed=4)
-    logits, _ = reference_forward(reference(out), input_ids)
-    assert (model(input_ids).logits - logits).abs().max() <= TOLERANCE
+    hf_parity.assert_export_loads_back(full_checkpoint, tmp_path / "export")
 
 
 @pytest.fixture(scope="module")
@@ -227,18 +188,12 @@ def tiny_path(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny-laguna") / "laguna", family="laguna")
 
 
-@torch.no_grad()
 def test_tiny_model_maker_writes_a_laguna_checkpoint(tiny_path: pathlib.Path) -> None:
     weights = read_hf_state_dict(tiny_path)
     assert weights["model.layers.1.mlp.experts.e_score_correction_bias"].abs().sum() > 0
-    own = load_model(tiny_path, impl="auto", dtype=torch.float32)
-    assert isinstance(own, LagunaModel) and own.args.moe_layers == (1, 2, 3)
+    own = hf_parity.assert_maker_checkpoint_equals_transformers(tiny_path, LagunaModel)
+    assert own.args.moe_layers == (1, 2, 3)
     assert own.args.heads_per_layer == (4, 8, 4, 8) and own.args.rope_of("full_attention").parameters.factor == 8.0
-    input_ids = torch.randint(0, TINY_VOCAB_SIZE, (2, 20), generator=torch.Generator().manual_seed(0))
-    logits, expert_ids = reference_forward(reference(tiny_path), input_ids)
-    out = own(input_ids)
-    assert (out.logits - logits).abs().max() <= 1e-4
-    assert torch.equal(out.routed_experts.sort(dim=-1).values, expert_ids)
 
 
 @pytest.fixture(scope="module")
@@ -267,8 +222,5 @@ def test_context_parallel_trains_as_one_process(narrow_tiny_path: pathlib.Path, 
 def test_expert_parallel_trains_as_one_process(tmp_path: pathlib.Path) -> None:
     """ep=2 over 2 CPU ranks (hf_parity.assert_expert_parallel_trains_as_one_process): losses,
     replay, LoRA and resume under FSDP2 as one process."""
-    # The training helpers sample byte tokens: the tiny tokenizer's vocabulary; weights at the
-    # usual scale, so that a few Adam steps stay in float32's comfortable range.
-    variant = FULL | {"vocab_size": TINY_VOCAB_SIZE, "hidden_size": 64, "initializer_range": 0.02}
-    model_dir = make_checkpoint(tmp_path / "ep-laguna", variant)
+    model_dir = make_checkpoint(tmp_path / "ep-laguna", FULL | hf_parity.TRAINABLE | {"hidden_size": 64})
     hf_parity.assert_expert_parallel_trains_as_one_process(model_dir, tmp_path, num_routers=2)

@@ -57,15 +57,9 @@ def make_checkpoint(path: pathlib.Path, variant: dict, *, seed: int = 0) -> path
     )
 
 
-@pytest.fixture(scope="module", params=["partial", "full-rotary"])
-def checkpoint(request, tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
-    variant = PARTIAL if request.param == "partial" else FULL_ROTARY
-    return make_checkpoint(tmp_path_factory.mktemp(f"minimax-m2-{request.param}"), variant)
-
-
-@pytest.fixture(scope="module")
-def partial_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
-    return make_checkpoint(tmp_path_factory.mktemp("minimax-m2-partial"), PARTIAL)
+checkpoint, partial_checkpoint, full_rotary_checkpoint = hf_parity.checkpoint_fixtures(
+    make_checkpoint, "minimax-m2", partial=PARTIAL, full_rotary=FULL_ROTARY
+)
 
 
 def test_auto_picks_the_own_implementation(partial_checkpoint: pathlib.Path) -> None:
@@ -157,19 +151,13 @@ def test_multi_token_prediction_layers_are_dropped(partial_checkpoint: pathlib.P
     ],
 )
 def test_bad_configs_are_refused(partial_checkpoint: pathlib.Path, change: dict, match: str) -> None:
-    config = read_hf_config(partial_checkpoint) | change
-    with pytest.raises(ValueError, match=match):
-        MiniMaxM2Model(MiniMaxM2ModelArgs.from_hf_config(config))
+    hf_parity.assert_config_refused(partial_checkpoint, change, match)
 
 
 def test_expert_parallel_trains_as_one_process(tmp_path: pathlib.Path) -> None:
     """ep=2 over 2 CPU ranks (hf_parity.assert_expert_parallel_trains_as_one_process)."""
-    from primerl_launcher.tiny_model import VOCAB_SIZE as TINY_VOCAB_SIZE
-
-    # The training helpers sample byte tokens: the tiny tokenizer's vocabulary; weights at the
-    # usual scale, so that a few Adam steps stay in float32's comfortable range.
-    variant = PARTIAL | {"vocab_size": TINY_VOCAB_SIZE, "hidden_size": 64, "intermediate_size": 32}
-    model_dir = make_checkpoint(tmp_path / "ep-minimax-m2", variant | {"initializer_range": 0.02})
+    variant = PARTIAL | hf_parity.TRAINABLE | {"hidden_size": 64, "intermediate_size": 32}
+    model_dir = make_checkpoint(tmp_path / "ep-minimax-m2", variant)
     hf_parity.assert_expert_parallel_trains_as_one_process(model_dir, tmp_path, num_routers=NUM_LAYERS)
 
 
