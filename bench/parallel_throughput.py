@@ -420,14 +420,16 @@ def load_planner_rates(args: argparse.Namespace, device_name: str):
 def predict(run: Run, rates, smoke: bool) -> None:
     if not run.ok:
         return
-    from primerl_trainer.planner import (
-        Mesh,
-        Workload,
-        estimate_memory,
-        estimate_step_time,
-        model_flops_per_token,
-        shape_from_hf_config,
-    )
+    from primerl_trainer.planner import estimate_memory, estimate_step_time, model_flops_per_token
+
+    shape, mesh, workload = planner_inputs(run, smoke)
+    run.predicted_step_s = estimate_step_time(shape, mesh, workload, rates).total
+    run.predicted_peak_bytes = estimate_memory(shape, mesh, workload, rates).total
+    run.mfu = model_flops_per_token(shape, run.seq_len) * run.tokens_per_s_per_gpu / (rates.peak_tflops * 1e12)
+
+
+def planner_inputs(run: Run, smoke: bool):
+    from primerl_trainer.planner import Mesh, Workload, shape_from_hf_config
 
     shape = shape_from_hf_config(model_config(run.kind, run.num_experts, smoke), name=run.name)
     mesh = Mesh(world=run.nproc, ep=run.ep, cp=run.cp)
@@ -436,10 +438,41 @@ def predict(run: Run, rates, smoke: bool) -> None:
         tokens_per_step=run.tokens_per_step,
         master_bytes=4 if run.dtype == "float32" else 2,
         activation_checkpointing=run.activation_checkpointing,
+        accumulate_unsharded=run.accumulate_unsharded,
     )
-    run.predicted_step_s = estimate_step_time(shape, mesh, workload, rates).total
-    run.predicted_peak_bytes = estimate_memory(shape, mesh, workload, rates).total
-    run.mfu = model_flops_per_token(shape, run.seq_len) * run.tokens_per_s_per_gpu / (rates.peak_tflops * 1e12)
+    return shape, mesh, workload
+
+
+def ep_fit(ep_run: Run, one_gpu: Run, rates, smoke: bool) -> str:
+    """The planner's fitted expert-parallel terms as this run implies them (planner.rates StepFit,
+    LinkRates.all_to_all_call_s): the per-call cost from the measured all-to-all time less its
+    bytes, then the per-layer term that makes the predicted ep=2 / 1 GPU step ratio the measured
+    one."""
+    from primerl_trainer.planner import estimate_step_time
+
+    shape, mesh, workload = planner_inputs(ep_run, smoke)
+    unfitted = dataclasses.replace(
+        rates,
+        intra_node=dataclasses.replace(rates.intra_node, all_to_all_call_s=0.0),
+        fit=dataclasses.replace(rates.fit, ep_layer_s=0.0),
+    )
+    bytes_s = estimate_step_time(shape, mesh, workload, unfitted).ep
+    if not ep_run.a2a_calls:
+        return "planner fit: no all-to-all calls timed"
+    call_s = max(0.0, ep_run.a2a_ms / 1e3 - bytes_s) / ep_run.a2a_calls
+    with_calls = dataclasses.replace(
+        unfitted, intra_node=dataclasses.replace(rates.intra_node, all_to_all_call_s=call_s)
+    )
+    target = one_gpu.predicted_step_s * ep_run.step_s / one_gpu.step_s
+    layer_forwards = (
+        shape.num_moe_layers * workload.micro_batches_per_rank(mesh) * (2 if workload.activation_checkpointing else 1)
+    )
+    layer_s = (target - estimate_step_time(shape, mesh, workload, with_calls).total) / layer_forwards
+    return (
+        f"planner fit from this run: all_to_all_call_s = {call_s:.3g} "
+        f"(rates: {rates.intra_node.all_to_all_call_s:.3g}), ep_layer_s = {layer_s:.3g} "
+        f"(rates: {rates.fit.ep_layer_s:.3g}); all-to-all bytes {bytes_s * 1e3:.0f} ms a step"
+    )
 
 
 def dense_lengths_to_try(rates, smoke: bool, dtype: str) -> tuple[int, ...]:
@@ -543,7 +576,7 @@ def bench_main(args: argparse.Namespace) -> None:
             runs.append(launch(cp_run, root / checkpoint_name("dense", 0), args))
     for run in runs:
         predict(run, rates, smoke)
-    report(runs, rates)
+    report(runs, rates, smoke)
 
 
 def _device_name() -> str:
@@ -553,7 +586,7 @@ def _device_name() -> str:
     return out.stdout.strip()
 
 
-def report(runs: list[Run], rates) -> None:
+def report(runs: list[Run], rates, smoke: bool) -> None:
     print()
     print(
         f"{'run':<15} {'GPUs':>4} {'seq':>7} {'tokens/step':>11} {'step ms':>8} {'tok/s/GPU':>9} {'MFU':>6} "
@@ -590,6 +623,8 @@ def report(runs: list[Run], rates) -> None:
             nproc=ep_run.nproc,
             baseline_tokens_per_s=by_name["moe 1 GPU"].tokens_per_s_per_gpu,
         )
+        if ep_run.predicted_step_s == ep_run.predicted_step_s:  # predicted (not NaN)
+            print(ep_fit(ep_run, by_name["moe 1 GPU"], rates, smoke))
     cp_memory = ratio("dense 2L cp=2", "dense L", "peak_bytes")
     cp_mfu = ratio("dense 2L cp=2", "dense L", "mfu")
     if OUT is not None:

@@ -94,6 +94,13 @@ def test_expert_parallel_over_every_rank_keeps_the_experts_gathered():
     # The output head stays gathered from its forward to its backward.
     assert with_logits.fsdp == (2 + 4) * local + 1000 * 64 * 2
     assert with_logits.states == 3 * 2 * (local + shard) + 2 * shard
+    # accumulate_unsharded: the sharded units held as the local ones (gathered, float32
+    # accumulators), their block's gradient as a local unit's; no gradient shards until the end.
+    held = estimate_memory(SHAPE, Mesh(world=2, ep=2), dataclasses.replace(workload, accumulate_unsharded=True), RATES)
+    sharded = SHAPE.total_params - ROUTED
+    assert held.moment == "blocks"
+    assert held.fsdp == (2 + 4) * (local + sharded) + (2 + 4) * (4 * EXPERT + DENSE_BLOCK)
+    assert held.states == memory.states
 
 
 def test_context_parallel_keeps_the_gathered_kv_of_one_layer_under_checkpointing():

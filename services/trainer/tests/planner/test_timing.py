@@ -3,7 +3,7 @@ import dataclasses
 import pytest
 
 from primerl_trainer.planner.mesh import Mesh, Workload
-from primerl_trainer.planner.rates import GpuRates, LinkRates
+from primerl_trainer.planner.rates import GpuRates, LinkRates, StepFit
 from primerl_trainer.planner.shapes import ModelShape
 from primerl_trainer.planner.timing import (
     estimate_step_time,
@@ -99,6 +99,40 @@ def test_expert_parallel_all_to_alls_by_hand_and_across_nodes():
         moe16, Mesh(world=16, ep=16), dataclasses.replace(workload, tokens_per_step=16 * 1024), RATES
     )
     assert inter.ep > 5 * wide.ep  # 16 ranks leave the 8-GPU node
+
+
+def test_fitted_terms_all_to_all_calls_layers_and_exposed_fsdp():
+    moe = dataclasses.replace(DENSE, num_dense_layers=0, num_experts=8, top_k=2, moe_intermediate_size=32)
+    workload = Workload(seq_len=1024, tokens_per_step=4 * 1024)  # two micro-batches per rank
+    mesh = Mesh(world=2, ep=2)
+    plain = estimate_step_time(moe, mesh, workload, RATES)
+    fitted_rates = dataclasses.replace(
+        RATES,
+        intra_node=dataclasses.replace(LINK, all_to_all_call_s=1e-3),
+        fit=StepFit(ep_layer_s=2e-3, fsdp_exposed_fraction=0.5),
+    )
+    fitted = estimate_step_time(moe, mesh, workload, fitted_rates)
+    # Per MoE layer and micro-batch: 3 calls forward, 2 backward, and one layer term per forward.
+    assert fitted.ep - plain.ep == pytest.approx(2 * 2 * (5 * 1e-3 + 2e-3))
+    checkpointed = dataclasses.replace(workload, activation_checkpointing=True)
+    twice = (
+        estimate_step_time(moe, mesh, checkpointed, fitted_rates).ep
+        - estimate_step_time(moe, mesh, checkpointed, RATES).ep
+    )
+    assert twice == pytest.approx(2 * 2 * (8 * 1e-3 + 2 * 2e-3))
+    # The non-expert part sharded over 2 ranks (the experts are local): per micro-batch two bf16
+    # all-gathers and a float32 reduce-scatter, of which half shows; with accumulate_unsharded one
+    # of each per step.
+    sharded = moe.total_params - 2 * 8 * 3 * 64 * 32
+    blocks_and_head = sharded - 64  # the final norm (the root's) is not counted
+    gather, scatter = blocks_and_head * 2 / 2 / 100e9, blocks_and_head * 4 / 2 / 100e9
+    assert fitted.fsdp == pytest.approx(2 * 0.5 * (2 * gather + scatter))
+    held = estimate_step_time(moe, mesh, dataclasses.replace(workload, accumulate_unsharded=True), fitted_rates)
+    assert held.fsdp == pytest.approx(0.5 * (gather + scatter))
+    # Its copies: the sharded units' gathered copy-out once per step and their gradients handled as
+    # the local units' are, instead of two copy-outs and a float32 reduce input per micro-batch.
+    per_step = sharded * (2 * 2 + local_gradient_bytes_per_param(2, 2, 4)) / 1000e9
+    assert held.copies - fitted.copies == pytest.approx(per_step - 2 * sharded * (8 + 6) / 1000e9)
 
 
 def test_model_flops_per_token():

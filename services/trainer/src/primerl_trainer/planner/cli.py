@@ -67,7 +67,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _resolve(args: argparse.Namespace) -> tuple[ModelShape, Workload, Mesh | None]:
     if args.gpus <= 0:
         raise ValueError("--gpus must be positive")
-    seq_len, master, compute = 4096, "float32", "bfloat16"
+    seq_len, master, compute, accumulate_unsharded = 4096, "float32", "bfloat16", False
     shape = builtin_shape(args.shape) if args.shape else None
     configured = None
     if args.config is not None:
@@ -76,6 +76,7 @@ def _resolve(args: argparse.Namespace) -> tuple[ModelShape, Workload, Mesh | Non
         argv = ["-c", str(args.config)] + (["--config-section", args.config_section] if args.config_section else [])
         config = load_config(TrainerConfig, argv, prog="primerl-trainer plan")
         seq_len, master, compute = config.seq_len, config.model.dtype, config.model.compute_dtype
+        accumulate_unsharded = config.parallel.accumulate_unsharded
         if shape is None:
             shape = shape_from_model_path(config.model.path)
         configured = Mesh(world=args.gpus, ep=config.parallel.ep, cp=config.parallel.cp)
@@ -88,5 +89,6 @@ def _resolve(args: argparse.Namespace) -> tuple[ModelShape, Workload, Mesh | Non
         master_bytes=_DTYPE_BYTES[args.master_dtype or master],
         compute_bytes=_DTYPE_BYTES[compute],
         loss=args.loss,
+        accumulate_unsharded=accumulate_unsharded,
     )
     return shape, workload, configured

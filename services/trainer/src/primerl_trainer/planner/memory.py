@@ -15,7 +15,8 @@ Parameters fall in two kinds of FSDP units (B_m = master bytes, B_c = compute by
 - sharded units (the rest): a block gathered in B_c while it runs and the next one prefetched,
   in backward its unsharded gradient in B_c and its float32 reduce-scatter input; the output
   head kept gathered from its forward to its backward; gradients reduced every micro-batch into
-  the B_m shard.
+  the B_m shard. With accumulate_unsharded and several micro-batches they are held as the local
+  units are: gathered in B_c and accumulating float32 gradients through the step.
 
 What each part counts (bytes, per GPU):
 - states: parameters and both AdamW moments in B_m, sharded (experts over ep, then over N / ep),
@@ -141,11 +142,13 @@ def estimate_memory(shape: ModelShape, mesh: Mesh, workload: Workload, rates: Gp
     b_m, b_c = workload.master_bytes, workload.compute_bytes
     accumulating = workload.micro_batches_per_rank(mesh) > 1
     split = param_split(shape, mesh)
+    # accumulate_unsharded: the sharded units held as the local ones are (their shards stay states).
+    held_unsharded = split.sharded if workload.accumulate_unsharded and accumulating else 0.0
     # Parameters and moments; gradient shards of the sharded units from earlier micro-batches.
     states = 3 * b_m * (split.local + split.sharded_shard)
-    held_grads = b_m * split.sharded_shard if accumulating else 0.0
+    held_grads = b_m * split.sharded_shard if accumulating and not held_unsharded else 0.0
     # Local units: gathered copies, and the float32 accumulators that stand in for their shards.
-    local = b_c * split.local + (4 * split.local if accumulating else 0.0)
+    local = b_c * split.local + (4 * split.local if accumulating else 0.0) + (b_c + 4) * held_unsharded
 
     tokens = workload.seq_len / mesh.cp
     layer_bytes = {
@@ -187,6 +190,8 @@ def estimate_memory(shape: ModelShape, mesh: Mesh, workload: Workload, rates: Gp
     largest_local, largest_sharded = (
         max(unit_params(shape, mesh, moe=moe)[i] for moe, _ in _layer_kinds(shape)) for i in (0, 1)
     )
+    if held_unsharded:
+        largest_local, largest_sharded = largest_local + largest_sharded, 0.0
     transient = (3 * b_c + 4) * largest_sharded + (b_c + 4) * largest_local
     cp = 0.0
     if mesh.cp > 1:

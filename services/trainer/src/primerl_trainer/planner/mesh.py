@@ -61,6 +61,9 @@ class Workload:
     # "logits": the trainer's loss path (logits materialised, logprobs in chunks); "fused": the
     # fused linear cross-entropy (bench/trainer_throughput.py's), no logits.
     loss: Literal["logits", "fused"] = "logits"
+    # parallel.accumulate_unsharded: the sharded FSDP units stay gathered through a step's
+    # micro-batches, their float32 gradients accumulate unsharded and reduce once per step.
+    accumulate_unsharded: bool = False
 
     def __post_init__(self) -> None:
         if self.seq_len <= 0 or self.tokens_per_step <= 0:

@@ -14,7 +14,7 @@ import tomllib
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["GpuRates", "LinkRates", "load_rates", "rates_path"]
+__all__ = ["GpuRates", "LinkRates", "StepFit", "load_rates", "rates_path"]
 
 _RATES_DIR = pathlib.Path(__file__).parent / "rates"
 
@@ -28,6 +28,26 @@ class LinkRates:
     all_gather_gbps: float
     reduce_scatter_gbps: float
     all_to_all_gbps: float
+    # Seconds per all-to-all call beyond its bytes: the launch and, mostly, waiting for the slowest
+    # rank (every exchange is a barrier of the ep group). Fitted to a measured run (see `fit`).
+    all_to_all_call_s: float = 0.0
+    source: str = ""
+
+
+@dataclass(frozen=True)
+class StepFit:
+    """Terms fitted to measured steps rather than measured per kernel (`source` says which run).
+
+    ep_layer_s: per MoE layer forward under expert parallel, what the dispatch costs beyond its
+    bytes and its calls' fixed cost: the GPU running dry after the host sync on the split
+    sizes while the host launches the layer's remaining work, and the dispatcher's index kernels
+    (sort, scatters, masks) and row kernels where they run below the copy rate.
+    fsdp_exposed_fraction: the part of the sharded FSDP units' all-gathers and reduce-scatters
+    that compute does not hide (the first gather and the last reduction of a pass have nothing to
+    overlap with, and NCCL's kernels slow the compute they run beside)."""
+
+    ep_layer_s: float = 0.0
+    fsdp_exposed_fraction: float = 0.0
     source: str = ""
 
 
@@ -50,6 +70,7 @@ class GpuRates:
     # Measured saved-activation bytes over the planner's count, for dense and MoE blocks.
     activation_factor_dense: float = 1.0
     activation_factor_moe: float = 1.0
+    fit: StepFit = StepFit()
     source: str = ""
 
     @property
@@ -117,6 +138,7 @@ def load_rates(gpu_or_path: str | pathlib.Path) -> GpuRates:
             inter_node=_link(data["inter_node"]),
             activation_factor_dense=float(data.get("activations", {}).get("factor_dense", 1.0)),
             activation_factor_moe=float(data.get("activations", {}).get("factor_moe", 1.0)),
+            fit=_fit(data.get("fit", {})),
             source=data.get("source", ""),
         )
     except (KeyError, TypeError, ValueError) as exc:
@@ -128,5 +150,14 @@ def _link(table: dict[str, Any]) -> LinkRates:
         all_gather_gbps=float(table["all_gather_gbps"]),
         reduce_scatter_gbps=float(table["reduce_scatter_gbps"]),
         all_to_all_gbps=float(table["all_to_all_gbps"]),
+        all_to_all_call_s=float(table.get("all_to_all_call_s", 0.0)),
+        source=table.get("source", ""),
+    )
+
+
+def _fit(table: dict[str, Any]) -> StepFit:
+    return StepFit(
+        ep_layer_s=float(table.get("ep_layer_s", 0.0)),
+        fsdp_exposed_fraction=float(table.get("fsdp_exposed_fraction", 0.0)),
         source=table.get("source", ""),
     )

@@ -15,19 +15,23 @@ Per micro-batch on one GPU (t = seq_len / cp tokens):
   forward gather, on one rank three copies); the local units' float32 gradient accumulation and
   their one reduction per step (`local_gradient_bytes_per_param`).
 - FSDP: each sharded block all-gathered in forward and again in backward, its gradient
-  reduce-scattered in float32, every micro-batch; overlapped with compute, so only what exceeds
-  it counts. Local units (one-rank meshes) move nothing between GPUs.
-- expert parallel: dispatch and combine all-to-alls per MoE layer, forward and backward (and the
-  recomputed forward), on the critical path; each token goes once to each rank holding one of its
-  experts (balanced random routing), not once per expert.
+  reduce-scattered in float32, every micro-batch (with accumulate_unsharded: one all-gather and one
+  reduce-scatter per step); overlapped with compute, so what exceeds it counts, and at least the
+  fitted exposed fraction (`StepFit.fsdp_exposed_fraction`). Local units (one-rank meshes) move
+  nothing between GPUs.
+- expert parallel, per MoE layer and micro-batch, on the critical path: the dispatch and combine
+  all-to-alls' bytes, forward and backward (and the recomputed forward), each token going once to
+  each rank holding one of its experts (balanced random routing), not once per expert; a fixed
+  cost per all-to-all call (`LinkRates.all_to_all_call_s`: 3 calls per forward, the counts, the
+  rows with their routing and the partial sums; 2 per backward); and per forward the rest of the
+  dispatch's cost (`StepFit.ep_layer_s`: the GPU idle after the host sync on the split sizes,
+  index kernels). The last two are fitted to a measured ep=2 step, not measured per kernel.
 - context parallel: each layer's K/V all-gather forward (and recomputed forward) and the
   reduce-scatter of their gradients backward, on the critical path.
 Then the optimizer: gradient clipping and torch's foreach AdamW, one pass over the local shard per
 foreach op (`optimizer_bytes_per_param`), at the HBM rate.
-Not counted: host time (kernel launches, the EP dispatch's per-layer host sync, which lets the
-GPU run dry until the host catches up), NCCL kernels waiting for a late peer, kernels slower than
-the copy rate (the eager dispatch's row gathers, aten::index), the blocks' own elementwise work
-(norms, rope, activations: compiled, and small next to the above).
+Not counted: host time (but for the fitted EP term), kernels slower than the copy rate, the
+blocks' own elementwise work (norms, rope, activations: compiled, and small next to the above).
 """
 
 from __future__ import annotations
@@ -50,6 +54,10 @@ __all__ = [
 ]
 
 _ATTENTION_BACKWARD_FLOPS = 2.5  # backward FLOPs over forward FLOPs of attention (rates' convention)
+# all_to_all_single calls of one MoE layer's dispatcher (distributed.expert_parallel, packed): a
+# forward exchanges the counts, the rows with their routing and the partial sums; a backward
+# sends the partial sums' and the rows' gradients back.
+EP_CALLS_FORWARD, EP_CALLS_BACKWARD = 3, 2
 
 
 @dataclass(frozen=True)
@@ -199,36 +207,53 @@ def estimate_step_time(shape: ModelShape, mesh: Mesh, workload: Workload, rates:
         logprobs = t * shape.vocab_size * logprob_bytes_per_logit(b_c) / hbm
 
     split = param_split(shape, mesh)
+    b_m = workload.master_bytes
+    # accumulate_unsharded: the sharded units are gathered once per step and handle their
+    # gradients as the local units do (below), then reduce once.
+    unsharded = workload.accumulate_unsharded and micro_batches > 1
     # Per micro-batch: the MoE layers' row moves; the sharded units' copy-out of each of their two
     # all-gathers and their float32 reduce-scatter input; the local units' forward gather (FSDP
     # reshards every unit after backward, torch's default, so each micro-batch gathers them again):
     # the copy-in cast to B_c, the one-rank all-gather (a copy) and the copy-out.
     copies = shape.num_moe_layers * routing_bytes(shape, mesh, t, b_c, forward_passes=forward_passes) / hbm
-    copies += split.sharded * (2 * 2 * b_c + b_c + 4) / hbm
-    copies += split.local * (workload.master_bytes + b_c + 2 * b_c + 2 * b_c) / hbm
+    if not unsharded:
+        copies += split.sharded * (2 * 2 * b_c + b_c + 4) / hbm
+    copies += split.local * (b_m + b_c + 2 * b_c + 2 * b_c) / hbm
 
     # FSDP: the sharded units' non-expert part over all N ranks, experts over N / ep, ep apart.
     dense_link = rates.link(mesh.world, spans_nodes=_spans_nodes(mesh.world, 1, rates))
     expert_group = mesh.world // mesh.ep
     expert_link = rates.link(expert_group, spans_nodes=_spans_nodes(expert_group, mesh.ep, rates))
-    fsdp = 0.0
+    unit_gathers = unit_scatters = 0.0  # one all-gather and one reduce-scatter of every sharded unit
     for moe, count in ((False, shape.num_dense_layers), (True, shape.num_moe_layers)):
         dense_params, expert_params = block_params(shape, mesh, moe=moe)
         for params, group, link in ((dense_params, mesh.world, dense_link), (expert_params, expert_group, expert_link)):
-            gather = 2 * _collective_s(params * b_c, group, link.all_gather_gbps)
-            scatter = _collective_s(params * 4, group, link.reduce_scatter_gbps)
-            fsdp += count * (gather + scatter)
+            unit_gathers += count * _collective_s(params * b_c, group, link.all_gather_gbps)
+            unit_scatters += count * _collective_s(params * 4, group, link.reduce_scatter_gbps)
     head = shape.vocab_size * shape.hidden_size * (1 if shape.tie_embeddings else 2)
-    fsdp += 2 * _collective_s(head * b_c, mesh.world, dense_link.all_gather_gbps)
-    fsdp += _collective_s(head * 4, mesh.world, dense_link.reduce_scatter_gbps)
-    fsdp_exposed = max(0.0, fsdp - compute - copies)
+    unit_gathers += _collective_s(head * b_c, mesh.world, dense_link.all_gather_gbps)
+    unit_scatters += _collective_s(head * 4, mesh.world, dense_link.reduce_scatter_gbps)
+    exposed_fraction = rates.fit.fsdp_exposed_fraction
+    fsdp = 2 * unit_gathers + unit_scatters  # a micro-batch's: gathered in forward and again in backward
+    if unsharded:
+        # One all-gather and one reduce-scatter per step, hidden behind the step's compute but
+        # for the exposed fraction; counted per micro-batch.
+        fsdp_step = unit_gathers + unit_scatters
+        fsdp_exposed = max(fsdp_step - micro_batches * (compute + copies), exposed_fraction * fsdp_step) / micro_batches
+    else:
+        fsdp_exposed = max(fsdp - compute - copies, exposed_fraction * fsdp)
 
     ep = 0.0
     if mesh.ep > 1 and shape.num_moe_layers:
         link = rates.link(mesh.ep, spans_nodes=_spans_nodes(mesh.ep, 1, rates))
         send_bytes = t * ranks_per_token(shape, mesh.ep) * shape.hidden_size * b_c
         all_to_alls = 2 * (forward_passes + 1)  # dispatch + combine, per forward and the backward
-        ep = shape.num_moe_layers * all_to_alls * _collective_s(send_bytes, mesh.ep, link.all_to_all_gbps)
+        calls = forward_passes * EP_CALLS_FORWARD + EP_CALLS_BACKWARD
+        ep = shape.num_moe_layers * (
+            all_to_alls * _collective_s(send_bytes, mesh.ep, link.all_to_all_gbps)
+            + calls * link.all_to_all_call_s
+            + forward_passes * rates.fit.ep_layer_s
+        )
 
     cp = 0.0
     if mesh.cp > 1:
@@ -237,9 +262,12 @@ def estimate_step_time(shape: ModelShape, mesh: Mesh, workload: Workload, rates:
         gathers = forward_passes * _collective_s(kv_bytes, mesh.cp, link.all_gather_gbps)
         cp = shape.num_layers * (gathers + _collective_s(kv_bytes, mesh.cp, link.reduce_scatter_gbps))
 
-    # Once per step: the local units' gradients; the optimizer.
-    b_m = workload.master_bytes
-    local_grads = split.local * local_gradient_bytes_per_param(micro_batches, b_c, b_m) / hbm
+    # Once per step: the local units' gradients (with accumulate_unsharded the sharded units' too,
+    # after their one gather's copy-out); the optimizer.
+    accumulating = split.local + (split.sharded if unsharded else 0.0)
+    local_grads = accumulating * local_gradient_bytes_per_param(micro_batches, b_c, b_m) / hbm
+    if unsharded:
+        local_grads += split.sharded * 2 * b_c / hbm
     optimizer = optimizer_bytes_per_param(b_m) * shape.total_params / mesh.world / hbm
     return StepTime(
         compute=micro_batches * compute,
