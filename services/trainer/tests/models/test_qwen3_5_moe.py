@@ -531,8 +531,9 @@ def test_expert_parallel_trains_as_one_process(tiny_checkpoint: pathlib.Path, tm
 
 def test_context_parallel_trains_as_one_process(tmp_path: pathlib.Path) -> None:
     """cp=2 over 2 CPU ranks (hf_parity.assert_context_parallel_trains_as_one_process: packed rows,
-    a one-sample row, a row shorter than 2 * cp, replayed routing): the DeltaNet layers gather
-    the row and keep their tokens, the gated attention gathers keys and values."""
+    a one-sample row, a row shorter than 2 * cp, replayed routing): the DeltaNet layers pass
+    their recurrent and convolution states between the ranks (dropping either fails this), the
+    gated attention gathers keys and values."""
     spec = TinyQwen3_5MoeSpec(
         hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
         moe_intermediate_size=32, shared_expert_intermediate_size=32,

@@ -16,11 +16,15 @@ PyTorch path, saying so once.
 Packed rows: `Segments` names where each sample starts. The convolution and the recurrence
 start from zero state at every sample start, so nothing flows from one sample into the next.
 
-Context parallel (`ContextParallelRow`): the ranks of a row split zig-zag gather the convolution's
-inputs and the gates of the whole row (one all-gather per layer, as attention gathers keys and
-values), run the convolution and the rule over it and keep their own tokens' outputs. The
-projections, the norm and everything around the layer stay split; the scan itself is repeated
-on every rank (passing the recurrent state between ranks instead is left to do).
+Context parallel (`ContextParallelRow`, a row split zig-zag into 2 * cp chunks, two per rank):
+the PyTorch path passes the state between ranks. Each rank scans its two chunks from zero state
+while tracking how the result depends on the state entering them (the rule is linear in its
+state: the scan of [v | 0] from [0 | I] gives S = B + A S_in and o = o_B + o_A S_in); the ranks
+all-gather each chunk's (A, B) and the convolution's last inputs, chain the states through the
+chunks in row order, and add o_A S_in to their outputs. Samples that start inside a chunk start
+from zero state as anywhere. fla's kernels instead gather the inputs of the whole row (one
+all-gather per layer, as attention gathers keys and values), scan it on every rank and keep
+their tokens.
 """
 
 from __future__ import annotations
@@ -97,6 +101,29 @@ class ContextParallelRow:
     group_name: str
     cp_size: int
     local_positions: torch.Tensor
+    # [padded row length]: the sample of every token of the row (attention.document_ids).
+    document_ids: torch.Tensor
+
+    @functools.cached_property
+    def pieces(self) -> Segments:
+        """This rank's tokens cut at its chunk boundary and at sample starts."""
+        docs = self.document_ids[self.local_positions]
+        starts = torch.ones_like(docs, dtype=torch.bool)
+        starts[1:] = docs[1:] != docs[:-1]
+        starts[self.chunk_len] = True
+        return Segments.of((starts.long().cumsum(0) - 1)[None])
+
+    @property
+    def chunk_len(self) -> int:
+        return self.local_positions.numel() // 2
+
+    def chunk_starts(self) -> list[int]:
+        """Row index of the first token of each of this rank's two chunks."""
+        return [int(self.local_positions[c * self.chunk_len]) for c in range(2)]
+
+    def continues(self, row_index: int) -> bool:
+        """Whether the token at `row_index` continues the sample of the token before it."""
+        return row_index > 0 and bool(self.document_ids[row_index - 1] == self.document_ids[row_index])
 
     def gather(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
         """Each [1, t, ...] -> [1, cp_size * t, ...], the whole row in order, in one collective
@@ -309,11 +336,12 @@ class GatedDeltaNet(nn.Module):
         # In float32 at least: in bf16 exp(A_log) and the softplus lose the small decays.
         dtype = compute_dtype(x)
         g = -self.A_log.to(dtype).exp() * F.softplus(self.in_proj_a(x).to(dtype) + self.dt_bias)
-        if cp is not None:
-            mixed_qkv, g, beta = cp.gather(mixed_qkv, g, beta)
-        out = self.core(mixed_qkv, g, beta, segments)
-        if cp is not None:
-            out = out[:, cp.local_positions]
+        if cp is not None and not self._use_fla(x):
+            out = self.context_parallel_core(mixed_qkv, g, beta, cp)
+        elif cp is not None:
+            out = self.core(*cp.gather(mixed_qkv, g, beta), segments)[:, cp.local_positions]
+        else:
+            out = self.core(mixed_qkv, g, beta, segments)
         z = self.in_proj_z(x).view(batch_size, seq_len, self.num_v_heads, self.head_v_dim)
         return self.out_proj(self.norm(out, z).reshape(batch_size, seq_len, -1))
 
@@ -328,8 +356,8 @@ class GatedDeltaNet(nn.Module):
         if self._use_fla(mixed_qkv):
             return self._fla_core(mixed_qkv, g, beta, segments)
         if segments is None:
-            return self._torch_core(mixed_qkv, g, beta)
-        padded = self._torch_core(segments.pad(mixed_qkv), segments.pad(g), segments.pad(beta))
+            return self._torch_core(mixed_qkv, g, beta)[0]
+        padded, _ = self._torch_core(segments.pad(mixed_qkv), segments.pad(g), segments.pad(beta))
         return segments.unpad(padded, mixed_qkv.shape[0])
 
     def _split_heads(self, mixed_qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -342,14 +370,84 @@ class GatedDeltaNet(nn.Module):
             v.reshape(*shape, self.num_v_heads, self.head_v_dim),
         )
 
-    def _torch_core(self, mixed_qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
-        """Rows that are one sample each: [N, L, channels] -> rule output [N, L, Hv, Dv]."""
-        mixed_qkv, _ = causal_conv1d(mixed_qkv, self.conv1d.weight.squeeze(1))
+    def _torch_core(
+        self,
+        mixed_qkv: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        *,
+        conv_state: torch.Tensor | None = None,
+        initial_state: torch.Tensor | None = None,
+        tracked_dims: int = 0,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows that are one sample each: [N, L, channels] -> (rule output [N, L, Hv, Dv], final
+        states [N, Hv, Dk, Dv]).
+
+        `conv_state`, `initial_state`: the convolution's and the rule's states entering each row.
+        `tracked_dims`: values get that many zero columns after theirs, in the compute dtype (the
+        rule's output and states then carry the dependence on the entering state)."""
+        mixed_qkv, _ = causal_conv1d(mixed_qkv, self.conv1d.weight.squeeze(1), conv_state)
         q, k, v = self._split_heads(mixed_qkv)
         group = self.num_v_heads // self.num_k_heads
         q, k = (l2_normalize(t.to(compute_dtype(t))).repeat_interleave(group, dim=2) for t in (q, k))
-        out, _ = chunked_gated_delta_rule(q, k, v, g, beta, scale=self.head_k_dim**-0.5, chunk_size=self.chunk_size)
-        return out
+        if tracked_dims:
+            v = F.pad(v.to(compute_dtype(v, g)), (0, tracked_dims))
+        out, final_state = chunked_gated_delta_rule(
+            q, k, v, g, beta, scale=self.head_k_dim**-0.5, chunk_size=self.chunk_size, initial_state=initial_state
+        )
+        return out, final_state
+
+    @torch.compiler.disable
+    def context_parallel_core(
+        self, mixed_qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cp: ContextParallelRow
+    ) -> torch.Tensor:
+        """`core` of this rank's share of a row [1, t, ...], the state passed between ranks
+        (module docstring)."""
+        pieces, chunk_len, conv_width = cp.pieces, cp.chunk_len, self.conv1d.weight.shape[-1]
+        num_channels, k_dim, v_dim = mixed_qkv.shape[-1], self.head_k_dim, self.head_v_dim
+        dtype = compute_dtype(mixed_qkv, g)
+        # The convolution's last inputs of every chunk of the row (fewer in chunks shorter than that).
+        tail = min(conv_width - 1, chunk_len)
+        tails = mixed_qkv[0].view(2, chunk_len, num_channels)[:, chunk_len - tail :].reshape(2 * tail, -1)
+        row_tails = gather_sequence(tails, cp.group_name, cp.cp_size)
+        tail_positions = (
+            torch.arange(2 * cp.cp_size, device=tails.device)[:, None] * chunk_len + chunk_len - tail
+        ) + torch.arange(tail, device=tails.device)
+        # Both chunks' first pieces take the inputs before them in their sample: zeros where a
+        # sample starts with the chunk. Computed for both even so: every rank's backward then
+        # takes part in the gathers' (collectives the ranks must all call).
+        first_pieces, conv_states, continuing = [], [], []
+        for c, start in enumerate(cp.chunk_starts()):
+            before = row_tails[: (start // chunk_len) * tail][-(conv_width - 1) :]
+            positions = tail_positions.flatten()[: (start // chunk_len) * tail][-(conv_width - 1) :]
+            before = before * (cp.document_ids[positions] == cp.document_ids[start])[:, None]
+            conv_states.append(F.pad(before.T, (conv_width - 1 - before.shape[0], 0)))
+            first_pieces.append(int(pieces.padded_index[c * chunk_len]) // pieces.max_len)
+            if cp.continues(start):
+                continuing.append(first_pieces[-1])
+        conv_state = mixed_qkv.new_zeros(pieces.num_samples, num_channels, conv_width - 1).index_copy(
+            0, torch.tensor(first_pieces, device=mixed_qkv.device), torch.stack(conv_states).to(mixed_qkv.dtype)
+        )
+        # The rule's state entering a continuing piece: [0 | I], the tracked dependence on S_in.
+        rule_state = torch.zeros(
+            pieces.num_samples, self.num_v_heads, k_dim, v_dim + k_dim, dtype=dtype, device=g.device
+        )
+        rule_state[continuing, :, :, v_dim:] = torch.eye(k_dim, dtype=dtype, device=g.device)
+        out, final_state = self._torch_core(
+            pieces.pad(mixed_qkv), pieces.pad(g), pieces.pad(beta),
+            conv_state=conv_state, initial_state=rule_state, tracked_dims=k_dim,
+        )  # fmt: skip
+        # Each chunk's map S_end = B + A S_in ([B | A], its last piece's final state), chained in row order.
+        last_pieces = pieces.padded_index[[chunk_len - 1, 2 * chunk_len - 1]] // pieces.max_len
+        maps = gather_sequence(final_state[last_pieces].flatten(1), cp.group_name, cp.cp_size)
+        maps = maps.view(2 * cp.cp_size, *final_state.shape[1:])
+        state, entering = maps.new_zeros(*maps.shape[1:3], v_dim), []
+        for chunk in range(2 * cp.cp_size):
+            entering.append(state)
+            state = maps[chunk, ..., :v_dim] + maps[chunk, ..., v_dim:] @ state
+        piece_chunks = cp.local_positions[pieces.cu_seqlens[:-1]] // chunk_len
+        correction = torch.einsum("nlhk,nhkv->nlhv", out[..., v_dim:], torch.stack(entering)[piece_chunks])
+        return pieces.unpad((out[..., :v_dim] + correction).to(mixed_qkv.dtype), 1)
 
     def _fla_core(
         self, mixed_qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, segments: Segments | None

@@ -19,8 +19,8 @@ coincide with plain RoPE when the three position rows are equal, as they are for
 
 Layers run, take replayed experts (R3) and report routing as in Qwen3MoeModel, whose forward
 this model reuses. Packed rows restart the DeltaNet's convolution and recurrent state at every
-sample. Context parallel: attention as every family's; the DeltaNet layers gather the row's
-convolution inputs and gates and each rank runs the whole row's scan (gated_delta_net.py).
+sample. Context parallel: attention as every family's; the DeltaNet layers pass their state
+between the ranks (gated_delta_net.py).
 """
 
 from __future__ import annotations
@@ -273,5 +273,7 @@ class Qwen3_5MoeModel(Qwen3MoeModel):
         if row_layout.cp_size == 1:
             return LayerMasks(mask, None if row_layout.single_document else Segments.of(docs))
         # super() has checked the cp group against the layout.
-        cp = ContextParallelRow(self.cp_group.group_name, row_layout.cp_size, row_layout.global_positions.to(device))
+        cp = ContextParallelRow(
+            self.cp_group.group_name, row_layout.cp_size, row_layout.global_positions.to(device), docs[0]
+        )
         return LayerMasks(mask, None if bool((docs == 0).all()) else Segments.of(docs), cp)
