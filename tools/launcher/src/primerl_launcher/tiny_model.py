@@ -157,6 +157,10 @@ class TinyModelSpec:
     def family_config(self) -> dict[str, Any]:
         raise NotImplementedError
 
+    def alternating_layer_types(self) -> list[str]:
+        """Sliding-window and full attention layers alternating, the first sliding."""
+        return ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(self.num_hidden_layers)]
+
 
 _QWEN3_ATTENTION = {"rope_scaling": None, "attention_bias": False, "use_sliding_window": False, "sliding_window": None}
 
@@ -176,9 +180,22 @@ class TinyQwen3Spec(TinyModelSpec):
 class TinyMoeSpec(TinyModelSpec):
     """The expert shapes the MoE families share."""
 
+    # config.json's names of the number of routed experts and of their width.
+    experts_key: ClassVar[str] = "num_experts"
+    expert_width_key: ClassVar[str] = "moe_intermediate_size"
+
     num_experts: int = 8
     num_experts_per_tok: int = 2
     moe_intermediate_size: int = 128
+
+    def experts_config(self) -> dict[str, Any]:
+        """The routed experts' fields, under the family's names, and no router logits in the outputs."""
+        return {
+            self.experts_key: self.num_experts,
+            "num_experts_per_tok": self.num_experts_per_tok,
+            self.expert_width_key: self.moe_intermediate_size,
+            "output_router_logits": False,
+        }
 
 
 @dataclass(frozen=True)
@@ -189,14 +206,12 @@ class TinyQwen3MoeSpec(TinyMoeSpec):
     model_type: ClassVar[str] = "qwen3_moe"
 
     def family_config(self) -> dict[str, Any]:
-        return _QWEN3_ATTENTION | {
-            "num_experts": self.num_experts,
-            "num_experts_per_tok": self.num_experts_per_tok,
-            "moe_intermediate_size": self.moe_intermediate_size,
+        return {
+            **_QWEN3_ATTENTION,
+            **self.experts_config(),
             "norm_topk_prob": True,
             "decoder_sparse_step": 1,
             "mlp_only_layers": [],
-            "output_router_logits": False,
             "router_aux_loss_coef": 0.001,
         }
 
@@ -210,6 +225,7 @@ class TinyGlm4MoeSpec(TinyMoeSpec):
     model_class: ClassVar[str] = "Glm4MoeForCausalLM"
     model_type: ClassVar[str] = "glm4_moe"
     float32_buffers: ClassVar[tuple[str, ...]] = ("e_score_correction_bias",)
+    experts_key: ClassVar[str] = "n_routed_experts"
 
     n_group: int = 2
     topk_group: int = 1
@@ -221,13 +237,9 @@ class TinyGlm4MoeSpec(TinyMoeSpec):
     attention_bias: bool = True
 
     def family_config(self) -> dict[str, Any]:
-        return {
+        return self.experts_config() | {
             "rope_scaling": None,
-            "n_routed_experts": self.num_experts,
-            "num_experts_per_tok": self.num_experts_per_tok,
-            "moe_intermediate_size": self.moe_intermediate_size,
             "norm_topk_prob": True,
-            "output_router_logits": False,
             "n_group": self.n_group,
             "topk_group": self.topk_group,
             "n_shared_experts": self.n_shared_experts,
@@ -251,14 +263,13 @@ class TinyMiniMaxM2Spec(TinyMoeSpec):
     model_class: ClassVar[str] = "MiniMaxM2ForCausalLM"
     model_type: ClassVar[str] = "minimax_m2"
     float32_buffers: ClassVar[tuple[str, ...]] = ("e_score_correction_bias",)
+    experts_key: ClassVar[str] = "num_local_experts"
+    expert_width_key: ClassVar[str] = "intermediate_size"
 
     rotary_dim: int = 32
 
     def family_config(self) -> dict[str, Any]:
-        return {
-            "intermediate_size": self.moe_intermediate_size,
-            "num_local_experts": self.num_experts,
-            "num_experts_per_tok": self.num_experts_per_tok,
+        return self.experts_config() | {
             "rotary_dim": self.rotary_dim,
             "scoring_func": "sigmoid",
             "use_routing_bias": True,
@@ -266,7 +277,6 @@ class TinyMiniMaxM2Spec(TinyMoeSpec):
             "qk_norm_type": "per_layer",
             "shared_intermediate_size": 0,
             "attn_type_list": [1] * self.num_hidden_layers,
-            "output_router_logits": False,
             "router_aux_loss_coef": 0.001,
             "router_jitter_noise": 0.0,
             "sliding_window": None,
@@ -335,18 +345,15 @@ class TinyGptOssSpec(TinyMoeSpec):
 
     model_class: ClassVar[str] = "GptOssForCausalLM"
     model_type: ClassVar[str] = "gpt_oss"
+    experts_key: ClassVar[str] = "num_local_experts"
+    expert_width_key: ClassVar[str] = "intermediate_size"
 
     sliding_window: int = 8
     yarn_factor: float = 8.0
 
     def family_config(self) -> dict[str, Any]:
-        return {
-            "intermediate_size": self.moe_intermediate_size,
-            "num_local_experts": self.num_experts,
-            "num_experts_per_tok": self.num_experts_per_tok,
-            "layer_types": [
-                "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(self.num_hidden_layers)
-            ],
+        return self.experts_config() | {
+            "layer_types": self.alternating_layer_types(),
             "sliding_window": self.sliding_window,
             "rope_scaling": {
                 "rope_type": "yarn",
@@ -358,7 +365,6 @@ class TinyGptOssSpec(TinyMoeSpec):
             },
             "attention_bias": True,
             "swiglu_limit": 7.0,
-            "output_router_logits": False,
             "router_aux_loss_coef": 0.001,
             "tie_word_embeddings": False,
         }
@@ -382,16 +388,11 @@ class TinyAfmoeSpec(TinyMoeSpec):
     route_scale: float = 2.5
 
     def family_config(self) -> dict[str, Any]:
-        return {
-            "num_experts": self.num_experts,
-            "num_experts_per_tok": self.num_experts_per_tok,
-            "moe_intermediate_size": self.moe_intermediate_size,
+        return self.experts_config() | {
             "num_shared_experts": self.num_shared_experts,
             "num_dense_layers": self.num_dense_layers,
             "global_attn_every_n_layers": 2,
-            "layer_types": [
-                "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(self.num_hidden_layers)
-            ],
+            "layer_types": self.alternating_layer_types(),
             "sliding_window": self.sliding_window,
             "route_scale": self.route_scale,
             "score_func": "sigmoid",
@@ -400,7 +401,6 @@ class TinyAfmoeSpec(TinyMoeSpec):
             "topk_group": 1,
             "mup_enabled": True,
             "attention_bias": False,
-            "output_router_logits": False,
             "tie_word_embeddings": False,
         }
 
@@ -431,12 +431,9 @@ class TinyLagunaSpec(TinyMoeSpec):
 
     def family_config(self) -> dict[str, Any]:
         layers = range(self.num_hidden_layers)
-        return {
-            "num_experts": self.num_experts,
-            "num_experts_per_tok": self.num_experts_per_tok,
-            "moe_intermediate_size": self.moe_intermediate_size,
+        return self.experts_config() | {
             "shared_expert_intermediate_size": self.shared_expert_intermediate_size,
-            "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in layers],
+            "layer_types": self.alternating_layer_types(),
             "mlp_layer_types": ["dense" if i == 0 else "sparse" for i in layers],
             "num_attention_heads_per_layer": [self.num_attention_heads * (1 if i % 2 == 0 else 2) for i in layers],
             "sliding_window": self.sliding_window,
@@ -455,7 +452,6 @@ class TinyLagunaSpec(TinyMoeSpec):
             "moe_routed_scaling_factor": self.moe_routed_scaling_factor,
             "moe_router_logit_softcapping": self.moe_router_logit_softcapping,
             "moe_apply_router_weight_on_input": False,
-            "output_router_logits": False,
             "router_aux_loss_coef": 0.001,
             "tie_word_embeddings": False,
         }
