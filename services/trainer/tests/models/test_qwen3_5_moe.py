@@ -19,13 +19,12 @@ from primerl_launcher.tiny_model import VOCAB_SIZE as TINY_VOCAB_SIZE
 from primerl_launcher.tiny_model import TinyQwen3_5MoeSpec, make_tiny_model
 from primerl_trainer.distributed.context_parallel import RowLayout
 from primerl_trainer.models import export_hf_state_dict, load_model, read_hf_state_dict
-from primerl_trainer.models.common.gated_delta_net import (
-    GatedDeltaNet,
+from primerl_trainer.models.common.gated_delta_net import GatedDeltaNet, segments_of
+from primerl_trainer.models.common.gated_delta_rule import (
     causal_conv1d,
     chunked_gated_delta_rule,
     l2_normalize,
     recurrent_gated_delta_rule,
-    segments_of,
 )
 from primerl_trainer.models.qwen3_5_moe.model import Qwen3_5MoeModel, Qwen3_5MoeModelArgs
 from primerl_trainer.models.qwen3_5_moe.state_dict_adapter import Qwen3_5MoeStateDictAdapter
