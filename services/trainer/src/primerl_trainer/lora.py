@@ -21,6 +21,9 @@ Targets (`LoRAConfig.target_modules`), by module:
     in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, out_proj
                       the Gated DeltaNet layers' projections (Qwen3.5: attention.<name>, HF
                       linear_attn.<name>)
+    in_proj, out_proj the Mamba-2 layers' projections (Nemotron-H: attention.<name>, HF
+                      mixer.<name>); up, down also adapt its dense and shared-expert MLPs and
+                      experts adapts its non-gated experts (`gated` False: up and down)
 The routers stay frozen and untouched. Unknown names are ignored with a warning.
 
 Export: `merge_lora` turns a stream of (own name, full tensor) from the model's state dict into
@@ -70,6 +73,7 @@ LINEAR_TARGETS = {
     "up": ("feed_forward.w3", "shared_experts.w3"),
     "down": ("feed_forward.w2", "shared_experts.w2"),
     **{name: (f"attention.{name}",) for name in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")},
+    "in_proj": ("attention.in_proj",),
 }
 TARGETS = (*LINEAR_TARGETS, "experts")
 _HF_ALIASES = {f"{name}_proj": name for name in LINEAR_TARGETS}
@@ -182,6 +186,8 @@ def apply_lora(model: nn.Module, config: LoRAConfig, *, seed: int = 0) -> list[s
                 if getattr(module, "lora_fused_gate_up", False)
                 else {"gate": hidden, "up": hidden}
             )
+            if not getattr(module, "gated", True):  # w13 holds the up projections only (Nemotron-H)
+                hidden, projections = two_hidden, {"up": two_hidden}
             gate_up = ExpertsLoRA(projections, dim, like=module.w13, **common)
             parametrize.register_parametrization(module, "w13", gate_up)
             parametrize.register_parametrization(

@@ -28,6 +28,9 @@ from primerl_trainer.models.common.attention import AttentionBackend
 from primerl_trainer.models.glm4_moe.model import Glm4MoeModel, Glm4MoeModelArgs
 from primerl_trainer.models.glm4_moe.parallelize import parallelize_glm4_moe
 from primerl_trainer.models.glm4_moe.state_dict_adapter import Glm4MoeStateDictAdapter
+from primerl_trainer.models.glm_moe_dsa.model import GlmMoeDsaModel, GlmMoeDsaModelArgs
+from primerl_trainer.models.glm_moe_dsa.parallelize import parallelize_glm_moe_dsa
+from primerl_trainer.models.glm_moe_dsa.state_dict_adapter import GlmMoeDsaStateDictAdapter
 from primerl_trainer.models.gpt_oss.model import GptOssModel, GptOssModelArgs
 from primerl_trainer.models.gpt_oss.parallelize import parallelize_gpt_oss
 from primerl_trainer.models.gpt_oss.state_dict_adapter import GptOssStateDictAdapter
@@ -39,6 +42,9 @@ from primerl_trainer.models.minimax_m2.model import MiniMaxM2Model, MiniMaxM2Mod
 from primerl_trainer.models.minimax_m2.parallelize import parallelize_minimax_m2
 from primerl_trainer.models.minimax_m2.state_dict_adapter import MiniMaxM2StateDictAdapter
 from primerl_trainer.models.moe import ExpertsImpl
+from primerl_trainer.models.nemotron_h.model import NemotronHModel, NemotronHModelArgs
+from primerl_trainer.models.nemotron_h.parallelize import parallelize_nemotron_h
+from primerl_trainer.models.nemotron_h.state_dict_adapter import NemotronHStateDictAdapter
 from primerl_trainer.models.qwen3.model import Qwen3Model, Qwen3ModelArgs
 from primerl_trainer.models.qwen3.parallelize import parallelize_qwen3
 from primerl_trainer.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
@@ -76,6 +82,10 @@ MODEL_SPECS: dict[str, ModelSpec] = {
         ModelSpec("gpt_oss", GptOssModel, GptOssModelArgs, GptOssStateDictAdapter, parallelize_gpt_oss),
         ModelSpec("afmoe", AfmoeModel, AfmoeModelArgs, AfmoeStateDictAdapter, parallelize_afmoe),
         ModelSpec("laguna", LagunaModel, LagunaModelArgs, LagunaStateDictAdapter, parallelize_laguna),
+        ModelSpec(
+            "glm_moe_dsa", GlmMoeDsaModel, GlmMoeDsaModelArgs, GlmMoeDsaStateDictAdapter, parallelize_glm_moe_dsa
+        ),
+        ModelSpec("nemotron_h", NemotronHModel, NemotronHModelArgs, NemotronHStateDictAdapter, parallelize_nemotron_h),
     )
 }
 

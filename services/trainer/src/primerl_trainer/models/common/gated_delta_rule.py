@@ -32,17 +32,22 @@ def l2_normalize(x: torch.Tensor) -> torch.Tensor:
 
 
 def causal_conv1d(
-    x: torch.Tensor, weight: torch.Tensor, initial_state: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    initial_state: torch.Tensor | None = None,
+    *,
+    bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """silu of the depthwise causal convolution of x [N, L, C] with weight [C, W] (taps oldest
-    first), computed in the weight's dtype and returned in x's. `initial_state` [N, C, W-1]: the
-    inputs before x (None: zeros). Returns (output [N, L, C], final state [N, C, W-1])."""
+    first) plus `bias` [C] (Mamba-2's), computed in the weight's dtype and returned in x's.
+    `initial_state` [N, C, W-1]: the inputs before x (None: zeros). Returns (output [N, L, C],
+    final state [N, C, W-1])."""
     num_channels, width = weight.shape
     x_NCL = x.transpose(1, 2).to(weight.dtype)
     if initial_state is None:
         initial_state = x_NCL.new_zeros(x.shape[0], num_channels, width - 1)
     x_NCL = torch.cat([initial_state.to(weight.dtype), x_NCL], dim=-1)
-    out = F.conv1d(x_NCL, weight.unsqueeze(1), groups=num_channels)
+    out = F.conv1d(x_NCL, weight.unsqueeze(1), bias, groups=num_channels)
     return F.silu(out).transpose(1, 2).to(x.dtype), x_NCL[..., x_NCL.shape[-1] - (width - 1) :]
 
 

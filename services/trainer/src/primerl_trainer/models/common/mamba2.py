@@ -1,0 +1,295 @@
+"""Mamba-2 (Dao, Gu 2024), the state-space layer of Nemotron-H: one input projection gives the
+gate z, the convolution's channels (x, B, C) and the step sizes dt; x, B and C go through a short
+causal convolution (with bias) and silu; then per head h (state [P, N], head_dim P, state size N,
+B and C shared by the heads of a group)
+
+    dt_t = clamp(softplus(dt_t + dt_bias), dt_limit),    a_t = dt_t * A,    A = -exp(A_log)
+    S_t = exp(a_t) S_{t-1} + dt_t x_t B_t^T,             y_t = S_t C_t + D x_t
+
+then y times silu(z), RMSNorm per group of channels, and the output projection.
+
+The scan in plain PyTorch, the CPU path and the reference, in two forms: `recurrent_ssd` (the
+recurrence above) and `chunked_ssd` (the training form, state-space duality: inside a chunk the
+outputs are a masked attention-like product, only the state crosses chunks). On CUDA the layer
+runs mamba-ssm's and causal-conv1d's kernels when both import (they are compiled CUDA extensions
+and optional), else the PyTorch path, saying so once.
+
+Packed rows: `Segments` (gated_delta_net.py) names where each sample starts; the convolution and
+the scan start from zero state at every sample, so nothing flows from one sample into the next.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from primerl_trainer.models.common.gated_delta_net import Segments
+from primerl_trainer.models.common.gated_delta_rule import causal_conv1d, compute_dtype
+
+logger = logging.getLogger(__name__)
+
+Mamba2Impl = Literal["auto", "torch", "kernels"]
+MAMBA2_IMPLS: tuple[Mamba2Impl, ...] = ("auto", "torch", "kernels")
+DEFAULT_CHUNK_SIZE = 128
+
+
+def _heads_of_groups(t: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """[..., G, N] -> [..., H, N]: head h reads group h // (H / G)."""
+    return t.repeat_interleave(num_heads // t.shape[-2], dim=-2)
+
+
+def recurrent_ssd(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    *,
+    initial_state: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scan token by token. x [N, L, H, P], dt [N, L, H] (after softplus and clamp), A and D
+    [H], B and C [N, L, G, S]; `initial_state` [N, H, P, S] (None: zeros). In float32 (or the
+    inputs' wider dtype); returns (y [N, L, H, P] in x's dtype, final state in that dtype)."""
+    out_dtype, dtype = x.dtype, compute_dtype(x, dt, B, C)
+    num_heads = x.shape[2]
+    x, dt, A, D = (t.to(dtype) for t in (x, dt, A, D))
+    B, C = (_heads_of_groups(t.to(dtype), num_heads) for t in (B, C))
+    state = x.new_zeros(*x.shape[:1], num_heads, x.shape[-1], B.shape[-1])
+    if initial_state is not None:
+        state = initial_state.to(dtype)
+    outs = []
+    for t in range(x.shape[1]):
+        decay = (dt[:, t] * A).exp()[..., None, None]
+        state = state * decay + (dt[:, t, :, None] * x[:, t])[..., None] * B[:, t, :, None, :]
+        outs.append(torch.einsum("nhps,nhs->nhp", state, C[:, t]) + D[:, None] * x[:, t])
+    y = torch.stack(outs, dim=1) if outs else x.new_zeros(x.shape)
+    return y.to(out_dtype), state
+
+
+def chunked_ssd(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    *,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    initial_state: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scan of `recurrent_ssd` (same arguments and results), chunk by chunk.
+
+    Inside a chunk, with l_i the cumulative sum of a up to i and S_0 the state entering it,
+    y_i = sum_{j<=i} exp(l_i - l_j) (C_i.B_j) dt_j x_j + exp(l_i) S_0 C_i + D x_i, and the state
+    leaving it is exp(l_C) S_0 + sum_j exp(l_C - l_j) dt_j x_j B_j^T."""
+    out_dtype, dtype = x.dtype, compute_dtype(x, dt, B, C)
+    num_seqs, seq_len, num_heads, head_dim = x.shape
+    state_size = B.shape[-1]
+    pad = -seq_len % chunk_size
+    num_chunks = (seq_len + pad) // chunk_size
+
+    def chunks(t: torch.Tensor) -> torch.Tensor:
+        # [N, L, H, ...] -> [N, H, n, C, ...], zero padded (a padded token has dt = 0: it neither
+        # decays nor writes the state, and its output is dropped).
+        t = t.to(dtype).transpose(1, 2)
+        t = F.pad(t, (0, 0, 0, pad)) if t.ndim == 4 else F.pad(t, (0, pad))
+        return t.reshape(num_seqs, num_heads, num_chunks, chunk_size, *t.shape[3:])
+
+    A32, D32 = A.to(dtype), D.to(dtype)
+    B, C = (_heads_of_groups(t, num_heads) for t in (B, C))
+    x_c, dt_c, B_c, C_c = chunks(x), chunks(dt), chunks(B), chunks(C)
+    log_decay = (dt_c * A32[:, None, None]).cumsum(dim=-1)  # [N, H, n, C]
+    causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=x.device).tril()
+    pair_decay = (log_decay[..., :, None] - log_decay[..., None, :]).masked_fill(~causal, float("-inf")).exp()
+    scores = (C_c @ B_c.transpose(-1, -2)) * pair_decay  # [N, H, n, C, C]
+    x_dt = x_c * dt_c[..., None]
+    intra = scores @ x_dt  # [N, H, n, C, P]
+    C_decayed = C_c * log_decay.exp()[..., None]
+    x_to_end = x_dt * (log_decay[..., -1:] - log_decay).exp()[..., None]
+    chunk_decay = log_decay[..., -1].exp()[..., None, None]
+
+    state = x.new_zeros(num_seqs, num_heads, head_dim, state_size, dtype=dtype)
+    if initial_state is not None:
+        state = initial_state.to(dtype)
+    outs = []
+    for i in range(num_chunks):
+        outs.append(intra[:, :, i] + C_decayed[:, :, i] @ state.transpose(-1, -2))
+        state = state * chunk_decay[:, :, i] + x_to_end[:, :, i].transpose(-1, -2) @ B_c[:, :, i]
+    y = torch.stack(outs, dim=2).reshape(num_seqs, num_heads, -1, head_dim)[:, :, :seq_len].transpose(1, 2)
+    y = y + D32[:, None] * x.to(dtype)
+    return y.to(out_dtype), state
+
+
+class GroupedGatedRMSNorm(nn.Module):
+    """Mamba-2's output norm: y * silu(z) in float32, RMSNorm over each of `num_groups` equal
+    groups of channels, cast to y's dtype, then scaled (transformers' rounding)."""
+
+    def __init__(self, dim: int, *, num_groups: int, eps: float) -> None:
+        super().__init__()
+        self.num_groups, self.eps = num_groups, eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        dtype = compute_dtype(y, z)
+        h = y.to(dtype) * F.silu(z.to(dtype))
+        h = h.view(*h.shape[:-1], self.num_groups, -1)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.flatten(-2).to(y.dtype)
+
+
+@functools.cache
+def _kernel_ops():
+    """mamba-ssm's chunked scan and causal-conv1d's convolution (CUDA extensions), or None."""
+    try:
+        from causal_conv1d import causal_conv1d_fn
+        from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
+    except ImportError as error:
+        logger.warning(
+            "Mamba-2 on CUDA runs its PyTorch path (slow): mamba-ssm / causal-conv1d are not importable (%s)", error
+        )
+        return None
+    return causal_conv1d_fn, mamba_chunk_scan_combined
+
+
+class Mamba2(nn.Module):
+    """The layer (module docstring), with Hugging Face's parameter names: in_proj (z, then x B C,
+    then dt), conv1d (depthwise, with bias), dt_bias, A_log, D, norm, out_proj.
+
+    `impl`: "torch" the PyTorch path (chunked form), "kernels" mamba-ssm's and causal-conv1d's
+    (CUDA; ValueError when absent), "auto" those on CUDA when importable, else torch."""
+
+    def __init__(
+        self,
+        *,
+        dim: int,
+        num_heads: int,
+        head_dim: int,
+        num_groups: int,
+        state_size: int,
+        conv_width: int,
+        norm_eps: float,
+        dt_limit: tuple[float, float],
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+        conv_bias: bool = True,
+        proj_bias: bool = False,
+        impl: Mamba2Impl = "auto",
+    ) -> None:
+        super().__init__()
+        if num_heads % num_groups:
+            raise ValueError(f"mamba_num_heads ({num_heads}) must be a multiple of n_groups ({num_groups})")
+        if impl not in MAMBA2_IMPLS:
+            raise ValueError(f"mamba2 impl must be one of {MAMBA2_IMPLS}, got {impl!r}")
+        self.num_heads, self.head_dim = num_heads, head_dim
+        self.num_groups, self.state_size = num_groups, state_size
+        self.dt_limit, self.chunk_size, self.impl = dt_limit, chunk_size, impl
+        inner = num_heads * head_dim
+        self.conv_channels = inner + 2 * num_groups * state_size
+        self.in_proj = nn.Linear(dim, inner + self.conv_channels + num_heads, bias=proj_bias)
+        self.conv1d = nn.Conv1d(
+            self.conv_channels, self.conv_channels, conv_width, groups=self.conv_channels, bias=conv_bias
+        )
+        self.dt_bias = nn.Parameter(torch.ones(num_heads))
+        self.A_log = nn.Parameter(torch.zeros(num_heads))
+        self.D = nn.Parameter(torch.ones(num_heads))
+        self.norm = GroupedGatedRMSNorm(inner, num_groups=num_groups, eps=norm_eps)
+        self.out_proj = nn.Linear(inner, dim, bias=proj_bias)
+
+    def forward(self, x: torch.Tensor, segments: Segments | None = None) -> torch.Tensor:
+        """x [B, T, dim]; `segments` the samples of packed rows (None: one per row)."""
+        inner = self.num_heads * self.head_dim
+        z, xBC, dt = self.in_proj(x).split([inner, self.conv_channels, self.num_heads], dim=-1)
+        y = self.core(xBC, dt, segments)
+        return self.out_proj(self.norm(y, z))
+
+    # Left out of compiled graphs: the PyTorch scan is a Python loop over chunks.
+    @torch.compiler.disable
+    def core(self, xBC: torch.Tensor, dt: torch.Tensor, segments: Segments | None) -> torch.Tensor:
+        """The convolution's inputs [B, T, channels] and raw step sizes [B, T, H] -> the scan's
+        output y [B, T, H * P] (D skip included)."""
+        if self._use_kernels(xBC):
+            return self._kernel_core(xBC, dt, segments)
+        if segments is None:
+            return self.torch_core(xBC, dt)[0]
+        return segments.unpad(self.torch_core(segments.pad(xBC), segments.pad(dt))[0], xBC.shape[0])
+
+    def step_sizes(self, dt: torch.Tensor) -> torch.Tensor:
+        """softplus(dt + dt_bias) clamped to dt_limit, in float32 at least."""
+        dtype = compute_dtype(dt)
+        return F.softplus(dt.to(dtype) + self.dt_bias.to(dtype)).clamp(*self.dt_limit)
+
+    def split_conv_output(self, xBC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """[..., channels] -> x [..., H, P], B and C [..., G, S]."""
+        group_width = self.num_groups * self.state_size
+        x, B, C = xBC.split([self.num_heads * self.head_dim, group_width, group_width], dim=-1)
+        shape = xBC.shape[:-1]
+        return (
+            x.reshape(*shape, self.num_heads, self.head_dim),
+            B.reshape(*shape, self.num_groups, self.state_size),
+            C.reshape(*shape, self.num_groups, self.state_size),
+        )
+
+    def torch_core(
+        self,
+        xBC: torch.Tensor,
+        dt: torch.Tensor,
+        *,
+        conv_state: torch.Tensor | None = None,
+        initial_state: torch.Tensor | None = None,
+        recurrent: bool = False,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """Rows that are one sample each: [N, L, channels], [N, L, H] -> (y [N, L, H * P], (the
+        convolution's final state [N, channels, W-1], the scan's [N, H, P, S])), from the given
+        entering states (None: zeros); `recurrent` runs the token-by-token form (the check)."""
+        conv_out, conv_final = causal_conv1d(
+            xBC, self.conv1d.weight.squeeze(1), conv_state, bias=self.conv1d.bias
+        )
+        x, B, C = self.split_conv_output(conv_out)
+        A = -self.A_log.to(compute_dtype(self.A_log)).exp()
+        scan_args = (x, self.step_sizes(dt), A, B, C, self.D)
+        if recurrent:
+            y, final = recurrent_ssd(*scan_args, initial_state=initial_state)
+        else:
+            y, final = chunked_ssd(*scan_args, chunk_size=self.chunk_size, initial_state=initial_state)
+        return y.flatten(-2), (conv_final, final)
+
+    def _kernel_core(self, xBC: torch.Tensor, dt: torch.Tensor, segments: Segments | None) -> torch.Tensor:
+        causal_conv1d_fn, mamba_chunk_scan_combined = _kernel_ops()
+        batch_size, seq_len, _ = xBC.shape
+        seq_idx = None
+        if segments is not None:
+            # One row of all tokens; the kernels restart wherever the sample index changes.
+            xBC, dt = (t.reshape(1, batch_size * seq_len, t.shape[-1]) for t in (xBC, dt))
+            lengths = segments.cu_seqlens.diff()
+            seq_idx = torch.repeat_interleave(
+                torch.arange(segments.num_samples, device=xBC.device, dtype=torch.int32), lengths
+            )[None]
+        conv_out = causal_conv1d_fn(
+            xBC.transpose(1, 2), self.conv1d.weight.squeeze(1), self.conv1d.bias, seq_idx=seq_idx, activation="silu"
+        ).transpose(1, 2)
+        x, B, C = self.split_conv_output(conv_out)
+        y = mamba_chunk_scan_combined(
+            x, dt, -self.A_log.float().exp(), B, C, chunk_size=self.chunk_size, D=self.D, dt_bias=self.dt_bias,
+            dt_softplus=True, dt_limit=self.dt_limit, seq_idx=seq_idx,
+        )  # fmt: skip
+        return y.reshape(batch_size, seq_len, -1)
+
+    def _use_kernels(self, x: torch.Tensor) -> bool:
+        if self.impl == "torch":
+            return False
+        if self.impl == "kernels":
+            if not x.is_cuda or _kernel_ops() is None:
+                raise ValueError("mamba2 impl 'kernels' needs a CUDA tensor and mamba-ssm with causal-conv1d")
+            return True
+        return x.is_cuda and _kernel_ops() is not None
+
+    def extra_repr(self) -> str:
+        return (
+            f"heads {self.num_heads} x {self.head_dim}, groups {self.num_groups}, state {self.state_size}, "
+            f"chunk {self.chunk_size}"
+        )
