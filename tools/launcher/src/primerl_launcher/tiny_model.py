@@ -52,6 +52,7 @@ __all__ = [
     "TinyMiniMaxM2Spec",
     "TinyModelSpec",
     "TinyMoeSpec",
+    "TinyNemotronHSpec",
     "TinyQwen3MoeSpec",
     "TinyQwen3Spec",
     "TinyQwen3_5MoeSpec",
@@ -457,6 +458,63 @@ class TinyLagunaSpec(TinyMoeSpec):
         }
 
 
+
+@dataclass(frozen=True)
+class TinyNemotronHSpec(TinyMoeSpec):
+    """Nemotron-H (Nemotron-3-Nano's family): one mixer per layer as the hub's
+    `hybrid_override_pattern` names them (M Mamba-2, E mixture of experts, * attention without
+    positions, - dense relu^2 MLP; every kind present), sigmoid routing with a correction bias
+    (drawn at random) and a shared expert, non-gated relu^2 experts; chunks shorter than the usual
+    test samples, so that the scan crosses chunks; untied head. Its norms' epsilon is
+    `layer_norm_epsilon`; it has no rope or hidden_act fields."""
+
+    model_class: ClassVar[str] = "NemotronHForCausalLM"
+    model_type: ClassVar[str] = "nemotron_h"
+    float32_buffers: ClassVar[tuple[str, ...]] = ("e_score_correction_bias",)
+    experts_key: ClassVar[str] = "n_routed_experts"
+
+    hybrid_override_pattern: str = "MEM*E-"
+    mamba_num_heads: int = 8
+    mamba_head_dim: int = 32
+    n_groups: int = 2
+    ssm_state_size: int = 16
+    conv_kernel: int = 4
+    chunk_size: int = 16
+    moe_shared_expert_intermediate_size: int = 128
+    routed_scaling_factor: float = 2.5
+
+    def config_dict(self, dtype: DType) -> dict[str, Any]:
+        config = super().config_dict(dtype)
+        del config["rope_theta"], config["hidden_act"]
+        config["layer_norm_epsilon"] = config.pop("rms_norm_eps")
+        config["num_hidden_layers"] = len(self.hybrid_override_pattern)
+        return config
+
+    def family_config(self) -> dict[str, Any]:
+        return self.experts_config() | {
+            "hybrid_override_pattern": self.hybrid_override_pattern,
+            "mamba_num_heads": self.mamba_num_heads,
+            "mamba_head_dim": self.mamba_head_dim,
+            "n_groups": self.n_groups,
+            "ssm_state_size": self.ssm_state_size,
+            "conv_kernel": self.conv_kernel,
+            "chunk_size": self.chunk_size,
+            "mamba_hidden_act": "silu",
+            "mlp_hidden_act": "relu2",
+            "use_conv_bias": True,
+            "use_bias": False,
+            "mlp_bias": False,
+            "attention_bias": False,
+            "n_shared_experts": 1,
+            "moe_shared_expert_intermediate_size": self.moe_shared_expert_intermediate_size,
+            "n_group": 1,
+            "topk_group": 1,
+            "norm_topk_prob": True,
+            "routed_scaling_factor": self.routed_scaling_factor,
+            "num_nextn_predict_layers": 0,
+            "tie_word_embeddings": False,
+        }
+
 # One entry per family: its name on the command line -> its default tiny shape.
 FAMILIES: dict[str, TinyModelSpec] = {
     "qwen3": TinyQwen3Spec(),
@@ -467,6 +525,7 @@ FAMILIES: dict[str, TinyModelSpec] = {
     "gpt-oss": TinyGptOssSpec(),
     "afmoe": TinyAfmoeSpec(),
     "laguna": TinyLagunaSpec(),
+    "nemotron-h": TinyNemotronHSpec(),
 }
 # The older names callers pick the Qwen3 models by (the launcher's tiny-dense / tiny-moe).
 KINDS = {"dense": "qwen3", "moe": "qwen3-moe"}
