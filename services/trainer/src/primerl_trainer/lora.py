@@ -24,6 +24,10 @@ Targets (`LoRAConfig.target_modules`), by module:
     in_proj, out_proj the Mamba-2 layers' projections (Nemotron-H: attention.<name>, HF
                       mixer.<name>); up, down also adapt its dense and shared-expert MLPs and
                       experts adapts its non-gated experts (`gated` False: up and down)
+    q_a, q_b, kv_a, kv_b
+                      multi-head latent attention's low-rank projections (GLM-5: attention.wq_a,
+                      wq_b, wkv_a, wkv_b; HF self_attn.q_a_proj, q_b_proj, kv_a_proj_with_mqa,
+                      kv_b_proj; its output projection is o); the sparse-attention indexers are frozen
 The routers stay frozen and untouched. Unknown names are ignored with a warning.
 
 Export: `merge_lora` turns a stream of (own name, full tensor) from the model's state dict into
@@ -74,9 +78,10 @@ LINEAR_TARGETS = {
     "down": ("feed_forward.w2", "shared_experts.w2"),
     **{name: (f"attention.{name}",) for name in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")},
     "in_proj": ("attention.in_proj",),
+    **{name: (f"attention.w{name}",) for name in ("q_a", "q_b", "kv_a", "kv_b")},
 }
 TARGETS = (*LINEAR_TARGETS, "experts")
-_HF_ALIASES = {f"{name}_proj": name for name in LINEAR_TARGETS}
+_HF_ALIASES = {f"{name}_proj": name for name in LINEAR_TARGETS} | {"kv_a_proj_with_mqa": "kv_a"}
 # <module>.parametrizations.<param>.original, or .0.<lora parameter>
 _PARAMETRIZED = re.compile(r"(?P<module>.+)\.parametrizations\.(?P<param>[^.]+)\.(?:original|0\.(?P<lora>[^.]+))")
 _HF_EXPERT = re.compile(

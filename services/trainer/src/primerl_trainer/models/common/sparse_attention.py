@@ -1,0 +1,141 @@
+"""DeepSeek sparse attention (DSA, DeepSeek-V3.2 and GLM-5): an "indexer" scores every earlier
+key of a query's sample and the attention keeps the `index_topk` best only.
+
+Indexer (`LightningIndexer`): from the attention's normed query latent, `num_heads` small
+queries (wq_b -> [H, head_dim]); from the hidden states one key (wk, then LayerNorm `k_norm`);
+the first `rope_dim` dims of both rotated (interleaved, as MLA's); per head relu(q . k) *
+head_dim^-0.5, summed over heads with per-token weights weights_proj(x) * H^-0.5, all in float32.
+Keys outside the query's sample or in its future score -inf; the top-k by score are selected (all
+of the visible ones when fewer). The selection has no gradient (transformers computes it under
+no_grad; DeepSeek trains the indexer by a separate objective that RL does not use).
+
+A selection (`TokenSelection`) is kept as the boolean mask [B, T, T] of the keys each query
+attends to (visible and selected), and reported as the selected keys' positions within the
+sample [B, T, K] (ascending, -1 after the last), the form inference records: replaying it
+(`TokenSelection.replayed`) rebuilds the same mask, so the trainer attends to the keys the
+sampler attended to, as router replay does for experts.
+
+Backends: "sdpa" takes the mask as a dense boolean mask (O(T^2), the CPU reference); "flex"
+builds a BlockMask whose mask_mod reads it. Selected keys are scattered over the whole sample,
+so few blocks are skipped beyond causality: the gain over sdpa on GPUs is the fused kernel, not
+sparsity. The [B, T, T] masks (one per indexer layer, plus the visibility mask) cost T^2 bytes
+each: 256 MiB per layer at 16k tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.attention.flex_attention import create_block_mask
+
+from primerl_trainer.models.common.attention import AttentionBackend, AttentionMask, document_ids
+from primerl_trainer.models.common.mla import apply_interleaved_rope
+
+
+@dataclass(frozen=True)
+class VisibleKeys:
+    """Per forward: which keys each query may see at all (earlier or itself, same sample)."""
+
+    backend: AttentionBackend
+    # [B, T, T] bool.
+    allowed: torch.Tensor
+    # [B, T] position of each token within its sample.
+    position_ids: torch.Tensor
+
+    @classmethod
+    def of(cls, position_ids: torch.Tensor, *, backend: AttentionBackend) -> VisibleKeys:
+        docs = document_ids(position_ids)
+        rows = torch.arange(position_ids.shape[1], device=position_ids.device)
+        allowed = (rows[:, None] >= rows) & (docs[:, :, None] == docs[:, None, :])
+        return cls(backend, allowed, position_ids)
+
+
+@dataclass(frozen=True)
+class TokenSelection:
+    # [B, T, T] bool: the keys each query attends to.
+    attended: torch.Tensor
+    # [B, T, K] int64: their positions within the sample, ascending, -1 after the last.
+    positions: torch.Tensor
+
+    @classmethod
+    def of_top_k(cls, scores: torch.Tensor, top_k: int, visible: VisibleKeys) -> TokenSelection:
+        """The `top_k` best of `scores` [B, T, T] among the visible keys (all visible ones when fewer)."""
+        top_k = min(top_k, scores.shape[-1])
+        rows = scores.masked_fill(~visible.allowed, float("-inf")).topk(top_k, dim=-1).indices
+        chosen = torch.zeros_like(visible.allowed).scatter_(-1, rows, True) & visible.allowed
+        return cls(chosen, _positions(chosen, visible.position_ids, top_k))
+
+    @classmethod
+    def replayed(cls, positions: torch.Tensor, visible: VisibleKeys) -> TokenSelection:
+        """From recorded positions [B, T, K] within each query's sample (-1: none): the key at
+        position p is pos(query) - p rows before the query."""
+        query_positions = visible.position_ids[..., None]
+        rows = torch.arange(positions.shape[1], device=positions.device)[None, :, None] - (query_positions - positions)
+        valid = (positions >= 0) & (positions <= query_positions) & (rows >= 0)
+        # Invalid entries scatter nothing (clamped to row 0, counted as 0).
+        chosen = _scatter_any(visible.allowed, rows.clamp(min=0), valid) & visible.allowed
+        return cls(chosen, _positions(chosen, visible.position_ids, positions.shape[-1]))
+
+    def attention_mask(self) -> AttentionMask:
+        """The mask of `common.attention.attention` for the "sdpa" backend."""
+        return AttentionMask("sdpa", dense=self.attended.unsqueeze(1))
+
+    def flex_attention_mask(self) -> AttentionMask:
+        attended = self.attended
+        batch_size, seq_len, _ = attended.shape
+
+        def selected(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+            return attended[b, q_idx, kv_idx]
+
+        block = create_block_mask(selected, batch_size, None, seq_len, seq_len, attended.device)
+        return AttentionMask("flex", block=block)
+
+
+def _scatter_any(like: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """A boolean tensor shaped as `like`, True where some True of `values` is scattered."""
+    counts = torch.zeros(like.shape, dtype=torch.int32, device=like.device)
+    counts.scatter_add_(-1, index, values.to(torch.int32))
+    return counts > 0
+
+
+def _positions(chosen: torch.Tensor, position_ids: torch.Tensor, width: int) -> torch.Tensor:
+    """[B, T, width]: the positions of the chosen keys of each query, ascending, -1 padded."""
+    key_positions = position_ids[:, None, :].expand_as(chosen)
+    big = torch.iinfo(torch.int64).max
+    ordered = torch.where(chosen, key_positions, big).sort(dim=-1).values[..., :width]
+    return ordered.masked_fill(ordered == big, -1)
+
+
+class LightningIndexer(nn.Module):
+    def __init__(self, *, dim: int, q_lora_rank: int, num_heads: int, head_dim: int, rope_dim: int, top_k: int) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim, self.rope_dim, self.top_k = num_heads, head_dim, rope_dim, top_k
+        self.wq_b = nn.Linear(q_lora_rank, num_heads * head_dim, bias=False)
+        self.wk = nn.Linear(dim, head_dim, bias=False)
+        self.k_norm = nn.LayerNorm(head_dim, eps=1e-6)
+        self.weights_proj = nn.Linear(dim, num_heads, bias=False)
+
+    @torch.no_grad()
+    def scores(self, x: torch.Tensor, q_latent: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """[B, T, T] float32 index scores (before masking)."""
+        batch_size, seq_len, _ = x.shape
+        q = self.wq_b(q_latent).view(batch_size, seq_len, self.num_heads, self.head_dim)
+        k = self.k_norm(self.wk(x)).unsqueeze(2)
+        q = torch.cat((apply_interleaved_rope(q[..., : self.rope_dim], *rope), q[..., self.rope_dim :]), dim=-1)
+        k = torch.cat((apply_interleaved_rope(k[..., : self.rope_dim], *rope), k[..., self.rope_dim :]), dim=-1)
+        # [B, T, H, D] @ [B, 1, D, T] -> [B, T, H, T]
+        per_head = F.relu(q.float() @ k.squeeze(2).transpose(-1, -2).float().unsqueeze(1)) * self.head_dim**-0.5
+        weights = F.linear(x.float(), self.weights_proj.weight.float()) * self.num_heads**-0.5
+        return (weights.unsqueeze(-2) @ per_head).squeeze(-2)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        q_latent: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        visible: VisibleKeys,
+    ) -> TokenSelection:
+        return TokenSelection.of_top_k(self.scores(x, q_latent, rope), self.top_k, visible)
