@@ -458,7 +458,6 @@ class TinyLagunaSpec(TinyMoeSpec):
         }
 
 
-
 @dataclass(frozen=True)
 class TinyNemotronHSpec(TinyMoeSpec):
     """Nemotron-H (Nemotron-3-Nano's family): one mixer per layer as the hub's
@@ -515,6 +514,59 @@ class TinyNemotronHSpec(TinyMoeSpec):
             "tie_word_embeddings": False,
         }
 
+
+@dataclass(frozen=True)
+class TinyGlmMoeDsaSpec(TinyMoeSpec):
+    """GLM-5: multi-head latent attention (q and kv latents, decoupled rope dims; `head_dim` is
+    the rope dims, as transformers writes it) with DeepSeek sparse attention (an indexer keeping
+    `index_topk` keys per query, fewer than the usual test samples hold; "shared" layers reuse
+    the previous full layer's selection), GLM-4.5's routing (correction bias drawn at random,
+    groups, shared expert, a dense first layer); untied head."""
+
+    model_class: ClassVar[str] = "GlmMoeDsaForCausalLM"
+    model_type: ClassVar[str] = "glm_moe_dsa"
+    float32_buffers: ClassVar[tuple[str, ...]] = ("e_score_correction_bias",)
+    experts_key: ClassVar[str] = "n_routed_experts"
+
+    num_key_value_heads: int = 4
+    head_dim: int = 32
+    q_lora_rank: int = 64
+    kv_lora_rank: int = 64
+    qk_nope_head_dim: int = 32
+    v_head_dim: int = 64
+    index_topk: int = 16
+    index_head_dim: int = 64
+    index_n_heads: int = 4
+    indexer_types: tuple[str, ...] = ("full", "shared", "full", "shared")
+    n_group: int = 2
+    topk_group: int = 1
+    n_shared_experts: int = 1
+    routed_scaling_factor: float = 2.5
+    first_k_dense_replace: int = 1
+
+    def family_config(self) -> dict[str, Any]:
+        return self.experts_config() | {
+            "q_lora_rank": self.q_lora_rank,
+            "kv_lora_rank": self.kv_lora_rank,
+            "qk_nope_head_dim": self.qk_nope_head_dim,
+            "qk_rope_head_dim": self.head_dim,
+            "v_head_dim": self.v_head_dim,
+            "index_topk": self.index_topk,
+            "index_head_dim": self.index_head_dim,
+            "index_n_heads": self.index_n_heads,
+            "indexer_types": list(self.indexer_types),
+            "attention_bias": False,
+            "norm_topk_prob": True,
+            "n_group": self.n_group,
+            "topk_group": self.topk_group,
+            "n_shared_experts": self.n_shared_experts,
+            "routed_scaling_factor": self.routed_scaling_factor,
+            "first_k_dense_replace": self.first_k_dense_replace,
+            "num_nextn_predict_layers": 0,
+            "tie_word_embeddings": False,
+        }
+
+
 # One entry per family: its name on the command line -> its default tiny shape.
 FAMILIES: dict[str, TinyModelSpec] = {
     "qwen3": TinyQwen3Spec(),
@@ -526,6 +578,7 @@ FAMILIES: dict[str, TinyModelSpec] = {
     "afmoe": TinyAfmoeSpec(),
     "laguna": TinyLagunaSpec(),
     "nemotron-h": TinyNemotronHSpec(),
+    "glm-moe-dsa": TinyGlmMoeDsaSpec(),
 }
 # The older names callers pick the Qwen3 models by (the launcher's tiny-dense / tiny-moe).
 KINDS = {"dense": "qwen3", "moe": "qwen3-moe"}

@@ -72,6 +72,17 @@ def recurrent_ssd(
     return y.to(out_dtype), state
 
 
+def _segment_sums(a: torch.Tensor) -> torch.Tensor:
+    """[..., C] -> [..., C, C]: entry (i, j) the sum of a over j < k <= i, -inf above the
+    diagonal. Summed directly rather than as a difference of cumulative sums, which loses the
+    small sums of long chunks to rounding."""
+    size = a.shape[-1]
+    causal = torch.ones(size, size, dtype=torch.bool, device=a.device).tril()
+    # Entry (k, j) of the expanded matrix is a_k, kept for k > j; summed over k up to i.
+    sums = a[..., :, None].expand(*a.shape, size).masked_fill(~causal.tril(-1), 0).cumsum(dim=-2)
+    return sums.masked_fill(~causal, float("-inf"))
+
+
 def chunked_ssd(
     x: torch.Tensor,
     dt: torch.Tensor,
@@ -104,14 +115,14 @@ def chunked_ssd(
     A32, D32 = A.to(dtype), D.to(dtype)
     B, C = (_heads_of_groups(t, num_heads) for t in (B, C))
     x_c, dt_c, B_c, C_c = chunks(x), chunks(dt), chunks(B), chunks(C)
-    log_decay = (dt_c * A32[:, None, None]).cumsum(dim=-1)  # [N, H, n, C]
-    causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=x.device).tril()
-    pair_decay = (log_decay[..., :, None] - log_decay[..., None, :]).masked_fill(~causal, float("-inf")).exp()
-    scores = (C_c @ B_c.transpose(-1, -2)) * pair_decay  # [N, H, n, C, C]
+    a = dt_c * A32[:, None, None]  # [N, H, n, C]
+    log_decay = a.cumsum(dim=-1)
+    pair_log_decay = _segment_sums(a)
+    scores = (C_c @ B_c.transpose(-1, -2)) * pair_log_decay.exp()  # [N, H, n, C, C]
     x_dt = x_c * dt_c[..., None]
     intra = scores @ x_dt  # [N, H, n, C, P]
     C_decayed = C_c * log_decay.exp()[..., None]
-    x_to_end = x_dt * (log_decay[..., -1:] - log_decay).exp()[..., None]
+    x_to_end = x_dt * pair_log_decay[..., -1, :].exp()[..., None]
     chunk_decay = log_decay[..., -1].exp()[..., None, None]
 
     state = x.new_zeros(num_seqs, num_heads, head_dim, state_size, dtype=dtype)
@@ -246,9 +257,7 @@ class Mamba2(nn.Module):
         """Rows that are one sample each: [N, L, channels], [N, L, H] -> (y [N, L, H * P], (the
         convolution's final state [N, channels, W-1], the scan's [N, H, P, S])), from the given
         entering states (None: zeros); `recurrent` runs the token-by-token form (the check)."""
-        conv_out, conv_final = causal_conv1d(
-            xBC, self.conv1d.weight.squeeze(1), conv_state, bias=self.conv1d.bias
-        )
+        conv_out, conv_final = causal_conv1d(xBC, self.conv1d.weight.squeeze(1), conv_state, bias=self.conv1d.bias)
         x, B, C = self.split_conv_output(conv_out)
         A = -self.A_log.to(compute_dtype(self.A_log)).exp()
         scan_args = (x, self.step_sizes(dt), A, B, C, self.D)
