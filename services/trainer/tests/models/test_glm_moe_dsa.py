@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from primerl_trainer.models import load_model
+from primerl_launcher.tiny_model import make_tiny_model
+from primerl_trainer.models import load_model, read_hf_state_dict
 from primerl_trainer.models.common.sparse_attention import VisibleKeys
 from primerl_trainer.models.glm_moe_dsa.model import GlmMoeDsaModel
 from primerl_trainer.models.glm_moe_dsa.state_dict_adapter import GlmMoeDsaStateDictAdapter
@@ -230,6 +231,11 @@ def test_one_step_gradients_equal_transformers(full_checkpoint: pathlib.Path) ->
         torch.testing.assert_close(grad, ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
+def test_flex_equals_sdpa(full_checkpoint: pathlib.Path) -> None:
+    """The flex backend (a BlockMask reading the selection) gives sdpa's logits on a packed row."""
+    hf_parity.assert_flex_equals_sdpa(full_checkpoint)
+
+
 def test_hf_to_own_to_hf_is_bit_exact(full_checkpoint: pathlib.Path) -> None:
     hf_parity.assert_hf_round_trip_is_bit_exact(full_checkpoint)
 
@@ -287,3 +293,14 @@ def test_one_rl_step_changes_the_loss(
         lora=lora,
         unadapted=("router.gate", "indexer.wq_b", "indexer.wk", "indexer.weights_proj"),
     )
+
+
+def test_tiny_model_maker_writes_a_glm_moe_dsa_checkpoint(tmp_path: pathlib.Path) -> None:
+    path = make_tiny_model(tmp_path / "glm5", family="glm-moe-dsa", dtype="bfloat16")
+    weights = read_hf_state_dict(path)
+    assert weights["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == torch.float32
+    assert weights["model.layers.1.mlp.gate.e_score_correction_bias"].abs().sum() > 0
+    assert "model.layers.1.self_attn.indexer.wk.weight" not in weights  # a shared indexer layer
+    own = hf_parity.assert_maker_checkpoint_equals_transformers(path, GlmMoeDsaModel)
+    assert own.args.moe_layers == (1, 2, 3) and own.args.indexer_layers == (0, 2)
+    assert own.args.index_topk < 20
