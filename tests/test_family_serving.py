@@ -17,6 +17,7 @@ through grouped top-k, which it does compute.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 import subprocess
@@ -77,7 +78,10 @@ _FAMILY_FIELDS = {
 def tiny_checkpoint(root: pathlib.Path, model_type: str) -> pathlib.Path:
     family = model_type.replace("_", "-")
     if family in FAMILIES:
-        return make_tiny_model(root / family, family=family)
+        spec = FAMILIES[family]
+        if model_type == "gpt_oss":  # vLLM's GptOssForCausalLM fixes its RMSNorm eps at the hub's 1e-5
+            spec = dataclasses.replace(spec, rms_norm_eps=1e-5)
+        return make_tiny_model(root / family, family=family, spec=spec)
     from transformers import AutoConfig, AutoModelForCausalLM
 
     out = root / family

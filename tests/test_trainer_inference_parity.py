@@ -71,13 +71,14 @@ def _engine_args(model_dir: pathlib.Path, dtype: str, port: int) -> list[str]:
     ]
 
 
-async def _sample(address: str, *, moe: bool) -> list[Rollout]:
-    """NUM_PROMPTS random byte prompts, each sampled at one of TEMPERATURES, all in flight together."""
+async def sample_rollouts(stub: inference_pb2_grpc.InferenceServiceStub, *, moe: bool) -> list[Rollout]:
+    """NUM_PROMPTS random byte prompts, each sampled at one of TEMPERATURES, all in flight together
+    (tests/test_family_serving.py samples each model family's engine with it)."""
     generator = torch.Generator().manual_seed(0)
     lengths = torch.randint(8, 40, (NUM_PROMPTS,), generator=generator).tolist()
     prompts = [torch.randint(0, 256, (length,), generator=generator).tolist() for length in lengths]
 
-    async def one(stub: inference_pb2_grpc.InferenceServiceStub, index: int) -> Rollout:
+    async def one(index: int) -> Rollout:
         temperature = TEMPERATURES[index % len(TEMPERATURES)]
         request = inference_pb2.GenerateRequest(
             input=generation_pb2.GenerationInput(
@@ -100,9 +101,12 @@ async def _sample(address: str, *, moe: bool) -> list[Rollout]:
             routed_experts=tensor_from_proto(output.routed_experts) if moe else None,
         )
 
+    return await asyncio.gather(*(one(index) for index in range(NUM_PROMPTS)))
+
+
+async def _sample(address: str, *, moe: bool) -> list[Rollout]:
     async with make_channel(address) as channel:
-        stub = inference_pb2_grpc.InferenceServiceStub(channel)
-        return await asyncio.gather(*(one(stub, index) for index in range(NUM_PROMPTS)))
+        return await sample_rollouts(inference_pb2_grpc.InferenceServiceStub(channel), moe=moe)
 
 
 async def _sample_all(models: dict[tuple[str, str], pathlib.Path]) -> dict[tuple[str, str], list[Rollout]]:
@@ -161,11 +165,15 @@ def test_trainer_logprobs_equal_vllm_sampled_logprobs_in_float32(
     models: dict[tuple[str, str], pathlib.Path],
     rollouts: dict[tuple[str, str], list[Rollout]],
 ) -> None:
-    """The RL step's own path (the model's forward over the packed samples, logits divided by
-    each token's temperature) gives vLLM's logprobs of the tokens it sampled."""
     engine = ("dense", "float32")
-    micro_batch = _micro_batch(rollouts[engine], replay=False)
-    model = load_model(models[engine], impl="auto", dtype=torch.float32)
+    assert_trainer_logprobs_equal_vllm(models[engine], rollouts[engine])
+
+
+def assert_trainer_logprobs_equal_vllm(model_dir: pathlib.Path, rollouts: list[Rollout]) -> None:
+    """The RL step's own path (the model's forward over the packed samples, logits divided by
+    each token's temperature) gives vLLM's logprobs of the tokens it sampled (float32)."""
+    micro_batch = _micro_batch(rollouts, replay=False)
+    model = load_model(model_dir, impl="auto", dtype=torch.float32)
     with torch.no_grad():
         logits = model(
             micro_batch.input_ids[None], micro_batch.position_ids[None], routed_experts=micro_batch.routed_experts

