@@ -187,6 +187,20 @@ def _run_workers(
     return torch.load(out / "result.pt")
 
 
+def test_packed_dispatch_equals_the_unpacked_one_bitwise() -> None:
+    """The routing in the rows' all-to-all (bf16 rows carry float32 bits) gives the same outputs
+    and gradients as in an all-to-all of its own (ep_dispatch_worker.py, 2 ranks over gloo)."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    result = subprocess.run(
+        [*command, str(HERE / "ep_dispatch_worker.py")],
+        capture_output=True,
+        text=True,
+        env=os.environ | {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"},
+        timeout=300,
+    )
+    assert result.returncode == 0, (result.stdout + result.stderr)[-5000:]
+
+
 def _assert_matches_one_process(result: dict, reference: dict, probe_routed_experts: torch.Tensor) -> None:
     for step, (got, wanted) in enumerate(zip(result["metrics"], reference["metrics"], strict=True)):
         for key in METRICS:
