@@ -20,7 +20,7 @@ from primerl.common.v1 import generation_pb2, tensor_pb2
 from primerl.inference.v1 import inference_pb2
 from primerl_common.tensors import tensor_from_proto
 from primerl_common.weights.manifest import write_weights
-from primerl_launcher.tiny_model import SPECS
+from primerl_launcher.tiny_model import FAMILIES
 
 from .serving import (
     TOLERANCE,
@@ -123,7 +123,7 @@ async def test_routed_experts_come_with_moe_models_only(model) -> None:
         assert status == grpc.StatusCode.FAILED_PRECONDITION
         return
     routed = tensor_from_proto((await final_output(stub, request)).routed_experts).numpy()
-    spec = SPECS["moe"]
+    spec = FAMILIES["qwen3-moe"]
 
     assert "generate.routed_experts" in capabilities
     assert routed.dtype == np.uint8
