@@ -16,8 +16,9 @@ def _check_against_reference() -> None:
     generator = torch.Generator().manual_seed(0)
     # bf16: the interpreter rounds float32 to bf16 its own way (one bf16 ulp from torch's).
     for dtype, tolerance in ((torch.float32, 1e-6), (torch.bfloat16, 8e-3)):
-        # 40 columns: a block larger than the row (masked columns); 1500: several column blocks.
-        for num_cols in (40, 1500):
+        # 8: a routing row (scores); 40: a block larger than the row (masked columns); 1500: several
+        # column blocks.
+        for num_cols in (8, 40, 1500):
             rows = torch.randn(30, num_cols, generator=generator).to(dtype)
             index = torch.randint(0, 30, (12, 3), generator=generator)
             weights = torch.randn(12, 3, generator=generator).to(dtype)
