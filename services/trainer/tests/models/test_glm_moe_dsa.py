@@ -144,6 +144,20 @@ def test_logits_routing_and_selection_equal_transformers_on_a_batch(checkpoint: 
 
 
 @torch.no_grad()
+def test_indexer_query_chunks_select_as_one(full_checkpoint: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The indexer scoring 3 queries at a time (a long row's path) selects what it selects at once."""
+    from primerl_trainer.models.common import sparse_attention
+
+    own = load_model(full_checkpoint, impl="custom")
+    _, input_ids, position_ids = packed_inputs([6, 13, 3], seed=4)
+    input_ids = input_ids % VOCAB_SIZE
+    whole = own(input_ids, position_ids)
+    monkeypatch.setattr(sparse_attention, "_SCORES_PER_CHUNK", 3 * own.args.index_num_heads * input_ids.shape[1])
+    chunked = own(input_ids, position_ids)
+    assert torch.equal(chunked.selected_tokens, whole.selected_tokens) and torch.equal(chunked.logits, whole.logits)
+
+
+@torch.no_grad()
 def test_eager_reference_agrees(full_checkpoint: pathlib.Path) -> None:
     """transformers' eager path (additive float masks) selects and attends as its SDPA path."""
     own = load_model(full_checkpoint, impl="custom")
@@ -304,3 +318,49 @@ def test_tiny_model_maker_writes_a_glm_moe_dsa_checkpoint(tmp_path: pathlib.Path
     own = hf_parity.assert_maker_checkpoint_equals_transformers(path, GlmMoeDsaModel)
     assert own.args.moe_layers == (1, 2, 3) and own.args.indexer_layers == (0, 2)
     assert own.args.index_topk < 20
+
+
+def test_export_loads_back_in_transformers(full_checkpoint: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    hf_parity.assert_export_loads_back(full_checkpoint, tmp_path / "export")
+
+
+def test_lora_adapter_export_names_the_latent_projections(trainable_checkpoint: pathlib.Path) -> None:
+    """q_a, q_b, kv_a (the HF alias kv_a_proj_with_mqa), kv_b and o adapt the MLA projections of
+    every layer, under PEFT's names; the indexers' wq_b and wk are left alone."""
+    from primerl_trainer.config import LoRAConfig
+    from primerl_trainer.export import exported_tensors
+    from primerl_trainer.lora import apply_lora
+
+    model = load_model(trainable_checkpoint, impl="custom", dtype=torch.float32)
+    targets = ["q_a", "q_b_proj", "kv_a_proj_with_mqa", "kv_b", "o"]
+    apply_lora(model, LoRAConfig(enabled=True, rank=4, target_modules=targets))
+    state = model.state_dict().items()
+    adapter = dict(exported_tensors(model, state, kind="adapter", dtype=torch.float32, lora_scale=2.0))
+    projections = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+    assert adapter.keys() == {
+        f"base_model.model.model.layers.{i}.self_attn.{proj}.lora_{ab}.weight"
+        for i in range(NUM_LAYERS)
+        for proj in projections
+        for ab in "AB"
+    }
+    assert adapter["base_model.model.model.layers.0.self_attn.kv_a_proj_with_mqa.lora_B.weight"].shape == (12 + 4, 4)
+
+
+@pytest.mark.gpu
+@torch.no_grad()
+def test_model_on_cuda_equals_transformers(full_checkpoint: pathlib.Path) -> None:
+    """float32 on CUDA, packed rows: sdpa against transformers' runs of each sample on the CPU,
+    flex (compiled, a BlockMask of the selection) and compiled blocks against sdpa."""
+    from primerl_trainer.models.glm_moe_dsa.parallelize import parallelize_glm_moe_dsa
+
+    samples, input_ids, position_ids = packed_inputs([6, 1, 90, 13], seed=8)
+    input_ids, samples = input_ids % VOCAB_SIZE, [sample % VOCAB_SIZE for sample in samples]
+    hf = reference(full_checkpoint)
+    expected = torch.cat([hf(input_ids=s, use_cache=False).logits for s in samples], dim=1)
+    sdpa = load_model(full_checkpoint, impl="custom", dtype=torch.float32, device="cuda")
+    logits = sdpa(input_ids.cuda(), position_ids.cuda()).logits.cpu()
+    assert (logits - expected).abs().max() <= 1e-4
+    flex = load_model(full_checkpoint, impl="custom", dtype=torch.float32, device="cuda", attn_backend="flex")
+    compiled = parallelize_glm_moe_dsa(flex, param_dtype=None, reduce_dtype=None, compile=True)
+    for model in (flex, compiled):
+        assert (model(input_ids.cuda(), position_ids.cuda()).logits.cpu() - logits).abs().max() <= 1e-4

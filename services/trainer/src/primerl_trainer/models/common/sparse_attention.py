@@ -61,28 +61,25 @@ class TokenSelection:
     positions: torch.Tensor
 
     @classmethod
-    def of_top_k(cls, scores: torch.Tensor, top_k: int, visible: VisibleKeys) -> TokenSelection:
-        """The `top_k` best of `scores` [B, T, T] among the visible keys (all visible ones when fewer)."""
-        top_k = min(top_k, scores.shape[-1])
-        rows = scores.masked_fill(~visible.allowed, float("-inf")).topk(top_k, dim=-1).indices
-        chosen = torch.zeros_like(visible.allowed).scatter_(-1, rows, True) & visible.allowed
-        return cls(chosen, _positions(chosen, visible.position_ids, top_k))
-
-    @classmethod
     def replayed(cls, positions: torch.Tensor, visible: VisibleKeys) -> TokenSelection:
         """From recorded positions [B, T, K] within each query's sample (-1: none): the key at
-        position p is pos(query) - p rows before the query."""
+        position p is pos(query) - p rows before the query. Positions outside the query's sample
+        or past the query select nothing (and are reported as -1)."""
         query_positions = visible.position_ids[..., None]
         rows = torch.arange(positions.shape[1], device=positions.device)[None, :, None] - (query_positions - positions)
-        valid = (positions >= 0) & (positions <= query_positions) & (rows >= 0)
-        # Invalid entries scatter nothing (clamped to row 0, counted as 0).
-        chosen = _scatter_any(visible.allowed, rows.clamp(min=0), valid) & visible.allowed
-        return cls(chosen, _positions(chosen, visible.position_ids, positions.shape[-1]))
+        rows = rows.clamp(0, positions.shape[1] - 1)
+        valid = (positions >= 0) & (positions <= query_positions) & visible.allowed.gather(-1, rows)
+        # Invalid entries scatter nothing (counted as 0).
+        counts = torch.zeros(visible.allowed.shape, dtype=torch.int32, device=positions.device)
+        chosen = counts.scatter_add_(-1, rows, valid.to(torch.int32)) > 0
+        return cls(chosen, _ascending(positions, valid))
 
     def attention_mask(self) -> AttentionMask:
         """The mask of `common.attention.attention` for the "sdpa" backend."""
         return AttentionMask("sdpa", dense=self.attended.unsqueeze(1))
 
+    # Built eagerly (outside a compiled block): its mask_mod reads a [B, T, T] tensor.
+    @torch.compiler.disable
     def flex_attention_mask(self) -> AttentionMask:
         attended = self.attended
         batch_size, seq_len, _ = attended.shape
@@ -94,19 +91,15 @@ class TokenSelection:
         return AttentionMask("flex", block=block)
 
 
-def _scatter_any(like: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """A boolean tensor shaped as `like`, True where some True of `values` is scattered."""
-    counts = torch.zeros(like.shape, dtype=torch.int32, device=like.device)
-    counts.scatter_add_(-1, index, values.to(torch.int32))
-    return counts > 0
-
-
-def _positions(chosen: torch.Tensor, position_ids: torch.Tensor, width: int) -> torch.Tensor:
-    """[B, T, width]: the positions of the chosen keys of each query, ascending, -1 padded."""
-    key_positions = position_ids[:, None, :].expand_as(chosen)
+def _ascending(positions: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """The valid positions of each row [.., K] ascending, then -1."""
     big = torch.iinfo(torch.int64).max
-    ordered = torch.where(chosen, key_positions, big).sort(dim=-1).values[..., :width]
+    ordered = torch.where(valid, positions, big).sort(dim=-1).values
     return ordered.masked_fill(ordered == big, -1)
+
+
+# Per-head index scores held at once (float32): 1 GiB.
+_SCORES_PER_CHUNK = 2**28
 
 
 class LightningIndexer(nn.Module):
@@ -119,18 +112,16 @@ class LightningIndexer(nn.Module):
         self.weights_proj = nn.Linear(dim, num_heads, bias=False)
 
     @torch.no_grad()
-    def scores(self, x: torch.Tensor, q_latent: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """[B, T, T] float32 index scores (before masking)."""
-        batch_size, seq_len, _ = x.shape
-        q = self.wq_b(q_latent).view(batch_size, seq_len, self.num_heads, self.head_dim)
-        k = self.k_norm(self.wk(x)).unsqueeze(2)
-        q = torch.cat((apply_interleaved_rope(q[..., : self.rope_dim], *rope), q[..., self.rope_dim :]), dim=-1)
-        k = torch.cat((apply_interleaved_rope(k[..., : self.rope_dim], *rope), k[..., self.rope_dim :]), dim=-1)
-        # [B, T, H, D] @ [B, 1, D, T] -> [B, T, H, T]
-        per_head = F.relu(q.float() @ k.squeeze(2).transpose(-1, -2).float().unsqueeze(1)) * self.head_dim**-0.5
-        weights = F.linear(x.float(), self.weights_proj.weight.float()) * self.num_heads**-0.5
+    def scores(self, q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Index scores [B, t, T] float32 of queries q [B, t, H, D] (weights [B, t, H]) over keys k [B, T, D]."""
+        # [B, t, H, D] @ [B, 1, D, T] -> [B, t, H, T], summed over H by the weights.
+        per_head = F.relu(q @ k.transpose(-1, -2).unsqueeze(1)) * self.head_dim**-0.5
         return (weights.unsqueeze(-2) @ per_head).squeeze(-2)
 
+    # Eager under compile: a loop over query chunks whose count follows the row's length; no
+    # gradient flows through it.
+    @torch.compiler.disable
+    @torch.no_grad()
     def forward(
         self,
         x: torch.Tensor,
@@ -138,4 +129,25 @@ class LightningIndexer(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         visible: VisibleKeys,
     ) -> TokenSelection:
-        return TokenSelection.of_top_k(self.scores(x, q_latent, rope), self.top_k, visible)
+        batch_size, seq_len, _ = x.shape
+        q = self.wq_b(q_latent).view(batch_size, seq_len, self.num_heads, self.head_dim)
+        k = self.k_norm(self.wk(x)).unsqueeze(2)
+        q = torch.cat((apply_interleaved_rope(q[..., : self.rope_dim], *rope), q[..., self.rope_dim :]), dim=-1)
+        k = torch.cat((apply_interleaved_rope(k[..., : self.rope_dim], *rope), k[..., self.rope_dim :]), dim=-1)
+        q, k = q.float(), k.squeeze(2).float()
+        weights = F.linear(x.float(), self.weights_proj.weight.float()) * self.num_heads**-0.5
+        top_k = min(self.top_k, seq_len)
+        chosen = torch.zeros_like(visible.allowed)
+        positions = torch.empty(batch_size, seq_len, top_k, dtype=torch.int64, device=x.device)
+        # Queries in chunks: the per-head scores of a chunk are [B, chunk, H, T] float32.
+        chunk = max(1, _SCORES_PER_CHUNK // (batch_size * self.num_heads * seq_len))
+        for start in range(0, seq_len, chunk):
+            rows = slice(start, start + chunk)
+            allowed = visible.allowed[:, rows]
+            scores = self.scores(q[:, rows], k, weights[:, rows]).masked_fill(~allowed, float("-inf"))
+            keys = scores.topk(top_k, dim=-1).indices
+            valid = allowed.gather(-1, keys)
+            chosen[:, rows].scatter_(-1, keys, valid)
+            key_positions = visible.position_ids[:, None, :].expand(-1, keys.shape[1], -1).gather(-1, keys)
+            positions[:, rows] = _ascending(key_positions, valid)
+        return TokenSelection(chosen, positions)
