@@ -120,6 +120,36 @@ class ContextParallelRow:
         """Whether the token at `row_index` continues the sample of the token before it."""
         return row_index > 0 and bool(self.document_ids[row_index - 1] == self.document_ids[row_index])
 
+    def first_pieces(self) -> list[int]:
+        """The piece (of `pieces`) each of this rank's two chunks starts with."""
+        return [int(self.pieces.padded_index[c * self.chunk_len]) // self.pieces.max_len for c in range(2)]
+
+    def conv_states(self, inputs: torch.Tensor, conv_width: int) -> torch.Tensor:
+        """The states a causal convolution of width `conv_width` enters each piece with: for the
+        first piece of each chunk the inputs [1, t, channels] before it in its sample (from the
+        ranks before, zeros where the sample starts with the chunk), zeros for the others ->
+        [num pieces, channels, conv_width - 1]. All-gathers every chunk's last inputs: every rank
+        must call it (so must their backwards)."""
+        chunk_len, num_channels = self.chunk_len, inputs.shape[-1]
+        # The convolution's last inputs of every chunk of the row (fewer in chunks shorter than that).
+        tail = min(conv_width - 1, chunk_len)
+        tails = inputs[0].view(2, chunk_len, num_channels)[:, chunk_len - tail :].reshape(2 * tail, -1)
+        row_tails = gather_sequence(tails, self.group_name, self.cp_size)
+        tail_positions = (
+            torch.arange(2 * self.cp_size, device=tails.device)[:, None] * chunk_len + chunk_len - tail
+        ) + torch.arange(tail, device=tails.device)
+        # Computed for both chunks even where a sample starts with the chunk: every rank's backward
+        # then takes part in the gather's.
+        states = []
+        for start in self.chunk_starts():
+            before = row_tails[: (start // chunk_len) * tail][-(conv_width - 1) :]
+            positions = tail_positions.flatten()[: (start // chunk_len) * tail][-(conv_width - 1) :]
+            before = before * (self.document_ids[positions] == self.document_ids[start])[:, None]
+            states.append(F.pad(before.T, (conv_width - 1 - before.shape[0], 0)))
+        return inputs.new_zeros(self.pieces.num_samples, num_channels, conv_width - 1).index_copy(
+            0, torch.tensor(self.first_pieces(), device=inputs.device), torch.stack(states).to(inputs.dtype)
+        )
+
     def gather(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
         """Each [1, t, ...] -> [1, cp_size * t, ...], the whole row in order, in one collective
         (through the widest dtype and back, which is exact). Differentiable."""
@@ -289,31 +319,13 @@ class GatedDeltaNet(nn.Module):
     ) -> torch.Tensor:
         """`core` of this rank's share of a row [1, t, ...], the state passed between ranks
         (module docstring)."""
-        pieces, chunk_len, conv_width = cp.pieces, cp.chunk_len, self.conv1d.weight.shape[-1]
-        num_channels, k_dim, v_dim = mixed_qkv.shape[-1], self.head_k_dim, self.head_v_dim
+        pieces, chunk_len = cp.pieces, cp.chunk_len
+        k_dim, v_dim = self.head_k_dim, self.head_v_dim
         dtype = compute_dtype(mixed_qkv, g)
-        # The convolution's last inputs of every chunk of the row (fewer in chunks shorter than that).
-        tail = min(conv_width - 1, chunk_len)
-        tails = mixed_qkv[0].view(2, chunk_len, num_channels)[:, chunk_len - tail :].reshape(2 * tail, -1)
-        row_tails = gather_sequence(tails, cp.group_name, cp.cp_size)
-        tail_positions = (
-            torch.arange(2 * cp.cp_size, device=tails.device)[:, None] * chunk_len + chunk_len - tail
-        ) + torch.arange(tail, device=tails.device)
-        # Both chunks' first pieces take the inputs before them in their sample: zeros where a
-        # sample starts with the chunk. Computed for both even so: every rank's backward then
-        # takes part in the gathers' (collectives the ranks must all call).
-        first_pieces, conv_states, continuing = [], [], []
-        for c, start in enumerate(cp.chunk_starts()):
-            before = row_tails[: (start // chunk_len) * tail][-(conv_width - 1) :]
-            positions = tail_positions.flatten()[: (start // chunk_len) * tail][-(conv_width - 1) :]
-            before = before * (cp.document_ids[positions] == cp.document_ids[start])[:, None]
-            conv_states.append(F.pad(before.T, (conv_width - 1 - before.shape[0], 0)))
-            first_pieces.append(int(pieces.padded_index[c * chunk_len]) // pieces.max_len)
-            if cp.continues(start):
-                continuing.append(first_pieces[-1])
-        conv_state = mixed_qkv.new_zeros(pieces.num_samples, num_channels, conv_width - 1).index_copy(
-            0, torch.tensor(first_pieces, device=mixed_qkv.device), torch.stack(conv_states).to(mixed_qkv.dtype)
-        )
+        conv_state = cp.conv_states(mixed_qkv, self.conv1d.weight.shape[-1])
+        continuing = [
+            piece for piece, start in zip(cp.first_pieces(), cp.chunk_starts(), strict=True) if cp.continues(start)
+        ]
         # The rule's state entering a continuing piece: [0 | I], the tracked dependence on S_in.
         rule_state = torch.zeros(
             pieces.num_samples, self.num_v_heads, k_dim, v_dim + k_dim, dtype=dtype, device=g.device

@@ -16,6 +16,15 @@ and optional), else the PyTorch path, saying so once.
 
 Packed rows: `Segments` (gated_delta_net.py) names where each sample starts; the convolution and
 the scan start from zero state at every sample, so nothing flows from one sample into the next.
+
+Context parallel (`ContextParallelRow`, gated_delta_net.py: a row split zig-zag into 2 * cp
+chunks, two per rank): the PyTorch path passes the state between ranks. The scan is linear in its
+state, with a known dependence: each rank scans its chunks from zero state, giving per chunk the
+state leaving it B_c and, where the chunk is one piece of one sample, its total decay A_c (else
+0); the ranks all-gather every chunk's (A_c, B_c) and the convolution's last inputs, chain
+S_c = A_c S_{c-1} + B_c in row order, and add exp(l_i) S_in C_i to the outputs of a chunk's first
+piece where it continues a sample from the chunk before. The kernels instead gather the row's
+inputs (one all-gather per layer), scan it on every rank and keep their tokens.
 """
 
 from __future__ import annotations
@@ -28,7 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from primerl_trainer.models.common.gated_delta_net import Segments
+from primerl_trainer.distributed.cp_collectives import gather_sequence
+from primerl_trainer.models.common.gated_delta_net import ContextParallelRow, Segments
 from primerl_trainer.models.common.gated_delta_rule import causal_conv1d, compute_dtype
 
 logger = logging.getLogger(__name__)
@@ -211,11 +221,19 @@ class Mamba2(nn.Module):
         self.norm = GroupedGatedRMSNorm(inner, num_groups=num_groups, eps=norm_eps)
         self.out_proj = nn.Linear(inner, dim, bias=proj_bias)
 
-    def forward(self, x: torch.Tensor, segments: Segments | None = None) -> torch.Tensor:
-        """x [B, T, dim]; `segments` the samples of packed rows (None: one per row)."""
+    def forward(
+        self, x: torch.Tensor, segments: Segments | None = None, cp: ContextParallelRow | None = None
+    ) -> torch.Tensor:
+        """x [B, T, dim]; `segments` the samples of packed rows (None: one per row); `cp`: x is
+        this rank's share of one row (B = 1) and `segments` the whole row's samples."""
         inner = self.num_heads * self.head_dim
         z, xBC, dt = self.in_proj(x).split([inner, self.conv_channels, self.num_heads], dim=-1)
-        y = self.core(xBC, dt, segments)
+        if cp is not None and not self._use_kernels(x):
+            y = self.context_parallel_core(xBC, dt, cp)
+        elif cp is not None:
+            y = self.core(*cp.gather(xBC, dt), segments)[:, cp.local_positions]
+        else:
+            y = self.core(xBC, dt, segments)
         return self.out_proj(self.norm(y, z))
 
     # Left out of compiled graphs: the PyTorch scan is a Python loop over chunks.
@@ -266,6 +284,44 @@ class Mamba2(nn.Module):
         else:
             y, final = chunked_ssd(*scan_args, chunk_size=self.chunk_size, initial_state=initial_state)
         return y.flatten(-2), (conv_final, final)
+
+    @torch.compiler.disable
+    def context_parallel_core(self, xBC: torch.Tensor, dt: torch.Tensor, cp: ContextParallelRow) -> torch.Tensor:
+        """`core` of this rank's share of a row [1, t, ...], the state passed between ranks
+        (module docstring)."""
+        pieces, chunk_len = cp.pieces, cp.chunk_len
+        conv_state = cp.conv_states(xBC, self.conv1d.weight.shape[-1])
+        conv_out, _ = causal_conv1d(pieces.pad(xBC), self.conv1d.weight.squeeze(1), conv_state, bias=self.conv1d.bias)
+        x, B, C = self.split_conv_output(conv_out)
+        # Step sizes 0 after each piece's end: the padding neither decays nor writes the state.
+        real = pieces.pad(torch.ones_like(dt[..., :1]))
+        step = self.step_sizes(pieces.pad(dt)) * real
+        A = -self.A_log.to(compute_dtype(self.A_log)).exp()
+        y, final = chunked_ssd(x, step, A, B, C, self.D, chunk_size=self.chunk_size)
+        log_decay = (step * A).cumsum(dim=1)  # [pieces, L, H]
+        # Each chunk's map S_end = A_c S_in + B_c: A_c the total decay where the chunk is one
+        # piece continuing its sample (else the entering state is not its sample's), B_c its last
+        # piece's final state.
+        first, starts = cp.first_pieces(), cp.chunk_starts()
+        last = [int(pieces.padded_index[(c + 1) * chunk_len - 1]) // pieces.max_len for c in range(2)]
+        continues = [cp.continues(start) for start in starts]
+        decays = torch.stack(
+            [log_decay[first[c], -1].exp() * float(first[c] == last[c] and continues[c]) for c in range(2)]
+        )
+        maps = torch.cat([decays, final[last].flatten(1)], dim=-1).to(final.dtype)
+        maps = gather_sequence(maps, cp.group_name, cp.cp_size)
+        state, entering = torch.zeros_like(final[0]), []
+        for chunk in range(2 * cp.cp_size):
+            entering.append(state)
+            decay, written = maps[chunk].split([self.num_heads, maps.shape[-1] - self.num_heads])
+            state = decay[:, None, None] * state + written.view_as(state)
+        for c in range(2):
+            if continues[c]:
+                S_in = entering[starts[c] // chunk_len]
+                C_heads = C[first[c]].to(S_in.dtype).repeat_interleave(self.num_heads // self.num_groups, dim=-2)
+                correction = torch.einsum("hps,lhs->lhp", S_in, C_heads) * log_decay[first[c]].exp()[..., None]
+                y = y.index_add(0, torch.tensor([first[c]], device=y.device), correction[None].to(y.dtype))
+        return pieces.unpad(y.flatten(-2), 1)
 
     def _kernel_core(self, xBC: torch.Tensor, dt: torch.Tensor, segments: Segments | None) -> torch.Tensor:
         causal_conv1d_fn, mamba_chunk_scan_combined = _kernel_ops()

@@ -14,8 +14,9 @@ Mamba-2's step sizes are clamped below at `time_step_min` (transformers' `time_s
 mixer, which ignores the config's own `time_step_limit`).
 
 Layers run, take replayed experts (R3) and report routing as in Qwen3MoeModel, whose forward this
-model reuses. Packed rows restart Mamba-2's convolution and scan state at every sample. No context
-parallel: Mamba-2's state does not yet pass between ranks, so a cp group is refused.
+model reuses. Packed rows restart Mamba-2's convolution and scan state at every sample. Context
+parallel: attention as every family's; the Mamba-2 layers pass their state between the ranks
+(mamba2.py).
 """
 
 from __future__ import annotations
@@ -24,11 +25,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Self
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from primerl_trainer.models.common.gated_delta_net import Segments, segments_of
+from primerl_trainer.models.common.gated_delta_net import ContextParallelRow, Segments, segments_of
 from primerl_trainer.models.common.mamba2 import DEFAULT_CHUNK_SIZE, Mamba2, Mamba2Impl
 from primerl_trainer.models.common.norms import RMSNorm
 from primerl_trainer.models.moe import GroupedExperts, GroupedSigmoidRouting, MoE, _grouped_linear, _local
@@ -205,7 +205,7 @@ class MambaBlock(nn.Module):
         )
 
     def forward(self, x: torch.Tensor, rope: tuple, masks: LayerMasks) -> torch.Tensor:
-        return x + self.attention(self.norm(x), masks.segments)
+        return x + self.attention(self.norm(x), masks.segments, masks.cp)
 
 
 class AttentionBlock(nn.Module):
@@ -274,18 +274,6 @@ class NemotronHModel(Qwen3MoeModel):
     def build_block(self, layer_id: int) -> nn.Module:
         return BLOCKS[self.args.layer_types[layer_id]](self.args)
 
-    @property
-    def cp_group(self) -> dist.ProcessGroup | None:
-        return None
-
-    @cp_group.setter
-    def cp_group(self, group: dist.ProcessGroup | None) -> None:
-        if group is not None:
-            raise ValueError(
-                "Nemotron-H has no context parallel (its Mamba-2 state does not pass between ranks): "
-                "set parallel.cp to 1"
-            )
-
     def rope(self, position_ids: torch.Tensor, *, dtype: torch.dtype) -> tuple:
         """No positions: the attention layers take their heads as projected."""
         return ()
@@ -299,12 +287,17 @@ class NemotronHModel(Qwen3MoeModel):
         device: torch.device,
         row_layout: RowLayout | None,
     ) -> LayerMasks:
-        if row_layout is not None and row_layout.cp_size > 1:
-            raise ValueError("Nemotron-H has no context parallel: set parallel.cp to 1")
         mask = super().attention_mask(
             position_ids, batch_size=batch_size, seq_len=seq_len, device=device, row_layout=row_layout
         )
         if row_layout is None:
             return LayerMasks(mask, segments_of(position_ids))
+        # The whole row's samples (its pad tokens, after them, are samples of their own).
         docs = row_layout.document_ids[None].to(device)
-        return LayerMasks(mask, None if row_layout.single_document else Segments.of(docs))
+        if row_layout.cp_size == 1:
+            return LayerMasks(mask, None if row_layout.single_document else Segments.of(docs))
+        # super() has checked the cp group against the layout.
+        cp = ContextParallelRow(
+            self.cp_group.group_name, row_layout.cp_size, row_layout.global_positions.to(device), docs[0]
+        )
+        return LayerMasks(mask, None if bool((docs == 0).all()) else Segments.of(docs), cp)
