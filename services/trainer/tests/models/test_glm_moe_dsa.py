@@ -364,3 +364,14 @@ def test_model_on_cuda_equals_transformers(full_checkpoint: pathlib.Path) -> Non
     compiled = parallelize_glm_moe_dsa(flex, param_dtype=None, reduce_dtype=None, compile=True)
     for model in (flex, compiled):
         assert (model(input_ids.cuda(), position_ids.cuda()).logits.cpu() - logits).abs().max() <= 1e-4
+
+
+@pytest.mark.slow
+def test_expert_parallel_trains_as_one_process(tmp_path: pathlib.Path) -> None:
+    """ep=2 over 2 CPU ranks (hf_parity.assert_expert_parallel_trains_as_one_process) on the
+    maker's GLM-5 at a narrow width."""
+    from primerl_launcher.tiny_model import TinyGlmMoeDsaSpec
+
+    spec = TinyGlmMoeDsaSpec(hidden_size=64, num_hidden_layers=3, intermediate_size=128, moe_intermediate_size=32)
+    path = make_tiny_model(tmp_path / "glm5", family="glm-moe-dsa", spec=spec)
+    hf_parity.assert_expert_parallel_trains_as_one_process(path, tmp_path, num_routers=2)

@@ -537,7 +537,6 @@ class TinyGlmMoeDsaSpec(TinyMoeSpec):
     index_topk: int = 16
     index_head_dim: int = 64
     index_n_heads: int = 4
-    indexer_types: tuple[str, ...] = ("full", "shared", "full", "shared")
     n_group: int = 2
     topk_group: int = 1
     n_shared_experts: int = 1
@@ -554,7 +553,8 @@ class TinyGlmMoeDsaSpec(TinyMoeSpec):
             "index_topk": self.index_topk,
             "index_head_dim": self.index_head_dim,
             "index_n_heads": self.index_n_heads,
-            "indexer_types": list(self.indexer_types),
+            # Full and shared indexer layers alternating, the first full.
+            "indexer_types": ["full" if i % 2 == 0 else "shared" for i in range(self.num_hidden_layers)],
             "attention_bias": False,
             "norm_topk_prob": True,
             "n_group": self.n_group,
