@@ -1,5 +1,7 @@
 """Which engine module a weight loads into, for HF and vLLM kernel-format tensor names
-(Qwen3, Qwen3-MoE). vLLM rebuilds a module from all of its tensors: q/k/v_proj make one
+(named as Qwen3 and Qwen3-MoE name them; for other families the groups are at least as
+large as vLLM's modules, and the replica finds the modules it has: see
+primerl_inference.worker_extension). vLLM rebuilds a module from all of its tensors: q/k/v_proj make one
 qkv_proj, gate/up_proj one gate_up_proj, every expert of a layer (w13 and w2) one experts
 module, and a weight goes with its `_scale_inv`. So a delta update carries whole modules:
 the weight broadcaster groups changed tensors by this, and a replica checks it."""
