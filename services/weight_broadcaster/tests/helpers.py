@@ -42,6 +42,7 @@ async def publish(
     stub: weight_broadcaster_pb2_grpc.WeightBroadcasterServiceStub,
     policy_version: int,
     tensors: dict[str, torch.Tensor],
+    model_type: str = "",
 ) -> pb2.PublishWeightsResponse:
     async def requests():
         yield pb2.PublishWeightsRequest(
@@ -50,6 +51,7 @@ async def publish(
                 kind=pb2.PUBLISH_KIND_FULL,
                 num_tensors=len(tensors),
                 num_bytes=sum(t.numel() * t.element_size() for t in tensors.values()),
+                model_type=model_type,
             )
         )
         for chunk in iter_tensor_chunks(tensors.items(), chunk_bytes=1024):

@@ -297,11 +297,14 @@ def test_unknown_families_are_refused_for_kernel_formats_only():
         convert(hf, KERNEL, "llama4")
 
 
-def test_the_publisher_s_model_type_decides_the_kernel_layout_and_survives_a_spill(tmp_path):
+async def test_the_publish_s_model_type_decides_the_kernel_layout_and_survives_a_restart(tmp_path):
     from primerl_weight_broadcaster.spill import SpillFolder
 
-    store = WeightStore(SpillFolder(tmp_path))
-    store.publish(1, family_layer("gpt_oss"), "gpt_oss")
+    from .helpers import publish, running_broadcaster
+
+    async with running_broadcaster(store={"spill_folder": str(tmp_path)}) as stub:
+        await publish(stub, 1, family_layer("gpt_oss"), model_type="gpt_oss")
     restarted = WeightStore(SpillFolder(tmp_path))
     assert restarted.latest.model_type == "gpt_oss"
-    assert "model.embedding.weight" in convert(restarted.latest.tensors, KERNEL, restarted.latest.model_type).tensors
+    kernel = await restarted.in_format(restarted.latest, KERNEL)
+    assert "model.embedding.weight" in kernel.tensors and kernel.model_type == "gpt_oss"
