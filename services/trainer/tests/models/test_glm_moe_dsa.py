@@ -274,6 +274,7 @@ def test_multi_token_prediction_layers_are_dropped(full_checkpoint: pathlib.Path
         ({"indexer_types": ["shared", "full", "full"]}, r"indexer_types must name"),
         ({"mlp_layer_types": ["dense"] * NUM_LAYERS}, r"mlp_layer_types must name"),
         ({"n_group": 3}, r"n_group \(3\) must be positive and divide the experts"),
+        ({"quantization_config": {"quant_method": "fp8"}}, r"quantization_config"),
     ],
 )
 def test_bad_configs_are_refused(full_checkpoint: pathlib.Path, change: dict, match: str) -> None:

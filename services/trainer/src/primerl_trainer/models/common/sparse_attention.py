@@ -7,7 +7,9 @@ the first `rope_dim` dims of both rotated (interleaved, as MLA's); per head relu
 head_dim^-0.5, summed over heads with per-token weights weights_proj(x) * H^-0.5, all in float32.
 Keys outside the query's sample or in its future score -inf; the top-k by score are selected (all
 of the visible ones when fewer). The selection has no gradient (transformers computes it under
-no_grad; DeepSeek trains the indexer by a separate objective that RL does not use).
+no_grad; DeepSeek trains the indexer by a separate objective that RL does not use). Queries are
+scored in chunks (`_SCORES_PER_CHUNK`), so that the per-head scores never hold [B, T, H, T] at
+once; the indexer runs eagerly under torch.compile.
 
 A selection (`TokenSelection`) is kept as the boolean mask [B, T, T] of the keys each query
 attends to (visible and selected), and reported as the selected keys' positions within the
@@ -18,8 +20,9 @@ sampler attended to, as router replay does for experts.
 Backends: "sdpa" takes the mask as a dense boolean mask (O(T^2), the CPU reference); "flex"
 builds a BlockMask whose mask_mod reads it. Selected keys are scattered over the whole sample,
 so few blocks are skipped beyond causality: the gain over sdpa on GPUs is the fused kernel, not
-sparsity. The [B, T, T] masks (one per indexer layer, plus the visibility mask) cost T^2 bytes
-each: 256 MiB per layer at 16k tokens.
+sparsity. The [B, T, T] masks (one per full indexer layer, plus the visibility mask) cost T^2
+bytes each: 256 MiB per layer at 16k tokens. (A kernel that gathers the selected keys, as
+DeepSeek's FlashMLA sparse kernels do, is what would make the attention itself sparse.)
 """
 
 from __future__ import annotations

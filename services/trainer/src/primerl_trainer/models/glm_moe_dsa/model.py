@@ -121,6 +121,7 @@ def check_supported_glm_moe_dsa_config(config: dict[str, Any]) -> None:
         )
         != num_heads,
         "n_routed_experts <= 0": config.get("n_routed_experts", 0) <= 0,
+        "quantization_config (the hub's FP8 checkpoints)": bool(config.get("quantization_config")),
         f"layer_types other than 'indexed_attention': {config.get('layer_types')}": bool(
             set(config.get("layer_types") or ()) - {"indexed_attention"}
         ),
