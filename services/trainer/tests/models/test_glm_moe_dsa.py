@@ -376,3 +376,26 @@ def test_expert_parallel_trains_as_one_process(tmp_path: pathlib.Path) -> None:
     spec = TinyGlmMoeDsaSpec(hidden_size=64, num_hidden_layers=3, intermediate_size=128, moe_intermediate_size=32)
     path = make_tiny_model(tmp_path / "glm5", family="glm-moe-dsa", spec=spec)
     hf_parity.assert_expert_parallel_trains_as_one_process(path, tmp_path, num_routers=2)
+
+
+def test_activation_checkpointing_gives_the_same_gradients(full_checkpoint: pathlib.Path) -> None:
+    """The blocks recomputed in the backward (their selections included) give the plain gradients."""
+    from primerl_trainer.models.glm_moe_dsa.parallelize import parallelize_glm_moe_dsa
+
+    _, input_ids, position_ids = packed_inputs([9, 7], seed=6)
+    input_ids = input_ids % VOCAB_SIZE
+    grads = []
+    for checkpointing in (False, True):
+        model = load_model(full_checkpoint, impl="custom")
+        parallelize_glm_moe_dsa(model, activation_checkpointing=checkpointing)
+        model(input_ids, position_ids).logits.pow(2).mean().backward()
+        grads.append(
+            {
+                name.replace("._checkpoint_wrapped_module", ""): p.grad
+                for name, p in model.named_parameters()
+                if p.requires_grad
+            }
+        )
+    assert grads[0].keys() == grads[1].keys()
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, rtol=1e-5, atol=1e-7, msg=name)
