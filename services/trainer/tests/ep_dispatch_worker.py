@@ -1,7 +1,8 @@
 """Run by test_expert_parallel.py under torchrun (2 ranks, gloo): one MoE layer's dispatch in bf16,
-float32 and float64, with an odd row width (the packed buffer's padding column), packed and
-unpacked (DispatchOptions.packed): outputs and gradients must be bitwise equal, since packing only
-moves the routing's bits in another exchange.
+float32 and float64, with an odd row width (the packed buffer's padding column), packed,
+unpacked and packed with fixed splits (DispatchOptions): outputs and gradients must be bitwise
+equal, since the options only move the same bits in other exchanges (the fixed splits' padding
+rows add no copies and are left out of every sum).
 
     torchrun --standalone --nproc-per-node 2 ep_dispatch_worker.py
 """
@@ -32,18 +33,21 @@ def main() -> None:
             )
 
         results = []
-        for packed in (True, False):
+        for packed, fixed_splits in ((True, False), (False, False), (True, True)):
             x_in = x.to(dtype).clone().requires_grad_()
             scores_in = scores.to(dtype).clone().requires_grad_()
             dispatcher = AllToAllDispatcher(
-                dist.group.WORLD, num_experts=NUM_EXPERTS, options=DispatchOptions(packed=packed)
+                dist.group.WORLD,
+                num_experts=NUM_EXPERTS,
+                options=DispatchOptions(packed=packed, fixed_splits=fixed_splits),
             )
             out, _ = dispatcher(x_in, scores_in, ids, experts)
             (out.double() * torch.arange(DIM, dtype=torch.float64)).sum().backward()
             results.append((out.detach(), x_in.grad, scores_in.grad))
-        for name, got, wanted in zip(("output", "x grad", "scores grad"), *results, strict=True):
-            assert got.abs().sum() > 0, (dtype, name)
-            assert torch.equal(got, wanted), (dtype, name, (got - wanted).abs().max())
+        for other in results[1:]:
+            for name, got, wanted in zip(("output", "x grad", "scores grad"), other, results[0], strict=True):
+                assert got.abs().sum() > 0, (dtype, name)
+                assert torch.equal(got, wanted), (dtype, name, (got - wanted).abs().max())
     dist.destroy_process_group()
 
 

@@ -9,7 +9,7 @@ and expert choice with replayed experts, then a third step with router replay. W
 the batches file, the checkpoint of step 2 is then loaded into the model sharded by plain FSDP over
 the same ranks (ep 1), which trains the third step again; with "lora", a LoRA model (experts
 adapted) trains the first batch under the same mesh and is published, merged and as an adapter.
-"packed" False: the dispatch sends the routing in an all-to-all of its own (DispatchOptions).
+"dispatch": DispatchOptions fields for every MoE layer's dispatcher.
 """
 
 import pathlib
@@ -77,7 +77,7 @@ def main(model_dir: pathlib.Path, batches_file: pathlib.Path, out_dir: pathlib.P
     trainer.accumulate_unsharded = data.get("accumulate_unsharded", False)
     for module in trainer.model.modules():
         if isinstance(module, MoE):
-            module.dispatcher.options = DispatchOptions(packed=data.get("packed", True))
+            module.dispatcher.options = DispatchOptions(**data.get("dispatch", {}))
     checkpointer = Checkpointer(out_dir / "checkpoints", interval=2)
     metrics = []
     for batch in batches[:2]:

@@ -188,8 +188,9 @@ def _run_workers(
 
 
 def test_packed_dispatch_equals_the_unpacked_one_bitwise() -> None:
-    """The routing in the rows' all-to-all (bf16 rows carry float32 bits) gives the same outputs
-    and gradients as in an all-to-all of its own (ep_dispatch_worker.py, 2 ranks over gloo)."""
+    """The routing in the rows' all-to-all (bf16 rows carry float32 bits), and with fixed splits
+    (padding rows), gives the same outputs and gradients as in an all-to-all of its own
+    (ep_dispatch_worker.py, 2 ranks over gloo)."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     result = subprocess.run(
         [*command, str(HERE / "ep_dispatch_worker.py")],
@@ -232,25 +233,25 @@ def _assert_matches_one_process(result: dict, reference: dict, probe_routed_expe
 
 
 @pytest.mark.parametrize(
-    ("device_type", "accumulate_unsharded", "packed"),
-    [("cpu", False, True), ("cpu", True, False), pytest.param("cuda", False, True, marks=pytest.mark.gpu)],
+    ("device_type", "accumulate_unsharded", "dispatch"),
+    [("cpu", False, {}), ("cpu", True, {"packed": False}), pytest.param("cuda", False, {}, marks=pytest.mark.gpu)],
 )
 def test_ep2_trains_as_one_process_and_its_checkpoint_resumes_under_fsdp2(
     device_type: str,
     accumulate_unsharded: bool,
-    packed: bool,
+    dispatch: dict,
     moe_dir: pathlib.Path,
     ep_data: tuple[pathlib.Path, dict],
     tmp_path: pathlib.Path,
 ) -> None:
     """accumulate_unsharded: the FSDP units sharded over the 2 ranks stay gathered through each
-    rank's 2 micro-batches and reduce once per step. packed: the routing rides in the rows'
-    all-to-all (DispatchOptions.packed; else an all-to-all of its own)."""
+    rank's 2 micro-batches and reduce once per step. dispatch: DispatchOptions fields (packed
+    False: the routing in an all-to-all of its own)."""
     if device_type == "cuda" and torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     batches, data = ep_data
     data_file = tmp_path / "batches.pt"
-    options = {"resume": True, "accumulate_unsharded": accumulate_unsharded, "packed": packed}
+    options = {"resume": True, "accumulate_unsharded": accumulate_unsharded, "dispatch": dispatch}
     torch.save(torch.load(batches) | options, data_file)
     result = _run_workers(moe_dir, data_file, tmp_path, nproc=2, ep=2, device_type=device_type)
     _assert_matches_one_process(result, data["reference"], data["probe_routed_experts"])
