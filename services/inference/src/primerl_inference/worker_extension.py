@@ -110,8 +110,8 @@ class WorkerExtension(RoutedExpertsWorkerExtension):
             for module in touched:
                 initialize_layerwise_reload(module)
             if weight_format == "hf":
-                stacked, others = _split_stacked_experts(model, weights)
-                for name, tensor in stacked:
+                direct, others = _split_direct_loads(model, weights)
+                for name, tensor in direct:
                     _load_kernel_tensor(model, name, tensor)
                 model.load_weights(iter(others))
             else:
@@ -151,7 +151,7 @@ def _one_thread() -> Iterator[None]:
 _COPIES_INTO_PARAMETERS = {"GptOssForCausalLM"}
 
 
-def _split_stacked_experts(
+def _split_direct_loads(
     model: torch.nn.Module, weights: list[tuple[str, torch.Tensor]]
 ) -> tuple[list[tuple[str, torch.Tensor]], list[tuple[str, torch.Tensor]]]:
     """(kernel-format tensors to load through their parameters' weight loaders, HF tensors
@@ -202,7 +202,9 @@ def _engine_submodules(
         tensors_of[engine_module(name)].append(name)
     found: dict[int, torch.nn.Module] = {}
     for name in modules:
-        module = existing(name) or existing(mapped(f"{name}.").removesuffix("."))
+        module = existing(name)
+        if module is None:
+            module = existing(mapped(f"{name}.").removesuffix("."))
         parents = [existing(mapped(tensor).rpartition(".")[0]) for tensor in tensors_of[name]]
         if module is not None:
             candidates = [module]
