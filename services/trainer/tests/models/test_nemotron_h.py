@@ -2,8 +2,8 @@
 checkpoint with every kind of layer (float32): logits and router choices on rows longer than a
 Mamba chunk, packed rows against the samples run alone, router replay, the gradients of one loss,
 the HF state-dict round trip; Mamba-2's forms (chunked against recurrent, states carried over a
-split); refused configs and context parallel; the tiny-model maker's `nemotron-h` family, one RL
-step with and without LoRA, LoRA on the Mamba projections.
+split); refused configs; the tiny-model maker's `nemotron-h` family, one RL step with and without
+LoRA, LoRA on the Mamba projections; context parallel over 2 CPU ranks.
 
 transformers runs its PyTorch path on the CPU (no mamba-ssm or causal-conv1d here); that path
 ignores sample boundaries in packed rows (its convolution and scan run across them), so packed
@@ -231,15 +231,6 @@ def test_hub_pattern_and_aliases_are_read(checkpoint: pathlib.Path) -> None:
     assert NemotronHModelArgs.from_hf_config(hub) == args
 
 
-def test_context_parallel_is_refused(models: tuple) -> None:
-    own, _ = models
-    with pytest.raises(ValueError, match=r"parallel\.cp"):
-        own.cp_group = object()
-    position_ids = torch.arange(8)[None]
-    with pytest.raises(ValueError, match=r"parallel\.cp"):
-        own(random_ids(1, 4), row_layout=RowLayout.of(position_ids[0], cp_rank=0, cp_size=2))
-
-
 # Mamba-2's own forms.
 
 
@@ -350,3 +341,18 @@ def test_lora_adapts_the_mamba_projections(tiny_checkpoint: pathlib.Path) -> Non
     layer = f"base_model.model.backbone.layers.{mamba_layers[0]}.mixer"
     assert adapter[f"{layer}.in_proj.lora_B.weight"].shape == (mamba.in_proj.out_features, 4)
     assert adapter[f"{layer}.out_proj.lora_A.weight"].shape == (4, mamba.num_heads * mamba.head_dim)
+
+
+@pytest.mark.slow
+def test_context_parallel_trains_as_one_process(tmp_path: pathlib.Path) -> None:
+    """cp=2 over 2 CPU ranks (hf_parity.assert_context_parallel_trains_as_one_process: packed rows,
+    a one-sample row, a row shorter than 2 * cp, replayed routing): the Mamba-2 layers pass their
+    scan and convolution states between the ranks, the attention gathers keys and values. Chunks
+    of 4 tokens, so that the scan's own chunks cross the ranks' too. ~50-80 s here (torchrun)."""
+    spec = TinyNemotronHSpec(
+        hybrid_override_pattern="M*E", hidden_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+        intermediate_size=64, moe_intermediate_size=32, moe_shared_expert_intermediate_size=32, mamba_num_heads=4,
+        mamba_head_dim=16, chunk_size=4,
+    )  # fmt: skip
+    model_dir = make_tiny_model(tmp_path / "cp-nemotron-h", family="nemotron-h", spec=spec)
+    hf_parity.assert_context_parallel_trains_as_one_process(model_dir, tmp_path)

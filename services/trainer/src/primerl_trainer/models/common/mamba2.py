@@ -315,12 +315,13 @@ class Mamba2(nn.Module):
             entering.append(state)
             decay, written = maps[chunk].split([self.num_heads, maps.shape[-1] - self.num_heads])
             state = decay[:, None, None] * state + written.view_as(state)
+        # Corrected in both chunks even where the chunk starts a sample (by a zero state): every
+        # rank's backward then takes part in the gather's.
         for c in range(2):
-            if continues[c]:
-                S_in = entering[starts[c] // chunk_len]
-                C_heads = C[first[c]].to(S_in.dtype).repeat_interleave(self.num_heads // self.num_groups, dim=-2)
-                correction = torch.einsum("hps,lhs->lhp", S_in, C_heads) * log_decay[first[c]].exp()[..., None]
-                y = y.index_add(0, torch.tensor([first[c]], device=y.device), correction[None].to(y.dtype))
+            S_in = entering[starts[c] // chunk_len] * float(continues[c])
+            C_heads = C[first[c]].to(S_in.dtype).repeat_interleave(self.num_heads // self.num_groups, dim=-2)
+            correction = torch.einsum("hps,lhs->lhp", S_in, C_heads) * log_decay[first[c]].exp()[..., None]
+            y = y.index_add(0, torch.tensor([first[c]], device=y.device), correction[None].to(y.dtype))
         return pieces.unpad(y.flatten(-2), 1)
 
     def _kernel_core(self, xBC: torch.Tensor, dt: torch.Tensor, segments: Segments | None) -> torch.Tensor:
