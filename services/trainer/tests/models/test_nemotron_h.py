@@ -356,3 +356,37 @@ def test_context_parallel_trains_as_one_process(tmp_path: pathlib.Path) -> None:
     )  # fmt: skip
     model_dir = make_tiny_model(tmp_path / "cp-nemotron-h", family="nemotron-h", spec=spec)
     hf_parity.assert_context_parallel_trains_as_one_process(model_dir, tmp_path)
+
+
+@pytest.mark.slow
+def test_expert_parallel_trains_as_one_process(tiny_checkpoint: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    """ep=2 over 2 CPU ranks (hf_parity.assert_expert_parallel_trains_as_one_process): the
+    non-gated experts split over the ranks beside the Mamba-2, attention and dense layers; the two
+    routers' correction biases come back unchanged."""
+    hf_parity.assert_expert_parallel_trains_as_one_process(tiny_checkpoint, tmp_path, num_routers=2)
+
+
+@pytest.mark.gpu
+@torch.no_grad()
+def test_model_on_cuda_equals_transformers(tiny_checkpoint: pathlib.Path) -> None:
+    """float32 on CUDA, packed rows, against transformers' runs of each sample on the CPU: the
+    PyTorch path within the CPU's bound, mamba-ssm's and causal-conv1d's kernels (when both import)
+    within TF32's."""
+    own = load_model(tiny_checkpoint, impl="custom", dtype=torch.float32, device="cuda")
+    samples, input_ids, position_ids = packed_inputs([6, 1, 90, 13], seed=8)
+    hf = reference(tiny_checkpoint)
+    expected = torch.cat([reference_forward(hf, sample)[0] for sample in samples], dim=1)
+    impls = {"torch": LOGIT_TOLERANCE}
+    try:
+        import causal_conv1d  # noqa: F401
+        import mamba_ssm  # noqa: F401
+
+        impls["kernels"] = 5e-3
+    except ImportError:
+        pass
+    for impl, tolerance in impls.items():
+        for module in own.modules():
+            if isinstance(module, Mamba2):
+                module.impl = impl
+        logits = own(input_ids.cuda(), position_ids.cuda()).logits.cpu()
+        assert (logits - expected).abs().max() <= tolerance, impl
