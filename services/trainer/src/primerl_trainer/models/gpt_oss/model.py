@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from primerl_trainer.kernels.gather import accumulation_dtype
 from primerl_trainer.models.common.attention import AttentionMask, attention
 from primerl_trainer.models.common.rope import RopeParameters
 from primerl_trainer.models.moe import GroupedExperts, MoE, _grouped_linear, _local
@@ -158,10 +159,15 @@ class GptOssExperts(GroupedExperts):
             # The expert of each row, for its biases (rows past the last offset do not occur).
             rows = torch.arange(x_ND.shape[0], device=x_ND.device, dtype=offsets_E.dtype)
             expert_N = torch.searchsorted(offsets_E, rows, right=True).clamp(max=w13.shape[0] - 1)
-            gate_up = _grouped_linear(x_ND, w13, offsets_E) + b13[expert_N]
+            # The biases are gathered in float32 (at least): the gather's backward sums each
+            # expert's rows into its bias gradient by scatter-add, which in bf16 rounds at every
+            # row (eager on the CPU; compiled, atomics on CUDA): several times the error of the
+            # bias gradient F.linear sums in float32.
+            dtype = accumulation_dtype(x_ND)
+            gate_up = (_grouped_linear(x_ND, w13, offsets_E) + b13.to(dtype)[expert_N]).to(x_ND.dtype)
             gate, up = gate_up.chunk(2, dim=-1)
             hidden = clamped_swiglu(gate, up, alpha=self.alpha, limit=self.limit)
-            return _grouped_linear(hidden, w2, offsets_E) + b2[expert_N]
+            return (_grouped_linear(hidden, w2, offsets_E) + b2.to(dtype)[expert_N]).to(x_ND.dtype)
         sizes = torch.diff(offsets_E, prepend=offsets_E.new_zeros(1)).tolist()
         outs = []
         for expert, x in enumerate(torch.split(x_ND, sizes)):
