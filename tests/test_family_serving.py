@@ -29,7 +29,7 @@ import torch
 from safetensors.torch import load_file
 
 from primerl.common.v1 import tensor_pb2
-from primerl_launcher.tiny_model import FAMILIES, make_tiny_model, save_tokenizer
+from primerl_launcher.tiny_model import FAMILIES, make_tiny_model
 from primerl_weight_broadcaster.formats import convert
 from services.inference.tests.serving import assert_update_matches_a_fresh_engine, running_service
 from tests.test_trainer_inference_parity import assert_trainer_logprobs_equal_vllm, sample_rollouts
@@ -43,55 +43,13 @@ SERVED = ("glm4_moe", "gpt_oss", "afmoe")
 TOLERANCE = 1e-4
 _PARAMETER_TABLE = pathlib.Path(__file__).with_name("vllm_parameter_table.py")
 
-# Until the tiny-model maker has these families: transformers' config of the family at a tiny
-# shape, plus the fields of the hub's config.json that vLLM reads and transformers' class lacks.
-_TINY = {
-    "vocab_size": 320,
-    "hidden_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 32,
-    "max_position_embeddings": 512,
-    "initializer_range": 0.1,
-    "num_experts": 4,
-    "num_experts_per_tok": 2,
-    "moe_intermediate_size": 64,
-    "intermediate_size": 256,
-    "sliding_window": 16,
-    "tie_word_embeddings": False,
-}
-_FAMILY_FIELDS = {
-    "afmoe": {
-        "num_shared_experts": 1,
-        "num_dense_layers": 1,
-        "global_attn_every_n_layers": 2,
-        "score_func": "sigmoid",
-        "route_norm": True,
-        "n_group": 1,
-        "topk_group": 1,
-    },
-    "laguna": {"shared_expert_intermediate_size": 64},
-}
-
 
 def tiny_checkpoint(root: pathlib.Path, model_type: str) -> pathlib.Path:
     family = model_type.replace("_", "-")
-    if family in FAMILIES:
-        spec = FAMILIES[family]
-        if model_type == "gpt_oss":  # vLLM's GptOssForCausalLM fixes its RMSNorm eps at the hub's 1e-5
-            spec = dataclasses.replace(spec, rms_norm_eps=1e-5)
-        return make_tiny_model(root / family, family=family, spec=spec)
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    out = root / family
-    if not (out / "config.json").is_file():
-        config = AutoConfig.for_model(model_type, **_TINY, **_FAMILY_FIELDS[model_type], dtype="float32")
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(0)
-            AutoModelForCausalLM.from_config(config).save_pretrained(out)
-        save_tokenizer(out)
-    return out
+    spec = FAMILIES[family]
+    if model_type == "gpt_oss":  # vLLM's GptOssForCausalLM fixes its RMSNorm eps at the hub's 1e-5
+        spec = dataclasses.replace(spec, rms_norm_eps=1e-5)
+    return make_tiny_model(root / family, family=family, spec=spec)
 
 
 def hf_tensors(model_dir: pathlib.Path) -> dict[str, torch.Tensor]:
