@@ -6,8 +6,12 @@ transformers, refused configs, the tiny maker's checkpoint, one RL step of the t
 without LoRA, expert and context parallel over 2 CPU ranks). Each family's test module keeps its
 checkpoints and its particulars (variants, expected fields, error messages)."""
 
+import os
 import pathlib
+import subprocess
+import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -30,9 +34,6 @@ from .conftest import packed_inputs
 TOLERANCE = 1e-5
 # Every LoRA target: attention, dense and shared-expert projections, routed experts.
 LORA_TARGETS = ["q", "k", "v", "o", "g", "gate", "up", "down", "experts"]
-# A random checkpoint the training helpers can run: they sample byte tokens (the tiny tokenizer's
-# vocabulary); weights at the usual scale, so that a few Adam steps stay in float32's comfortable range.
-TRAINABLE = {"vocab_size": TINY_VOCAB_SIZE, "initializer_range": 0.02}
 
 
 def save_random_checkpoint(
@@ -345,18 +346,9 @@ def assert_context_parallel_trains_as_one_process(
     logprobs ~1e-6 apart after two steps, weights ~2e-7); a wrong split moves them by ~0.1."""
     from .. import test_context_parallel as cp_test
 
-    (tmp_path / "data").mkdir()
-    (tmp_path / "cp").mkdir()
-    data, reference = cp_test._cp_data(model_dir, tmp_path / "data", replay=True, dtype=torch.float64)
+    data, reference = _context_parallel_inputs(model_dir, tmp_path)
     result = cp_test._run_workers(model_dir, data, tmp_path / "cp", nproc=2, cp=2, dtype=torch.float64)
-    # The routers' correction biases (buffers, not in the reference's parameters) come back unchanged.
-    for name, buffer in load_model(model_dir).named_buffers():
-        if name.endswith("e_score_correction_bias"):
-            for tensors in (result["weights"], result["published"]):
-                assert torch.equal(tensors.pop(name), buffer.to(torch.float64)), name
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setitem(cp_test.TOLERANCES, torch.float64, tolerances)
-        cp_test._assert_matches_one_process(result, reference, torch.float64)
+    _assert_context_parallel_matches(result, reference, model_dir, tolerances)
 
 
 def assert_expert_parallel_trains_as_one_process(
@@ -365,13 +357,88 @@ def assert_expert_parallel_trains_as_one_process(
     """ep=2 on the CPU (gloo, torchrun), as test_expert_parallel runs Qwen3-MoE: same losses,
     replayed logprobs, updated and published weights, LoRA step and resume under FSDP2 as one
     process. The `num_routers` routers' correction biases (buffers) come back unchanged."""
-    from ..test_expert_parallel import _assert_matches_one_process, _run_workers, make_ep_data
+    from ..test_expert_parallel import _run_workers
 
-    batches, data = make_ep_data(model_dir, tmp_path)
+    batches, data = _expert_parallel_inputs(model_dir, tmp_path)
+    result = _run_workers(model_dir, batches, tmp_path / "out", nproc=2, ep=2)
+    _assert_expert_parallel_matches(result, data, model_dir, num_routers)
+
+
+@dataclass(frozen=True)
+class ParallelRuns:
+    """A family's ep=2 and cp=2 runs (run_expert_and_context_parallel) and their one-process
+    references, for assert_expert_parallel_matches and assert_context_parallel_matches."""
+
+    model_dir: pathlib.Path
+    ep_result: dict
+    ep_data: dict
+    cp_result: dict
+    cp_reference: dict
+
+
+def run_expert_and_context_parallel(model_dir: pathlib.Path, root: pathlib.Path) -> ParallelRuns:
+    """What assert_expert_parallel_trains_as_one_process and
+    assert_context_parallel_trains_as_one_process run on `model_dir`, with both runs in one
+    torchrun launch of 2 CPU ranks (parallel_worker.py: the ep run, then the cp run)."""
+    ep_root, cp_root = root / "ep", root / "cp"
+    ep_root.mkdir()
+    cp_root.mkdir()
+    batches, ep_data = _expert_parallel_inputs(model_dir, ep_root)
+    cp_data, cp_reference = _context_parallel_inputs(model_dir, cp_root)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    worker = pathlib.Path(__file__).with_name("parallel_worker.py")
+    paths = [model_dir, batches, ep_root / "out", cp_data, cp_root / "cp"]
+    # Hiding the GPUs makes the workers take gloo on the CPU.
+    env = os.environ | {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [*command, str(worker), *map(str, paths)], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert result.returncode == 0, (result.stdout + result.stderr)[-5000:]
+    return ParallelRuns(
+        model_dir=model_dir,
+        ep_result=torch.load(ep_root / "out" / "result.pt"),
+        ep_data=ep_data,
+        cp_result=torch.load(cp_root / "cp" / "result.pt"),
+        cp_reference=cp_reference,
+    )
+
+
+def parallel_runs_fixture(family: str, checkpoint_fixture: str):
+    """A family module's `parallel_runs` fixture (module scope): run_expert_and_context_parallel
+    on the checkpoint of the fixture named `checkpoint_fixture`, once for the module's ep and cp
+    tests (each checks its half)."""
+
+    def parallel_runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> ParallelRuns:
+        model_dir = request.getfixturevalue(checkpoint_fixture)
+        return run_expert_and_context_parallel(model_dir, tmp_path_factory.mktemp(f"parallel-{family}"))
+
+    return pytest.fixture(parallel_runs, scope="module", name="parallel_runs")
+
+
+def assert_expert_parallel_matches(runs: ParallelRuns, *, num_routers: int) -> None:
+    """The ep half of `runs`, held as assert_expert_parallel_trains_as_one_process holds its run."""
+    _assert_expert_parallel_matches(runs.ep_result, runs.ep_data, runs.model_dir, num_routers)
+
+
+def assert_context_parallel_matches(runs: ParallelRuns, *, tolerances: tuple[float, float] = (1e-5, 1e-5)) -> None:
+    """The cp half of `runs`, held as assert_context_parallel_trains_as_one_process holds its run."""
+    _assert_context_parallel_matches(runs.cp_result, runs.cp_reference, runs.model_dir, tolerances)
+
+
+def _expert_parallel_inputs(model_dir: pathlib.Path, root: pathlib.Path) -> tuple[pathlib.Path, dict]:
+    """test_expert_parallel's batches (resumed under plain FSDP after the ep run) and reference."""
+    from ..test_expert_parallel import make_ep_data
+
+    batches, data = make_ep_data(model_dir, root)
     torch.save(torch.load(batches) | {"resume": True}, batches)
-    out = tmp_path / "out"
-    out.mkdir()
-    result = _run_workers(model_dir, batches, out, nproc=2, ep=2)
+    (root / "out").mkdir()
+    return batches, data
+
+
+def _assert_expert_parallel_matches(result: dict, data: dict, model_dir: pathlib.Path, num_routers: int) -> None:
+    from ..test_expert_parallel import _assert_matches_one_process
+
+    result = result | {"weights": dict(result["weights"]), "published": dict(result["published"])}
     biases = {k: v for k, v in load_model(model_dir).state_dict().items() if k.endswith("e_score_correction_bias")}
     assert len(biases) == num_routers
     for name, bias in biases.items():
@@ -380,3 +447,28 @@ def assert_expert_parallel_trains_as_one_process(
     for key in ("loss", "grad_norm", "entropy"):
         wanted = data["reference"]["metrics"][2][key]
         assert result["resumed_metrics"][key] == pytest.approx(wanted, rel=1e-5, abs=1e-5), key
+
+
+def _context_parallel_inputs(model_dir: pathlib.Path, root: pathlib.Path) -> tuple[pathlib.Path, dict]:
+    """test_context_parallel's batches with replayed routing and the float64 reference."""
+    from .. import test_context_parallel as cp_test
+
+    (root / "data").mkdir()
+    (root / "cp").mkdir()
+    return cp_test._cp_data(model_dir, root / "data", replay=True, dtype=torch.float64)
+
+
+def _assert_context_parallel_matches(
+    result: dict, reference: dict, model_dir: pathlib.Path, tolerances: tuple[float, float]
+) -> None:
+    from .. import test_context_parallel as cp_test
+
+    result = result | {"weights": dict(result["weights"]), "published": dict(result["published"])}
+    # The routers' correction biases (buffers, not in the reference's parameters) come back unchanged.
+    for name, buffer in load_model(model_dir).named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            for tensors in (result["weights"], result["published"]):
+                assert torch.equal(tensors.pop(name), buffer.to(torch.float64)), name
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(cp_test.TOLERANCES, torch.float64, tolerances)
+        cp_test._assert_matches_one_process(result, reference, torch.float64)

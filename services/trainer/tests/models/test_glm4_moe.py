@@ -1,7 +1,7 @@
 """Own GLM-4.5 (`glm4_moe`) against transformers' Glm4MoeForCausalLM on tiny random checkpoints
 (float32): logits and router choices, packed rows, router replay, the gradient of one loss,
 the HF state-dict round trip and the Hugging Face export; and the tiny-model maker's
-`glm4-moe` family; expert parallel over 2 CPU ranks."""
+`glm4-moe` family; the RL step; expert and context parallel over 2 CPU ranks."""
 
 import pathlib
 
@@ -177,9 +177,14 @@ def narrow_tiny_path(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     return make_tiny_model(tmp_path_factory.mktemp("narrow-glm4-moe") / "glm", family="glm4-moe", spec=spec)
 
 
-def test_expert_parallel_trains_as_one_process(narrow_tiny_path: pathlib.Path, tmp_path: pathlib.Path) -> None:
-    """ep=2 over 2 CPU ranks (hf_parity.assert_expert_parallel_trains_as_one_process)."""
-    hf_parity.assert_expert_parallel_trains_as_one_process(narrow_tiny_path, tmp_path, num_routers=2)
+# ep=2 and cp=2 over 2 CPU ranks on the narrow checkpoint, in one launch (hf_parity.run_expert_and_context_parallel).
+parallel_runs = hf_parity.parallel_runs_fixture("glm4-moe", "narrow_tiny_path")
+
+
+def test_expert_parallel_trains_as_one_process(parallel_runs: hf_parity.ParallelRuns) -> None:
+    """Losses, replay, LoRA and resume under FSDP2 as one process; the 2 routers' correction
+    biases unchanged."""
+    hf_parity.assert_expert_parallel_matches(parallel_runs, num_routers=2)
 
 
 @pytest.fixture(scope="module")
@@ -189,10 +194,10 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_one_rl_step_changes_the_loss(tiny_checkpoint: pathlib.Path, lora: bool) -> None:
+def test_one_rl_step_changes_the_loss(narrow_tiny_path: pathlib.Path, lora: bool) -> None:
     """hf_parity.assert_rl_step_changes_loss; with LoRA the shared experts' and the dense layer's
     projections are adapted too."""
-    hf_parity.assert_rl_step_changes_loss(tiny_checkpoint, lora=lora)
+    hf_parity.assert_rl_step_changes_loss(narrow_tiny_path, lora=lora)
 
 
 @torch.no_grad()
@@ -254,7 +259,6 @@ def test_lora_adapter_export_names_the_shared_experts(tiny_checkpoint: pathlib.P
         assert adapter[f"base_model.model.{mlp}.down_proj.lora_A.weight"].shape == (4, width[mlp])
 
 
-def test_context_parallel_trains_as_one_process(narrow_tiny_path: pathlib.Path, tmp_path: pathlib.Path) -> None:
-    """cp=2 over 2 CPU ranks (hf_parity.assert_context_parallel_trains_as_one_process): partial
-    rotary, the dense first layer and the shared expert on a split row."""
-    hf_parity.assert_context_parallel_trains_as_one_process(narrow_tiny_path, tmp_path)
+def test_context_parallel_trains_as_one_process(parallel_runs: hf_parity.ParallelRuns) -> None:
+    """Partial rotary, the dense first layer and the shared expert on a split row."""
+    hf_parity.assert_context_parallel_matches(parallel_runs)

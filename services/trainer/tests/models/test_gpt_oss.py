@@ -371,9 +371,9 @@ def test_tiny_model_maker_writes_a_gpt_oss_checkpoint(tiny_checkpoint: pathlib.P
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_one_rl_step_changes_the_loss(tiny_checkpoint: pathlib.Path, lora: bool) -> None:
+def test_one_rl_step_changes_the_loss(narrow_tiny_checkpoint: pathlib.Path, lora: bool) -> None:
     """hf_parity.assert_rl_step_changes_loss: with LoRA, q/k/v/o and the experts' stacks."""
-    hf_parity.assert_rl_step_changes_loss(tiny_checkpoint, lora=lora)
+    hf_parity.assert_rl_step_changes_loss(narrow_tiny_checkpoint, lora=lora)
 
 
 @torch.no_grad()
@@ -413,7 +413,8 @@ def test_lora_adapter_of_fused_experts_is_the_merged_delta(full_checkpoint: path
 
 @pytest.fixture(scope="module")
 def narrow_tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
-    """The maker's GPT-OSS at a smaller width, 2 layers (sliding, full), window 4: the runs over 2 ranks."""
+    """The maker's GPT-OSS at a smaller width, 2 layers (sliding, full), window 4 (CI time): the RL
+    step and the runs over 2 ranks."""
     spec = TinyGptOssSpec(
         hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
         moe_intermediate_size=32, sliding_window=4,
@@ -421,20 +422,22 @@ def narrow_tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> pathlib.
     return make_tiny_model(tmp_path_factory.mktemp("narrow-gpt-oss") / "gpt-oss", family="gpt-oss", spec=spec)
 
 
-def test_expert_parallel_trains_as_one_process(narrow_tiny_checkpoint: pathlib.Path, tmp_path: pathlib.Path) -> None:
-    """ep=2 over 2 CPU ranks (hf_parity.assert_expert_parallel_trains_as_one_process): the experts'
-    biases split with their weights."""
-    hf_parity.assert_expert_parallel_trains_as_one_process(narrow_tiny_checkpoint, tmp_path, num_routers=0)
+# ep=2 and cp=2 over 2 CPU ranks on the narrow checkpoint, in one launch (hf_parity.run_expert_and_context_parallel).
+parallel_runs = hf_parity.parallel_runs_fixture("gpt-oss", "narrow_tiny_checkpoint")
 
 
-def test_cp2_with_router_replay_trains_as_one_process(
-    narrow_tiny_checkpoint: pathlib.Path, tmp_path: pathlib.Path
-) -> None:
+def test_expert_parallel_trains_as_one_process(parallel_runs: hf_parity.ParallelRuns) -> None:
+    """Losses, replay, LoRA (the fused experts' adapters split too) and resume under FSDP2 as one
+    process; the experts' biases split with their weights."""
+    hf_parity.assert_expert_parallel_matches(parallel_runs, num_routers=0)
+
+
+def test_cp2_with_router_replay_trains_as_one_process(parallel_runs: hf_parity.ParallelRuns) -> None:
     """Context parallel over 2 CPU ranks (test_context_parallel's cp_worker, float64, replayed
     routing): windows by row index and sinks on this rank's queries over the gathered keys, with
     sdpa (dense and chunked masks) and flex (forward), equal one process."""
     # Softmax routing in float64 throughout: float64's bounds hold.
-    hf_parity.assert_context_parallel_trains_as_one_process(narrow_tiny_checkpoint, tmp_path, tolerances=(1e-10, 1e-10))
+    hf_parity.assert_context_parallel_matches(parallel_runs, tolerances=(1e-10, 1e-10))
 
 
 def test_flex_tiles_of_a_windowed_row_layout_follow_the_window() -> None:

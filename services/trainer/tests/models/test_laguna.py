@@ -212,15 +212,16 @@ def test_rl_step_changes_the_loss(narrow_tiny_path: pathlib.Path, lora: bool) ->
     hf_parity.assert_rl_step_changes_loss(narrow_tiny_path, lora=lora)
 
 
-def test_context_parallel_trains_as_one_process(narrow_tiny_path: pathlib.Path, tmp_path: pathlib.Path) -> None:
-    """cp=2 over 2 CPU ranks (hf_parity.assert_context_parallel_trains_as_one_process): per-kind
-    RoPE (YaRN on half of each head), sliding windows, per-layer head counts and gates on rows
-    split zig-zag."""
-    hf_parity.assert_context_parallel_trains_as_one_process(narrow_tiny_path, tmp_path)
+# ep=2 and cp=2 over 2 CPU ranks on the narrow checkpoint, in one launch (hf_parity.run_expert_and_context_parallel).
+parallel_runs = hf_parity.parallel_runs_fixture("laguna", "narrow_tiny_path")
 
 
-def test_expert_parallel_trains_as_one_process(tmp_path: pathlib.Path) -> None:
-    """ep=2 over 2 CPU ranks (hf_parity.assert_expert_parallel_trains_as_one_process): losses,
-    replay, LoRA and resume under FSDP2 as one process."""
-    model_dir = make_checkpoint(tmp_path / "ep-laguna", FULL | hf_parity.TRAINABLE | {"hidden_size": 64})
-    hf_parity.assert_expert_parallel_trains_as_one_process(model_dir, tmp_path, num_routers=2)
+def test_context_parallel_trains_as_one_process(parallel_runs: hf_parity.ParallelRuns) -> None:
+    """Per-kind RoPE (YaRN on half of each head), sliding windows, per-layer head counts and gates
+    on rows split zig-zag."""
+    hf_parity.assert_context_parallel_matches(parallel_runs)
+
+
+def test_expert_parallel_trains_as_one_process(parallel_runs: hf_parity.ParallelRuns) -> None:
+    """Losses, replay, LoRA and resume under FSDP2 as one process; the routers' biases unchanged."""
+    hf_parity.assert_expert_parallel_matches(parallel_runs, num_routers=3)

@@ -1,12 +1,14 @@
 """Own MiniMax-M2 (`minimax_m2`) against transformers' MiniMaxM2ForCausalLM on tiny random
 checkpoints (float32): logits and router choices, packed rows, router replay, the gradient of
-one loss, the HF state-dict round trip, configs it cannot run; expert parallel over 2 CPU ranks."""
+one loss, the HF state-dict round trip, configs it cannot run; the RL step on the tiny-model maker's
+`minimax-m2`; expert and context parallel over 2 CPU ranks."""
 
 import pathlib
 
 import pytest
 import torch
 
+from primerl_launcher.tiny_model import TinyMiniMaxM2Spec, make_tiny_model
 from primerl_trainer.models import load_model, read_hf_state_dict
 from primerl_trainer.models.minimax_m2.model import MiniMaxM2Model, MiniMaxM2ModelArgs
 from primerl_trainer.models.minimax_m2.state_dict_adapter import MiniMaxM2StateDictAdapter
@@ -154,28 +156,10 @@ def test_bad_configs_are_refused(partial_checkpoint: pathlib.Path, change: dict,
     hf_parity.assert_config_refused(partial_checkpoint, change, match)
 
 
-def test_expert_parallel_trains_as_one_process(tmp_path: pathlib.Path) -> None:
-    """ep=2 over 2 CPU ranks (hf_parity.assert_expert_parallel_trains_as_one_process)."""
-    variant = PARTIAL | hf_parity.TRAINABLE | {"hidden_size": 64, "intermediate_size": 32}
-    model_dir = make_checkpoint(tmp_path / "ep-minimax-m2", variant)
-    hf_parity.assert_expert_parallel_trains_as_one_process(model_dir, tmp_path, num_routers=NUM_LAYERS)
-
-
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_one_rl_step_changes_the_loss(tmp_path: pathlib.Path, lora: bool) -> None:
-    """hf_parity.assert_rl_step_changes_loss on the tiny-model maker's MiniMax-M2."""
-    from primerl_launcher.tiny_model import make_tiny_model
-
-    model_dir = make_tiny_model(tmp_path / "minimax-m2", family="minimax-m2")
-    assert isinstance(load_model(model_dir, impl="auto"), MiniMaxM2Model)
-    hf_parity.assert_rl_step_changes_loss(model_dir, lora=lora)
-
-
-def test_context_parallel_trains_as_one_process(tmp_path: pathlib.Path) -> None:
-    """cp=2 over 2 CPU ranks (hf_parity.assert_context_parallel_trains_as_one_process), on the
-    tiny-model maker's MiniMax-M2 (partial rotary, q/k norm over all heads on a split row)."""
-    from primerl_launcher.tiny_model import TinyMiniMaxM2Spec, make_tiny_model
-
+@pytest.fixture(scope="module")
+def narrow_tiny_path(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    """The tiny-model maker's MiniMax-M2 (partial rotary, q/k norm over all heads) at a smaller
+    width and 2 layers (CI time)."""
     spec = TinyMiniMaxM2Spec(
         hidden_size=64,
         num_hidden_layers=2,
@@ -185,5 +169,26 @@ def test_context_parallel_trains_as_one_process(tmp_path: pathlib.Path) -> None:
         rotary_dim=16,
         moe_intermediate_size=32,
     )
-    model_dir = make_tiny_model(tmp_path / "cp-minimax-m2", family="minimax-m2", spec=spec)
-    hf_parity.assert_context_parallel_trains_as_one_process(model_dir, tmp_path)
+    return make_tiny_model(tmp_path_factory.mktemp("narrow-minimax-m2") / "minimax-m2", family="minimax-m2", spec=spec)
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_one_rl_step_changes_the_loss(narrow_tiny_path: pathlib.Path, lora: bool) -> None:
+    """hf_parity.assert_rl_step_changes_loss on the tiny-model maker's MiniMax-M2."""
+    assert isinstance(load_model(narrow_tiny_path, impl="auto"), MiniMaxM2Model)
+    hf_parity.assert_rl_step_changes_loss(narrow_tiny_path, lora=lora)
+
+
+# ep=2 and cp=2 over 2 CPU ranks on the narrow checkpoint, in one launch (hf_parity.run_expert_and_context_parallel).
+parallel_runs = hf_parity.parallel_runs_fixture("minimax-m2", "narrow_tiny_path")
+
+
+def test_expert_parallel_trains_as_one_process(parallel_runs: hf_parity.ParallelRuns) -> None:
+    """Losses, replay, LoRA and resume under FSDP2 as one process; the routers' correction biases
+    unchanged."""
+    hf_parity.assert_expert_parallel_matches(parallel_runs, num_routers=2)
+
+
+def test_context_parallel_trains_as_one_process(parallel_runs: hf_parity.ParallelRuns) -> None:
+    """Partial rotary and q/k norm over all heads on a split row."""
+    hf_parity.assert_context_parallel_matches(parallel_runs)
