@@ -5,13 +5,20 @@ Two ways to pick the models:
 - --kinds moe,dense (the default): a Qwen3-1.7B-like dense model and a Qwen3-30B-A3B-like MoE
   of 8 layers each (CONFIGS). Last line: RESULT moe_speedup_vs_hf=<own MoE tokens/s over
   transformers', per step of N micro-batches> dense_mfu=<own dense>.
-- --family glm4_moe,gpt_oss: a family of FAMILIES at its hub widths (hidden size, heads, expert
-  count and width, vocabulary) with as many layers as fit one GPU with the optimizer (--layers
-  auto, see fit_layers), the same for both implementations. Last line: RESULT
-  <family>_speedup=<own tokens/s over transformers', per step of N micro-batches> per family.
-  A family is one FAMILIES entry: its hub config, its tiny --smoke widths, its activation
-  estimate for the fit, and which attention each implementation takes (a hybrid family adds its
-  sequence length, its least layer count and its layer pattern there too).
+- --family glm4_moe,gpt_oss (or qwen3_5_moe,nemotron_h, the hybrids): a family of FAMILIES at
+  its hub widths (hidden size, heads, expert count and width, vocabulary; the hybrids' linear
+  layers too) with as many layers as fit one GPU with the optimizer (--layers auto, see
+  fit_layers), the same for both implementations. Last line: RESULT <family>_speedup=<own
+  tokens/s over transformers', per step of N micro-batches> per family (nan where a run failed,
+  the line before saying which). A family is one FAMILIES entry: its hub config, its tiny
+  --smoke widths, its activation estimate for the fit, and which attention each implementation
+  takes; a hybrid family adds its sequence length (16,384: the long rows where its linear layers
+  matter), its least layer count (the pattern's first layers holding every kind) and its layer
+  pattern. At that length transformers' float32 logits alone take ~16 B per logit (65 GB at
+  Qwen3.5's vocabulary): where transformers' model cannot fit even the least layers, the fit is
+  the own model's and transformers' run is expected to fail (out of memory); a failing run is
+  shown in the table and the other implementation's still runs. --hf-step-limit-s cuts a
+  transformers run whose first step is too slow to that step.
 
 Both implementations load the same random checkpoint, written once in Hugging Face format (no
 hub download), and take the same training steps on the same tokens. A step is what the
@@ -39,7 +46,8 @@ active parameters are the matrices a token passes through (attention, the dense,
 top-k experts' feed-forward, the router, the vocabulary projection; not the embedding lookup),
 counted on transformers' model built on the meta device, and the attention term is 6 * heads *
 head_dim * (mean keys a query sees) per token and attention layer: seq_len / 2 for causal
-layers, about the window for sliding-window ones. The peak is an 8192^3 bf16 matrix product
+layers, about the window for sliding-window ones (the linear layers' scans, Gated DeltaNet's
+and Mamba-2's, are not counted: their projections are). The peak is an 8192^3 bf16 matrix product
 measured in the same run; its ratio to the 989 TFLOP/s datasheet figure is printed.
 """
 
@@ -130,21 +138,49 @@ def alternating_sliding_and_full(num_layers: int) -> dict[str, Any]:
     return {"layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]}
 
 
+def full_attention_every_fourth(num_layers: int) -> dict[str, Any]:
+    """Qwen3.5's layer_types (transformers' rule for full_attention_interval 4): Gated DeltaNet,
+    with full attention on every fourth layer."""
+    return {"layer_types": ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(num_layers)]}
+
+
+# Nemotron-3-Nano-30B-A3B's hybrid_override_pattern (M Mamba-2, E MoE, * attention): 23 M, 23 E, 6 *.
+NEMOTRON_3_NANO_PATTERN = "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"
+# transformers' layers_block_type names of the pattern's letters.
+NEMOTRON_H_KINDS = {"M": "linear_attention", "*": "full_attention", "E": "moe", "-": "mlp"}
+
+
+def nemotron_3_nano_prefix(num_layers: int) -> dict[str, Any]:
+    """The hub pattern's first `num_layers` layers."""
+    return {"hybrid_override_pattern": NEMOTRON_3_NANO_PATTERN[:num_layers]}
+
+
+def layer_kinds(config: dict[str, Any]) -> list[str]:
+    """Each layer's kind as transformers names it (layer_types, or a Nemotron-H pattern's
+    layers_block_type); full_attention for a family without either."""
+    if config.get("hybrid_override_pattern"):
+        return [NEMOTRON_H_KINDS[c] for c in config["hybrid_override_pattern"]]
+    return list(config.get("layer_types") or ["full_attention"] * config["num_hidden_layers"])
+
+
 @dataclass(frozen=True)
 class Family:
     """A model family benchmarked at its hub widths.
 
     config: the hub's config.json (what both implementations read); its num_hidden_layers is the
     hub's depth, the most layers the fit takes. layer_fields: the fields that list every layer
-    (layer_types, a hybrid pattern) for a given layer count. smoke: --smoke's tiny widths.
-    activation_bytes_per_token_layer: what transformers' model holds for the backward per token
-    and layer in bf16, an estimate from the widths for fit_layers (the table's peak GiB checks
-    it). hf_attention: transformers' attention on CUDA (None: its default); own_attention: the
-    own model's backend (common/attention.py)."""
+    (layer_types, a hybrid pattern) for a given layer count; min_layers: the fewest layers, at
+    least one of every kind. smoke: --smoke's tiny widths. activation_bytes_per_token_layer:
+    what transformers' model holds for the backward per token and layer in bf16, an estimate
+    for fit_layers (the table's peak GiB checks it), one figure or one per layer kind
+    (layer_kinds); own_activation_bytes_per_token_layer: the own model's (None: the same).
+    hf_attention: transformers' attention on CUDA (None: its default); own_attention: the own
+    model's backend (common/attention.py)."""
 
     config: dict[str, Any]
     smoke: dict[str, Any]
-    activation_bytes_per_token_layer: int
+    activation_bytes_per_token_layer: int | dict[str, int]
+    own_activation_bytes_per_token_layer: int | dict[str, int] | None = None
     seq_len: int = 4096
     min_layers: int = 2
     layer_fields: Callable[[int], dict[str, Any]] = no_layer_fields
@@ -267,6 +303,157 @@ FAMILIES: dict[str, Family] = {
         hf_attention="flex_attention",
         own_attention="flex",
     ),
+    # Qwen3.5-35B-A3B (Qwen/Qwen3.5-35B-A3B's text_config as recalled, without network here; every
+    # width equals transformers' Qwen3_5MoeTextConfig defaults, which were read): 2048 wide, 40
+    # layers, Gated DeltaNet on three of every four (16 key heads and 32 value heads of 128,
+    # convolution 4), gated attention on every fourth (16 query heads / 2 KV heads of 256, RoPE on
+    # a quarter of each head), 256 routed experts of 512 (top-8) and a gated shared expert of 512
+    # in every layer, vocabulary 248,320, untied. Not verified against the hub file: rope_theta
+    # 10,000,000 (transformers' default is 10,000; the Qwen3.5 dense models' Megatron recipes
+    # use 1e7) and the multimodal rotary sections, which equal plain RoPE on text. The benchmark
+    # takes the text model (qwen3_5_moe_text), the language model of the hub's multimodal one.
+    "qwen3_5_moe": Family(
+        config={
+            "architectures": ["Qwen3_5MoeForCausalLM"],
+            "model_type": "qwen3_5_moe_text",
+            "vocab_size": 248320,
+            "hidden_size": 2048,
+            "num_hidden_layers": 40,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 2,
+            "head_dim": 256,
+            "linear_num_key_heads": 16,
+            "linear_num_value_heads": 32,
+            "linear_key_head_dim": 128,
+            "linear_value_head_dim": 128,
+            "linear_conv_kernel_dim": 4,
+            "num_experts": 256,
+            "num_experts_per_tok": 8,
+            "moe_intermediate_size": 512,
+            "shared_expert_intermediate_size": 512,
+            "full_attention_interval": 4,
+            "hidden_act": "silu",
+            "max_position_embeddings": 262144,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25},
+            "rms_norm_eps": 1e-6,
+            "initializer_range": 0.02,
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "router_aux_loss_coef": 0.001,
+            "output_router_logits": False,
+            "tie_word_embeddings": False,
+            "use_cache": False,
+        },
+        smoke={
+            "vocab_size": 1000,
+            "hidden_size": 128,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 32,
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4,
+            "linear_key_head_dim": 32,
+            "linear_value_head_dim": 32,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 64,
+        },
+        # Saved for the backward per token and layer, measured on the CPU in bf16 at 512 tokens
+        # (saved-tensor hooks, the own model uncompiled, both DeltaNets on their PyTorch chunked
+        # path and attention on the CPU's SDPA): DeltaNet + MoE hf 510 KB, own 567; attention +
+        # MoE hf 228 KB, own 319. Upper bounds on CUDA, where fla's kernels and compiled blocks
+        # hold less.
+        activation_bytes_per_token_layer={"linear_attention": 520_000, "full_attention": 240_000},
+        own_activation_bytes_per_token_layer={"linear_attention": 570_000, "full_attention": 320_000},
+        seq_len=16384,
+        min_layers=4,
+        layer_fields=full_attention_every_fourth,
+    ),
+    # Nemotron-3-Nano-30B-A3B (nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16's config.json as recalled
+    # and as a third-party port transcribes it; 52 layers of 23 Mamba-2, 23 MoE and 6 attention
+    # layers, 128 experts + 1 shared, top-6, are also in NVIDIA's model card): 2688 wide;
+    # Mamba-2 with 64 heads of 64 (inner 4096), state 128, 8 groups, convolution 4 with bias,
+    # chunk 128; 128 routed relu^2 experts of 1856 (top-6, sigmoid scores with correction bias,
+    # one group, normalised, scaled by 2.5) and a shared one of 3712; attention 32 query heads / 2
+    # KV heads of 128 without positions; vocabulary 131,072, untied. Not verified against the hub
+    # file: the exact pattern string (its counts are), the dense intermediate_size 1856 (unused:
+    # no '-' layer) and the time-step fields. The pattern's first six layers hold every kind
+    # (MEMEM*), hence min_layers 6.
+    "nemotron_h": Family(
+        config={
+            "architectures": ["NemotronHForCausalLM"],
+            "model_type": "nemotron_h",
+            "vocab_size": 131072,
+            "hidden_size": 2688,
+            "intermediate_size": 1856,
+            "num_hidden_layers": len(NEMOTRON_3_NANO_PATTERN),
+            "hybrid_override_pattern": NEMOTRON_3_NANO_PATTERN,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 2,
+            "head_dim": 128,
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "mamba_num_heads": 64,
+            "mamba_head_dim": 64,
+            "n_groups": 8,
+            "ssm_state_size": 128,
+            "conv_kernel": 4,
+            "chunk_size": 128,
+            "expand": 2,
+            "use_conv_bias": True,
+            "mamba_proj_bias": False,
+            "mamba_hidden_act": "silu",
+            "time_step_min": 0.001,
+            "time_step_max": 0.1,
+            "time_step_floor": 1e-4,
+            "n_routed_experts": 128,
+            "num_experts_per_tok": 6,
+            "moe_intermediate_size": 1856,
+            "n_shared_experts": 1,
+            "moe_shared_expert_intermediate_size": 3712,
+            "n_group": 1,
+            "topk_group": 1,
+            "norm_topk_prob": True,
+            "routed_scaling_factor": 2.5,
+            "mlp_hidden_act": "relu2",
+            "mlp_bias": False,
+            "use_bias": False,
+            "layer_norm_epsilon": 1e-5,
+            "residual_in_fp32": False,
+            "num_nextn_predict_layers": 0,
+            "max_position_embeddings": 262144,
+            "initializer_range": 0.02,
+            "tie_word_embeddings": False,
+            "use_cache": False,
+        },
+        smoke={
+            "vocab_size": 1000,
+            "hidden_size": 128,
+            "intermediate_size": 64,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 32,
+            "mamba_num_heads": 8,
+            "mamba_head_dim": 16,
+            "n_groups": 2,
+            "ssm_state_size": 16,
+            "chunk_size": 16,
+            "n_routed_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "moe_shared_expert_intermediate_size": 64,
+        },
+        # Saved for the backward per token and layer, measured on the CPU in bf16 at 512 tokens
+        # (saved-tensor hooks, the own model uncompiled), with slack: Mamba-2 (both in PyTorch:
+        # chunk-by-chunk [C, C] float32 products per head, 32 KB a token each) hf 532 KB, own 495;
+        # MoE 162 KB both; attention hf 44 KB, own 93 (the CPU's SDPA).
+        activation_bytes_per_token_layer={"linear_attention": 600_000, "moe": 200_000, "full_attention": 60_000},
+        own_activation_bytes_per_token_layer={"linear_attention": 560_000, "moe": 200_000, "full_attention": 110_000},
+        seq_len=16384,
+        min_layers=6,
+        layer_fields=nemotron_3_nano_prefix,
+    ),
 }
 
 
@@ -289,6 +476,8 @@ class Run:
     first_step_s: float = float("nan")
     first_loss: float = float("nan")
     peak_gib: float = float("nan")
+    seq_len: int = 0
+    note: str = ""  # e.g. a run cut to its first step by --hf-step-limit-s
     error: str = ""
 
 
@@ -298,6 +487,7 @@ class Case:
 
     name: str
     config: dict[str, Any]
+    seq_len: int
     hf_attention: str | None = None
     own_attention: str = "sdpa"
 
@@ -334,7 +524,7 @@ def parameter_counts(config: dict[str, Any]) -> tuple[int, int]:
 def flops_per_token(config: dict[str, Any], seq_len: int) -> float:
     heads = config["num_attention_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
-    layer_types = config.get("layer_types") or ["full_attention"] * config["num_hidden_layers"]
+    layer_types = layer_kinds(config)
     window = config.get("sliding_window") or seq_len
     mean_keys = {
         "full_attention": seq_len / 2,
@@ -345,27 +535,47 @@ def flops_per_token(config: dict[str, Any], seq_len: int) -> float:
     return 6 * parameter_counts(config)[1] + attention
 
 
-def predicted_peak_bytes(family: Family, config: dict[str, Any], seq_len: int) -> float:
-    """The larger implementation's peak (transformers', with its float32 logits) as fit_layers
-    models it: 8 B per parameter (bf16 weights, gradients and AdamW's two moments), the
-    activations of every layer, and the loss: bf16 logits, their float32 copy, float32
-    log-softmax and its gradient (16 B per logit)."""
+def activation_bytes(per_token_layer: int | dict[str, int], config: dict[str, Any], seq_len: int) -> float:
+    per_layer = [per_token_layer] * config["num_hidden_layers"] if isinstance(per_token_layer, int) else [
+        per_token_layer[kind] for kind in layer_kinds(config)
+    ]  # fmt: skip
+    return seq_len * sum(per_layer)
+
+
+def predicted_peak_bytes(family: Family, config: dict[str, Any], seq_len: int, *, impl: str = "hf") -> float:
+    """An implementation's peak as fit_layers models it: 8 B per parameter (bf16 weights,
+    gradients and AdamW's two moments), the activations of every layer, and the loss:
+    transformers' bf16 logits, their float32 copy, float32 log-softmax and its gradient (16 B per
+    logit); the own fused loss's chunk of logits (~1 GiB) with its float32 work (4 GiB in all)
+    and the vocabulary projection's float32 gradient."""
     parameters, _ = parameter_counts(config)
-    activations = seq_len * config["num_hidden_layers"] * family.activation_bytes_per_token_layer
-    return 8 * parameters + activations + 16 * seq_len * config["vocab_size"]
+    if impl == "hf":
+        activations = activation_bytes(family.activation_bytes_per_token_layer, config, seq_len)
+        loss = 16 * seq_len * config["vocab_size"]
+    else:
+        own = family.own_activation_bytes_per_token_layer
+        activations = activation_bytes(family.activation_bytes_per_token_layer if own is None else own, config, seq_len)
+        loss = 4 * 2**30 + 4 * config["vocab_size"] * config["hidden_size"]
+    return 8 * parameters + activations + loss
 
 
-def fit_layers(family: Family, seq_len: int, budget_bytes: float) -> tuple[int, float]:
+def fit_layers(family: Family, seq_len: int, budget_bytes: float) -> tuple[int, float, str]:
     """The most layers (at least family.min_layers, at most the hub's) whose predicted peak
-    stays within `budget_bytes`, and that peak."""
+    stays within `budget_bytes`, that peak, and whose peak it is: transformers' (the larger),
+    unless transformers' exceeds the budget even at min_layers (it is then expected to fail at
+    this length, shown in the table), when the own model's fit is taken."""
     layers = family.min_layers
-    peak = predicted_peak_bytes(family, family_config(family, layers, smoke=False), seq_len)
+    impl = "hf"
+    peak = predicted_peak_bytes(family, family_config(family, layers, smoke=False), seq_len, impl=impl)
+    if peak > budget_bytes:
+        impl = "own"
+        peak = predicted_peak_bytes(family, family_config(family, layers, smoke=False), seq_len, impl=impl)
     while layers < family.config["num_hidden_layers"]:
-        bigger = predicted_peak_bytes(family, family_config(family, layers + 1, smoke=False), seq_len)
+        bigger = predicted_peak_bytes(family, family_config(family, layers + 1, smoke=False), seq_len, impl=impl)
         if bigger > budget_bytes:
             break
         layers, peak = layers + 1, bigger
-    return layers, peak
+    return layers, peak, impl
 
 
 def matmul_peak_tflops(size: int = 8192, repeats: int = 30) -> float:
@@ -438,10 +648,13 @@ def loss_function(model, impl: str, loss_path: str, input_ids: torch.Tensor, tar
     return loss
 
 
-def train(loss_fn, optimizer, *, micro_batches: int, warmup: int, steps: int, device: str):
+def train(
+    loss_fn, optimizer, *, micro_batches: int, warmup: int, steps: int, device: str, time_limit_s: float | None = None
+):
     """One step = `micro_batches` forwards and backwards (gradients accumulating), then the
     optimizer step. Returns (per step: [forward+backward ms of each micro-batch], optimizer ms),
-    the first step's wall seconds and the first loss."""
+    the first step's wall seconds, the first loss, and whether the run stopped after its first
+    step because that took longer than `time_limit_s` (its parts are then the first step's)."""
 
     def forward_backward() -> torch.Tensor:
         loss = loss_fn()
@@ -466,14 +679,25 @@ def train(loss_fn, optimizer, *, micro_batches: int, warmup: int, steps: int, de
     def elapsed_ms(a, b) -> float:
         return a.elapsed_time(b) if device == "cuda" else (b - a) * 1e3
 
+    def split(m: list) -> tuple[list[float], float]:
+        return [elapsed_ms(a, b) for a, b in itertools.pairwise(m[:-1])], elapsed_ms(m[-2], m[-1])
+
     synchronize()
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
+    first_marks = [clock()]
     first_loss = forward_backward()
+    first_marks.append(clock())
     for _ in range(micro_batches - 1):
         forward_backward()
+        first_marks.append(clock())
     optimizer_step()
+    first_marks.append(clock())
     synchronize()
     first_step_s = time.perf_counter() - start
+    if time_limit_s is not None and first_step_s > time_limit_s:
+        return [split(first_marks)], first_step_s, first_loss.item(), True
     for _ in range(warmup - 1):
         for _ in range(micro_batches):
             forward_backward()
@@ -490,8 +714,7 @@ def train(loss_fn, optimizer, *, micro_batches: int, warmup: int, steps: int, de
         step_marks.append(clock())
         marks.append(step_marks)
     synchronize()
-    parts = [([elapsed_ms(a, b) for a, b in itertools.pairwise(m[:-1])], elapsed_ms(m[-2], m[-1])) for m in marks]
-    return parts, first_step_s, first_loss.item()
+    return [split(m) for m in marks], first_step_s, first_loss.item(), False
 
 
 def load_hf_model(path: pathlib.Path, *, device: str, attention: str | None, experts: str | None):
@@ -525,7 +748,7 @@ def load_own_model(path: pathlib.Path, *, device: str, attention: str, compile: 
 
 
 def bench_case(case: Case, path: pathlib.Path, args, peak_tflops: float, profile_dir) -> list[Run]:
-    config, device, seq_len = case.config, args.device, args.seq_len
+    config, device, seq_len = case.config, args.device, case.seq_len
     generator = torch.Generator().manual_seed(0)
     input_ids = torch.randint(0, config["vocab_size"], (1, seq_len), generator=generator).to(device)
     targets = torch.roll(input_ids[0], -1)
@@ -554,14 +777,17 @@ def bench_case(case: Case, path: pathlib.Path, args, peak_tflops: float, profile
             print(f"{case.name} {impl}: loaded in {time.perf_counter() - start:.0f} s "
                   f"(attention {attention}, experts {experts})", flush=True)  # fmt: skip
             for loss_path in loss_paths:
-                run = Run(case.name, impl, loss_path, micro_batches=args.micro_batches,
+                run = Run(case.name, impl, loss_path, micro_batches=args.micro_batches, seq_len=seq_len,
                           layers=config["num_hidden_layers"], attention=attention, experts=experts)  # fmt: skip
                 runs.append(run)
                 try:
-                    parts, run.first_step_s, run.first_loss = train(
+                    parts, run.first_step_s, run.first_loss, cut = train(
                         loss_function(model, impl, loss_path, input_ids, targets), optimizer,
                         micro_batches=args.micro_batches, warmup=args.warmup, steps=args.steps, device=device,
+                        time_limit_s=args.hf_step_limit_s if impl == "hf" else None,
                     )  # fmt: skip
+                    if cut:
+                        run.note = f"first step only ({run.first_step_s:.0f} s > --hf-step-limit-s)"
                     run.step_ms = statistics.median(sum(fbs) + opt for fbs, opt in parts)
                     run.forward_backward_ms = statistics.median(fbs[0] for fbs, _ in parts)
                     if args.micro_batches > 1:
@@ -579,7 +805,7 @@ def bench_case(case: Case, path: pathlib.Path, args, peak_tflops: float, profile
                 print(json.dumps(asdict(run)), flush=True)
                 optimizer.zero_grad(set_to_none=True)
         except Exception as exc:
-            runs.append(Run(case.name, impl, "-", layers=config["num_hidden_layers"],
+            runs.append(Run(case.name, impl, "-", layers=config["num_hidden_layers"], seq_len=seq_len,
                             error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"))  # fmt: skip
             print(json.dumps(asdict(runs[-1])), flush=True)
         del model, optimizer
@@ -620,7 +846,11 @@ def build_cases(args) -> list[Case]:
             if kind not in CONFIGS:
                 raise ValueError(f"--kinds takes {sorted(CONFIGS)}, got {kind!r}")
         smoke = SMOKE if args.smoke else {}
-        return [Case(kind, CONFIGS[kind] | {k: v for k, v in smoke.items() if k in CONFIGS[kind]}) for kind in kinds]
+        seq_len = args.seq_len or (SMOKE_SEQ_LEN if args.smoke else 4096)
+        return [
+            Case(kind, CONFIGS[kind] | {k: v for k, v in smoke.items() if k in CONFIGS[kind]}, seq_len)
+            for kind in kinds
+        ]
 
     budget = args.memory_fraction * device_memory_bytes(args)
     cases = []
@@ -628,43 +858,54 @@ def build_cases(args) -> list[Case]:
         if name not in FAMILIES:
             raise ValueError(f"--family takes {sorted(FAMILIES)}, got {name!r}")
         family = FAMILIES[name]
+        seq_len = args.seq_len or (SMOKE_SEQ_LEN if args.smoke else family.seq_len)
         if args.layers is not None:
             layers = args.layers
         elif args.smoke:
             layers = family.min_layers
         else:
-            layers, peak = fit_layers(family, args.seq_len, budget)
-            print(f"{name}: {layers} layers fit {budget / 2**30:.1f} GiB "
-                  f"({args.memory_fraction:.2f} of {device_memory_bytes(args) / 2**30:.1f}): predicted peak "
-                  f"{peak / 2**30:.1f} GiB", flush=True)  # fmt: skip
+            layers, peak, fitted = fit_layers(family, seq_len, budget)
+            fitted_config = family_config(family, layers, smoke=False)
+            hf_peak, own_peak = (predicted_peak_bytes(family, fitted_config, seq_len, impl=i) for i in ("hf", "own"))
+            notes = []
+            if fitted == "own":
+                notes.append("transformers' exceeds the budget at the least layers: the own model's fit, "
+                             "transformers' run expected to fail")  # fmt: skip
+            if peak > budget:
+                notes.append("over the budget: the family's least layers")
+            print(f"{name}: {layers} layers ({','.join(layer_kinds(fitted_config))}) at {seq_len} tokens for "
+                  f"{budget / 2**30:.1f} GiB ({args.memory_fraction:.2f} of {device_memory_bytes(args) / 2**30:.1f}): "
+                  f"predicted peak transformers' {hf_peak / 2**30:.1f} GiB, own {own_peak / 2**30:.1f} GiB"
+                  + "".join(f"; {note}" for note in notes), flush=True)  # fmt: skip
         if layers < family.min_layers:
             raise ValueError(f"--layers {layers}: {name} needs at least {family.min_layers}")
         # The family's attentions are GPU paths (flex has no backward on the CPU); a CPU (smoke)
         # run takes each implementation's default.
         on_gpu = args.device == "cuda"
         config = family_config(family, layers, smoke=args.smoke)
-        cases.append(Case(name, config, hf_attention=family.hf_attention if on_gpu else None,
+        cases.append(Case(name, config, seq_len, hf_attention=family.hf_attention if on_gpu else None,
                           own_attention=family.own_attention if on_gpu else "sdpa"))  # fmt: skip
     return cases
 
 
 def print_table(runs: list[Run], args, peak: float) -> None:
     n = args.micro_batches
-    print(f"one step = {n} micro-batch(es) of {args.seq_len} tokens, then AdamW; 'fwd+bwd' is a step's first "
+    print(f"one step = {n} micro-batch(es) of 'seq' tokens, then AdamW; 'fwd+bwd' is a step's first "
           "micro-batch, 'accum' a later one (its gradients added to the held ones), "
           "'1-mb step' fwd+bwd + adamw")  # fmt: skip
-    print(f"{'model':<9} {'L':>2} {'impl':<7} {'loss':<7} {'attention':<23} {'experts':<11} {'step ms':>8} "
-          f"{'fwd+bwd':>8} {'accum':>6} {'adamw':>6} {'1-mb step':>9} {'tokens/s':>9} {'MFU':>6} {'MFU@989':>8} "
-          f"{'peak GiB':>9} {'loss@0':>7} {'1st step s':>10}")  # fmt: skip
+    print(f"{'model':<11} {'L':>2} {'seq':>5} {'impl':<7} {'loss':<7} {'attention':<23} {'experts':<11} "
+          f"{'step ms':>8} {'fwd+bwd':>8} {'accum':>6} {'adamw':>6} {'1-mb step':>9} {'tokens/s':>9} {'MFU':>6} "
+          f"{'MFU@989':>8} {'peak GiB':>9} {'loss@0':>7} {'1st step s':>10}")  # fmt: skip
     for r in runs:
-        head = f"{r.kind:<9} {r.layers:>2} {r.impl:<7} {r.loss_path:<7} {r.attention:<23} {r.experts:<11}"
+        head = (f"{r.kind:<11} {r.layers:>2} {r.seq_len:>5} {r.impl:<7} {r.loss_path:<7} {r.attention:<23} "
+                f"{r.experts:<11}")  # fmt: skip
         if r.error:
             print(f"{head} ERROR {r.error}")
             continue
         print(f"{head} {r.step_ms:>8.1f} {r.forward_backward_ms:>8.1f} {r.accumulating_ms:>6.1f} "
               f"{r.optimizer_ms:>6.1f} {r.one_micro_batch_step_ms:>9.1f} {r.tokens_per_s:>9.0f} {r.mfu:>6.1%} "
               f"{r.mfu * peak / DATASHEET_BF16_TFLOPS:>8.1%} {r.peak_gib:>9.1f} {r.first_loss:>7.3f} "
-              f"{r.first_step_s:>10.1f}")  # fmt: skip
+              f"{r.first_step_s:>10.1f}" + (f"  {r.note}" if r.note else ""))  # fmt: skip
 
 
 def speedups(runs: list[Run], names: list[str], n: int) -> dict[str, float]:
@@ -678,6 +919,8 @@ def speedups(runs: list[Run], names: list[str], n: int) -> dict[str, float]:
         hf, own, own_logits = find(name, "hf", "logits"), find(name, "custom", "fused"), find(name, "custom", "logits")
         if not (hf and own):
             result[name] = float("nan")
+            failed = [f"{r.impl} {r.loss_path}: {r.error}" for r in runs if r.kind == name and r.error]
+            print(f"{name}: no ratio, a run failed: " + " | ".join(failed))
             continue
         result[name] = own.tokens_per_s / hf.tokens_per_s
         ratios = {
@@ -691,7 +934,8 @@ def speedups(runs: list[Run], names: list[str], n: int) -> dict[str, float]:
             ratios[f"own with transformers' logits loss path, per step of {n}"] = (
                 own_logits.tokens_per_s / hf.tokens_per_s
             )
-        print(f"{name} own / transformers: " + "; ".join(f"{v:.2f}x {k}" for k, v in ratios.items()))
+        cut = f" (transformers' {hf.note})" if hf.note else ""
+        print(f"{name} own / transformers{cut}: " + "; ".join(f"{v:.2f}x {k}" for k, v in ratios.items()))
     return result
 
 
@@ -706,7 +950,8 @@ def main() -> None:
     parser.add_argument("--gpu-memory-gib", type=float, default=None, help="fit for this much (default: the GPU's)")
     parser.add_argument("--fit-only", action="store_true", help="print the fitted layer counts and stop")
     parser.add_argument("--seq-len", type=int, default=None,
-                        help=f"default: the family's (4096), --kinds 4096; --smoke {SMOKE_SEQ_LEN}")  # fmt: skip
+                        help=f"default: each family's (4096; 16384 for the hybrids), --kinds 4096; --smoke "
+                             f"{SMOKE_SEQ_LEN}")  # fmt: skip
     parser.add_argument(
         "--micro-batches", type=int, default=8, help="micro-batches of --seq-len tokens per optimizer step"
     )
@@ -714,6 +959,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10, help="timed steps; medians are reported")
     parser.add_argument("--own-loss-paths", default="fused,logits", help="the own rows: fused and/or logits")
     parser.add_argument("--hf-experts", default=None, help="transformers' experts_implementation (default: its own)")
+    parser.add_argument("--hf-step-limit-s", type=float, default=None,
+                        help="a transformers run whose first step takes longer stops there and reports that "
+                             "step (default: no limit)")  # fmt: skip
     parser.add_argument("--checkpoint-dir", type=pathlib.Path, default=None, help="default: a temporary folder")
     parser.add_argument(
         "--profile-dir", type=pathlib.Path, default=None, help="write a kernel profile of the own models"
@@ -725,9 +973,6 @@ def main() -> None:
     args = parser.parse_args()
     if args.family is not None and args.kinds is not None:
         raise ValueError("give --kinds or --family, not both")
-    if args.seq_len is None:
-        families = [FAMILIES[name] for name in (args.family or "").split(",") if name in FAMILIES]
-        args.seq_len = SMOKE_SEQ_LEN if args.smoke else max((f.seq_len for f in families), default=4096)
     wall = time.perf_counter()
     cases = build_cases(args)
     if args.fit_only:
