@@ -350,9 +350,9 @@ def test_context_parallel_trains_as_one_process(tmp_path: pathlib.Path) -> None:
     scan and convolution states between the ranks, the attention gathers keys and values. Chunks
     of 4 tokens, so that the scan's own chunks cross the ranks' too. ~50-80 s here (torchrun)."""
     spec = TinyNemotronHSpec(
-        hybrid_override_pattern="M*E", hidden_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
-        intermediate_size=64, moe_intermediate_size=32, moe_shared_expert_intermediate_size=32, mamba_num_heads=4,
-        mamba_head_dim=16, chunk_size=4,
+        num_hidden_layers=3, hybrid_override_pattern="M*E", hidden_size=64, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=32, intermediate_size=64, moe_intermediate_size=32,
+        moe_shared_expert_intermediate_size=32, mamba_num_heads=4, mamba_head_dim=16, chunk_size=4,
     )  # fmt: skip
     model_dir = make_tiny_model(tmp_path / "cp-nemotron-h", family="nemotron-h", spec=spec)
     hf_parity.assert_context_parallel_trains_as_one_process(model_dir, tmp_path)

@@ -464,14 +464,19 @@ class TinyNemotronHSpec(TinyMoeSpec):
     `hybrid_override_pattern` names them (M Mamba-2, E mixture of experts, * attention without
     positions, - dense relu^2 MLP; every kind present), sigmoid routing with a correction bias
     (drawn at random) and a shared expert, non-gated relu^2 experts; chunks shorter than the usual
-    test samples, so that the scan crosses chunks; untied head. Its norms' epsilon is
-    `layer_norm_epsilon`; it has no rope or hidden_act fields."""
+    test samples, so that the scan crosses chunks; random A_log and convolution bias; untied head.
+    Its norms' epsilon is `layer_norm_epsilon`; it has no rope or hidden_act fields."""
 
     model_class: ClassVar[str] = "NemotronHForCausalLM"
     model_type: ClassVar[str] = "nemotron_h"
     float32_buffers: ClassVar[tuple[str, ...]] = ("e_score_correction_bias",)
+    # Mamba-2's A_log (transformers: log(1..heads), the same for every seed) and convolution bias
+    # (zeros) drawn like the rest.
+    random_parameters: ClassVar[tuple[str, ...]] = ("A_log", "conv1d.bias")
     experts_key: ClassVar[str] = "n_routed_experts"
 
+    num_hidden_layers: int = 6
+    # One letter per layer: as many as num_hidden_layers.
     hybrid_override_pattern: str = "MEM*E-"
     mamba_num_heads: int = 8
     mamba_head_dim: int = 32
@@ -482,11 +487,17 @@ class TinyNemotronHSpec(TinyMoeSpec):
     moe_shared_expert_intermediate_size: int = 128
     routed_scaling_factor: float = 2.5
 
+    def __post_init__(self) -> None:
+        if len(self.hybrid_override_pattern) != self.num_hidden_layers:
+            raise ValueError(
+                f"hybrid_override_pattern {self.hybrid_override_pattern!r} must name num_hidden_layers "
+                f"({self.num_hidden_layers}) layers"
+            )
+
     def config_dict(self, dtype: DType) -> dict[str, Any]:
         config = super().config_dict(dtype)
         del config["rope_theta"], config["hidden_act"]
         config["layer_norm_epsilon"] = config.pop("rms_norm_eps")
-        config["num_hidden_layers"] = len(self.hybrid_override_pattern)
         return config
 
     def family_config(self) -> dict[str, Any]:
