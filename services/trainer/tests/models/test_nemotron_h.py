@@ -20,7 +20,8 @@ from primerl_launcher.tiny_model import VOCAB_SIZE as TINY_VOCAB_SIZE
 from primerl_launcher.tiny_model import TinyNemotronHSpec, make_tiny_model
 from primerl_trainer.distributed.context_parallel import RowLayout
 from primerl_trainer.models import load_model, read_hf_state_dict
-from primerl_trainer.models.common.mamba2 import Mamba2, chunked_ssd, recurrent_ssd
+from primerl_trainer.models.common.gated_delta_rule import causal_conv1d
+from primerl_trainer.models.common.mamba2 import Mamba2, chunked_ssd, conv_within_samples, recurrent_ssd
 from primerl_trainer.models.nemotron_h.model import NemotronHModel
 from primerl_trainer.models.nemotron_h.state_dict_adapter import NemotronHStateDictAdapter
 
@@ -260,6 +261,28 @@ def test_chunked_and_recurrent_forms_agree(chunk_size: int) -> None:
         recurrent, recurrent_final = recurrent_ssd(**inputs, initial_state=state)
         assert (chunked - recurrent).abs().max() <= SCAN_TOLERANCE
         assert (chunked_final - recurrent_final).abs().max() <= SCAN_TOLERANCE
+
+
+def test_samples_of_a_row_equal_their_runs_alone() -> None:
+    """One row of 3 samples (tokens starting a sample reset the state, convolution taps stay in
+    their sample) equals each sample run alone, in the chunked and the recurrent form."""
+    lengths = [13, 1, 26]
+    inputs = scan_inputs(1, sum(lengths), seed=3)
+    column = torch.cat([torch.arange(n) for n in lengths])[None]
+    alone = []
+    for sample in torch.arange(sum(lengths)).split(lengths):
+        one = {k: v[:, sample] if k in ("x", "dt", "B", "C") else v for k, v in inputs.items()}
+        alone.append(recurrent_ssd(**one)[0])
+    alone = torch.cat(alone, dim=1)
+    chunked, _ = chunked_ssd(**inputs, chunk_size=8, reset=column == 0)
+    recurrent, _ = recurrent_ssd(**inputs, reset=column == 0)
+    assert (chunked - alone).abs().max() <= SCAN_TOLERANCE and (recurrent - alone).abs().max() <= SCAN_TOLERANCE
+
+    x = torch.randn(1, sum(lengths), 6, generator=torch.Generator().manual_seed(4))
+    weight, bias = torch.randn(6, 4), torch.randn(6)
+    convolved = conv_within_samples(x, weight, bias, column)
+    alone = torch.cat([causal_conv1d(part, weight, bias=bias)[0] for part in x.split(lengths, dim=1)], dim=1)
+    assert (convolved - alone).abs().max() <= SCAN_TOLERANCE
 
 
 def test_layer_state_carries_over_a_split(models: tuple) -> None:

@@ -62,10 +62,12 @@ def recurrent_ssd(
     D: torch.Tensor,
     *,
     initial_state: torch.Tensor | None = None,
+    reset: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The scan token by token. x [N, L, H, P], dt [N, L, H] (after softplus and clamp), A and D
-    [H], B and C [N, L, G, S]; `initial_state` [N, H, P, S] (None: zeros). In float32 (or the
-    inputs' wider dtype); returns (y [N, L, H, P] in x's dtype, final state in that dtype)."""
+    [H], B and C [N, L, G, S]; `initial_state` [N, H, P, S] (None: zeros); `reset` [N, L] bool:
+    the tokens that start a sample (the state before them is dropped). In float32 (or the inputs'
+    wider dtype); returns (y [N, L, H, P] in x's dtype, final state in that dtype)."""
     out_dtype, dtype = x.dtype, compute_dtype(x, dt, B, C)
     num_heads = x.shape[2]
     x, dt, A, D = (t.to(dtype) for t in (x, dt, A, D))
@@ -76,6 +78,8 @@ def recurrent_ssd(
     outs = []
     for t in range(x.shape[1]):
         decay = (dt[:, t] * A).exp()[..., None, None]
+        if reset is not None:
+            decay = decay * ~reset[:, t, None, None, None]
         state = state * decay + (dt[:, t, :, None] * x[:, t])[..., None] * B[:, t, :, None, :]
         outs.append(torch.einsum("nhps,nhs->nhp", state, C[:, t]) + D[:, None] * x[:, t])
     y = torch.stack(outs, dim=1) if outs else x.new_zeros(x.shape)
@@ -103,12 +107,14 @@ def chunked_ssd(
     *,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     initial_state: torch.Tensor | None = None,
+    reset: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The scan of `recurrent_ssd` (same arguments and results), chunk by chunk.
 
     Inside a chunk, with l_i the cumulative sum of a up to i and S_0 the state entering it,
     y_i = sum_{j<=i} exp(l_i - l_j) (C_i.B_j) dt_j x_j + exp(l_i) S_0 C_i + D x_i, and the state
-    leaving it is exp(l_C) S_0 + sum_j exp(l_C - l_j) dt_j x_j B_j^T."""
+    leaving it is exp(l_C) S_0 + sum_j exp(l_C - l_j) dt_j x_j B_j^T. A sample start has
+    a = -inf: every decay across it is zero, so samples packed in one row stay apart."""
     out_dtype, dtype = x.dtype, compute_dtype(x, dt, B, C)
     num_seqs, seq_len, num_heads, head_dim = x.shape
     state_size = B.shape[-1]
@@ -126,6 +132,8 @@ def chunked_ssd(
     B, C = (_heads_of_groups(t, num_heads) for t in (B, C))
     x_c, dt_c, B_c, C_c = chunks(x), chunks(dt), chunks(B), chunks(C)
     a = dt_c * A32[:, None, None]  # [N, H, n, C]
+    if reset is not None:
+        a = a.masked_fill(chunks(reset.to(dtype)[..., None].expand(-1, -1, num_heads)).bool(), float("-inf"))
     log_decay = a.cumsum(dim=-1)
     pair_log_decay = _segment_sums(a)
     scores = (C_c @ B_c.transpose(-1, -2)) * pair_log_decay.exp()  # [N, H, n, C, C]
@@ -145,6 +153,21 @@ def chunked_ssd(
     y = torch.stack(outs, dim=2).reshape(num_seqs, num_heads, -1, head_dim)[:, :, :seq_len].transpose(1, 2)
     y = y + D32[:, None] * x.to(dtype)
     return y.to(out_dtype), state
+
+
+def conv_within_samples(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, column: torch.Tensor
+) -> torch.Tensor:
+    """causal_conv1d (no entering state) of rows holding several samples: x [N, L, C], weight
+    [C, W], `column` [N, L] each token's place in its sample; a tap reads a token only inside the
+    same sample. Summed tap by tap in the weight's dtype, returned in x's."""
+    width, seq_len = weight.shape[-1], x.shape[1]
+    x_w = x.to(weight.dtype)
+    out = x_w * weight[:, -1] if bias is None else torch.addcmul(bias, x_w, weight[:, -1])
+    for k in range(1, width):
+        before = F.pad(x_w, (0, 0, k, 0))[:, :seq_len] * (column >= k)[..., None]
+        out = torch.addcmul(out, before, weight[:, width - 1 - k])
+    return F.silu(out).to(x.dtype)
 
 
 class GroupedGatedRMSNorm(nn.Module):
@@ -234,18 +257,22 @@ class Mamba2(nn.Module):
             y = self.core(*cp.gather(xBC, dt), segments)[:, cp.local_positions]
         else:
             y = self.core(xBC, dt, segments)
-        return self.out_proj(self.norm(y, z))
+        # The PyTorch path's y is float32 (or wider): normed and scaled there, rounded once for the
+        # projection (transformers' rounding; rounding y first doubled the bf16 error).
+        return self.out_proj(self.norm(y, z).to(x.dtype))
 
     # Left out of compiled graphs: the PyTorch scan is a Python loop over chunks.
     @torch.compiler.disable
     def core(self, xBC: torch.Tensor, dt: torch.Tensor, segments: Segments | None) -> torch.Tensor:
         """The convolution's inputs [B, T, channels] and raw step sizes [B, T, H] -> the scan's
-        output y [B, T, H * P] (D skip included)."""
+        output y [B, T, H * P] (D skip included; float32 or wider on the PyTorch path)."""
         if self._use_kernels(xBC):
             return self._kernel_core(xBC, dt, segments)
         if segments is None:
             return self.torch_core(xBC, dt)[0]
-        return segments.unpad(self.torch_core(segments.pad(xBC), segments.pad(dt))[0], xBC.shape[0])
+        # The rows as they are (no padding to the longest sample), the samples kept apart.
+        column = (segments.padded_index % segments.max_len).view(xBC.shape[:2])
+        return self.torch_core(xBC, dt, column=column)[0]
 
     def step_sizes(self, dt: torch.Tensor) -> torch.Tensor:
         """softplus(dt + dt_bias) clamped to dt_limit, in float32 at least."""
@@ -270,19 +297,28 @@ class Mamba2(nn.Module):
         *,
         conv_state: torch.Tensor | None = None,
         initial_state: torch.Tensor | None = None,
+        column: torch.Tensor | None = None,
         recurrent: bool = False,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        """Rows that are one sample each: [N, L, channels], [N, L, H] -> (y [N, L, H * P], (the
-        convolution's final state [N, channels, W-1], the scan's [N, H, P, S])), from the given
-        entering states (None: zeros); `recurrent` runs the token-by-token form (the check)."""
-        conv_out, conv_final = causal_conv1d(xBC, self.conv1d.weight.squeeze(1), conv_state, bias=self.conv1d.bias)
+        """Rows [N, L, channels], [N, L, H] -> (y [N, L, H * P], (the convolution's final state
+        [N, channels, W-1], the scan's [N, H, P, S])), from the given entering states (None:
+        zeros). `column` [N, L]: rows of several samples, each token's place in its sample (the
+        entering states are then zeros, the convolution's final state empty); `recurrent` runs
+        the token-by-token form (the check)."""
+        weight = self.conv1d.weight.squeeze(1)
+        if column is None:
+            conv_out, conv_final = causal_conv1d(xBC, weight, conv_state, bias=self.conv1d.bias)
+        else:
+            conv_out = conv_within_samples(xBC, weight, self.conv1d.bias, column)
+            conv_final = xBC.new_zeros(0)
         x, B, C = self.split_conv_output(conv_out)
         A = -self.A_log.to(compute_dtype(self.A_log)).exp()
-        scan_args = (x, self.step_sizes(dt), A, B, C, self.D)
+        scan_args = (x.to(compute_dtype(x)), self.step_sizes(dt), A, B, C, self.D)
+        reset = None if column is None else column == 0
         if recurrent:
-            y, final = recurrent_ssd(*scan_args, initial_state=initial_state)
+            y, final = recurrent_ssd(*scan_args, initial_state=initial_state, reset=reset)
         else:
-            y, final = chunked_ssd(*scan_args, chunk_size=self.chunk_size, initial_state=initial_state)
+            y, final = chunked_ssd(*scan_args, chunk_size=self.chunk_size, initial_state=initial_state, reset=reset)
         return y.flatten(-2), (conv_final, final)
 
     @torch.compiler.disable
@@ -297,7 +333,7 @@ class Mamba2(nn.Module):
         real = pieces.pad(torch.ones_like(dt[..., :1]))
         step = self.step_sizes(pieces.pad(dt)) * real
         A = -self.A_log.to(compute_dtype(self.A_log)).exp()
-        y, final = chunked_ssd(x, step, A, B, C, self.D, chunk_size=self.chunk_size)
+        y, final = chunked_ssd(x.to(compute_dtype(x)), step, A, B, C, self.D, chunk_size=self.chunk_size)
         log_decay = (step * A).cumsum(dim=1)  # [pieces, L, H]
         # Each chunk's map S_end = A_c S_in + B_c: A_c the total decay where the chunk is one
         # piece continuing its sample (else the entering state is not its sample's), B_c its last
