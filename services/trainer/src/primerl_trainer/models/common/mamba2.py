@@ -16,6 +16,8 @@ and optional), else the PyTorch path, saying so once.
 
 Packed rows: `Segments` (gated_delta_net.py) names where each sample starts; the convolution and
 the scan start from zero state at every sample, so nothing flows from one sample into the next.
+The PyTorch path scans the rows as they are: a sample's first token has log decay -inf (the
+state before it is dropped) and the convolution's taps read only their own sample's tokens.
 
 Context parallel (`ContextParallelRow`, gated_delta_net.py: a row split zig-zag into 2 * cp
 chunks, two per rank): the PyTorch path passes the state between ranks. The scan is linear in its
