@@ -312,6 +312,8 @@ FAMILIES: dict[str, Family] = {
     # 10,000,000 (transformers' default is 10,000; the Qwen3.5 dense models' Megatron recipes
     # use 1e7) and the multimodal rotary sections, which equal plain RoPE on text. The benchmark
     # takes the text model (qwen3_5_moe_text), the language model of the hub's multimodal one.
+    # Both DeltaNets take fla's chunked kernels on CUDA where fla imports (transformers through
+    # its kernel fallback, the own model through gated_delta_net.py), else their PyTorch paths.
     "qwen3_5_moe": Family(
         config={
             "architectures": ["Qwen3_5MoeForCausalLM"],
@@ -379,7 +381,8 @@ FAMILIES: dict[str, Family] = {
     # KV heads of 128 without positions; vocabulary 131,072, untied. Not verified against the hub
     # file: the exact pattern string (its counts are), the dense intermediate_size 1856 (unused:
     # no '-' layer) and the time-step fields. The pattern's first six layers hold every kind
-    # (MEMEM*), hence min_layers 6.
+    # (MEMEM*), hence min_layers 6. Both Mamba-2s run their PyTorch chunked scans where mamba-ssm
+    # and causal-conv1d do not import (the device image).
     "nemotron_h": Family(
         config={
             "architectures": ["NemotronHForCausalLM"],
