@@ -366,27 +366,33 @@ def test_lora_adapts_the_mamba_projections(tiny_checkpoint: pathlib.Path) -> Non
     assert adapter[f"{layer}.out_proj.lora_A.weight"].shape == (4, mamba.num_heads * mamba.head_dim)
 
 
-@pytest.mark.slow
-def test_context_parallel_trains_as_one_process(tmp_path: pathlib.Path) -> None:
-    """cp=2 over 2 CPU ranks (hf_parity.assert_context_parallel_trains_as_one_process: packed rows,
-    a one-sample row, a row shorter than 2 * cp, replayed routing): the Mamba-2 layers pass their
-    scan and convolution states between the ranks, the attention gathers keys and values. Chunks
-    of 4 tokens, so that the scan's own chunks cross the ranks' too. ~50-80 s here (torchrun)."""
+@pytest.fixture(scope="module")
+def narrow_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    """The maker's Nemotron-H narrowed for the runs over 2 ranks: Mamba-2, attention and 2 MoE
+    layers; chunks of 4 tokens, so that the scan's own chunks cross the ranks' too."""
     spec = TinyNemotronHSpec(
-        num_hidden_layers=3, hybrid_override_pattern="M*E", hidden_size=64, num_attention_heads=2,
+        num_hidden_layers=4, hybrid_override_pattern="ME*E", hidden_size=64, num_attention_heads=2,
         num_key_value_heads=1, head_dim=32, intermediate_size=64, moe_intermediate_size=32,
         moe_shared_expert_intermediate_size=32, mamba_num_heads=4, mamba_head_dim=16, chunk_size=4,
     )  # fmt: skip
-    model_dir = make_tiny_model(tmp_path / "cp-nemotron-h", family="nemotron-h", spec=spec)
-    hf_parity.assert_context_parallel_trains_as_one_process(model_dir, tmp_path)
+    return make_tiny_model(tmp_path_factory.mktemp("narrow-nemotron-h") / "nemotron-h", family="nemotron-h", spec=spec)
 
 
-@pytest.mark.slow
-def test_expert_parallel_trains_as_one_process(tiny_checkpoint: pathlib.Path, tmp_path: pathlib.Path) -> None:
-    """ep=2 over 2 CPU ranks (hf_parity.assert_expert_parallel_trains_as_one_process): the
-    non-gated experts split over the ranks beside the Mamba-2, attention and dense layers; the two
-    routers' correction biases come back unchanged."""
-    hf_parity.assert_expert_parallel_trains_as_one_process(tiny_checkpoint, tmp_path, num_routers=2)
+# ep=2 and cp=2 over 2 CPU ranks on the narrow checkpoint, in one launch (hf_parity.run_expert_and_context_parallel).
+parallel_runs = hf_parity.parallel_runs_fixture("nemotron-h", "narrow_checkpoint")
+
+
+def test_expert_parallel_trains_as_one_process(parallel_runs: hf_parity.ParallelRuns) -> None:
+    """The non-gated experts split over the ranks beside the Mamba-2 and attention layers: losses,
+    replay, LoRA and resume under FSDP2 as one process; the 2 routers' correction biases unchanged."""
+    hf_parity.assert_expert_parallel_matches(parallel_runs, num_routers=2)
+
+
+def test_context_parallel_trains_as_one_process(parallel_runs: hf_parity.ParallelRuns) -> None:
+    """Packed rows, a one-sample row, a row shorter than 2 * cp, replayed routing: the Mamba-2
+    layers pass their scan and convolution states between the ranks, the attention gathers keys
+    and values. The one launch of both runs takes ~20 s here (torchrun)."""
+    hf_parity.assert_context_parallel_matches(parallel_runs)
 
 
 @pytest.mark.gpu
