@@ -34,6 +34,9 @@ from .conftest import packed_inputs
 TOLERANCE = 1e-5
 # Every LoRA target: attention, dense and shared-expert projections, routed experts.
 LORA_TARGETS = ["q", "k", "v", "o", "g", "gate", "up", "down", "experts"]
+# A random checkpoint the training helpers can run: they sample byte tokens (the tiny tokenizer's
+# vocabulary); weights at the usual scale, so that a few Adam steps stay in float32's comfortable range.
+TRAINABLE = {"vocab_size": TINY_VOCAB_SIZE, "initializer_range": 0.02}
 
 
 def save_random_checkpoint(
