@@ -11,6 +11,7 @@ import argparse
 import datetime
 import gc
 import io
+import json
 import os
 import statistics
 import subprocess
@@ -227,29 +228,35 @@ def rates_toml(lines: dict[str, Any], collectives: dict[str, float], world: int)
     for seq, head_dim, fwd, bwd in lines["attention"]:
         w(f"  {{ seq_len = {seq}, head_dim = {head_dim}, fwd_tflops = {fwd:.0f}, bwd_tflops = {bwd:.0f} }},\n")
     w("]\n\n")
+    # all_to_all_call_s and [fit] are fitted to bench/parallel_throughput.py runs, not measured
+    # here: kept from the shipped file like the inter-node rates.
     if collectives:
         w(f'[intra_node]\nsource = "NCCL busbw over {world} GPUs of one host, 256 MiB: {where}"\n')
         w(
             f"all_gather_gbps = {collectives['all_gather']:.0f}\nreduce_scatter_gbps = "
-            f"{collectives['reduce_scatter']:.0f}\nall_to_all_gbps = {collectives['all_to_all']:.0f}\n\n"
+            f"{collectives['reduce_scatter']:.0f}\nall_to_all_gbps = {collectives['all_to_all']:.0f}\n"
         )
     else:
         link = known.intra_node
         w(
             f'[intra_node]\nsource = "kept: {link.source}"\nall_gather_gbps = {link.all_gather_gbps:.0f}\n'
-            f"reduce_scatter_gbps = {link.reduce_scatter_gbps:.0f}\nall_to_all_gbps = {link.all_to_all_gbps:.0f}\n\n"
+            f"reduce_scatter_gbps = {link.reduce_scatter_gbps:.0f}\nall_to_all_gbps = {link.all_to_all_gbps:.0f}\n"
         )
+    w(f"all_to_all_call_s = {known.intra_node.all_to_all_call_s!r}  # kept: see [fit]\n\n")
     link = known.inter_node
     w(
         f'[inter_node]\nsource = "kept (one node measures no network): {link.source}"\n'
         f"all_gather_gbps = {link.all_gather_gbps:.0f}\nreduce_scatter_gbps = {link.reduce_scatter_gbps:.0f}\n"
-        f"all_to_all_gbps = {link.all_to_all_gbps:.0f}\n\n"
+        f"all_to_all_gbps = {link.all_to_all_gbps:.0f}\nall_to_all_call_s = {link.all_to_all_call_s!r}\n\n"
     )
     factors = lines["activations"]
     w(
         f'[activations]\nsource = "saved bytes of compiled blocks at 4096 tokens over the planner\'s count: {where}"\n'
-        f"factor_dense = {factors['dense']:.3f}\nfactor_moe = {factors['moe']:.3f}\n"
+        f"factor_dense = {factors['dense']:.3f}\nfactor_moe = {factors['moe']:.3f}\n\n"
     )
+    fit = known.fit
+    w(f"[fit]\nsource = {json.dumps('kept: ' + fit.source)}\n")
+    w(f"ep_layer_s = {fit.ep_layer_s!r}\nfsdp_exposed_fraction = {fit.fsdp_exposed_fraction!r}\n")
     return out.getvalue()
 
 
