@@ -5,10 +5,13 @@ round trip (text and multimodal checkpoints); the Gated DeltaNet's forms (chunke
 recurrent, its causal convolution and state carried over, packed rows restarting both) and
 against transformers' PyTorch path; the tiny-model maker's `qwen3.5-moe` family.
 
-transformers runs its own PyTorch path on the CPU (no flash-linear-attention or causal-conv1d
-here); that path ignores sample boundaries in packed rows (its DeltaNet state and convolution
-run across them), so packed rows are compared with transformers' runs of each sample alone."""
+transformers runs its own PyTorch path on the CPU (`transformers_torch_path`: where
+flash-linear-attention or causal-conv1d import, transformers binds their kernels in place of its
+PyTorch functions whatever the device, and they cannot read host tensors); that path ignores
+sample boundaries in packed rows (its DeltaNet state and convolution run across them), so packed
+rows are compared with transformers' runs of each sample alone."""
 
+import inspect
 import pathlib
 
 import pytest
@@ -19,7 +22,12 @@ from primerl_launcher.tiny_model import VOCAB_SIZE as TINY_VOCAB_SIZE
 from primerl_launcher.tiny_model import TinyQwen3_5MoeSpec, make_tiny_model
 from primerl_trainer.distributed.context_parallel import RowLayout
 from primerl_trainer.models import export_hf_state_dict, load_model, read_hf_state_dict
-from primerl_trainer.models.common.gated_delta_net import GatedDeltaNet, segments_of
+from primerl_trainer.models.common.gated_delta_net import (
+    GatedDeltaNet,
+    fla_hopper_triton_problem,
+    fla_unusable_reason,
+    segments_of,
+)
 from primerl_trainer.models.common.gated_delta_rule import (
     causal_conv1d,
     chunked_gated_delta_rule,
@@ -54,6 +62,25 @@ MULTIMODAL = {
     "linear_num_key_heads": 2,
     "linear_num_value_heads": 2,
 }
+
+
+@pytest.fixture(autouse=True, scope="module")
+def transformers_torch_path():
+    """transformers' Qwen3.5-MoE DeltaNet on its PyTorch functions (the CPU reference), even where
+    fla's or causal-conv1d's kernels import and transformers bound those instead."""
+    from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as modeling
+
+    with pytest.MonkeyPatch.context() as patch:
+        for name in (
+            "torch_chunk_gated_delta_rule",
+            "torch_recurrent_gated_delta_rule",
+            "causal_conv1d_fn",
+            "causal_conv1d_update",
+        ):
+            torch_function = inspect.unwrap(getattr(modeling, name))
+            assert torch_function.__module__ == modeling.__name__, f"{name}: {torch_function.__module__}"
+            patch.setattr(modeling, name, torch_function)
+        yield
 
 
 def text_config(variant: dict) -> dict:
@@ -393,12 +420,35 @@ def test_packed_gradients_equal_separate_runs() -> None:
         torch.testing.assert_close(grad, alone[name], rtol=1e-5, atol=1e-5, msg=name)
 
 
+@pytest.mark.parametrize(
+    ("capability", "triton", "tilelang", "usable"),
+    [
+        ((9, 0), "3.6.0", False, False),
+        ((9, 0), "3.4.0", False, False),
+        ((9, 0), "3.7.0+git1234", False, False),
+        ((9, 0), "3.7.1", False, True),
+        ((9, 0), "3.3.1", False, True),
+        ((9, 0), "3.6.0", True, True),
+        ((8, 0), "3.6.0", False, True),
+        ((10, 0), "3.6.0", False, True),
+    ],
+)
+def test_fla_is_unusable_on_hopper_with_the_triton_fla_refuses(
+    capability: tuple[int, int], triton: str, tilelang: bool, usable: bool
+) -> None:
+    reason = fla_hopper_triton_problem(capability, triton, tilelang)
+    assert (reason is None) == usable
+    if reason is not None:
+        assert triton in reason and "tilelang" in reason
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fla_kernels_equal_the_torch_path_on_cuda(dtype: torch.dtype) -> None:
     """flash-linear-attention's varlen kernels (impl "fla") against the PyTorch path on packed rows
     with samples shorter than the convolution and longer than a chunk: outputs and gradients."""
-    pytest.importorskip("fla")
+    if (reason := fla_unusable_reason(torch.cuda.current_device())) is not None:
+        pytest.skip(reason)
     torch.manual_seed(0)
     layer = GatedDeltaNet(
         dim=256, num_k_heads=2, num_v_heads=4, head_k_dim=64, head_v_dim=64, conv_width=4, norm_eps=1e-6
@@ -433,12 +483,8 @@ def test_model_on_cuda_equals_transformers(tiny_checkpoint: pathlib.Path) -> Non
     hf = reference(tiny_checkpoint)
     expected = torch.cat([reference_forward(hf, sample)[0] for sample in samples], dim=1)
     impls = {"torch": LOGIT_TOLERANCE}
-    try:
-        import fla  # noqa: F401
-
+    if fla_unusable_reason(torch.cuda.current_device()) is None:
         impls["fla"] = 5e-3
-    except ImportError:
-        pass
     for impl, tolerance in impls.items():
         for module in own.modules():
             if isinstance(module, GatedDeltaNet):

@@ -3,7 +3,7 @@ Qwen3-Next: a short causal convolution over the projected queries, keys and valu
 gated delta rule (gated_delta_rule.py: its recurrent and chunked forms in PyTorch, the CPU path
 and the reference), then an RMSNorm of each output head gated by silu(z) and the output
 projection. On CUDA the layer runs flash-linear-attention's kernels (package `fla-core`) when
-importable, else the PyTorch path, saying so once.
+importable and usable on the device (`fla_unusable_reason`), else the PyTorch path, saying why once.
 
 Packed rows: `Segments` names where each sample starts. The convolution and the recurrence
 start from zero state at every sample start, so nothing flows from one sample into the next.
@@ -22,7 +22,10 @@ their tokens.
 from __future__ import annotations
 
 import functools
+import importlib.metadata
+import importlib.util
 import logging
+import re
 from dataclasses import dataclass
 from typing import Literal
 
@@ -180,18 +183,59 @@ class GatedRMSNorm(RMSNorm):
 
 @functools.cache
 def _fla_ops():
-    """flash-linear-attention's varlen kernels (chunked rule, causal conv), or None."""
+    """flash-linear-attention's varlen kernels (chunked rule, causal conv), or why not importable."""
     try:
         from fla.modules.causal_conv1d import causal_conv1d as fla_causal_conv1d
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk_gated_delta_rule
     except ImportError as error:
-        logger.warning(
-            "Gated DeltaNet on CUDA runs its PyTorch path (slow): flash-linear-attention is not importable (%s); "
-            "install the trainer's `fla` extra",
-            error,
-        )
+        return None, f"flash-linear-attention is not importable ({error}); install the trainer's `fla` extra"
+    return (fla_causal_conv1d, fla_chunk_gated_delta_rule), None
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """'3.6.0+git1a2b' -> (3, 6, 0)."""
+    return tuple(int(part) for part in re.findall(r"\d+", version.split("+")[0])[:3])
+
+
+def fla_hopper_triton_problem(
+    capability: tuple[int, int], triton_version: str | None, has_tilelang: bool
+) -> str | None:
+    """fla's rule for its gated chunked backward (fla #640): Triton 3.4.0 up to before 3.7.1 computes it
+    wrongly on Hopper (compute capability 9.x), so fla raises in the backward unless tilelang stands in.
+    Returns the reason its kernels are unusable, or None."""
+    if capability[0] != 9 or triton_version is None or has_tilelang:
         return None
-    return fla_causal_conv1d, fla_chunk_gated_delta_rule
+    if (3, 4, 0) <= _release(triton_version) < (3, 7, 1):
+        return (
+            f"flash-linear-attention's gated chunked backward is wrong with Triton {triton_version} on Hopper "
+            f"(compute capability {capability[0]}.{capability[1]}; fla #640) and fla refuses it: "
+            "upgrade Triton to >= 3.7.1 or install tilelang"
+        )
+    return None
+
+
+@functools.cache
+def fla_unusable_reason(device_index: int) -> str | None:
+    """Why flash-linear-attention's kernels cannot run on CUDA device `device_index` (None: they
+    can), decided up front rather than by fla raising in the backward; warns once per device."""
+    reason = _fla_ops()[1]
+    if reason is None:
+        try:
+            triton_version: str | None = importlib.metadata.version("triton")
+        except importlib.metadata.PackageNotFoundError:
+            triton_version = None
+        reason = fla_hopper_triton_problem(
+            torch.cuda.get_device_capability(device_index),
+            triton_version,
+            importlib.util.find_spec("tilelang") is not None,
+        )
+    if reason is not None:
+        logger.warning("Gated DeltaNet on CUDA runs its PyTorch path (slow): %s", reason)
+    return reason
+
+
+def _device_index(x: torch.Tensor) -> int:
+    return x.device.index if x.device.index is not None else torch.cuda.current_device()
 
 
 class GatedDeltaNet(nn.Module):
@@ -200,7 +244,7 @@ class GatedDeltaNet(nn.Module):
     Key heads are shared by num_v_heads / num_k_heads value heads each (consecutive ones).
 
     `impl`: "torch" the PyTorch path (chunked form), "fla" flash-linear-attention's kernels
-    (CUDA; ValueError when absent), "auto" fla on CUDA when importable, else torch."""
+    (CUDA; ValueError when absent or unusable), "auto" fla on CUDA when usable, else torch."""
 
     def __init__(
         self,
@@ -350,13 +394,14 @@ class GatedDeltaNet(nn.Module):
     def _fla_core(
         self, mixed_qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, segments: Segments | None
     ) -> torch.Tensor:
-        fla_causal_conv1d, fla_chunk_gated_delta_rule = _fla_ops()
+        (fla_causal_conv1d, fla_chunk_gated_delta_rule), _ = _fla_ops()
         batch_size, seq_len, _ = mixed_qkv.shape
         cu_seqlens = None
         if segments is not None:
             # Varlen: one row of all tokens, the kernels restart at each cu_seqlens entry.
             mixed_qkv, g, beta = (t.reshape(1, batch_size * seq_len, *t.shape[2:]) for t in (mixed_qkv, g, beta))
-            cu_seqlens = segments.cu_seqlens
+            # On the kernels' device: Triton cannot read a host tensor.
+            cu_seqlens = segments.cu_seqlens.to(mixed_qkv.device)
         mixed_qkv, _ = fla_causal_conv1d(
             mixed_qkv, self.conv1d.weight.squeeze(1), activation="silu", cu_seqlens=cu_seqlens
         )
@@ -370,10 +415,12 @@ class GatedDeltaNet(nn.Module):
         if self.impl == "torch":
             return False
         if self.impl == "fla":
-            if not x.is_cuda or _fla_ops() is None:
-                raise ValueError("gated delta net impl 'fla' needs a CUDA tensor and flash-linear-attention (fla-core)")
+            if not x.is_cuda:
+                raise ValueError("gated delta net impl 'fla' needs CUDA tensors")
+            if (reason := fla_unusable_reason(_device_index(x))) is not None:
+                raise ValueError(f"gated delta net impl 'fla' is unusable here: {reason}")
             return True
-        return x.is_cuda and _fla_ops() is not None
+        return x.is_cuda and fla_unusable_reason(_device_index(x)) is None
 
     def extra_repr(self) -> str:
         return f"heads k/v {self.num_k_heads}/{self.num_v_heads}, dims k/v {self.head_k_dim}/{self.head_v_dim}"
