@@ -4,7 +4,9 @@ the samples, so that it matters), packed rows, router and selection replay, one 
 gradients, the HF state-dict round trip, refused configs, cp refused, one RL step with and
 without LoRA."""
 
+import json
 import pathlib
+import shutil
 
 import pytest
 import torch
@@ -279,6 +281,24 @@ def test_multi_token_prediction_layers_are_dropped(full_checkpoint: pathlib.Path
 )
 def test_bad_configs_are_refused(full_checkpoint: pathlib.Path, change: dict, match: str) -> None:
     hf_parity.assert_config_refused(full_checkpoint, change, match)
+
+
+@torch.no_grad()
+def test_both_names_of_the_indexed_attention_layer_are_read(
+    full_checkpoint: pathlib.Path, tmp_path: pathlib.Path
+) -> None:
+    """transformers 5.17 writes the layers as "deepseek_sparse_attention", 5.19 as "indexed_attention"."""
+    input_ids = hf_parity.random_ids(2, 20, vocab_size=VOCAB_SIZE)
+    wanted = load_model(full_checkpoint, impl="custom")(input_ids)
+    for name in ("deepseek_sparse_attention", "indexed_attention"):
+        renamed = tmp_path / name
+        shutil.copytree(full_checkpoint, renamed)
+        config = json.loads((renamed / "config.json").read_text())
+        (renamed / "config.json").write_text(json.dumps(config | {"layer_types": [name] * NUM_LAYERS}))
+        got = load_model(renamed, impl="auto")(input_ids)
+        assert torch.equal(got.logits, wanted.logits) and torch.equal(got.selected_tokens, wanted.selected_tokens)
+    layer_types = ["deepseek_sparse_attention", "full_attention", "indexed_attention"]
+    hf_parity.assert_config_refused(full_checkpoint, {"layer_types": layer_types}, r"layer_types other than")
 
 
 def test_context_parallel_is_refused(full_checkpoint: pathlib.Path) -> None:

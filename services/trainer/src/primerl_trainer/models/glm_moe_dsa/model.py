@@ -107,6 +107,11 @@ def _indexer_types(config: dict[str, Any]) -> list[str]:
     return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(config["num_hidden_layers"])]
 
 
+# The layer kind's names: transformers 5.17 writes "deepseek_sparse_attention", 5.19
+# "indexed_attention" (and reads the old name as the new one).
+INDEXED_ATTENTION_LAYER_TYPES = frozenset({"indexed_attention", "deepseek_sparse_attention"})
+
+
 def check_supported_glm_moe_dsa_config(config: dict[str, Any]) -> None:
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
@@ -123,7 +128,7 @@ def check_supported_glm_moe_dsa_config(config: dict[str, Any]) -> None:
         "n_routed_experts <= 0": config.get("n_routed_experts", 0) <= 0,
         "quantization_config (the hub's FP8 checkpoints)": bool(config.get("quantization_config")),
         f"layer_types other than 'indexed_attention': {config.get('layer_types')}": bool(
-            set(config.get("layer_types") or ()) - {"indexed_attention"}
+            set(config.get("layer_types") or ()) - INDEXED_ATTENTION_LAYER_TYPES
         ),
     }
     if any(unsupported.values()):
