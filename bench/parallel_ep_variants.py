@@ -4,12 +4,9 @@ after the run's own steps (--ep-variants), with a breakdown of each step's all-t
 A variant is "reference" or features joined by "+":
     packed     the routing rides in the rows' all-to-all: one exchange each way per layer instead
                of two (DispatchOptions.packed)
-    fixed      every rank sends all its tokens to every rank (padding rows): the exchanges need no
-               split sizes and the layer's host sync comes after them (DispatchOptions.fixed_splits)
     unsharded  FSDP's sharded units gathered through the micro-batches, reduced once per step
                (ParallelConfig.accumulate_unsharded)
-e.g. `--ep-variants unsharded packed+unsharded packed+fixed+unsharded` (round 1's best, then the
-packed dispatch, then with fixed splits too).
+e.g. `--ep-variants unsharded packed+unsharded` (round 1's best, then the packed dispatch).
 The row moves are the fused Triton ones and the split sizes come through pinned memory in every
 variant (round 1 measured both ahead).
 
@@ -28,7 +25,7 @@ import statistics
 import time
 from typing import Any
 
-FEATURES = ("packed", "fixed", "unsharded")
+FEATURES = ("packed", "unsharded")
 
 
 def parse_variant(name: str) -> frozenset[str]:
@@ -47,7 +44,7 @@ def apply_variant(trainer, features: frozenset[str]) -> None:
 
     for module in trainer.model.modules():
         if isinstance(module, MoE) and module.dispatcher is not None:
-            module.dispatcher.options = DispatchOptions(packed="packed" in features, fixed_splits="fixed" in features)
+            module.dispatcher.options = DispatchOptions(packed="packed" in features)
     trainer.accumulate_unsharded = "unsharded" in features
 
 

@@ -4,8 +4,7 @@ predictions; and (--calibrate) the per-kernel rates the planner uses.
     python3 bench/parallel_throughput.py              # the comparison (~6 min on 2 H100)
     python3 bench/parallel_throughput.py --calibrate  # a rates file for this GPU (~3 min; parallel_calibrate.py)
     python3 bench/parallel_throughput.py --smoke      # tiny shapes, CPU, gloo: checks the script
-    python3 bench/parallel_throughput.py --only 'moe 1 GPU' 'moe ep=2' --ep-variants unsharded packed+unsharded \
-        packed+fixed+unsharded
+    python3 bench/parallel_throughput.py --only 'moe 1 GPU' 'moe ep=2' --ep-variants unsharded packed+unsharded
         # the MoE runs, and variants of the ep=2 one timed in its processes (parallel_ep_variants.py)
 
 Launch it once, with plain python3 from the repository root: it starts its own workers (a
@@ -663,7 +662,7 @@ def main() -> None:
         "--ep-variants",
         nargs="+",
         help="also time these variants of the ep=2 run in its processes (parallel_ep_variants.py), e.g. "
-        "unsharded packed+unsharded packed+fixed+unsharded",
+        "unsharded packed+unsharded",
     )
     parser.add_argument(
         "--ep-reshard",

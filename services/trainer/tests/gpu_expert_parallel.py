@@ -4,14 +4,13 @@
 
 From the repository root. Needs torch with two CUDA GPUs, pytest, transformers, tokenizers and the
 trainer's other wheels (pydantic, pydantic-settings, protobuf, googleapis-common-protos, grpcio,
-grpcio-status, safetensors). The packages are imported from this checkout. Four cases, one line
+grpcio-status, safetensors). The packages are imported from this checkout. Three cases, one line
 each; exit status 1 when one fails:
 
 - float32: ep=2 over NCCL trains as one CPU process does (losses, replayed logprobs, weights,
   publish, LoRA; the ep=2 checkpoint resumes under FSDP on 2 GPUs), as on the CPU, through the
   fused Triton row kernels (kernels.token_rows) and the packed dispatch (routing in the rows'
   all-to-all); again with parallel.accumulate_unsharded and the routing in an all-to-all of its own;
-  again with the dispatch's fixed splits (DispatchOptions.fixed_splits);
 - bfloat16: the same run computing in bf16 (the experts through torch._grouped_mm, the path the
   benchmark takes) stays near the float32 reference: a wrong dispatch would not.
 """
@@ -65,9 +64,6 @@ def main() -> int:
             test_ep2_trains_as_one_process_and_its_checkpoint_resumes_under_fsdp2(
                 "cuda", True, {"packed": False}, moe_dir, (batches, data), out
             )
-        ),
-        "ep=2 float32 fixed splits": lambda out: test_ep2_trains_as_one_process_and_its_checkpoint_resumes_under_fsdp2(
-            "cuda", False, {"fixed_splits": True}, moe_dir, (batches, data), out
         ),
         "ep=2 bfloat16": lambda out: bf16_case(moe_dir, batches, data, out),
     }

@@ -188,9 +188,8 @@ def _run_workers(
 
 
 def test_packed_dispatch_equals_the_unpacked_one_bitwise() -> None:
-    """The routing in the rows' all-to-all (bf16 rows carry float32 bits), and with fixed splits
-    (padding rows), gives the same outputs and gradients as in an all-to-all of its own
-    (ep_dispatch_worker.py, 2 ranks over gloo)."""
+    """The routing in the rows' all-to-all (bf16 rows carry float32 bits) gives the same outputs
+    and gradients as in an all-to-all of its own (ep_dispatch_worker.py, 2 ranks over gloo)."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     result = subprocess.run(
         [*command, str(HERE / "ep_dispatch_worker.py")],

@@ -7,8 +7,7 @@ over efsdp). A layer's forward on every rank, once the router has chosen (`AllTo
 
     1. counts exchanged with one all_to_all_single: per destination rank, the tokens sent there
        and the copies for each of its experts; one device-to-host copy of the split sizes (the
-       only sync of the layer, forward and backward; with DispatchOptions.fixed_splits only the
-       number of copies, needed once the exchange below is launched);
+       only sync of the layer, forward and backward);
     2. each token sent once to every rank that holds one or more of its experts (not once per
        expert: with top-8 over 2 ranks that moves a quarter of the bytes), with its local expert
        ids and scores there in extra columns of its row: one all_to_all_single (uneven splits);
@@ -101,11 +100,6 @@ class DispatchOptions:
     waiting than in bytes."""
 
     packed: bool = True
-    # Every rank sends all its tokens to every rank (T rows each; those with no expert there as
-    # padding): the exchanges need no split sizes, so the layer's one host sync (the number of
-    # copies to compute) waits until the exchange and the sort are launched and the GPU has them
-    # queued. Cheap while few tokens skip a rank (top-8 over 2 ranks: 0.4% padding; over 8: ~34%).
-    fixed_splits: bool = False
 
 
 class AllToAllDispatcher:
@@ -142,25 +136,19 @@ class AllToAllDispatcher:
         send_counts = torch.cat([to_rank_TP.sum(0)[:, None], tokens_per_expert_E.view(num_ranks, num_local)], dim=1)
         recv_counts = torch.empty_like(send_counts)
         dist.all_to_all_single(recv_counts, send_counts, group=self.group)
-        fixed = self.options.fixed_splits
         num_copies = recv_counts[:, 1:].sum()[None]
-        sizes = _HostSizes(num_copies if fixed else torch.cat([send_counts[:, 0], recv_counts[:, 0], num_copies]))
+        sizes = _HostSizes(torch.cat([send_counts[:, 0], recv_counts[:, 0], num_copies]))
 
-        # 2. Send rows in (rank, token) order: slot_TP[t, p] is token t's row for rank p (a
-        # padding row where it has no expert on p, with fixed_splits). What needs no sizes is
-        # launched before the sync, over the whole [P * T] grid (the grid's tail past the sent
-        # rows, which repeats token 0, is left out of the exchange).
+        # 2. Send rows in (rank, token) order: slot_TP[t, p] is token t's row for rank p. What
+        # needs no sizes is launched before the sync, over the whole [P * T] grid (the grid's tail
+        # past the sent rows, which repeats token 0, is left out of the exchange).
         grid = num_ranks * num_tokens
-        if fixed:
-            flat_G = torch.arange(grid, device=device)
-            slot_TP = flat_G.view(num_ranks, num_tokens).t()
-        else:
-            send_PT = to_rank_TP.t().reshape(-1)
-            position_PT = send_PT.cumsum(0) - 1
-            flat_G = torch.zeros(grid + 1, dtype=torch.long, device=device)
-            flat_G.scatter_(0, torch.where(send_PT, position_PT, grid), torch.arange(grid, device=device))
-            flat_G = flat_G[:grid]
-            slot_TP = torch.where(send_PT, position_PT, 0).view(num_ranks, num_tokens).t()
+        send_PT = to_rank_TP.t().reshape(-1)
+        position_PT = send_PT.cumsum(0) - 1
+        flat_G = torch.zeros(grid + 1, dtype=torch.long, device=device)
+        flat_G.scatter_(0, torch.where(send_PT, position_PT, grid), torch.arange(grid, device=device))
+        flat_G = flat_G[:grid]
+        slot_TP = torch.where(send_PT, position_PT, 0).view(num_ranks, num_tokens).t()
         token_G, rank_G = flat_G % num_tokens, flat_G // num_tokens
         copy_G = token_G * num_ranks + rank_G
         on_rank_GK = rank_TK[token_G] == rank_G[:, None]
@@ -174,13 +162,9 @@ class AllToAllDispatcher:
             sent_x_GD = _GatherRows.apply(x_TD, token_G, slot_TP, to_rank_TP)
             routing_GJ = torch.cat([sent_scores_GK, ids_GK], dim=1)
 
-        # The layer's one host sync: all_to_all_single takes its split sizes as Python ints (with
-        # fixed_splits: the copies' number, below).
-        if fixed:
-            send_splits = recv_splits = [num_tokens] * num_ranks
-        else:
-            split_sizes = sizes.wait()
-            send_splits, recv_splits = split_sizes[:num_ranks], split_sizes[num_ranks : 2 * num_ranks]
+        # The layer's one host sync: all_to_all_single takes its split sizes as Python ints.
+        split_sizes = sizes.wait()
+        send_splits, recv_splits = split_sizes[:num_ranks], split_sizes[num_ranks : 2 * num_ranks]
         num_sent = sum(send_splits)
         if self.options.packed:
             recv_MW = _AllToAll.apply(sent_GW, recv_splits, send_splits, self.group)
