@@ -27,14 +27,14 @@ import importlib.util
 import logging
 import re
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from primerl_trainer.distributed.cp_collectives import gather_sequence
-from primerl_trainer.models.common.attention import document_ids
+from primerl_trainer.models.common.attention import AttentionMask, document_ids
 from primerl_trainer.models.common.gated_delta_rule import (
     DEFAULT_CHUNK_SIZE,
     causal_conv1d,
@@ -43,6 +43,11 @@ from primerl_trainer.models.common.gated_delta_rule import (
     l2_normalize,
 )
 from primerl_trainer.models.common.norms import RMSNorm
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+    from primerl_trainer.distributed.context_parallel import RowLayout
 
 logger = logging.getLogger(__name__)
 
@@ -424,3 +429,35 @@ class GatedDeltaNet(nn.Module):
 
     def extra_repr(self) -> str:
         return f"heads k/v {self.num_k_heads}/{self.num_v_heads}, dims k/v {self.head_k_dim}/{self.head_v_dim}"
+
+
+@dataclass(frozen=True)
+class LayerMasks:
+    """What each kind of layer gets in place of the mask: the attention layers the attention
+    mask, the DeltaNet layers the samples of packed rows (None: one per row) and, under context
+    parallel, this rank's share of the row."""
+
+    attention: AttentionMask
+    segments: Segments | None
+    cp: ContextParallelRow | None = None
+
+
+def layer_masks(
+    attention_mask: AttentionMask,
+    position_ids: torch.Tensor | None,
+    *,
+    device: torch.device,
+    row_layout: RowLayout | None,
+    cp_group: dist.ProcessGroup | None,
+) -> LayerMasks:
+    """The masks of a hybrid model's layers: `attention_mask` (the model's, whose building has
+    checked the cp group against the layout) for attention, and the samples and context-parallel
+    share of the row for the recurrent layers."""
+    if row_layout is None:
+        return LayerMasks(attention_mask, segments_of(position_ids))
+    # The whole row's samples (its pad tokens, after them, are samples of their own).
+    docs = row_layout.document_ids[None].to(device)
+    if row_layout.cp_size == 1:
+        return LayerMasks(attention_mask, None if row_layout.single_document else Segments.of(docs))
+    cp = ContextParallelRow(cp_group.group_name, row_layout.cp_size, row_layout.global_positions.to(device), docs[0])
+    return LayerMasks(attention_mask, None if bool((docs == 0).all()) else Segments.of(docs), cp)

@@ -28,12 +28,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from primerl_trainer.models.common.gated_delta_net import ContextParallelRow, Segments, segments_of
+from primerl_trainer.models.common.gated_delta_net import LayerMasks, layer_masks
 from primerl_trainer.models.common.mamba2 import DEFAULT_CHUNK_SIZE, Mamba2, Mamba2Impl
 from primerl_trainer.models.common.norms import RMSNorm
 from primerl_trainer.models.moe import GroupedExperts, GroupedSigmoidRouting, MoE, _grouped_linear, _local
 from primerl_trainer.models.qwen3.model import Attention
-from primerl_trainer.models.qwen3_5_moe.model import LayerMasks
 from primerl_trainer.models.qwen3_moe.model import Qwen3MoeModel, Qwen3MoeModelArgs
 
 if TYPE_CHECKING:
@@ -290,14 +289,4 @@ class NemotronHModel(Qwen3MoeModel):
         mask = super().attention_mask(
             position_ids, batch_size=batch_size, seq_len=seq_len, device=device, row_layout=row_layout
         )
-        if row_layout is None:
-            return LayerMasks(mask, segments_of(position_ids))
-        # The whole row's samples (its pad tokens, after them, are samples of their own).
-        docs = row_layout.document_ids[None].to(device)
-        if row_layout.cp_size == 1:
-            return LayerMasks(mask, None if row_layout.single_document else Segments.of(docs))
-        # super() has checked the cp group against the layout.
-        cp = ContextParallelRow(
-            self.cp_group.group_name, row_layout.cp_size, row_layout.global_positions.to(device), docs[0]
-        )
-        return LayerMasks(mask, None if bool((docs == 0).all()) else Segments.of(docs), cp)
+        return layer_masks(mask, position_ids, device=device, row_layout=row_layout, cp_group=self.cp_group)

@@ -32,15 +32,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from primerl_trainer.models.common.attention import AttentionMask, attention
+from primerl_trainer.models.common.attention import attention
 from primerl_trainer.models.common.feed_forward import FeedForward
-from primerl_trainer.models.common.gated_delta_net import (
-    ContextParallelRow,
-    GatedDeltaNet,
-    GatedDeltaNetImpl,
-    Segments,
-    segments_of,
-)
+from primerl_trainer.models.common.gated_delta_net import GatedDeltaNet, GatedDeltaNetImpl, LayerMasks, layer_masks
 from primerl_trainer.models.glm4_moe.model import apply_partial_rope
 from primerl_trainer.models.qwen3.model import Attention, check_supported_hf_config, common_args_from_hf_config
 from primerl_trainer.models.qwen3_moe.model import MoETransformerBlock, Qwen3MoeModel, Qwen3MoeModelArgs
@@ -154,17 +148,6 @@ class ZeroCenteredRMSNorm(nn.Module):
         return f"{self.weight.shape[0]}, eps={self.eps}"
 
 
-@dataclass(frozen=True)
-class LayerMasks:
-    """What each kind of layer gets in place of the mask: the attention layers the attention
-    mask, the DeltaNet layers the samples of packed rows (None: one per row) and, under context
-    parallel, this rank's share of the row."""
-
-    attention: AttentionMask
-    segments: Segments | None
-    cp: ContextParallelRow | None = None
-
-
 class GatedAttention(Attention):
     """Qwen3's attention with a per-head output gate, zero-centred q/k norms and partial rotary."""
 
@@ -266,14 +249,4 @@ class Qwen3_5MoeModel(Qwen3MoeModel):
         mask = super().attention_mask(
             position_ids, batch_size=batch_size, seq_len=seq_len, device=device, row_layout=row_layout
         )
-        if row_layout is None:
-            return LayerMasks(mask, segments_of(position_ids))
-        # The whole row's samples (its pad tokens, after them, are samples of their own).
-        docs = row_layout.document_ids[None].to(device)
-        if row_layout.cp_size == 1:
-            return LayerMasks(mask, None if row_layout.single_document else Segments.of(docs))
-        # super() has checked the cp group against the layout.
-        cp = ContextParallelRow(
-            self.cp_group.group_name, row_layout.cp_size, row_layout.global_positions.to(device), docs[0]
-        )
-        return LayerMasks(mask, None if bool((docs == 0).all()) else Segments.of(docs), cp)
+        return layer_masks(mask, position_ids, device=device, row_layout=row_layout, cp_group=self.cp_group)
