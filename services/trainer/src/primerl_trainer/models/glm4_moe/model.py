@@ -21,7 +21,6 @@ import torch
 from torch import nn
 
 from primerl_trainer.models.common.feed_forward import FeedForward
-from primerl_trainer.models.common.rope import apply_partial_rope  # noqa: F401  (re-exported: qwen3_5_moe's import)
 from primerl_trainer.models.moe import GroupedSigmoidRouting
 from primerl_trainer.models.qwen3.model import Attention, TransformerBlock, common_args_from_hf_config
 from primerl_trainer.models.qwen3_moe.model import MoETransformerBlock, Qwen3MoeModel, Qwen3MoeModelArgs

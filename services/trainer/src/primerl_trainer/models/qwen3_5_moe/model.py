@@ -35,7 +35,6 @@ from torch import nn
 from primerl_trainer.models.common.attention import attention
 from primerl_trainer.models.common.feed_forward import FeedForward
 from primerl_trainer.models.common.gated_delta_net import GatedDeltaNet, GatedDeltaNetImpl, LayerMasks, layer_masks
-from primerl_trainer.models.glm4_moe.model import apply_partial_rope
 from primerl_trainer.models.qwen3.model import Attention, check_supported_hf_config, common_args_from_hf_config
 from primerl_trainer.models.qwen3_moe.model import MoETransformerBlock, Qwen3MoeModel, Qwen3MoeModelArgs
 
@@ -158,9 +157,6 @@ class GatedAttention(Attention):
 
     def build_qk_norms(self, args: Qwen3_5MoeModelArgs) -> tuple[nn.Module, nn.Module]:
         return tuple(ZeroCenteredRMSNorm(args.head_dim, eps=args.norm_eps) for _ in range(2))
-
-    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return apply_partial_rope(x, cos, sin)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], masks: LayerMasks) -> torch.Tensor:
         batch_size, seq_len, _ = x.shape
