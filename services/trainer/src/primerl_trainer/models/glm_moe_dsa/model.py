@@ -198,8 +198,8 @@ class GlmMoeDsaAttention(MultiHeadLatentAttention):
         return self.wo(attention(q, k, v, mask).flatten(2)), selection
 
 
-class GlmMoeDsaDenseBlock(TransformerBlock):
-    """The dense first layers: sparse MLA, a dense feed-forward."""
+class _SparseMlaBlock:
+    """A block whose attention is its layer's sparse MLA (mixed in before the block class)."""
 
     def __init__(self, args: GlmMoeDsaModelArgs, layer_id: int) -> None:
         self.layer_id = layer_id
@@ -207,6 +207,10 @@ class GlmMoeDsaDenseBlock(TransformerBlock):
 
     def build_attention(self, args: GlmMoeDsaModelArgs) -> nn.Module:
         return GlmMoeDsaAttention(args, self.layer_id)
+
+
+class GlmMoeDsaDenseBlock(_SparseMlaBlock, TransformerBlock):
+    """The dense first layers: sparse MLA, a dense feed-forward."""
 
     def forward(
         self,
@@ -221,15 +225,8 @@ class GlmMoeDsaDenseBlock(TransformerBlock):
         return x + self.feed_forward(self.ffn_norm(x)), selection
 
 
-class GlmMoeDsaBlock(Glm4MoeBlock):
+class GlmMoeDsaBlock(_SparseMlaBlock, Glm4MoeBlock):
     """Sparse MLA, then GLM-4.5's routed and shared experts."""
-
-    def __init__(self, args: GlmMoeDsaModelArgs, layer_id: int) -> None:
-        self.layer_id = layer_id
-        super().__init__(args)
-
-    def build_attention(self, args: GlmMoeDsaModelArgs) -> nn.Module:
-        return GlmMoeDsaAttention(args, self.layer_id)
 
     def forward(
         self,
