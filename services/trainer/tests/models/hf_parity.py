@@ -218,6 +218,38 @@ def assert_one_step_gradients_match(own: nn.Module, hf: nn.Module, adapter_cls: 
         torch.testing.assert_close(grad, ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
+def assert_packed_gradients_match_samples_alone(
+    own: nn.Module, hf: nn.Module, adapter_cls: type, lengths: list[int]
+) -> None:
+    """One cross-entropy over a packed row of samples of `lengths`; transformers runs each sample
+    alone (its packed rows would leak a recurrent layer's state between samples), and the summed
+    losses give the same loss and every parameter's gradient."""
+    vocab_size = own.args.vocab_size
+    samples, input_ids, position_ids = packed_inputs(lengths, seed=3)
+    samples = [sample % vocab_size for sample in samples]
+    num_predicted = sum(sample.shape[1] - 1 for sample in samples)
+
+    def loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits[0, :-1], ids[0, 1:], reduction="sum") / num_predicted
+
+    packed_logits = own(input_ids % vocab_size, position_ids).logits
+    own_loss = sum(
+        loss(logits, sample)
+        for logits, sample in zip(packed_logits.split([s.shape[1] for s in samples], dim=1), samples, strict=True)
+    )
+    ref_loss = sum(loss(hf(input_ids=sample, use_cache=False).logits, sample) for sample in samples)
+    own_loss.backward()
+    ref_loss.backward()
+    assert abs(own_loss.item() - ref_loss.item()) <= 1e-5
+
+    ref_grads = adapter_cls(own.args).from_hf(hub_gradients(hf))
+    own_grads = {name: p.grad for name, p in own.named_parameters()}
+    assert own_grads.keys() == ref_grads.keys()
+    for name, grad in own_grads.items():
+        assert grad is not None and grad.abs().sum() > 0, name
+        torch.testing.assert_close(grad, ref_grads[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
 def assert_hf_round_trip_is_bit_exact(path: pathlib.Path) -> None:
     original = read_hf_state_dict(path)
     exported = export_hf_state_dict(load_model(path, impl="custom"))

@@ -149,32 +149,10 @@ def test_replaying_transformers_routing_gives_its_logits(models: tuple) -> None:
 
 
 def test_one_step_gradients_equal_transformers(checkpoint: pathlib.Path) -> None:
-    """One cross-entropy over a packed row; transformers runs each sample alone (its packed rows
-    would leak the Mamba state), the summed losses give the same gradients."""
+    """Packed rows against transformers running each sample alone (its packed rows would leak the
+    Mamba state)."""
     own, hf = load_model(checkpoint, impl="custom"), reference(checkpoint)
-    samples, input_ids, position_ids = packed_inputs([9, 20, 7], seed=3)
-    samples = [sample % VOCAB_SIZE for sample in samples]
-    num_predicted = sum(sample.shape[1] - 1 for sample in samples)
-
-    def loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits[0, :-1], ids[0, 1:], reduction="sum") / num_predicted
-
-    packed_logits = own(input_ids % VOCAB_SIZE, position_ids).logits
-    own_loss = sum(
-        loss(logits, sample)
-        for logits, sample in zip(packed_logits.split([s.shape[1] for s in samples], dim=1), samples, strict=True)
-    )
-    ref_loss = sum(loss(hf(input_ids=sample, use_cache=False).logits, sample) for sample in samples)
-    own_loss.backward()
-    ref_loss.backward()
-    assert abs(own_loss.item() - ref_loss.item()) <= 1e-5
-
-    ref_grads = NemotronHStateDictAdapter(own.args).from_hf(hf_parity.hub_gradients(hf))
-    own_grads = {name: p.grad for name, p in own.named_parameters()}
-    assert own_grads.keys() == ref_grads.keys()
-    for name, grad in own_grads.items():
-        assert grad is not None and grad.abs().sum() > 0, name
-        torch.testing.assert_close(grad, ref_grads[name], rtol=1e-4, atol=1e-5, msg=name)
+    hf_parity.assert_packed_gradients_match_samples_alone(own, hf, NemotronHStateDictAdapter, [9, 20, 7])
 
 
 def test_hf_to_own_to_hf_is_bit_exact(checkpoint: pathlib.Path) -> None:
