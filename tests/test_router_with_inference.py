@@ -35,6 +35,9 @@ from primerl_router.server import build
 pytestmark = pytest.mark.slow
 
 REPLICA_IDS = ("inference-a", "inference-b")
+# Long enough that a stream is still running when the test pauses its replica: the tiny model makes
+# a few hundred tokens a second, and a pause reaches the engine some tens of milliseconds later.
+LONG_STREAM_TOKENS = 1024
 
 
 @dataclass
@@ -267,9 +270,12 @@ async def test_a_registered_replica_takes_traffic_and_a_drained_one_finishes_its
         assert {c.replica_id for c in shared} == {first.replica_id, second.replica_id}
 
         # Requests streaming on `first` when it is drained; the pause holds them there meanwhile.
-        running, tasks = await start_streaming(stub, 4, max_tokens=96)
+        running, tasks = await start_streaming(stub, 4, max_tokens=LONG_STREAM_TOKENS)
         async with paused(first):
-            on_first = [c for c in running if first.replica_id in c.replica_ids]
+            await asyncio.sleep(0.5)  # what `first` sent before it froze arrives
+            on_first = [
+                c for c, task in zip(running, tasks, strict=True) if first.replica_id in c.replica_ids and not task.done()
+            ]
             drained = await stub.DrainReplica(router_pb2.DrainReplicaRequest(replica_id=first.replica_id))
             assert drained.replica.draining and drained.replica.num_in_flight == len(on_first) > 0
 
@@ -284,7 +290,7 @@ async def test_a_registered_replica_takes_traffic_and_a_drained_one_finishes_its
         assert (await waiting).replica.num_in_flight == 0
         for completion in await asyncio.gather(*tasks):
             assert completion.error is None
-            assert len(completion.token_ids) == 96
+            assert len(completion.token_ids) == LONG_STREAM_TOKENS
             assert completion.last.finish_reason == generation_pb2.FINISH_REASON_LENGTH
 
         await stub.UndrainReplica(router_pb2.UndrainReplicaRequest(replica_id=first.replica_id))
@@ -302,7 +308,7 @@ async def test_killing_a_replica_loses_no_request_that_had_not_streamed(replicas
     retries_before = prometheus_client.REGISTRY.get_sample_value("primerl_router_retries_total") or 0.0
     # Paused replicas are not avoided here, so that requests reach the victim while it is frozen.
     async with running_router(replicas, policy={"name": "round_robin"}, routing={"avoid_updating": False}) as stub:
-        streaming, streaming_tasks = await start_streaming(stub, 4, max_tokens=128)
+        streaming, streaming_tasks = await start_streaming(stub, 4, max_tokens=LONG_STREAM_TOKENS)
         # Freeze the victim mid-run: its requests stay in flight until it is killed.
         await pause(victim)
         # What the victim sent before it froze arrives first; a stream it had finished is not cut.
@@ -310,7 +316,7 @@ async def test_killing_a_replica_loses_no_request_that_had_not_streamed(replicas
         cut_on_victim = [
             c
             for c, task in zip(streaming, streaming_tasks, strict=True)
-            if victim.replica_id in c.replica_ids and not task.done() and len(c.token_ids) < 128
+            if victim.replica_id in c.replica_ids and not task.done()
         ]
         streamed_on_victim = len(cut_on_victim)
         # Requests that want one final message: they have not streamed until they end.
@@ -340,7 +346,7 @@ async def test_killing_a_replica_loses_no_request_that_had_not_streamed(replicas
                 # It had streamed from the dead replica: it fails, since a retry would repeat tokens.
                 assert completion.error is not None and completion.error.code() == grpc.StatusCode.UNAVAILABLE
             else:
-                assert completion.error is None and len(completion.token_ids) == 128
+                assert completion.error is None and len(completion.token_ids) == LONG_STREAM_TOKENS
         assert streamed_on_victim > 0
 
         # The survivor keeps serving everything that comes next.
