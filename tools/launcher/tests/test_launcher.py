@@ -24,7 +24,8 @@ from primerl_launcher.checks import check_dtypes, check_outside_peers
 from primerl_launcher.cli import demo_config_text
 from primerl_launcher.progress import StallWatch, describe_groups
 from primerl_launcher.report import format_summary, summary
-from primerl_launcher.run import validate_configs, write_configs
+from primerl_launcher.run import keep_state_in_run_dir, validate_configs, write_configs
+from primerl_launcher.service_group import RestartPolicy
 from primerl_launcher.spec import LaunchConfigError, parse_launch_file
 from primerl_launcher.tiny_model import make_tiny_model
 from primerl_launcher.warm_start import sft_trainer_spec
@@ -64,6 +65,11 @@ def test_tables_split_into_one_config_per_process():
         ({"router": {}, "launcher": {"modle": "x"}}, r"\[launcher\] modle: unknown key"),
         ({"router": {}, "launcher": {"inference_replicas": 0}}, r"\[launcher\] inference_replicas: Input should be"),
         ({"router": {}, "launcher": {"model": "/no/such/model"}}, r"\[launcher\] model: '/no/such/model' is neither"),
+        ({"router": {}, "launcher": {"max_restarts": -1}}, r"\[launcher\] max_restarts: Input should be"),
+        (
+            {"router": {}, "launcher": {"restart_backoff_s": 5, "restart_backoff_max_s": 1}},
+            r"\[launcher\] restart_backoff_max_s: Value error, must be at least restart_backoff_s \(5.0\), got 1.0",
+        ),
         ({"router": {}, "warm_start": {"num_samples": 0}}, r"\[warm_start\] num_samples: Input should be"),
         ({"orchestrator": {}, "warm_start": {}}, r"\[warm_start\] needs a \[trainer\] table"),
         ({"router": 3}, r"router: must be a table"),
@@ -74,6 +80,30 @@ def test_tables_split_into_one_config_per_process():
 def test_bad_launch_files_name_the_table_and_field(data, message):
     with pytest.raises(LaunchConfigError, match=message):
         parse_launch_file(data)
+
+
+def test_restart_waits_double_up_to_the_most():
+    policy = RestartPolicy(max_restarts=5, backoff_s=1.0, max_backoff_s=5.0)
+    assert [policy.delay_s(k) for k in range(1, 6)] == [1.0, 2.0, 4.0, 5.0, 5.0]
+    with pytest.raises(ValueError, match="backoff_s <= max_backoff_s"):
+        RestartPolicy(backoff_s=2.0, max_backoff_s=1.0)
+
+
+def test_state_folders_go_under_the_run_dir_unless_named(tmp_path):
+    launch = parse_launch_file(
+        {
+            "orchestrator": {"environments": [{"name": "e"}], "output": {"checkpoint_dir": "/elsewhere"}},
+            "trainer": {},
+            "inference": {},
+        }
+    )
+    warnings = keep_state_in_run_dir(launch.services, tmp_path)
+    assert launch.services["trainer"].table["checkpoint"]["dir"] == str(tmp_path / "trainer" / "checkpoints")
+    assert launch.services["orchestrator"].table["output"]["checkpoint_dir"] == "/elsewhere"  # named: kept
+    [warning] = warnings
+    assert warning.startswith("[trainer] checkpoint.interval is 0: a trainer restarted after a crash")
+    launch.services["trainer"].table["checkpoint"]["interval"] = 1
+    assert keep_state_in_run_dir(launch.services, tmp_path) == []
 
 
 def test_the_embedded_demo_parses():
@@ -365,21 +395,51 @@ def test_service_config_errors_name_the_table_and_field_and_nothing_starts(tmp_p
     assert tomllib.loads((tmp_path / "run" / "config" / "router.toml").read_text())["policy"]["name"] == "nope"
 
 
-def test_a_service_that_dies_is_named_and_the_others_are_stopped(tmp_path):
-    process, run_dir = start(tmp_path, "[launcher]\ncheck_config = false\n" + CHEAP)
+def serving(address: str) -> bool:
+    import grpc
+
+    with grpc.insecure_channel(address) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2)
+        except grpc.RpcError:
+            return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_a_service_that_dies_is_restarted_on_its_address_until_its_restarts_are_spent(tmp_path):
+    text = "[launcher]\ncheck_config = false\nmax_restarts = 1\nrestart_backoff_s = 0.2\n" + CHEAP
+    process, run_dir = start(tmp_path, text)
     try:
         services = wait_for_services(process, run_dir, tmp_path)
-        os.kill(services["kvstore"]["pid"], signal.SIGKILL)
+        kvstore = services["kvstore"]
+        os.kill(kvstore["pid"], signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while (restarted := json.loads((run_dir / "services.json").read_text())["kvstore"])["restarts"] != 1:
+            assert process.poll() is None and time.monotonic() < deadline, output(tmp_path)
+            time.sleep(0.1)
+        assert restarted["address"] == kvstore["address"] and restarted["pid"] != kvstore["pid"]
+        assert serving(kvstore["address"])  # on the same port, SERVING (services.json is written after)
+        others = [services[name]["pid"] for name in ("router", "weight_broadcaster")]
+        assert all(alive(pid) for pid in others)  # the others went on
+
+        os.kill(restarted["pid"], signal.SIGKILL)  # once more than max_restarts allows
         assert process.wait(60) == 1
     finally:
         process.kill()
     out = output(tmp_path)
-    assert f"error: kvstore was killed by SIGKILL (log: {run_dir / 'logs' / 'kvstore.log'}); last lines:" in out
+    log = run_dir / "logs" / "kvstore.log"
+    assert f"kvstore was killed by SIGKILL: restart 1 of 1 in 0.2s (log: {log})" in out, out
+    assert f"kvstore SERVING again at {kvstore['address']}" in out
+    assert (
+        "error: kvstore died after 1 restart, the most [launcher] max_restarts = 1 allows: "
+        f"kvstore was killed by SIGKILL (log: {log}); last lines:"
+    ) in out, out
     assert "serving kvstore" in out  # the tail of its log
     assert out.index("error: kvstore") < out.index("stopping weight_broadcaster, router")
-    assert not any(alive(service["pid"]) for service in services.values())
+    assert not any(alive(pid) for pid in [*others, restarted["pid"]])
     for name in ("router", "weight_broadcaster"):
         assert f"stopped {name}" in (run_dir / "logs" / f"{name}.log").read_text()  # a graceful stop
+    assert log.read_text().count("serving kvstore") == 2  # one log, appended by the restart
 
 
 def test_a_service_that_fails_to_start_is_named_with_its_log(tmp_path):

@@ -14,6 +14,8 @@ import math
 import pathlib
 import sys
 import time
+from collections.abc import Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
@@ -198,8 +200,14 @@ class RunMonitor:
         poll_interval_s: float,
         finish_timeout_s: float,
         stall_warning_s: float = STALL_WARNING_S,
+        restarts: Mapping[str, int] | None = None,
+        restarting: AbstractSet[str] | None = None,
     ) -> None:
+        """`restarts` (restarts so far by service) and `restarting` (services being restarted now)
+        are read, live, for the progress line."""
         self.peers = peers
+        self.restarts = restarts if restarts is not None else {}
+        self.restarting = restarting if restarting is not None else set()
         self.metrics_path = metrics_path
         self.orchestrator_metrics = orchestrator_metrics
         self.poll_interval_s = poll_interval_s
@@ -292,6 +300,10 @@ class RunMonitor:
             parts.append(describe_groups(status.groups))
         if self.stall.stalled_s >= self.stall.warn_after_s:
             parts.append(f"no batch for {self.stall.stalled_s:.0f}s")
+        if self.restarting:
+            parts.append("restarting " + " ".join(sorted(self.restarting)))
+        if any(self.restarts.values()):
+            parts.append("restarts " + " ".join(f"{name}={n}" for name, n in sorted(self.restarts.items()) if n))
         return " | ".join(parts)
 
     async def _poll_replicas(self, replicas: dict[str, inference_pb2_grpc.InferenceServiceStub]) -> None:

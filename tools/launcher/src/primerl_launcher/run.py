@@ -1,6 +1,8 @@
 """`primerl up`: one launch file -> model -> (warm start) -> the services, started,
 awaited and watched -> the RL run followed to its end -> plot, metrics, summary; every
-process stopped at the end, on Ctrl-C and when one of them dies."""
+process stopped at the end, on Ctrl-C, when one of them cannot start, and when one dies
+more often than `[launcher] max_restarts` allows (a service that dies while the run goes on
+is started again on the same address, config and state folders)."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import pathlib
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from primerl.orchestrator.v1 import orchestrator_pb2
@@ -26,12 +28,12 @@ from primerl_launcher import register_replicas as registration
 from primerl_launcher.checks import check_dtypes, check_outside_peers
 from primerl_launcher.progress import Display, RunFailed, RunMonitor, RunPeers, describe_groups
 from primerl_launcher.report import format_summary, summary, write_plot
-from primerl_launcher.service_group import ServiceGroup
+from primerl_launcher.service_group import RestartPolicy, RestartsExhausted, ServiceGroup
 from primerl_launcher.spec import TINY_MODELS, LaunchConfigError, LauncherConfig, LaunchFile, ServiceSpec
 from primerl_launcher.warm_start import WarmStartFailed, run_warm_start, sft_trainer_spec
-from primerl_launcher.wiring import address_of, get_path, set_model, wire
+from primerl_launcher.wiring import address_of, get_path, set_default, set_model, wire
 
-__all__ = ["Launcher", "prepare_model", "validate_configs"]
+__all__ = ["Launcher", "keep_state_in_run_dir", "prepare_model", "validate_configs"]
 
 EXIT_FAILED = 1
 # The orchestrator stops feeding first; then the others, all at once.
@@ -61,6 +63,25 @@ def prepare_model(launcher: LauncherConfig) -> pathlib.Path | None:
         return tiny_model.make_tiny_model(out, family=family, seed=seed, dtype=dtype, spec=spec).resolve()
     except (TypeError, ValueError) as exc:
         raise LaunchConfigError(f"[launcher.tiny_model]: {exc}") from None
+
+
+def keep_state_in_run_dir(services: Mapping[str, ServiceSpec], run_dir: pathlib.Path) -> list[str]:
+    """The trainer's checkpoints and the orchestrator's checkpoint go under the run directory
+    unless the file names a folder: a restarted one resumes from them. Returns warnings about
+    restarts that could not resume."""
+    warnings = []
+    if "trainer" in services:
+        set_default(services["trainer"].table, "checkpoint.dir", str(run_dir / "trainer" / "checkpoints"))
+        if not get_path(services["trainer"].table, "checkpoint.interval"):
+            warnings.append(
+                "[trainer] checkpoint.interval is 0: a trainer restarted after a crash starts again from its last "
+                "checkpoint (none before a graceful stop) and the steps since are trained again; set it to resume"
+            )
+    if "orchestrator" in services:
+        set_default(
+            services["orchestrator"].table, "output.checkpoint_dir", str(run_dir / "orchestrator" / "checkpoint")
+        )
+    return warnings
 
 
 def write_configs(specs: Sequence[ServiceSpec], config_dir: pathlib.Path) -> dict[str, pathlib.Path]:
@@ -162,6 +183,10 @@ class Launcher:
         if launch.added:
             print("not in the run file, added on their defaults: " + ", ".join(launch.added))
         wire(services, run_dir=run_dir, model=model, host=settings.host)
+        restart_warnings = keep_state_in_run_dir(services, run_dir)
+        if settings.max_restarts:
+            for warning in restart_warnings:
+                print(f"warning: {warning}", file=sys.stderr)
         sft = sft_trainer_spec(launch, run_dir) if launch.warm_start is not None else None
         config_dir = run_dir / "config"
         paths = write_configs([*services.values(), *([sft] if sft else [])], config_dir)
@@ -188,8 +213,15 @@ class Launcher:
                 set_model(services, model, force=True)
                 paths.update(write_configs(list(services.values()), config_dir))
             await self._start(services, paths)
-            records = await self._follow(services)
-        except (ServiceDied, RunFailed, WarmStartFailed, registration.RegistrationFailed, TimeoutError) as exc:
+            records = await self._follow(services, paths)
+        except (
+            ServiceDied,
+            RestartsExhausted,
+            RunFailed,
+            WarmStartFailed,
+            registration.RegistrationFailed,
+            TimeoutError,
+        ) as exc:
             # Said before the others are stopped: their logs would bury it.
             print(f"error: {exc}", file=sys.stderr, flush=True)
             return EXIT_FAILED
@@ -199,13 +231,16 @@ class Launcher:
         if records is None:
             return 0
         values = summary(records, wall_time_s=wall_time_s, groups=self.groups) | {
-            "replica_policy_versions": self.final_versions
+            "replica_policy_versions": self.final_versions,
+            "restarts": {name: n for name, n in self.group.restarts.items() if n},
         }
         plot = write_plot(records, run_dir / "metrics.png", title=f"primerl run {run_dir.name}")
         (run_dir / "summary.json").write_text(json.dumps(values, indent=2) + "\n")
         print(format_summary(values))
         if self.final_versions:
             print("policy versions served: " + ", ".join(f"{n} {v}" for n, v in self.final_versions.items()))
+        if values["restarts"]:
+            print("restarted: " + ", ".join(f"{n} {k}x" for n, k in values["restarts"].items()))
         print(f"metrics: {run_dir / 'metrics.jsonl'}\nplot:    {plot}\nlogs:    {run_dir / 'logs'}")
         return 0
 
@@ -224,29 +259,70 @@ class Launcher:
         # the broadcaster reports a replica serving the first version).
         print("starting " + ", ".join(services) + f" (logs in {self.run_dir / 'logs'})")
         await self.group.start(list(services), timeout_s=self.launch.launcher.start_timeout_s)
+        await self._register_replicas(services)
+        listing = self._write_listing(services, paths)
+        print("all services SERVING: " + ", ".join(f"{n} {s['address']}" for n, s in listing.items()))
+
+    async def _register_replicas(self, services: Mapping[str, ServiceSpec]) -> None:
         replicas = [spec for spec in services.values() if spec.service == "inference"]
         if "weight_broadcaster" in services and replicas:
             await register_replicas(address_of(services["weight_broadcaster"]), replicas)
+
+    def _write_listing(
+        self, services: Mapping[str, ServiceSpec], paths: Mapping[str, pathlib.Path]
+    ) -> dict[str, dict[str, Any]]:
+        """services.json: each service's address, pid (the current one, after restarts), config and log."""
         listing = {
             name: {
                 "service": spec.service,
                 "address": address_of(spec),
                 "pid": self.group.processes[name].pid,
+                "restarts": self.group.restarts.get(name, 0),
                 "config": str(paths[name]),
                 "log": str(self.group.processes[name].log_path),
             }
             for name, spec in services.items()
         }
-        (self.run_dir / "services.json").write_text(json.dumps(listing, indent=2) + "\n")
-        print("all services SERVING: " + ", ".join(f"{n} {s['address']}" for n, s in listing.items()))
+        path = self.run_dir / "services.json"
+        partial = path.with_name(".services.json.partial")
+        partial.write_text(json.dumps(listing, indent=2) + "\n")
+        partial.replace(path)
+        return listing
 
-    async def _follow(self, services: Mapping[str, ServiceSpec]) -> list[dict[str, Any]] | None:
-        """Until the run is over (None without an orchestrator: until Ctrl-C); ServiceDied
-        as soon as any process exits."""
-        watch = asyncio.ensure_future(self.group.watch())
+    def _supervise(
+        self, services: Mapping[str, ServiceSpec], paths: Mapping[str, pathlib.Path], say: Callable[[str], None]
+    ) -> asyncio.Future[None]:
+        """Restarts the services that die (see ServiceGroup.supervise); raises RestartsExhausted."""
+        settings = self.launch.launcher
+        policy = RestartPolicy(settings.max_restarts, settings.restart_backoff_s, settings.restart_backoff_max_s)
+
+        async def serving_again(name: str) -> None:
+            self._write_listing(services, paths)
+            if services[name].service == "weight_broadcaster":
+                # It keeps its replicas in memory: a restarted one knows none.
+                await self._register_replicas(services)
+                say(f"{name}: replicas registered again")
+
+        return asyncio.ensure_future(
+            self.group.supervise(
+                policy, start_timeout_s=settings.start_timeout_s, say=say, on_serving_again=serving_again
+            )
+        )
+
+    async def _follow(
+        self, services: Mapping[str, ServiceSpec], paths: Mapping[str, pathlib.Path]
+    ) -> list[dict[str, Any]] | None:
+        """Until the run is over (None without an orchestrator: until Ctrl-C); the services
+        that die meanwhile are restarted; RestartsExhausted when one dies too often."""
         if "orchestrator" not in services:
             print("no [orchestrator]: the services run until Ctrl-C")
-            await watch
+            watch = self._supervise(services, paths, lambda message: print(message, file=sys.stderr, flush=True))
+            try:
+                await watch
+            finally:
+                watch.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await watch
             return None
         orchestrator = services["orchestrator"]
         metrics = get_path(orchestrator.table, "output.metrics_jsonl")
@@ -262,13 +338,16 @@ class Launcher:
             orchestrator_metrics=pathlib.Path(metrics) if metrics else None,
             poll_interval_s=self.launch.launcher.poll_interval_s,
             finish_timeout_s=self.launch.launcher.finish_timeout_s,
+            restarts=self.group.restarts,
+            restarting=self.group.restarting,
         )
         display = Display("RL", None)
+        watch = self._supervise(services, paths, display.write)
         follow = asyncio.ensure_future(monitor.run(display))
         try:
             done, _ = await asyncio.wait([watch, follow], return_when=asyncio.FIRST_COMPLETED)
             if watch in done:
-                watch.result()  # raises ServiceDied
+                watch.result()  # raises RestartsExhausted
             records = follow.result()
             self.final_versions = dict(monitor.versions)
             self.groups = monitor.status.groups

@@ -1,22 +1,59 @@
 """The service processes of a run, by name: started from the launcher's main thread (each in
 its own session: a Ctrl-C reaches only the launcher, which then stops them in order), awaited
-until SERVING, watched, and stopped group by group."""
+until SERVING, watched, restarted when one dies while the run goes on (same command: same
+address, config and state folders; a bounded number of times, with a growing wait), and
+stopped group by group."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
-from collections.abc import Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass
 
-from primerl_common.processes import ServiceProcess
+from primerl_common.processes import ServiceDied, ServiceProcess, describe_exit
 
-__all__ = ["ServiceGroup"]
+__all__ = ["RestartPolicy", "RestartsExhausted", "ServiceGroup"]
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """`max_restarts` per service over the run; the k-th restart of a service waits
+    backoff_s * 2**(k-1), at most max_backoff_s."""
+
+    max_restarts: int = 3
+    backoff_s: float = 1.0
+    max_backoff_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.max_restarts < 0:
+            raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts}")
+        if self.backoff_s <= 0 or self.max_backoff_s < self.backoff_s:
+            raise ValueError(f"need 0 < backoff_s <= max_backoff_s, got {self.backoff_s} and {self.max_backoff_s}")
+
+    def delay_s(self, restart: int) -> float:
+        return min(self.backoff_s * 2.0 ** (restart - 1), self.max_backoff_s)
+
+
+class RestartsExhausted(RuntimeError):
+    """A service died once more after the restarts its policy allows."""
+
+    def __init__(self, died: ServiceDied, max_restarts: int) -> None:
+        self.name, self.returncode, self.max_restarts = died.name, died.returncode, max_restarts
+        super().__init__(
+            f"{died.name} died after {max_restarts} restart{'s' if max_restarts != 1 else ''}, "
+            f"the most [launcher] max_restarts = {max_restarts} allows: {died}"
+        )
 
 
 class ServiceGroup:
     def __init__(self, *, log_tail_lines: int = 30) -> None:
         self.processes: dict[str, ServiceProcess] = {}
         self.log_tail_lines = log_tail_lines
+        # Restarts so far, by name; the names being restarted now (dead, waiting or starting).
+        self.restarts: dict[str, int] = {}
+        self.restarting: set[str] = set()
 
     def add(self, process: ServiceProcess) -> ServiceProcess:
         self.processes[process.name] = process
@@ -56,6 +93,84 @@ class ServiceGroup:
         while True:
             self.check()
             await asyncio.sleep(poll_s)
+
+    async def supervise(
+        self,
+        policy: RestartPolicy,
+        *,
+        start_timeout_s: float,
+        say: Callable[[str], None],
+        on_serving_again: Callable[[str], Awaitable[None]] | None = None,
+        poll_s: float = 0.2,
+    ) -> None:
+        """Returns never: restarts each process that exits (with its command, log and
+        environment), says so (`say`), and awaits `on_serving_again(name)` once it serves again.
+        Raises RestartsExhausted when a process dies after its last allowed restart; an
+        exception of `on_serving_again` is raised too."""
+        tasks: dict[str, asyncio.Task[None]] = {}
+        try:
+            while True:
+                for name, task in list(tasks.items()):
+                    if task.done():
+                        del tasks[name]
+                        self.restarting.discard(name)
+                        task.result()
+                for name, process in self.processes.items():
+                    if name in tasks or process.returncode is None:
+                        continue
+                    count = self.restarts.get(name, 0)
+                    if count >= policy.max_restarts:
+                        raise RestartsExhausted(process.died(self.log_tail_lines), policy.max_restarts)
+                    self.restarts[name] = count + 1
+                    self.restarting.add(name)
+                    tasks[name] = asyncio.ensure_future(
+                        self._restart(process, count + 1, policy, start_timeout_s, say, on_serving_again)
+                    )
+                await asyncio.sleep(poll_s)
+        finally:
+            for task in tasks.values():
+                task.cancel()
+            await asyncio.gather(*tasks.values(), return_exceptions=True)
+            self.restarting.clear()
+
+    async def _restart(
+        self,
+        dead: ServiceProcess,
+        restart: int,
+        policy: RestartPolicy,
+        start_timeout_s: float,
+        say: Callable[[str], None],
+        on_serving_again: Callable[[str], Awaitable[None]] | None,
+    ) -> None:
+        """One restart; a process that dies or never serves is left dead for `supervise` to see."""
+        assert dead.returncode is not None
+        name, delay_s = dead.name, policy.delay_s(restart)
+        say(
+            f"{name} {describe_exit(dead.returncode)}: restart {restart} of {policy.max_restarts} "
+            f"in {delay_s:.1f}s (log: {dead.log_path})"
+        )
+        await asyncio.sleep(delay_s)
+        process = ServiceProcess(dead.args, address=dead.address, name=name, log_path=dead.log_path, env=dead.env)
+        dead.close()
+        self.processes[name] = process
+        process.launch()
+        if process.address is None:
+            return
+        started_at = asyncio.get_running_loop().time()
+        try:
+            await process.until_serving(start_timeout_s, num_tail_lines=self.log_tail_lines)
+        except ServiceDied:
+            return
+        except TimeoutError:
+            say(f"{name} not SERVING {start_timeout_s:.0f}s after restart {restart}: killing it")
+            process.kill()
+            with contextlib.suppress(TimeoutError):
+                await process.wait(10.0)
+            return
+        elapsed_s = asyncio.get_running_loop().time() - started_at
+        say(f"{name} SERVING again at {process.address} (pid {process.pid}, started in {elapsed_s:.1f}s)")
+        if on_serving_again is not None:
+            await on_serving_again(name)
 
     async def stop(self, order: Sequence[Sequence[str]], *, grace_s: float) -> dict[str, int | None]:
         """Stops the processes group by group (each group at once), then any left."""

@@ -14,7 +14,7 @@ import tomllib
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 __all__ = [
     "SERVICES",
@@ -66,9 +66,27 @@ class LauncherConfig(BaseModel):
         default=300.0, gt=0, description="after the last batch: until it is trained and served by every replica"
     )
     stop_grace_s: float = Field(default=30.0, gt=0, description="after SIGTERM, before SIGKILL")
+    max_restarts: int = Field(
+        default=3,
+        ge=0,
+        description="times each service is started again after it dies while the run goes on (on the same address, "
+        "config and state folders); one more death stops the run; 0: the first death stops it",
+    )
+    restart_backoff_s: float = Field(
+        default=1.0, gt=0, description="wait before a service's first restart; doubled at each of its next ones"
+    )
+    restart_backoff_max_s: float = Field(default=30.0, gt=0, description="the longest wait before a restart")
     poll_interval_s: float = Field(default=1.0, gt=0, description="progress refresh")
     log_tail_lines: int = Field(default=30, ge=1, description="lines of a dead service's log to show")
     env: dict[str, str] = Field(default={}, description="extra environment variables of every service")
+
+    @field_validator("restart_backoff_max_s")
+    @classmethod
+    def _backoff_max_not_below_first(cls, value: float, info: ValidationInfo) -> float:
+        first = info.data.get("restart_backoff_s")
+        if first is not None and value < first:
+            raise ValueError(f"must be at least restart_backoff_s ({first}), got {value}")
+        return value
 
 
 class WarmStartConfig(BaseModel):
