@@ -13,12 +13,17 @@ from primerl_orchestrator.environments import EXTERNAL, environment_class
 __all__ = [
     "AdvantageConfig",
     "EnvironmentConfig",
+    "EvalConfig",
+    "EvalSampling",
     "ModelConfig",
     "OrchestratorConfig",
     "OutputConfig",
     "PeersConfig",
     "RunConfig",
     "SamplingDefaults",
+    "TensorBoardConfig",
+    "TrackingConfig",
+    "WandbConfig",
 ]
 
 
@@ -148,6 +153,124 @@ class OutputConfig(Section):
     batches_dir: pathlib.Path | None = Field(
         default=None, description="debugging: each batch pushed, as step_<n>.safetensors; unset: off"
     )
+    samples_dir: pathlib.Path | None = Field(
+        default=None,
+        description="each step's rollouts as text (prompt, completion, reward, advantage, versions), "
+        "step_<n>.jsonl, what `primerl samples` shows; unset: off",
+    )
+    evals_jsonl: pathlib.Path | None = Field(
+        default=None,
+        description="one JSON line per finished evaluation; unset: evals.jsonl beside metrics_jsonl (if set)",
+    )
+
+    @property
+    def evals_path(self) -> pathlib.Path | None:
+        if self.evals_jsonl is not None:
+            return self.evals_jsonl
+        return self.metrics_jsonl.with_name("evals.jsonl") if self.metrics_jsonl is not None else None
+
+
+class EvalSampling(Section):
+    """Overrides of the evaluated environment's sampling (unset: the environment's own)."""
+
+    temperature: float | None = Field(default=None, gt=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=0)
+    max_tokens: int | None = Field(default=None, ge=1)
+
+    def over(self, defaults: SamplingDefaults) -> SamplingDefaults:
+        return defaults.model_copy(update=self.model_dump(exclude_none=True))
+
+
+class EvalConfig(Section):
+    """An evaluation run on the current policy every `interval_steps` policy versions, never trained on.
+
+    Its tasks are the first `num_tasks` of the environment's task stream under `seed` (the same
+    tasks each time, so that versions compare); each is sampled `num_samples` times (the n of
+    pass@k)."""
+
+    name: str = Field(min_length=1, description="unique; the metrics call it eval/<name>/...")
+    environment: str | None = Field(
+        default=None, description="an [[environments]] name: its kind, options and sampling (unset: `kind`)"
+    )
+    kind: str | None = Field(
+        default=None, description="a built-in environment kind evaluated without training on it (unset: `environment`)"
+    )
+    options: dict[str, Any] = Field(
+        default={}, description="options of `kind`, or overrides of the named environment's options"
+    )
+    sampling: EvalSampling = EvalSampling()
+    num_tasks: int = Field(default=32, ge=1, description="tasks per evaluation")
+    num_samples: int = Field(default=1, ge=1, description="samples per task (the n of pass@k)")
+    pass_at_k: list[int] = Field(
+        default=[], description="the k reported as pass@k (each <= num_samples); empty: 1 and num_samples"
+    )
+    pass_threshold: float = Field(default=1.0, description="a sample with a reward >= this passes")
+    interval_steps: int = Field(default=10, ge=1, description="every this many policy versions")
+    at_start: bool = Field(default=True, description="also evaluate the initial policy (version 0)")
+    seed: int | None = Field(
+        default=None, description="seed of the evaluated task stream; unset: run.seed + 1000 (apart from training's)"
+    )
+    max_concurrent: int = Field(
+        default=8, ge=1, description="eval episodes in flight, started only while training cannot start a group"
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> EvalConfig:
+        if (self.environment is None) == (self.kind is None):
+            raise ValueError(f"eval {self.name!r}: set one of environment (a configured one) or kind")
+        if self.kind is not None:
+            if self.kind == EXTERNAL:
+                raise ValueError(f"eval {self.name!r}: an external environment has nobody to play its evaluations")
+            environment_class(self.kind)
+        too_large = [k for k in self.pass_at_k if not 1 <= k <= self.num_samples]
+        if too_large:
+            raise ValueError(f"eval {self.name!r}: pass_at_k {too_large} not in [1, num_samples {self.num_samples}]")
+        return self
+
+    @property
+    def ks(self) -> list[int]:
+        return sorted(set(self.pass_at_k or [1, self.num_samples]))
+
+
+class WandbConfig(Section):
+    enabled: bool = Field(default=False, description="log to Weights & Biases (needs primerl-orchestrator[tracking])")
+    mode: str = Field(
+        default="offline", pattern="^(offline|online)$", description="offline: a local run folder (`wandb sync` later)"
+    )
+    project: str = Field(default="primerl", min_length=1)
+    entity: str | None = None
+    name: str | None = Field(default=None, description="the run's name; unset: W&B picks one")
+    group: str | None = None
+    tags: list[str] = []
+    dir: pathlib.Path | None = Field(
+        default=None, description="where the wandb/ folder goes; unset: beside metrics_jsonl"
+    )
+
+
+class TensorBoardConfig(Section):
+    enabled: bool = Field(
+        default=False, description="write TensorBoard event files (needs primerl-orchestrator[tracking])"
+    )
+    log_dir: pathlib.Path | None = Field(default=None, description="unset: tensorboard/ beside metrics_jsonl")
+
+
+class TrackingConfig(Section):
+    """Experiment trackers, beside metrics.jsonl: each step's metrics, the trainer's step metrics,
+    eval results, the config and a table of sample rollouts."""
+
+    wandb: WandbConfig = WandbConfig()
+    tensorboard: TensorBoardConfig = TensorBoardConfig()
+    num_sample_rows: int = Field(default=8, ge=0, description="rollouts per step in the samples table (0: none)")
+    sample_interval_steps: int = Field(default=1, ge=1, description="log the samples table every this many steps")
+    trainer_metrics: bool = Field(default=True, description="also log the trainer's step metrics (WatchSteps)")
+    config_dir: pathlib.Path | None = Field(
+        default=None, description="a folder of the run's other service configs (*.toml) logged with this one"
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return self.wandb.enabled or self.tensorboard.enabled
 
 
 class OrchestratorConfig(ServiceConfig):
@@ -165,6 +288,8 @@ class OrchestratorConfig(ServiceConfig):
     run: RunConfig = RunConfig()
     advantage: AdvantageConfig = AdvantageConfig()
     output: OutputConfig = OutputConfig()
+    evals: list[EvalConfig] = []
+    tracking: TrackingConfig = TrackingConfig()
 
     @model_validator(mode="after")
     def _check_combinations(self) -> OrchestratorConfig:
@@ -183,4 +308,55 @@ class OrchestratorConfig(ServiceConfig):
                 f"run.max_off_policy_steps {self.run.max_off_policy_steps} < run.max_async_level "
                 f"{self.run.max_async_level}: rollouts started at the allowed lag would be dropped"
             )
+        self._check_evals(names)
+        if self.output.metrics_jsonl is None:
+            if self.tracking.wandb.enabled and self.tracking.wandb.dir is None:
+                raise ValueError("tracking.wandb.dir is unset and so is output.metrics_jsonl (its default's folder)")
+            if self.tracking.tensorboard.enabled and self.tracking.tensorboard.log_dir is None:
+                raise ValueError(
+                    "tracking.tensorboard.log_dir is unset and so is output.metrics_jsonl (its default's folder)"
+                )
         return self
+
+    def _check_evals(self, environments: list[str]) -> None:
+        names = [e.name for e in self.evals]
+        duplicates = sorted({name for name in names if names.count(name) > 1})
+        if duplicates:
+            raise ValueError(f"evals: duplicate name {', '.join(duplicates)}")
+        by_name = {env.name: env for env in self.environments}
+        for evaluation in self.evals:
+            if evaluation.environment is None:
+                continue
+            env = by_name.get(evaluation.environment)
+            if env is None:
+                raise ValueError(
+                    f"eval {evaluation.name!r}: no environment {evaluation.environment!r}; "
+                    f"configured: {', '.join(environments)}"
+                )
+            if not env.builtin:
+                raise ValueError(
+                    f"eval {evaluation.name!r}: environment {env.name!r} is external: nobody plays its evaluations"
+                )
+        for evaluation in self.evals:
+            try:
+                self.eval_environment(evaluation)
+            except ValidationError as exc:
+                errors = "; ".join(e["msg"] for e in exc.errors())
+                raise ValueError(f"eval {evaluation.name!r}: {errors}") from None
+
+    def eval_environment(self, evaluation: EvalConfig) -> EnvironmentConfig:
+        """The environment `evaluation` plays: the named one with its overrides, or one of its kind."""
+        if evaluation.environment is not None:
+            base = next(env for env in self.environments if env.name == evaluation.environment)
+            fields = base.model_dump() | {
+                "options": {**base.options, **evaluation.options},
+                "sampling": evaluation.sampling.over(base.sampling).model_dump(),
+            }
+        else:
+            fields = {
+                "name": evaluation.name,
+                "kind": evaluation.kind,
+                "options": evaluation.options,
+                "sampling": evaluation.sampling.over(SamplingDefaults()).model_dump(),
+            }
+        return EnvironmentConfig.model_validate(fields)

@@ -1,10 +1,11 @@
 """The loop that turns rollouts into trainer steps.
 
 Startup: the trainer's batch spec (waiting for the trainer), the checkpoint, the policy
-versions, the built-in players. Then, per step: wait for enough recent rollouts, pack them,
-checkpoint, push, write the step's metrics. The trainer's next expected step is the truth
-about which steps exist: the loop starts there and follows it if the trainer ever expects
-another one.
+versions, the built-in players, the evaluations and the trackers. Then, per step: wait for
+enough recent rollouts, pack them, checkpoint, push, write the step's metrics (with the eval
+results finished since the previous step), its samples and the trackers' rows. The trainer's
+next expected step is the truth about which steps exist: the loop starts there and follows
+it if the trainer ever expects another one.
 """
 
 from __future__ import annotations
@@ -23,11 +24,14 @@ from safetensors.torch import save_file
 from primerl_orchestrator.checkpoint import load_state, save_state
 from primerl_orchestrator.config import OrchestratorConfig
 from primerl_orchestrator.episodes import Rollout
+from primerl_orchestrator.evals import EvalResult, Evaluator, follow_evals
 from primerl_orchestrator.metrics import MetricsLog, mean_std
 from primerl_orchestrator.packing import PackedBatch, TrainingSample, pack
 from primerl_orchestrator.players import play_builtin
 from primerl_orchestrator.run import Run
 from primerl_orchestrator.staleness import off_policy_steps
+from primerl_orchestrator.step_samples import sample_rows, write_samples
+from primerl_orchestrator.tracking import Tracker, watch_trainer_steps
 from primerl_orchestrator.trainer_client import StepMismatch, TrainerFeed
 from primerl_orchestrator.versions import VersionSource
 
@@ -46,11 +50,18 @@ class BatchLoop:
         self._versions = versions
         output = config.output
         self._metrics_log = MetricsLog(output.metrics_jsonl) if output.metrics_jsonl is not None else None
+        evals_path = output.evals_path
+        self._evals_log = MetricsLog(evals_path) if config.evals and evals_path is not None else None
         self._background: list[asyncio.Task[None]] = []
+        self._tracker: Tracker | None = None
+        # Eval results finished since the last step's metrics line, by eval name.
+        self._new_evals: dict[str, dict[str, Any]] = {}
+        self._last_off_policy: dict[str, float] = {}
 
     async def run(self) -> None:
         """The whole run; a failure is reported through the run's status, never raised."""
         try:
+            self._tracker = Tracker(self._config)
             await self._feed_trainer()
         except asyncio.CancelledError:
             raise
@@ -63,6 +74,8 @@ class BatchLoop:
             for task in self._background:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+            if self._tracker is not None:
+                self._tracker.close()
 
     async def _feed_trainer(self) -> None:
         run, config = self._run, self._config
@@ -86,6 +99,17 @@ class BatchLoop:
             if env.builtin is not None:
                 for _ in range(config.run.max_concurrent_episodes):
                     self._spawn(play_builtin(run, name, env.builtin))
+        if config.evals:
+            evaluator = Evaluator(config, run.renderer, run.generation, versions_served=self._versions.served)
+            group_size = min(env.group_size for env in config.environments)
+            self._spawn(
+                follow_evals(
+                    evaluator, config.evals, run.dispatcher, self._eval_finished, training_group_size=group_size
+                )
+            )
+        assert self._tracker is not None
+        if self._tracker.enabled and config.tracking.trainer_metrics:
+            self._spawn(watch_trainer_steps(config.peers.trainer, self._tracker, after_step=step - 1))
 
         last_step_at = time.monotonic()
         while True:
@@ -105,6 +129,7 @@ class BatchLoop:
                 pushed = await self._push(step, packed, record, oldest)
                 if pushed is None:
                     break
+                self._log_step(pushed, record, rollouts)
                 step = pushed + 1
                 last_step_at = now
             # Pushed is not trained: a trainer that restarted meanwhile lost the batches it had
@@ -223,10 +248,37 @@ class BatchLoop:
             "tokens_per_s": sum(env["completion_tokens"] for env in per_env.values()) / elapsed_s,
             "truncated_fraction": sum(env["turns_length_limited"] for env in per_env.values()) / max(turns, 1),
             "environments": per_env,
+            "evals": self._take_evals(),
         }
+
+    def _eval_finished(self, result: EvalResult) -> None:
+        record = result.record()
+        self._new_evals[result.name] = record
+        if self._evals_log is not None:
+            self._evals_log.write({**record, "step": self._run.last_pushed_step})
+        if self._tracker is not None:
+            self._tracker.log_eval(result)
+
+    def _take_evals(self) -> dict[str, dict[str, Any]]:
+        taken, self._new_evals = self._new_evals, {}
+        return {name: {k: v for k, v in record.items() if k not in ("name", "time")} for name, record in taken.items()}
+
+    def _log_step(self, step: int, record: dict[str, Any], rollouts: list[Rollout]) -> None:
+        """The step's samples and tracker rows, once its batch went to the trainer."""
+        tracker, samples_dir = self._tracker, self._config.output.samples_dir
+        wants_samples = tracker is not None and tracker.wants_samples(step)
+        if samples_dir is not None or wants_samples:
+            rows = sample_rows(step, rollouts, self._run.renderer)
+            if samples_dir is not None:
+                write_samples(samples_dir, step, rows)
+            if tracker is not None and wants_samples:
+                tracker.log_samples(step, rows)
+        if tracker is not None:
+            tracker.log_step(step, {**record, **self._last_off_policy})
 
     def _pushed(self, step: int, packed: PackedBatch, off_policy: dict[str, float]) -> None:
         run = self._run
+        self._last_off_policy = off_policy
         run.last_pushed_step = step
         run.off_policy_steps_mean = off_policy["off_policy_steps_mean"]
         run.off_policy_steps_max = int(off_policy["off_policy_steps_max"])

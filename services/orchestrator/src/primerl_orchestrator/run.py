@@ -147,6 +147,14 @@ class Run:
         self.off_policy_steps_mean = 0.0
         self.off_policy_steps_max = 0
 
+    @property
+    def renderer(self) -> PromptRenderer:
+        return self._renderer
+
+    @property
+    def generation(self) -> RouterGeneration:
+        return self._generation
+
     # ------------------------------------------------------------------ lifecycle (the batch loop)
 
     def begin(self, spec: BatchSpec, *, next_step: int, versions_served: bool) -> None:
