@@ -7,7 +7,7 @@ import asyncio
 import sys
 
 from primerl.trainer.v1 import trainer_pb2, trainer_pb2_grpc
-from primerl_common.config import ServiceConfig, service_settings
+from primerl_common.config import ServiceConfig, TlsConfig, service_settings
 from primerl_common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from primerl_common.server import ServiceDefinition, run_main
 
@@ -18,6 +18,7 @@ class ProbeConfig(ServiceConfig):
     service_name = "probe"
     model_config = service_settings("probe")
     slow_call_s: float = 2.0
+    tls: TlsConfig = TlsConfig(mode="plaintext")  # served on loopback by the tests
 
 
 class ProbeServicer(trainer_pb2_grpc.TrainerServiceServicer):

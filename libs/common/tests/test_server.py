@@ -176,5 +176,5 @@ def test_check_config_does_not_import_a_build_given_by_name(capsys):
     from .servers import ProbeConfig
 
     # --check-config never imports the server module (here: one that does not exist).
-    assert run_main(ProbeConfig, "no_such_module:build", version="0", argv=["--check-config"]) == 0
+    assert run_main(ProbeConfig, "no_such_module:build", version="0", argv=["--check-config", "--server.host=127.0.0.1"]) == 0
     assert "configuration is valid" in capsys.readouterr().out

@@ -12,7 +12,8 @@ from typing import TypeVar
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from primerl_common import observability
+from primerl_common import observability, security
+from primerl_common.config import TlsConfig
 from primerl_common.server import channel_options
 
 __all__ = ["DEFAULT_TIMEOUT_S", "call_with_retry", "make_channel", "wait_for_serving"]
@@ -39,14 +40,18 @@ def make_channel(
     *,
     max_message_bytes: int = 64 * 1024 * 1024,
     max_attempts: int = 5,
+    tls: TlsConfig | None = None,
 ) -> grpc.aio.Channel:
-    """An insecure grpc.aio channel to `host:port` with trace propagation."""
+    """A grpc.aio channel to `host:port` with trace propagation, showing `tls` (default: the
+    process's identity, see primerl_common.security; plaintext where that says plaintext)."""
     options = [
         *channel_options(max_message_bytes),
         ("grpc.enable_retries", 1 if max_attempts > 1 else 0),
         ("grpc.service_config", _retry_service_config(max(max_attempts, 2))),
     ]
-    return grpc.aio.insecure_channel(address, options=options, interceptors=observability.client_interceptors())
+    return security.secure_aio_channel(
+        address, options=options, interceptors=observability.client_interceptors(), tls=tls
+    )
 
 
 async def call_with_retry(
@@ -72,11 +77,13 @@ async def call_with_retry(
         backoff = min(backoff * 2, max_backoff_s)
 
 
-async def wait_for_serving(address: str, *, service: str = "", timeout_s: float = 60.0) -> None:
+async def wait_for_serving(
+    address: str, *, service: str = "", timeout_s: float = 60.0, tls: TlsConfig | None = None
+) -> None:
     """Waits until `address` reports SERVING on grpc.health.v1 (TimeoutError otherwise)."""
     loop = asyncio.get_running_loop()
     give_up_at = loop.time() + timeout_s
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with security.secure_aio_channel(address, tls=tls) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         last_error = "no answer"
         while loop.time() < give_up_at:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextvars
+import ipaddress
 import os
 import pathlib
 import tomllib
@@ -36,6 +37,7 @@ __all__ = [
     "Section",
     "ServerConfig",
     "ServiceConfig",
+    "TlsConfig",
     "load_config",
     "parse_command_line",
 ]
@@ -74,6 +76,66 @@ class ObservabilityConfig(Section):
     metrics_port: int | None = Field(default=None, ge=0, le=65535, description="Prometheus port; unset: off")
 
 
+class TlsConfig(Section):
+    """Transport security of the service's server and of the channels its process opens.
+    Checked when the service starts (`check`), not when the config is read: a deployment's
+    config names certificate files that exist only where it runs."""
+
+    mode: Literal["mtls", "plaintext"] = Field(
+        default="mtls",
+        description="mtls: mutual TLS, every caller shows a certificate of tls.ca; "
+        "plaintext: no TLS and no identities, only on a loopback server.host (local demo, tests)",
+    )
+    cert: pathlib.Path | None = Field(default=None, description="PEM certificate of this service (mtls)")
+    key: pathlib.Path | None = Field(default=None, description="PEM private key of tls.cert (mtls)")
+    ca: pathlib.Path | None = Field(default=None, description="PEM CA certificate(s) peers must be signed by (mtls)")
+    tokens_file: pathlib.Path | None = Field(
+        default=None, description="TOML file of accepted bearer tokens (sha256, name, roles); unset: none (mtls)"
+    )
+
+    def check(self, host: str) -> None:
+        """Raises ConfigError naming the field: mtls without its files or with unreadable
+        ones, plaintext on a host other than loopback."""
+        if self.mode == "plaintext":
+            if not is_loopback(host):
+                raise ConfigError(
+                    f"invalid configuration:\n  tls.mode: plaintext is allowed only on a loopback server.host "
+                    f"(127.0.0.1, ::1, localhost), not {host!r}; use mtls (tls.cert, tls.key, tls.ca)"
+                )
+            return
+        problems = []
+        for name in ("cert", "key", "ca"):
+            path = getattr(self, name)
+            if path is None:
+                problems.append(f"  tls.{name}: required when tls.mode is mtls (the default)")
+            elif not _readable(path):
+                problems.append(f"  tls.{name}: cannot read {path}")
+        if self.tokens_file is not None and not _readable(self.tokens_file):
+            problems.append(f"  tls.tokens_file: cannot read {self.tokens_file}")
+        if problems:
+            raise ConfigError("invalid configuration:\n" + "\n".join(problems))
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (a server.host) is a loopback address: 0.0.0.0 and :: are not."""
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _readable(path: pathlib.Path) -> bool:
+    try:
+        with open(path, "rb") as file:
+            file.read(1)
+    except OSError:
+        return False
+    return True
+
+
 class ServiceConfig(BaseSettings):
     """Base of each service's config. Subclasses set `service_name` and
     `model_config = service_settings("router")`."""
@@ -84,6 +146,7 @@ class ServiceConfig(BaseSettings):
     )
 
     server: ServerConfig = ServerConfig()
+    tls: TlsConfig = TlsConfig()
     observability: ObservabilityConfig = ObservabilityConfig()
 
     @classmethod

@@ -19,7 +19,7 @@ import logging
 import signal
 import sys
 import uuid
-from collections.abc import Awaitable, Callable, Collection, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -29,7 +29,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from primerl.common.v1 import service_info_pb2
-from primerl_common import observability
+from primerl_common import observability, security
 from primerl_common.config import ConfigError, ServiceConfig, parse_command_line
 from primerl_common.errors import ErrorInterceptor, Unimplemented
 
@@ -122,6 +122,10 @@ class ServiceDefinition:
     # primerl_grpc_server_* metrics (errors are still mapped): hot pass-through paths that
     # keep metrics of their own.
     unobserved_methods: Collection[str] = ()
+    # Full method name -> the roles allowed to call it (security.method_roles of each servicer's
+    # descriptor; security.ANY: any authenticated caller). Enforced under tls.mode mtls, where a
+    # served method without an entry stops the start; health, reflection and GetServiceInfo are open.
+    permissions: Mapping[str, frozenset[str]] = field(default_factory=dict)
     instance_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     started_at: timestamp_pb2.Timestamp = field(default_factory=lambda: _now())
 
@@ -166,20 +170,21 @@ def _answer_unimplemented(servicer: Any, descriptor: Any, definition: ServiceDef
 
 
 class _SharedInterceptors(grpc.aio.ServerInterceptor):
-    """The shared interceptors as one: observers (span, metrics) around the error mapping;
-    for unobserved methods the error mapping alone. Each interceptor's wrapping depends on
+    """The shared interceptors as one: observers (span, metrics) around the authorization and
+    the error mapping; for unobserved methods those two alone. Each interceptor's wrapping depends on
     the method alone (what a call needs it reads from the servicer context), so a method's
     handler is wrapped at its first call and kept, rather than wrapped again per call."""
 
     def __init__(
         self,
         observers: Sequence[grpc.aio.ServerInterceptor],
+        authorization: security.AuthorizationInterceptor,
         errors: ErrorInterceptor,
         *,
         unobserved: Collection[str],
     ) -> None:
-        self._chain = [*observers, errors]
-        self._errors = errors
+        self._chain = [*observers, authorization, errors]
+        self._unobserved_chain = [authorization, errors]
         self._unobserved = frozenset(unobserved)
         self._handlers: dict[str, grpc.RpcMethodHandler] = {}
 
@@ -189,7 +194,7 @@ class _SharedInterceptors(grpc.aio.ServerInterceptor):
         method = details.method
         handler = self._handlers.get(method)
         if handler is None:
-            chain = [self._errors] if method in self._unobserved else self._chain
+            chain = self._unobserved_chain if method in self._unobserved else self._chain
             for interceptor in reversed(chain):
                 continuation = functools.partial(interceptor.intercept_service, continuation)
             handler = await continuation(details)
@@ -213,8 +218,19 @@ class GrpcService:
 
     async def start(self) -> int:
         server_config = self.config.server
+        tls = self.config.tls
+        tls.check(server_config.host)
+        if tls.mode == "mtls":
+            _check_permissions(self.definition)
+        resolver = security.CallerResolver(mode=tls.mode, tokens=security.load_tokens(tls.tokens_file))
+        authorization = security.AuthorizationInterceptor(
+            resolver, self.definition.permissions, service=self.definition.name
+        )
         interceptor = _SharedInterceptors(
-            observability.server_interceptors(), ErrorInterceptor(), unobserved=self.definition.unobserved_methods
+            observability.server_interceptors(),
+            authorization,
+            ErrorInterceptor(),
+            unobserved=self.definition.unobserved_methods,
         )
         self._server = grpc.aio.server(
             interceptors=[interceptor], options=server_options(server_config.max_message_bytes)
@@ -226,7 +242,11 @@ class GrpcService:
         reflection.enable_server_reflection(
             [*self.definition.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], self._server
         )
-        self.port = self._server.add_insecure_port(f"{server_config.host}:{server_config.port}")
+        address = f"{server_config.host}:{server_config.port}"
+        if tls.mode == "mtls":
+            self.port = self._server.add_secure_port(address, security.server_credentials(tls))
+        else:
+            self.port = self._server.add_insecure_port(address)
         if self.port == 0:
             raise OSError(f"cannot bind {server_config.host}:{server_config.port}")
         for hook in self.definition.on_start:
@@ -235,11 +255,12 @@ class GrpcService:
         for name in ["", *self.definition.service_names]:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         logger.info(
-            "serving %s %s on port %d",
+            "serving %s %s on port %d (%s)",
             self.definition.name,
             self.definition.version,
             self.port,
-            extra={"port": self.port, "instance_id": self.definition.instance_id},
+            "mutual TLS" if tls.mode == "mtls" else "PLAINTEXT, loopback only: no identities, no permissions",
+            extra={"port": self.port, "instance_id": self.definition.instance_id, "tls_mode": tls.mode},
         )
         return self.port
 
@@ -270,6 +291,18 @@ class GrpcService:
 
     async def wait_for_termination(self) -> None:
         await self._stopped.wait()
+
+
+def _check_permissions(definition: ServiceDefinition) -> None:
+    """Every served method names its roles: a method left out would be refused to everyone."""
+    missing = [
+        f"/{descriptor.full_name}/{method.name}"
+        for _, _, descriptor in definition.servicers
+        for method in descriptor.methods
+        if f"/{descriptor.full_name}/{method.name}" not in definition.permissions
+    ]
+    if missing:
+        raise ValueError(f"{definition.name}: no roles for {', '.join(missing)} (ServiceDefinition.permissions)")
 
 
 C = TypeVar("C", bound=ServiceConfig)
@@ -307,12 +340,18 @@ def prepare(
     except ConfigError as exc:
         print(f"{config_cls.service_name}: {exc}", file=sys.stderr)
         return 2
+    try:
+        config.tls.check(config.server.host)
+    except ConfigError as exc:
+        print(f"{config_cls.service_name}: {exc}", file=sys.stderr)
+        return 2
     if command_line.check_config:
         print(f"{config_cls.service_name}: configuration is valid")
         return 0
     if command_line.print_config:
         print(config.model_dump_json())
         return 0
+    security.setup_process_tls(config.tls)
     obs = config.observability
     observability.setup_observability(
         service=config_cls.service_name,

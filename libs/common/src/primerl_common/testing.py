@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 import grpc
 
 from primerl_common.client import make_channel
-from primerl_common.config import ServiceConfig
+from primerl_common.config import ServiceConfig, TlsConfig
 from primerl_common.server import GrpcService, ServiceDefinition, server_options
 
 __all__ = ["InProcessService", "bare_server", "eventually", "in_process_service"]
@@ -28,15 +28,21 @@ class InProcessService:
 
 @contextlib.asynccontextmanager
 async def in_process_service(
-    definition: ServiceDefinition, config: ServiceConfig, *, grace_s: float = 0.0, max_attempts: int = 5
+    definition: ServiceDefinition,
+    config: ServiceConfig,
+    *,
+    grace_s: float = 0.0,
+    max_attempts: int = 5,
+    client_tls: TlsConfig | None = None,
 ) -> AsyncIterator[InProcessService]:
-    """`definition` served in this process as its binary serves it, on the config's port (0: a
-    free one), which must listen on 127.0.0.1 (the default 0.0.0.0 does); a channel to it.
-    Stopped with `grace_s` on exit."""
+    """`definition` served in this process as its binary serves it (its config's `tls`), on
+    the config's port (0: a free one), which must listen on 127.0.0.1 (the default 0.0.0.0
+    does); a channel to it, showing `client_tls` (default: the process's identity). Stopped
+    with `grace_s` on exit."""
     service = GrpcService(definition, config)
     address = f"127.0.0.1:{await service.start()}"
     try:
-        async with make_channel(address, max_attempts=max_attempts) as channel:
+        async with make_channel(address, max_attempts=max_attempts, tls=client_tls) as channel:
             yield InProcessService(service, address, channel)
     finally:
         await service.stop(grace_s=grace_s)

@@ -1,0 +1,125 @@
+"""TLS credentials of servers and channels, and the process's own identity.
+
+A service sets its identity up once at start (`server.prepare` calls `setup_process_tls`
+with the config's `tls` section); from then on every channel the process opens
+(`primerl_common.client.make_channel`, `secure_channel`, `secure_aio_channel`) shows that
+certificate and trusts that CA, without call sites passing anything. The identity is also
+exported as PRIMERL_TLS_MODE / _CERT / _KEY / _CA, so processes the service starts (engine
+workers, training ranks) and command-line tools inherit it. A process that never set one
+up and has none in its environment opens plaintext channels.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import grpc
+
+from primerl_common.config import TlsConfig
+
+__all__ = [
+    "ENV_PREFIX",
+    "channel_credentials",
+    "process_tls",
+    "secure_aio_channel",
+    "secure_channel",
+    "server_credentials",
+    "setup_process_tls",
+]
+
+ENV_PREFIX = "PRIMERL_TLS_"
+_lock = threading.Lock()
+_process: TlsConfig | None = None
+_credentials: dict[tuple[Any, ...], grpc.ChannelCredentials] = {}
+
+
+def _read(path: pathlib.Path | None, field: str) -> bytes:
+    if path is None:
+        raise ValueError(f"tls.{field} is not set (needed by tls.mode mtls)")
+    return pathlib.Path(path).read_bytes()
+
+
+def server_credentials(tls: TlsConfig) -> grpc.ServerCredentials:
+    """A server that requires each client's certificate, signed by tls.ca."""
+    return grpc.ssl_server_credentials(
+        [(_read(tls.key, "key"), _read(tls.cert, "cert"))],
+        root_certificates=_read(tls.ca, "ca"),
+        require_client_auth=True,
+    )
+
+
+def channel_credentials(tls: TlsConfig) -> grpc.ChannelCredentials:
+    """The client side: trusts servers signed by tls.ca and shows tls.cert."""
+    key = (tls.cert, tls.key, tls.ca)
+    with _lock:
+        if key not in _credentials:
+            _credentials[key] = grpc.ssl_channel_credentials(
+                root_certificates=_read(tls.ca, "ca"),
+                private_key=_read(tls.key, "key"),
+                certificate_chain=_read(tls.cert, "cert"),
+            )
+        return _credentials[key]
+
+
+def setup_process_tls(tls: TlsConfig) -> None:
+    """Makes `tls` the identity of every channel this process (and what it starts) opens."""
+    global _process
+    with _lock:
+        _process = tls
+    os.environ[ENV_PREFIX + "MODE"] = tls.mode
+    for name in ("cert", "key", "ca"):
+        path = getattr(tls, name)
+        if path is None:
+            os.environ.pop(ENV_PREFIX + name.upper(), None)
+        else:
+            os.environ[ENV_PREFIX + name.upper()] = str(pathlib.Path(path).resolve())
+
+
+def process_tls() -> TlsConfig | None:
+    """This process's identity: set up by setup_process_tls, else from PRIMERL_TLS_*; None
+    when neither says anything (plaintext channels)."""
+    if _process is not None:
+        return _process
+    mode = os.environ.get(ENV_PREFIX + "MODE")
+    if mode is None:
+        return None
+    return TlsConfig(
+        mode=mode,  # type: ignore[arg-type]
+        **{name: os.environ.get(ENV_PREFIX + name.upper()) for name in ("cert", "key", "ca")},
+    )
+
+
+def _resolve(tls: TlsConfig | None) -> TlsConfig | None:
+    tls = tls if tls is not None else process_tls()
+    return tls if tls is not None and tls.mode == "mtls" else None
+
+
+def secure_aio_channel(
+    address: str,
+    *,
+    options: Sequence[tuple[str, Any]] = (),
+    interceptors: Sequence[grpc.aio.ClientInterceptor] | None = None,
+    tls: TlsConfig | None = None,
+) -> grpc.aio.Channel:
+    """A grpc.aio channel with `tls` (default: the process's identity): mutual TLS, or
+    plaintext where the identity says plaintext or there is none."""
+    resolved = _resolve(tls)
+    if resolved is None:
+        return grpc.aio.insecure_channel(address, options=list(options), interceptors=interceptors)
+    return grpc.aio.secure_channel(
+        address, channel_credentials(resolved), options=list(options), interceptors=interceptors
+    )
+
+
+def secure_channel(
+    address: str, *, options: Sequence[tuple[str, Any]] = (), tls: TlsConfig | None = None
+) -> grpc.Channel:
+    """A blocking grpc channel, as secure_aio_channel."""
+    resolved = _resolve(tls)
+    if resolved is None:
+        return grpc.insecure_channel(address, options=list(options))
+    return grpc.secure_channel(address, channel_credentials(resolved), options=list(options))

@@ -1,0 +1,205 @@
+"""Who is calling: the identity a peer's certificate names, bearer tokens, and the `Caller`
+a servicer (or the admission limits) asks for with `caller_of(context)`.
+
+A certificate names its holder in URI subject alternative names of the form
+`spiffe://primerl/<role>/<name>`, one per role (a certificate may carry several, all with the
+same name). A bearer token (`authorization: Bearer <token>` metadata), for environments and
+tenants, names a caller of its own: it is looked up in the service's tokens file and, when
+valid, the call is made as the token's name and roles (not in addition to the
+certificate's). A token may be bound to the certificates it may come with (`peers`): presented
+over another peer's connection it is a replay and refused.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import functools
+import hashlib
+import hmac
+import pathlib
+import tomllib
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import grpc
+from cryptography import x509
+
+from primerl_common.config import ConfigError
+from primerl_common.errors import ServiceError
+
+__all__ = [
+    "LOCAL",
+    "TRUST_DOMAIN",
+    "Caller",
+    "CallerResolver",
+    "PermissionDenied",
+    "TokenEntry",
+    "Unauthenticated",
+    "caller_of",
+    "identity_uri",
+    "load_tokens",
+]
+
+TRUST_DOMAIN = "primerl"
+_URI_PREFIX = f"spiffe://{TRUST_DOMAIN}/"
+
+
+class Unauthenticated(ServiceError):
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class PermissionDenied(ServiceError):
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
+@dataclasses.dataclass(frozen=True)
+class Caller:
+    """The caller of one RPC. `peer` is the name its certificate gives ("" in plaintext);
+    `via`: "certificate", "token" or "plaintext"."""
+
+    name: str
+    roles: frozenset[str]
+    peer: str = ""
+    via: str = "certificate"
+
+    def describe(self) -> str:
+        roles = ",".join(sorted(self.roles)) or "none"
+        shown = self.name if self.peer in ("", self.name) else f"{self.name} (token, over {self.peer})"
+        return f"{shown} [roles {roles}]"
+
+
+# Plaintext has no identities: every caller is this one, and permissions are not enforced.
+LOCAL = Caller(name="local", roles=frozenset({"*"}), via="plaintext")
+
+
+def identity_uri(role: str, name: str) -> str:
+    """The URI SAN that names `name` in `role` (what primerl-certs writes)."""
+    return f"{_URI_PREFIX}{role}/{name}"
+
+
+@functools.lru_cache(maxsize=256)
+def _certificate_identity(pem: bytes) -> tuple[str, frozenset[str]] | None:
+    # Cached by the certificate's bytes: a connection's calls all show the same one.
+    certificate = x509.load_pem_x509_certificate(pem)
+    try:
+        names = certificate.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return None
+    found: list[tuple[str, str]] = []
+    for uri in names.get_values_for_type(x509.UniformResourceIdentifier):
+        if uri.startswith(_URI_PREFIX):
+            role, _, name = uri[len(_URI_PREFIX) :].partition("/")
+            if role and name and "/" not in name:
+                found.append((role, name))
+    if not found:
+        return None
+    name = found[0][1]
+    return name, frozenset(role for role, other in found if other == name)
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenEntry:
+    name: str
+    roles: frozenset[str]
+    sha256: bytes
+    peers: frozenset[str] = frozenset()  # certificate names it may come with; empty: any
+
+
+def load_tokens(path: pathlib.Path | None) -> tuple[TokenEntry, ...]:
+    """The `[[tokens]]` tables of a tokens file: name, roles, sha256 (hex digest of the token),
+    optional peers. Raises ConfigError naming the bad entry."""
+    if path is None:
+        return ()
+    try:
+        tables = tomllib.loads(path.read_text()).get("tokens", [])
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"invalid configuration:\n  tls.tokens_file: cannot read {path}: {exc}") from None
+    entries = []
+    for index, table in enumerate(tables):
+        where = f"tls.tokens_file: {path} tokens[{index}]"
+        unknown = set(table) - {"name", "roles", "sha256", "peers"}
+        if unknown:
+            raise ConfigError(f"invalid configuration:\n  {where}: unknown key(s) {sorted(unknown)}")
+        try:
+            digest = bytes.fromhex(table["sha256"])
+            name, roles = str(table["name"]), frozenset(map(str, table["roles"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ConfigError(
+                f"invalid configuration:\n  {where}: needs name, roles and a hex sha256 ({exc})"
+            ) from None
+        if len(digest) != 32 or not name:
+            raise ConfigError(f"invalid configuration:\n  {where}: sha256 must be 64 hex digits and name non-empty")
+        entries.append(TokenEntry(name, roles, digest, frozenset(map(str, table.get("peers", ())))))
+    return tuple(entries)
+
+
+def _match_token(token: str, entries: Sequence[TokenEntry]) -> TokenEntry | None:
+    """The entry of `token`, comparing with every entry in constant time (no early exit)."""
+    digest = hashlib.sha256(token.encode()).digest()
+    match = None
+    for entry in entries:
+        if hmac.compare_digest(digest, entry.sha256):
+            match = entry
+    return match
+
+
+def _metadata_value(metadata: Iterable[tuple[str, Any]] | None, key: str) -> str | None:
+    for name, value in metadata or ():
+        if name == key:
+            return value.decode() if isinstance(value, bytes) else value
+    return None
+
+
+class CallerResolver:
+    """Finds the caller of a call: in mtls from the peer certificate and the bearer token, in
+    plaintext always LOCAL. Raises Unauthenticated when there is no valid identity."""
+
+    def __init__(self, *, mode: str, tokens: Sequence[TokenEntry] = ()) -> None:
+        self.mode = mode
+        self.tokens = tuple(tokens)
+
+    def resolve(self, context: grpc.aio.ServicerContext) -> Caller:
+        if self.mode == "plaintext":
+            return LOCAL
+        pems = (context.auth_context() or {}).get("x509_pem_cert") or []
+        if not pems:
+            raise Unauthenticated("no client certificate", reason="NO_CLIENT_CERTIFICATE")
+        identity = _certificate_identity(bytes(pems[0]))
+        if identity is None:
+            raise Unauthenticated(
+                f"the client certificate names no identity (a URI SAN {_URI_PREFIX}<role>/<name>)",
+                reason="NO_IDENTITY",
+            )
+        peer, roles = identity
+        header = _metadata_value(context.invocation_metadata(), "authorization")
+        if header is None:
+            return Caller(name=peer, roles=roles, peer=peer)
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise Unauthenticated("authorization metadata must be 'Bearer <token>'", reason="BAD_AUTHORIZATION")
+        entry = _match_token(token.strip(), self.tokens)
+        if entry is None:
+            raise Unauthenticated(f"unknown bearer token (from {peer})", reason="UNKNOWN_TOKEN")
+        if entry.peers and peer not in entry.peers:
+            raise Unauthenticated(
+                f"the bearer token of {entry.name} came from {peer}, not from a peer it is bound to (a replay)",
+                reason="TOKEN_REPLAYED",
+                metadata={"token": entry.name, "peer": peer},
+            )
+        return Caller(name=entry.name, roles=entry.roles, peer=peer, via="token")
+
+
+# Set by the authorization interceptor for the duration of each call.
+_current: contextvars.ContextVar[Caller | None] = contextvars.ContextVar("primerl_caller", default=None)
+
+
+def caller_of(context: grpc.aio.ServicerContext) -> Caller:
+    """The caller of the call `context` belongs to, as the service's authorization found it.
+    Outside a primerl server's interceptor chain: the certificate's identity (no tokens), or
+    LOCAL on a connection without TLS. Raises Unauthenticated without an identity."""
+    caller = _current.get()
+    if caller is not None:
+        return caller
+    secure = (context.auth_context() or {}).get("transport_security_type") == [b"ssl"]
+    return CallerResolver(mode="mtls" if secure else "plaintext").resolve(context)
