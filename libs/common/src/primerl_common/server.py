@@ -128,6 +128,9 @@ class ServiceDefinition:
     permissions: Mapping[str, frozenset[str]] = field(default_factory=dict)
     instance_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     started_at: timestamp_pb2.Timestamp = field(default_factory=lambda: _now())
+    # The health the server reports: a service whose backend fails (a dead engine) sets its
+    # services (and "") NOT_SERVING here, SERVING once it recovers; draining overrides both.
+    health: health.aio.HealthServicer = field(default_factory=health.aio.HealthServicer)
 
     @property
     def service_names(self) -> list[str]:
@@ -210,7 +213,7 @@ class GrpcService:
     def __init__(self, definition: ServiceDefinition, config: ServiceConfig) -> None:
         self.definition = definition
         self.config = config
-        self.health = health.aio.HealthServicer()
+        self.health = definition.health
         self._server: grpc.aio.Server | None = None
         self._stopped = asyncio.Event()
         self._stopping: asyncio.Task[None] | None = None
