@@ -1,5 +1,7 @@
 """The `primerl` command: `primerl up [-c FILE]` runs a whole RL system from one TOML
-file (without -c: the embedded demo); `primerl demo-config` prints that demo file."""
+file (without -c: the embedded demo); `primerl eval CHECKPOINT -c FILE` runs that file's
+[[orchestrator.evals]] on a saved checkpoint; `primerl samples RUN_DIR --step N` shows a
+step's rollouts; `primerl demo-config` prints the demo file."""
 
 from __future__ import annotations
 
@@ -37,8 +39,44 @@ def _parser() -> argparse.ArgumentParser:
     )
     up.add_argument("-c", "--config", type=pathlib.Path, help="launch file (TOML); default: the embedded demo")
     up.add_argument("--run-dir", type=pathlib.Path, help="where configs, logs, metrics and the plot go")
+    evaluate = commands.add_parser(
+        "eval",
+        help="run the [[orchestrator.evals]] of a launch file on a saved checkpoint",
+        description="Serves CHECKPOINT (a Hugging Face model folder, e.g. the trainer's export) with the launch "
+        "file's [inference] and [router] alone, plays its [[orchestrator.evals]] on it, prints a table and "
+        "writes the results as JSON.",
+    )
+    evaluate.add_argument("checkpoint", type=pathlib.Path, help="model folder (config.json, weights, tokenizer)")
+    evaluate.add_argument("-c", "--config", type=pathlib.Path, help="launch file (TOML); default: the embedded demo")
+    evaluate.add_argument("--run-dir", type=pathlib.Path, help="where configs and logs go")
+    evaluate.add_argument("--output", type=pathlib.Path, help="results JSON; default: RUN_DIR/evals.json")
+    samples = commands.add_parser(
+        "samples",
+        help="show one step's rollouts of a run (prompt, completion, reward, advantage)",
+        description="Prints the rollouts of step N as the orchestrator wrote them (output.samples_dir), or writes "
+        "them as an HTML page.",
+    )
+    samples.add_argument("run_dir", type=pathlib.Path, help="the run directory of `primerl up`")
+    samples.add_argument("--step", type=int, required=True)
+    samples.add_argument("--html", type=pathlib.Path, help="write an HTML page here instead of printing")
     commands.add_parser("demo-config", help="print the embedded demo launch file")
     return parser
+
+
+def _samples(run_dir: pathlib.Path, step: int, html_path: pathlib.Path | None) -> int:
+    from primerl_launcher.samples_view import SamplesNotFound, format_samples, read_samples, samples_html
+
+    try:
+        rows = read_samples(run_dir, step)
+    except SamplesNotFound as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    if html_path is None:
+        print(format_samples(rows))
+        return 0
+    html_path.write_text(samples_html(rows, title=f"{run_dir.name}: step {step}"))
+    print(f"{len(rows)} samples of step {step}: {html_path}")
+    return 0
 
 
 def _load(config: pathlib.Path | None) -> LaunchFile:
@@ -81,9 +119,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "demo-config":
         print(demo_config_text(), end="")
         return 0
+    if args.command == "samples":
+        return _samples(args.run_dir, args.step, args.html)
     try:
         launch = _load(args.config)
         run_dir = args.run_dir or default_run_dir(launch.launcher)
+        if args.command == "eval":
+            from primerl_launcher.evaluate import evaluate_checkpoint
+
+            return asyncio.run(evaluate_checkpoint(launch, args.checkpoint, run_dir, output=args.output))
         return asyncio.run(_up(launch, run_dir))
     except LaunchConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
