@@ -83,5 +83,7 @@ def wire(services: Mapping[str, ServiceSpec], *, run_dir: pathlib.Path, model: p
                 if peer in services:
                     set_default(spec.table, f"peers.{peer}", addresses[peer])
             set_default(spec.table, "output.metrics_jsonl", str(run_dir / "orchestrator" / "metrics.jsonl"))
+            set_default(spec.table, "output.samples_dir", str(run_dir / "orchestrator" / "samples"))
+            set_default(spec.table, "tracking.config_dir", str(run_dir / "config"))
         elif name == "trainer" and "weight_broadcaster" in services:
             set_default(spec.table, "publish.weight_broadcaster", addresses["weight_broadcaster"])
