@@ -98,7 +98,7 @@ async def test_unary_limit_refuses_at_once_with_a_retry_hint_and_serves_after(se
         assert dict(error.value.trailing_metadata())[RETRY_AFTER_METADATA] == "1500"
         retry = [d for d in error_details(error.value) if isinstance(d, error_details_pb2.RetryInfo)]
         assert retry[0].retry_delay.ToMilliseconds() == 1500
-        info = [d for d in error_details(error.value) if isinstance(d, error_details_pb2.ErrorInfo)][0]
+        info = next(d for d in error_details(error.value) if isinstance(d, error_details_pb2.ErrorInfo))
         assert info.reason == "OVERLOADED" and info.metadata["config_field"] == "admission.max_concurrent_unary"
         # Health checks are exempt: they answer while the limit is reached.
         reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
@@ -155,7 +155,7 @@ async def test_trickling_stream_ends_deadline_exceeded_and_frees_what_it_held(se
             await stub.PushBatch(pushes(3, gap_s=2.0), timeout=10)
         assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         assert "admission.stream_idle_timeout_s" in error.value.details()
-        info = [d for d in error_details(error.value) if isinstance(d, error_details_pb2.ErrorInfo)][0]
+        info = next(d for d in error_details(error.value) if isinstance(d, error_details_pb2.ErrorInfo))
         assert info.reason == "STREAM_IDLE"
         assert not servicer.lock.locked()
         # The server's own time between reads is not the client's: a stream read slowly passes.
@@ -184,12 +184,11 @@ def test_concurrency_limit_counts_per_caller_and_forgets_idle_callers():
     with limit.hold("a"), limit.hold("a"):
         with pytest.raises(Overloaded, match=r"x\.per_caller = 2"):
             limit.acquire("a")
-        with limit.hold("b"):
-            with pytest.raises(Overloaded, match=r"x\.max = 3"):
-                limit.acquire("c")
+        with limit.hold("b"), pytest.raises(Overloaded, match=r"x\.max = 3"):
+            limit.acquire("c")
         assert limit.num_held == 2 and limit.num_held_by("b") == 0
     assert limit.num_held == 0 and limit._by_caller == {}
-    with pytest.raises(ValueError, match="x.max"):
+    with pytest.raises(ValueError, match=r"x\.max"):
         ConcurrencyLimit(what="calls", limit=0, per_caller_limit=1, config_field="x.max", per_caller_config_field="y")
 
 

@@ -30,12 +30,15 @@ import logging
 import socket
 import socketserver
 import threading
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from google.rpc import status_pb2
 
 from primerl.kvstore.v1 import kvstore_pb2
+from primerl_common.admission import LimitExceeded, Overloaded, StreamDeadlineExceeded
 from primerl_common.errors import InvalidArgument, ResourceExhausted, ServiceError
 from primerl_common.kvpool.bulk import (
     EXISTING,
@@ -46,8 +49,6 @@ from primerl_common.kvpool.bulk import (
     STATUS_ERROR,
     STATUS_OK,
     U32,
-    recv_exact,
-    recv_into,
 )
 from primerl_common.kvpool.framing import DATA_TAG, data_view, varint
 from primerl_common.kvpool.keys import BlockKey, keys_from_proto
@@ -55,13 +56,88 @@ from primerl_kvstore.metadata import StoredBlock
 from primerl_kvstore.storage import Reservation, StorageNode
 from primerl_kvstore.wire import Block, check_put_header
 
-__all__ = ["BulkServer"]
+__all__ = ["BulkLimits", "BulkServer"]
 
 logger = logging.getLogger(__name__)
 
 _MAX_BLOCKS = 65_536
 # Headers and requests on this channel are small; a larger length is a broken peer.
 _MAX_HEADER_BYTES = 16 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class BulkLimits:
+    """Bounds of the bulk channel (the node.bulk_* config fields)."""
+
+    max_connections: int = 256
+    max_header_bytes: int = 256 * 1024 * 1024
+    idle_timeout_s: float = 60.0
+    request_timeout_s: float = 600.0
+
+
+class _Peer:
+    """One request's reads and writes on a connection, each bounded by the idle timeout and all
+    of them by the request's deadline: a peer that trickles or stops reading cannot hold a
+    worker thread and a reservation for ever."""
+
+    def __init__(self, conn: socket.socket, limits: BulkLimits) -> None:
+        self.conn = conn
+        self._idle_s = limits.idle_timeout_s
+        self._total_s = limits.request_timeout_s
+        self._give_up_at = time.monotonic() + limits.request_timeout_s
+        self._timeout_s: float | None = None
+
+    def _arm(self) -> bool:
+        """Sets the socket's timeout for the next operation; True when the request's deadline, not
+        the idle timeout, bounds it."""
+        remaining_s = self._give_up_at - time.monotonic()
+        if remaining_s <= 0:
+            raise self._expired(total=True)
+        timeout_s = min(self._idle_s, remaining_s)
+        if timeout_s != self._timeout_s:  # each change is a system call
+            self.conn.settimeout(timeout_s)
+            self._timeout_s = timeout_s
+        return remaining_s <= self._idle_s
+
+    def _expired(self, *, total: bool) -> StreamDeadlineExceeded:
+        if total:
+            return StreamDeadlineExceeded(
+                f"the bulk request did not finish within {self._total_s:g} s (node.bulk_request_timeout_s)",
+                reason="STREAM_TOO_LONG",
+            )
+        return StreamDeadlineExceeded(
+            f"the peer sent or read nothing for {self._idle_s:g} s (node.bulk_idle_timeout_s)", reason="STREAM_IDLE"
+        )
+
+    def recv_into(self, view: memoryview) -> None:
+        while view:
+            total = self._arm()
+            try:
+                n = self.conn.recv_into(view)
+            except TimeoutError:
+                raise self._expired(total=total) from None
+            if n == 0:
+                raise ConnectionError("peer closed in the middle of a request")
+            view = view[n:]
+
+    def recv_exact(self, size: int) -> bytes:
+        buffer = bytearray(size)
+        self.recv_into(memoryview(buffer))
+        return bytes(buffer)
+
+    def sendall(self, data: bytes | bytearray | memoryview) -> None:
+        total = self._arm()
+        try:
+            self.conn.sendall(data)
+        except TimeoutError:
+            raise self._expired(total=total) from None
+
+
+def _send_error(conn: socket.socket, exc: ServiceError) -> None:
+    status = status_pb2.Status(code=exc.code.value[0], message=exc.message).SerializeToString()
+    with contextlib.suppress(OSError):
+        conn.settimeout(1.0)
+        conn.sendall(bytes((STATUS_ERROR,)) + U32.pack(len(status)) + status)
 
 
 class _Handler(socketserver.BaseRequestHandler):
@@ -72,23 +148,31 @@ class _Handler(socketserver.BaseRequestHandler):
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         bulk = self.server.bulk
         while True:
-            op = conn.recv(1)
+            # Between requests a pooled connection may stay quiet as long as it likes (bounded by
+            # node.bulk_max_connections); once a request starts, its deadlines run.
+            conn.settimeout(None)
+            try:
+                op = conn.recv(1)
+            except OSError:
+                return
             if not op:
                 return
+            peer = _Peer(conn, bulk.limits)
             try:
                 if op == OP_PUT:
-                    bulk.handle_put(conn)
+                    bulk.handle_put(peer)
                 elif op == OP_GET:
-                    bulk.handle_get(conn)
+                    bulk.handle_get(peer)
                 else:
                     raise InvalidArgument(f"unknown operation {op!r}", field="op")
             except ServiceError as exc:
-                status = status_pb2.Status(code=exc.code.value[0], message=exc.message).SerializeToString()
-                with contextlib.suppress(OSError):
-                    conn.sendall(bytes((STATUS_ERROR,)) + U32.pack(len(status)) + status)
+                _send_error(conn, exc)
                 return
             except (ConnectionError, OSError):
                 return
+
+    def finish(self) -> None:
+        self.server.bulk.connections.release()
 
 
 class _ThreadingServer(socketserver.ThreadingTCPServer):
@@ -96,10 +180,30 @@ class _ThreadingServer(socketserver.ThreadingTCPServer):
     allow_reuse_address = True
     bulk: BulkServer
 
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self.bulk.connections.acquire(blocking=False):
+            limit = self.bulk.limits.max_connections
+            _send_error(
+                request,
+                Overloaded(
+                    f"{limit} bulk connections are open, the most this node takes (node.bulk_max_connections = "
+                    f"{limit}); use the open ones or retry later",
+                    config_field="node.bulk_max_connections",
+                    limit=limit,
+                    retry_after_s=1.0,
+                ),
+            )
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
 
 class BulkServer:
-    def __init__(self, node: StorageNode, host: str, port: int) -> None:
+    def __init__(self, node: StorageNode, host: str, port: int, *, limits: BulkLimits | None = None) -> None:
         self.node = node
+        self.limits = limits or BulkLimits()
+        # Held by each connection's worker thread, released when it ends.
+        self.connections = threading.BoundedSemaphore(self.limits.max_connections)
         self._host, self._port = host, port
         self._server: _ThreadingServer | None = None
         self._thread: threading.Thread | None = None
@@ -130,18 +234,28 @@ class BulkServer:
 
         return asyncio.run_coroutine_threadsafe(run(), self._loop).result()
 
-    def handle_put(self, conn: socket.socket) -> None:
+    def handle_put(self, conn: _Peer) -> None:
         node = self.node
-        (num_blocks,) = U32.unpack(recv_exact(conn, 4))
+        (num_blocks,) = U32.unpack(conn.recv_exact(4))
         if num_blocks > _MAX_BLOCKS:
             raise InvalidArgument(f"{num_blocks} blocks; at most {_MAX_BLOCKS} per request", field="headers")
         headers, keys = [], []
+        num_header_bytes = 0
         for index in range(num_blocks):
-            (header_len,) = U32.unpack(recv_exact(conn, 4))
+            (header_len,) = U32.unpack(conn.recv_exact(4))
             if header_len > _MAX_HEADER_BYTES:
                 raise InvalidArgument(f"{header_len} bytes", field="header")
+            num_header_bytes += header_len
+            if num_header_bytes > self.limits.max_header_bytes:
+                raise LimitExceeded(
+                    f"block {index} brings the request's headers to {num_header_bytes} bytes, more than this node "
+                    f"takes (node.bulk_max_header_bytes = {self.limits.max_header_bytes})",
+                    field="header",
+                    config_field="node.bulk_max_header_bytes",
+                    limit=self.limits.max_header_bytes,
+                )
             try:
-                header = kvstore_pb2.BlockHeader.FromString(recv_exact(conn, header_len))
+                header = kvstore_pb2.BlockHeader.FromString(conn.recv_exact(header_len))
             except Exception:
                 raise InvalidArgument("not a BlockHeader", field="header") from None
             keys.append(check_put_header(header, index, node.dram_capacity_bytes))
@@ -173,7 +287,7 @@ class BulkServer:
         # A key twice in one request: reserve counts the second as held already.
         return [await self.node.reserve(header, key) for header, key in zip(headers, keys, strict=True)]
 
-    def _receive(self, conn: socket.socket, reservation: Reservation) -> None:
+    def _receive(self, conn: _Peer, reservation: Reservation) -> None:
         """Receives a block's bytes straight into the data messages the node keeps."""
         num_bytes, chunk_bytes = reservation.block.num_bytes, self.node.chunk_bytes
         for start in range(0, num_bytes, chunk_bytes):
@@ -181,7 +295,7 @@ class BulkServer:
             prefix = bytes((DATA_TAG,)) + varint(size)
             frame = bytearray(len(prefix) + size)
             frame[: len(prefix)] = prefix
-            recv_into(conn, memoryview(frame)[len(prefix) :])
+            conn.recv_into(memoryview(frame)[len(prefix) :])
             # Kept as it is: the gRPC path turns it into bytes when it serves it.
             reservation.block.frames.append(frame)
         reservation.num_received = num_bytes
@@ -195,12 +309,12 @@ class BulkServer:
         await self.node.publish(stored=stored)
         return len(stored)
 
-    def handle_get(self, conn: socket.socket) -> None:
-        (size,) = U32.unpack(recv_exact(conn, 4))
+    def handle_get(self, conn: _Peer) -> None:
+        (size,) = U32.unpack(conn.recv_exact(4))
         if size > _MAX_HEADER_BYTES:
             raise InvalidArgument(f"{size} bytes", field="request")
         try:
-            request = kvstore_pb2.GetBlocksRequest.FromString(recv_exact(conn, size))
+            request = kvstore_pb2.GetBlocksRequest.FromString(conn.recv_exact(size))
         except Exception:
             raise InvalidArgument("not a GetBlocksRequest", field="request") from None
         keys = keys_from_proto(request.keys)

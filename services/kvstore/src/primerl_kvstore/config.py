@@ -30,6 +30,22 @@ class NodeConfig(Section):
         le=65535,
         description="TCP port of the bulk side channel (raw block puts and gets); 0 picks one; unset: off",
     )
+    bulk_max_connections: int = Field(
+        default=256,
+        gt=0,
+        description="bulk channel connections open at once (a thread each); another is answered RESOURCE_EXHAUSTED",
+    )
+    bulk_max_header_bytes: int = Field(
+        default=256 * 1024 * 1024,
+        gt=0,
+        description="block headers of one bulk put request, all together (held until the blocks are received)",
+    )
+    bulk_idle_timeout_s: float = Field(
+        default=60.0, gt=0, description="within a bulk request, the longest wait for the peer to send or read"
+    )
+    bulk_request_timeout_s: float = Field(
+        default=600.0, gt=0, description="the longest one bulk request may take (DEADLINE_EXCEEDED, then closed)"
+    )
     heartbeat_interval_s: float = Field(default=1.0, gt=0, description="time between heartbeats to the metadata role")
     chunk_bytes: int = Field(
         default=1024 * 1024, ge=4096, description="data per message when a block read from disk is streamed"

@@ -7,7 +7,7 @@ import grpc
 from primerl.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
 from primerl_common.server import ServiceDefinition
 from primerl_kvstore import __version__
-from primerl_kvstore.bulk import BulkServer
+from primerl_kvstore.bulk import BulkLimits, BulkServer
 from primerl_kvstore.config import KvstoreConfig
 from primerl_kvstore.disk import DiskTier
 from primerl_kvstore.links import LocalMetadataLink, Membership, RemoteMetadataLink, RemoteStorageLinks
@@ -79,7 +79,17 @@ async def build(config: KvstoreConfig) -> ServiceDefinition:
         if storage_links is not None:
             storage_links.local = storage
         if config.node.bulk_port is not None:
-            bulk = BulkServer(storage, config.server.host, config.node.bulk_port)
+            bulk = BulkServer(
+                storage,
+                config.server.host,
+                config.node.bulk_port,
+                limits=BulkLimits(
+                    max_connections=config.node.bulk_max_connections,
+                    max_header_bytes=config.node.bulk_max_header_bytes,
+                    idle_timeout_s=config.node.bulk_idle_timeout_s,
+                    request_timeout_s=config.node.bulk_request_timeout_s,
+                ),
+            )
 
             async def start_bulk(bulk: BulkServer = bulk, node: StorageNode = storage) -> None:
                 await bulk.start()

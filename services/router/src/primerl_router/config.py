@@ -59,6 +59,15 @@ class RoutingConfig(Section):
     avoid_updating: bool = Field(
         default=True, description="keep new requests off replicas that update their weights while others can serve"
     )
+    max_concurrent_generate: int = Field(
+        default=8192,
+        gt=0,
+        description="Generate calls in flight on this router; past it a call is refused RESOURCE_EXHAUSTED at once "
+        "with a retry hint (nothing queues)",
+    )
+    max_concurrent_generate_per_caller: int = Field(
+        default=8192, gt=0, description="Generate calls in flight from one caller (its address)"
+    )
     disaggregate: bool = Field(
         default=False,
         description="requests that name no role go to a prefill replica, which saves the prompt's KV to the "

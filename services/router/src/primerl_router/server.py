@@ -41,6 +41,6 @@ async def build(config: RouterConfig) -> ServiceDefinition:
         on_stop=[fleet.stop],
         unobserved_methods=[_GENERATE],
     )
-    servicer = RouterServicer(definition, fleet, Forwarder(fleet, config.routing))
+    servicer = RouterServicer(definition, fleet, Forwarder(fleet, config.routing), config.routing)
     definition.servicers = [(_add_router_service, servicer, _SERVICE)]
     return definition

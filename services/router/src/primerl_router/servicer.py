@@ -10,9 +10,11 @@ import grpc
 from google.protobuf import timestamp_pb2
 
 from primerl.router.v1 import router_pb2, router_pb2_grpc
+from primerl_common.admission import ConcurrencyLimit, caller_key
 from primerl_common.errors import InvalidArgument
 from primerl_common.server import ServiceDefinition
 from primerl_router.circuit import CircuitState
+from primerl_router.config import RoutingConfig
 from primerl_router.fleet import Fleet
 from primerl_router.forwarding import Forwarder
 from primerl_router.replica import ROLE_BOTH, Health, Replica
@@ -64,10 +66,21 @@ def _timestamp(seconds: float) -> timestamp_pb2.Timestamp:
 
 
 class RouterServicer(router_pb2_grpc.RouterServiceServicer):
-    def __init__(self, definition: ServiceDefinition, fleet: Fleet, forwarder: Forwarder) -> None:
+    def __init__(
+        self, definition: ServiceDefinition, fleet: Fleet, forwarder: Forwarder, routing: RoutingConfig | None = None
+    ) -> None:
         self._definition = definition
         self._fleet = fleet
         self._forwarder = forwarder
+        routing = routing or RoutingConfig()
+        # Counted here, once per client call: a disaggregated request's halves go through the forwarder again.
+        self._generate_limit = ConcurrencyLimit(
+            what="Generate calls",
+            limit=routing.max_concurrent_generate,
+            per_caller_limit=routing.max_concurrent_generate_per_caller,
+            config_field="routing.max_concurrent_generate",
+            per_caller_config_field="routing.max_concurrent_generate_per_caller",
+        )
 
     async def GetServiceInfo(
         self, request: router_pb2.GetServiceInfoRequest, context: grpc.aio.ServicerContext
@@ -75,7 +88,8 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         return router_pb2.GetServiceInfoResponse(info=self._definition.info())
 
     async def Generate(self, request: bytes, context: grpc.aio.ServicerContext) -> None:
-        await self._forwarder.generate(request, context)
+        with self._generate_limit.hold(caller_key(context)):
+            await self._forwarder.generate(request, context)
 
     async def RegisterReplica(
         self, request: router_pb2.RegisterReplicaRequest, context: grpc.aio.ServicerContext

@@ -19,6 +19,7 @@ from primerl_trainer.config_types import (
 )
 
 __all__ = [
+    "BatchLimitsConfig",
     "CheckpointConfig",
     "DTypeName",
     "ExportConfig",
@@ -156,6 +157,20 @@ class ExportConfig(Section):
     max_shard_bytes: int = Field(default=5 * 1024**3, gt=0, description="safetensors files are cut at this size")
 
 
+class BatchLimitsConfig(Section):
+    """Caps on one PushBatch, checked as it arrives (the count when `begin` announces it, tokens and
+    bytes before each micro-batch is decoded): a batch past one is refused RESOURCE_EXHAUSTED naming
+    the field, and what had arrived is dropped. Sized for large RL steps, not to refuse real use."""
+
+    max_micro_batches: int = Field(default=65_536, gt=0, description="micro-batches one batch may announce")
+    max_tokens: int = Field(default=2**28, gt=0, description="tokens of all micro-batches of one batch")
+    max_bytes: int = Field(
+        default=64 * 1024**3,
+        gt=0,
+        description="serialized micro-batches of one batch (what the trainer holds until the batch is queued)",
+    )
+
+
 class TrainerConfig(ServiceConfig):
     """primerl trainer: PyTorch training of the policy: own Qwen3/Qwen3-MoE models, RL and SFT losses,
     router replay, FSDP2, checkpoints.
@@ -172,6 +187,7 @@ class TrainerConfig(ServiceConfig):
     seq_len: int = Field(default=4096, gt=0, description="most tokens per micro-batch")
     router_replay: bool = Field(default=False, description="replay the experts inference routed to (MoE)")
     max_queued_batches: int = Field(default=4, gt=0, description="PushBatch answers RESOURCE_EXHAUSTED beyond")
+    batch_limits: BatchLimitsConfig = BatchLimitsConfig()
     metrics_history: int = Field(default=1000, gt=0, description="finished steps WatchSteps can replay")
     loss: RLLossConfig = RLLossConfig()
     optimizer: OptimizerConfig = OptimizerConfig()

@@ -22,8 +22,10 @@ from dataclasses import dataclass
 
 import torch
 
+from primerl_common.admission import check_limit
 from primerl_common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
 from primerl_trainer.batch import BatchSpec, MicroBatch, TrainingMode, validate_batch
+from primerl_trainer.config import BatchLimitsConfig
 from primerl_trainer.loop import QueuedBatch, StepRecord, TrainingLoop
 from primerl_trainer.publish import BroadcasterWatch
 from primerl_trainer.runtime import TrainingRuntime
@@ -72,9 +74,32 @@ class TrainerStatus:
 class IncomingBatch:
     """A batch being read from a PushBatch stream, admitted by its header."""
 
-    def __init__(self, header: BatchHeader) -> None:
+    def __init__(self, header: BatchHeader, limits: BatchLimitsConfig | None = None) -> None:
         self.header = header
+        self.limits = limits or BatchLimitsConfig()
         self.micro_batches: list[MicroBatch] = []
+        self.num_tokens = 0
+        self.num_bytes = 0
+
+    def account(self, *, num_tokens: int, num_bytes: int) -> None:
+        """Counts the next micro-batch's tokens and serialized bytes before it is decoded;
+        LimitExceeded once the batch passes batch_limits."""
+        self.num_tokens += num_tokens
+        self.num_bytes += num_bytes
+        check_limit(
+            self.num_tokens,
+            self.limits.max_tokens,
+            field="micro_batch.input_ids",
+            config_field="batch_limits.max_tokens",
+            what=f"tokens up to micro-batch {self.next_index}",
+        )
+        check_limit(
+            self.num_bytes,
+            self.limits.max_bytes,
+            field="micro_batch",
+            config_field="batch_limits.max_bytes",
+            what=f"bytes up to micro-batch {self.next_index}",
+        )
 
     def add(self, micro_batch: MicroBatch) -> None:
         if len(self.micro_batches) >= self.header.num_micro_batches:
@@ -96,6 +121,7 @@ class TrainingService:
         self.spec: BatchSpec = runtime.spec
         self.mode: TrainingMode = config.mode
         self.max_queued_batches = config.max_queued_batches
+        self.batch_limits = config.batch_limits
         self._self_fed = sft_dataset is not None
         self._loop = TrainingLoop(
             runtime,
@@ -156,10 +182,17 @@ class TrainingService:
 
     def begin_batch(self, header: BatchHeader) -> IncomingBatch:
         """Admit a batch by its header, before its micro-batches are read."""
+        check_limit(
+            header.num_micro_batches,
+            self.batch_limits.max_micro_batches,
+            field="begin.num_micro_batches",
+            config_field="batch_limits.max_micro_batches",
+            what="micro-batches",
+        )
         self._check_admission(header)
         if header.num_micro_batches <= 0:
             raise InvalidArgument("a batch needs at least one micro-batch", field="begin.num_micro_batches")
-        return IncomingBatch(header)
+        return IncomingBatch(header, self.batch_limits)
 
     def commit_batch(self, batch: IncomingBatch) -> tuple[int, int]:
         """Validate the whole batch and queue it; returns (step, queued batches)."""

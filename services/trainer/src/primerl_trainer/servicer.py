@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import AsyncIterator
 
 import grpc
@@ -81,6 +82,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
             elif item == "micro_batch":
                 if batch is None:
                     raise InvalidArgument("the stream must start with begin", field="begin")
+                input_ids = request.micro_batch.input_ids.header
+                batch.account(num_tokens=math.prod(input_ids.shape), num_bytes=request.ByteSize())
                 batch.add(
                     micro_batch_from_proto(request.micro_batch, service.spec, mode=service.mode, index=batch.next_index)
                 )

@@ -24,6 +24,22 @@ class PushConfig(Section):
     push_timeout_s: float = Field(default=600.0, gt=0, description="deadline of one UpdateWeights stream")
 
 
+class PublishLimitsConfig(Section):
+    """Caps on PublishWeights, checked before anything of a publish is held: what `begin` announces,
+    then each tensor's header before its bytes are allocated. A publish past one is refused
+    RESOURCE_EXHAUSTED naming the field. Sized for a trillion-parameter model (~10^5 tensors,
+    ~2 TB in bf16, ~4 TB in float32)."""
+
+    max_tensors: int = Field(default=1_000_000, gt=0, description="tensors of one publish")
+    max_bytes: int = Field(default=8 * 1024**4, gt=0, description="bytes of one publish (all its tensors)")
+    max_concurrent: int = Field(
+        default=1,
+        ge=1,
+        description="publishes received at once (each holds a whole version in memory until stored); "
+        "another one is refused RESOURCE_EXHAUSTED with a retry hint",
+    )
+
+
 class ReplicaConfig(Section):
     """An inference replica registered at start (others register at run time): a restarted
     broadcaster knows it again without anyone registering it."""
@@ -118,6 +134,7 @@ class WeightBroadcasterConfig(ServiceConfig):
 
     server: ServerConfig = ServerConfig(port=50055)
     push: PushConfig = PushConfig()
+    publish: PublishLimitsConfig = PublishLimitsConfig()
     store: StoreConfig = StoreConfig()
     shared_fs: SharedFsConfig = SharedFsConfig()
     collective: CollectiveConfig = CollectiveConfig()

@@ -59,7 +59,7 @@ async def build(config: WeightBroadcasterConfig) -> ServiceDefinition:
         on_start=[prune_shared_folder, register_configured],
         on_stop=[replicas.close],
     )
-    servicer = WeightBroadcasterServicer(definition, store, replicas)
+    servicer = WeightBroadcasterServicer(definition, store, replicas, config.publish)
     definition.on_drain = [servicer.drain]
     descriptor = weight_broadcaster_pb2.DESCRIPTOR.services_by_name["WeightBroadcasterService"]
     definition.servicers = [

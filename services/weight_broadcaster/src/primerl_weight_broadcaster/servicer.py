@@ -12,11 +12,13 @@ import torch
 from primerl.common.v1 import tensor_pb2
 from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2 as pb2
 from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2_grpc
+from primerl_common.admission import ConcurrencyLimit, caller_key, check_limit
 from primerl_common.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from primerl_common.observability import policy_version_var
 from primerl_common.server import ServiceDefinition
 from primerl_common.tensors import TensorAssembler
 from primerl_weight_broadcaster.collective import check_tensor_list
+from primerl_weight_broadcaster.config import PublishLimitsConfig
 from primerl_weight_broadcaster.replicas import Replica, ReplicaSet
 from primerl_weight_broadcaster.store import WeightStore
 
@@ -36,10 +38,25 @@ _FORMATS = {
 
 
 class WeightBroadcasterServicer(weight_broadcaster_pb2_grpc.WeightBroadcasterServiceServicer):
-    def __init__(self, definition: ServiceDefinition, store: WeightStore, replicas: ReplicaSet) -> None:
+    def __init__(
+        self,
+        definition: ServiceDefinition,
+        store: WeightStore,
+        replicas: ReplicaSet,
+        limits: PublishLimitsConfig | None = None,
+    ) -> None:
         self._definition = definition
         self._store = store
         self._replicas = replicas
+        self._limits = limits or PublishLimitsConfig()
+        # Publishes being received: each holds a whole version until it is stored.
+        self._receiving = ConcurrencyLimit(
+            what="publishes being received",
+            limit=self._limits.max_concurrent,
+            per_caller_limit=self._limits.max_concurrent,
+            config_field="publish.max_concurrent",
+            per_caller_config_field="publish.max_concurrent",
+        )
         # One publish at a time: versions are checked and stored in order.
         self._publishing = asyncio.Lock()
         # Each open WatchReplicas stream's queue (None ends it).
@@ -70,9 +87,16 @@ class WeightBroadcasterServicer(weight_broadcaster_pb2_grpc.WeightBroadcasterSer
         policy_version_var.set(begin.policy_version)
         if begin.kind not in (pb2.PUBLISH_KIND_UNSPECIFIED, pb2.PUBLISH_KIND_FULL):
             raise InvalidArgument("only PUBLISH_KIND_FULL is supported", field="begin.kind")
+        _check_announced(begin, self._limits)
         # Refuse a stale version before receiving its bytes (checked again when storing).
         self._check_version(begin.policy_version, data=True)
-        tensors = await _receive(requests, begin)
+        with self._receiving.hold(caller_key(context)):
+            return await self._receive_and_store(requests, begin)
+
+    async def _receive_and_store(
+        self, requests: AsyncIterator[pb2.PublishWeightsRequest], begin: pb2.PublishBegin
+    ) -> pb2.PublishWeightsResponse:
+        tensors = await _receive(requests, begin, self._limits)
         async with self._publishing:
             self._check_version(begin.policy_version, data=True)
             # Off the event loop: comparing with the latest version, and spilling, take a while.
@@ -109,6 +133,7 @@ class WeightBroadcasterServicer(weight_broadcaster_pb2_grpc.WeightBroadcasterSer
         policy_version_var.set(begin.policy_version)
         if begin.kind not in (pb2.PUBLISH_KIND_UNSPECIFIED, pb2.PUBLISH_KIND_FULL):
             raise InvalidArgument("only PUBLISH_KIND_FULL is supported", field="begin.kind")
+        _check_announced(begin, self._limits)
         check_tensor_list(request)
         async with self._publishing:
             self._check_version(begin.policy_version, data=False)
@@ -238,16 +263,70 @@ class WeightBroadcasterServicer(weight_broadcaster_pb2_grpc.WeightBroadcasterSer
             stop()
 
 
+def _check_announced(begin: pb2.PublishBegin, limits: PublishLimitsConfig) -> None:
+    check_limit(
+        begin.num_tensors,
+        limits.max_tensors,
+        field="begin.num_tensors",
+        config_field="publish.max_tensors",
+        what="tensors",
+    )
+    check_limit(
+        begin.num_bytes, limits.max_bytes, field="begin.num_bytes", config_field="publish.max_bytes", what="bytes"
+    )
+
+
+class _Budget:
+    """What a publish may still bring: what `begin` announced, else the configured caps. Each
+    tensor is counted from its header, before its bytes are allocated."""
+
+    def __init__(self, begin: pb2.PublishBegin, limits: PublishLimitsConfig) -> None:
+        self._begin = begin
+        self._limits = limits
+        self.num_tensors = 0
+        self.num_bytes = 0
+
+    def start(self, header: tensor_pb2.TensorHeader) -> None:
+        self.num_tensors += 1
+        self.num_bytes += header.num_bytes
+        begin, limits = self._begin, self._limits
+        if begin.num_tensors and self.num_tensors > begin.num_tensors:
+            raise InvalidArgument(f"more tensors than the {begin.num_tensors} announced", field="begin.num_tensors")
+        if begin.num_bytes and self.num_bytes > begin.num_bytes:
+            raise InvalidArgument(
+                f"tensor {header.name!r} brings the publish to {self.num_bytes} bytes, more than the "
+                f"{begin.num_bytes} announced",
+                field="begin.num_bytes",
+            )
+        check_limit(
+            self.num_tensors,
+            limits.max_tensors,
+            field="chunk.header",
+            config_field="publish.max_tensors",
+            what="tensors",
+        )
+        check_limit(
+            self.num_bytes,
+            limits.max_bytes,
+            field="chunk.header.num_bytes",
+            config_field="publish.max_bytes",
+            what="bytes",
+        )
+
+
 async def _receive(
-    requests: AsyncIterator[pb2.PublishWeightsRequest], begin: pb2.PublishBegin
+    requests: AsyncIterator[pb2.PublishWeightsRequest], begin: pb2.PublishBegin, limits: PublishLimitsConfig
 ) -> dict[str, torch.Tensor]:
     """The tensors of a publish stream, checked against the counts `begin` announced."""
     assembler = TensorAssembler()
+    budget = _Budget(begin, limits)
     tensors: dict[str, torch.Tensor] = {}
     try:
         async for request in requests:
             if not request.HasField("chunk"):
                 raise InvalidArgument("only chunks may follow `begin`", field="begin")
+            if request.chunk.HasField("header"):
+                budget.start(request.chunk.header)
             if (item := assembler.feed(request.chunk)) is not None:
                 name, tensor = item
                 if name in tensors:
