@@ -120,7 +120,8 @@ class TrainerFeed:
                     return
                 if code == grpc.StatusCode.FAILED_PRECONDITION and reason == "STEP_OUT_OF_ORDER":
                     raise StepMismatch(step, int(metadata["next_step"])) from None
-                if code not in _RETRIED:
+                # LIMIT_EXCEEDED: the batch is past one of the trainer's batch_limits; it would be again.
+                if code not in _RETRIED or reason == "LIMIT_EXCEEDED":
                     raise TrainerError(
                         f"the trainer refused the batch of step {step}: {code.name}: {exc.details()}"
                     ) from None
