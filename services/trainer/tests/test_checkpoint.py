@@ -2,6 +2,7 @@
 pruning, and saves that crashed half-way."""
 
 import pathlib
+import re
 
 import pytest
 import torch
@@ -160,3 +161,90 @@ def test_errors(tmp_path: pathlib.Path) -> None:
         Checkpointer(tmp_path, keep_last=0)
     with pytest.raises(ValueError, match="interval"):
         Checkpointer(tmp_path, interval=-1)
+
+
+def _cut_shard(step: pathlib.Path) -> None:
+    shard = next(step.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+
+
+def _lose_shard(step: pathlib.Path) -> None:
+    next(step.glob("*.distcp")).unlink()
+
+
+def _lose_metadata(step: pathlib.Path) -> None:
+    (step / ".metadata").unlink()
+
+
+def _cut_metadata(step: pathlib.Path) -> None:
+    (step / ".metadata").write_bytes((step / ".metadata").read_bytes()[:10])
+
+
+@pytest.mark.parametrize(
+    ("damage", "why"),
+    [
+        (_cut_shard, r"step_00000002 has __0_0\.distcp cut short \(\d+ of \d+ bytes\)"),
+        (_lose_shard, r"step_00000002 lacks __0_0\.distcp"),
+        (_lose_metadata, r"step_00000002 has no \.metadata \(its save did not finish\)"),
+        (_cut_metadata, r"step_00000002 has a \.metadata that does not load"),
+    ],
+)
+def test_a_damaged_latest_checkpoint_falls_back_to_the_newest_complete_one(
+    tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture, damage, why: str
+) -> None:
+    trainer = _bigram_trainer()
+    checkpointer = Checkpointer(tmp_path, interval=1)
+    trainer.train_step(_BATCH)
+    checkpointer.save(trainer)
+    weights_at_1 = parameters(trainer.model)
+    trainer.train_step(_BATCH)
+    checkpointer.save(trainer)
+    damage(tmp_path / "step_00000002")
+    assert (tmp_path / LATEST_FILE).read_text() == "step_00000002\n"  # still names the damaged one
+
+    resumed = _bigram_trainer()
+    with caplog.at_level("WARNING", logger="primerl_trainer.checkpoint"):
+        assert checkpointer.load_latest(resumed) == 1
+    for name, p in resumed.model.named_parameters():
+        assert torch.equal(p, weights_at_1[name]), name
+    [warning] = [r.getMessage() for r in caplog.records if "newest complete checkpoint" in r.getMessage()]
+    assert warning.startswith("resuming from step_00000001, the newest complete checkpoint: ")
+    assert re.search(why, warning), warning
+    # The next save of step 2 replaces the damaged folder and becomes the latest again.
+    resumed.train_step(_BATCH)
+    assert checkpointer.save(resumed) == tmp_path / "step_00000002"
+    assert checkpointer.load_latest(_bigram_trainer()) == 2
+
+
+def test_a_lost_or_garbled_latest_marker_falls_back_to_the_newest_complete_checkpoint(
+    tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    trainer = _bigram_trainer()
+    checkpointer = Checkpointer(tmp_path, interval=1)
+    for _ in range(2):
+        trainer.train_step(_BATCH)
+        checkpointer.save(trainer)
+    (tmp_path / LATEST_FILE).write_bytes(b"\xff\x00garbage")
+    with caplog.at_level("WARNING", logger="primerl_trainer.checkpoint"):
+        assert checkpointer.load_latest(_bigram_trainer()) == 2
+    assert f'{tmp_path / LATEST_FILE} names "<unreadable: ' in caplog.text, caplog.text
+    assert "not a step folder" in caplog.text
+    (tmp_path / LATEST_FILE).unlink()
+    _lose_shard(tmp_path / "step_00000002")
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="primerl_trainer.checkpoint"):
+        assert checkpointer.load_latest(_bigram_trainer()) == 1
+    assert f"{tmp_path / LATEST_FILE} is missing; step_00000002 lacks __0_0.distcp" in caplog.text, caplog.text
+
+
+def test_no_complete_checkpoint_left_is_an_error_when_latest_names_one(tmp_path: pathlib.Path) -> None:
+    trainer = _bigram_trainer()
+    checkpointer = Checkpointer(tmp_path, interval=1)
+    trainer.train_step(_BATCH)
+    checkpointer.save(trainer)
+    _cut_shard(tmp_path / "step_00000001")
+    with pytest.raises(ValueError, match=r"names 'step_00000001', which is not a complete checkpoint, .*cut short"):
+        checkpointer.load_latest(_bigram_trainer())
+    # Without the marker no save ever finished (the first one crashed): a fresh start.
+    (tmp_path / LATEST_FILE).unlink()
+    assert checkpointer.load_latest(_bigram_trainer()) is None

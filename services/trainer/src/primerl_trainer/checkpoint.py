@@ -7,7 +7,10 @@ Layout under the root folder (which every rank must see, e.g. a shared filesyste
     latest           text: the folder name of the newest complete checkpoint
 
 A step's folder is written first and `latest` is replaced atomically once every rank has
-finished, so a crash during a save leaves the previous checkpoint as the latest. Sharded
+finished, so a crash during a save leaves the previous checkpoint as the latest. A checkpoint
+damaged later (a file truncated or lost, the metadata gone, `latest` itself unreadable) is
+passed over with a warning saying why, for the newest complete one; DCP's own failure to load
+one does the same. Sharded
 (FSDP2) state is written by each rank and can be loaded onto another number of ranks (DCP
 reshards it), except the RNG states, which are per rank: a rank the checkpoint has none for
 keeps its own.
@@ -18,8 +21,10 @@ from __future__ import annotations
 import logging
 import os
 import pathlib
+import pickle
 import re
 import shutil
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -64,7 +69,7 @@ class Checkpointer:
             # would shift Adam's bias correction for the rest of the run.
             raise ValueError(f"step {trainer.step}: nothing to checkpoint before the optimizer's first update")
         path = self.root / _step_dir_name(trainer.step)
-        if self.latest_path() == path:
+        if _read_marker(self.root / LATEST_FILE) == path.name and _damage(path) is None:
             return path
         if _rank() == 0:
             # Left over from a save that crashed before it became the latest.
@@ -79,20 +84,64 @@ class Checkpointer:
         return path
 
     def latest_path(self) -> pathlib.Path | None:
-        """The folder `latest` names, or None when there is no checkpoint yet."""
-        try:
-            name = (self.root / LATEST_FILE).read_text().strip()
-        except FileNotFoundError:
-            return None
-        if not _STEP_DIR.fullmatch(name) or not (self.root / name / ".metadata").is_file():
-            raise ValueError(f"{self.root / LATEST_FILE} names {name!r}, which is not a complete checkpoint")
-        return self.root / name
+        """The newest complete checkpoint: the folder `latest` names, else (damaged) the newest
+        complete other one. None when there is no checkpoint yet; ValueError when `latest` names
+        one and none is complete (a run that had some must not start over unnoticed)."""
+        return next(self._complete(), None)
+
+    def _complete(self) -> Iterator[pathlib.Path]:
+        """The complete checkpoints, `latest`'s first, then the others newest first; each one
+        passed over is logged with why. Raises ValueError once none is left, if any was there."""
+        marker = self.root / LATEST_FILE
+        name = _read_marker(marker)
+        folders = []
+        if self.root.is_dir():
+            folders = sorted(
+                (p for p in self.root.iterdir() if p.is_dir() and _STEP_DIR.fullmatch(p.name)), reverse=True
+            )
+        why_not: list[str] = []
+        candidates = []
+        if name is not None and _STEP_DIR.fullmatch(name):
+            candidates.append(self.root / name)
+        elif name is not None:
+            why_not.append(f"{marker} names {name!r}, not a step folder")
+        elif folders:
+            why_not.append(f"{marker} is missing")
+        candidates += [folder for folder in folders if folder not in candidates]
+        for path in candidates:
+            damage = _damage(path)
+            if damage is not None:
+                why_not.append(f"{path.name} {damage}")
+                continue
+            if why_not:
+                logger.warning(
+                    "resuming from %s, the newest complete checkpoint: %s",
+                    path.name,
+                    "; ".join(why_not),
+                    extra={"path": str(path)},
+                )
+            yield path
+            why_not.append(f"{path.name} did not load")
+        if name is not None:
+            raise ValueError(
+                f"{marker} names {name!r}, which is not a complete checkpoint, and no other complete one is in "
+                f"{self.root}: " + "; ".join(why_not)
+            )
+        if folders:
+            # No marker: no save ever finished (the first one crashed), so nothing is lost.
+            logger.warning("no complete checkpoint in %s: %s", self.root, "; ".join(why_not))
 
     def load_latest(self, trainer: Trainer) -> int | None:
-        """Restore the latest checkpoint into `trainer` (in place); return its step, or None if none."""
-        path = self.latest_path()
-        if path is None:
-            return None
+        """Restore the newest complete checkpoint into `trainer` (in place); return its step, or
+        None if there is none yet. One that DCP fails to read is passed over for the next."""
+        for path in self._complete():
+            try:
+                return self._load(trainer, path)
+            except Exception as exc:  # DCP raises CheckpointException on every rank alike
+                logger.warning("checkpoint %s did not load: %s", path, exc, extra={"path": str(path)})
+        return None
+
+    def _load(self, trainer: Trainer, path: pathlib.Path) -> int:
         saved_keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata.keys()
         state = _state_dict(trainer)
         # Ask only for the RNG states this rank's checkpoint holds (none when it was saved on
@@ -125,6 +174,37 @@ class Checkpointer:
         steps = sorted(p for p in self.root.iterdir() if p.is_dir() and _STEP_DIR.fullmatch(p.name))
         for old in steps[: -self.keep_last]:
             shutil.rmtree(old)
+
+
+def _read_marker(marker: pathlib.Path) -> str | None:
+    try:
+        return marker.read_text().strip()
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError) as exc:
+        return f"<unreadable: {exc}>"
+
+
+def _damage(path: pathlib.Path) -> str | None:
+    """Why the checkpoint folder is not complete, or None: DCP's .metadata must load, and every
+    file it names must hold the bytes it says (a save that crashed, or a file lost or cut later)."""
+    try:
+        metadata = dcp.FileSystemReader(path).read_metadata()
+    except FileNotFoundError:
+        return "has no .metadata (its save did not finish)"
+    except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ValueError) as exc:
+        return f"has a .metadata that does not load ({type(exc).__name__}: {exc})"
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for relative_path, size in sorted(needed.items()):
+        try:
+            found = (path / relative_path).stat().st_size
+        except FileNotFoundError:
+            return f"lacks {relative_path}"
+        if found < size:
+            return f"has {relative_path} cut short ({found} of {size} bytes)"
+    return None
 
 
 def _state_dict(trainer: Trainer) -> dict[str, Any]:
