@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from primerl.inference.v1 import inference_pb2, inference_pb2_grpc
+from primerl_common import security
 from primerl_common.server import ServiceDefinition
 from primerl_inference import __version__
 from primerl_inference.config import InferenceConfig
@@ -17,6 +18,21 @@ if TYPE_CHECKING:
     from primerl_inference.servicer import InferenceServicer
 
 _SERVICE = inference_pb2.DESCRIPTOR.services_by_name["InferenceService"]
+# Who may call what (primerl_common.security): generation comes through the router, weights
+# from the weight broadcaster; operators pause, reset and manage adapters; anyone
+# authenticated reads the load and the adapters.
+ROLES = {
+    "Generate": {security.ROUTER},
+    "UpdateWeights": {security.WEIGHT_BROADCASTER},
+    "PauseGeneration": {security.OPERATOR},
+    "ResumeGeneration": {security.OPERATOR},
+    "ResetPrefixCache": {security.ROUTER, security.OPERATOR},
+    "GetLoad": security.ANY,
+    "WatchLoad": security.ANY,
+    "LoadAdapter": {security.WEIGHT_BROADCASTER, security.OPERATOR},
+    "UnloadAdapter": {security.WEIGHT_BROADCASTER, security.OPERATOR},
+    "ListAdapters": security.ANY,
+}
 
 
 async def build(config: InferenceConfig) -> ServiceDefinition:
@@ -48,6 +64,7 @@ def service_definition(engine: InferenceEngine, config: InferenceConfig) -> Serv
     )
     servicer = InferenceServicer(definition, engine, watch_interval_ms=config.load_report.watch_interval_ms)
     definition.servicers = [(_add_inference_service, servicer, _SERVICE)]
+    definition.permissions = security.method_roles(_SERVICE, ROLES)
     return definition
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import grpc
 
 from primerl.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
+from primerl_common import security
 from primerl_common.server import ServiceDefinition
 from primerl_kvstore import __version__
 from primerl_kvstore.bulk import BulkLimits, BulkServer
@@ -16,9 +17,28 @@ from primerl_kvstore.metrics import track
 from primerl_kvstore.servicer import KvstoreServicer
 from primerl_kvstore.storage import MetadataLink, StorageNode
 
-__all__ = ["build"]
+__all__ = ["ROLES", "build"]
 
 _SERVICE = kvstore_pb2.DESCRIPTOR.services_by_name["KvStoreService"]
+# Who may call what (primerl_common.security): inference replicas (their KV connectors) put,
+# get and locate blocks; kvstore nodes talk to each other (membership, block reports,
+# evictions, removal fan-out); removal is also the orchestrator's (a version no rollout uses)
+# and operators'; anyone authenticated reads the stats.
+_POOL = {security.INFERENCE, security.KVSTORE}
+ROLES = {
+    "PutBlocks": {security.INFERENCE},
+    "GetBlocks": {security.INFERENCE},
+    "BatchExists": _POOL,
+    "RemoveBlocks": {security.KVSTORE, security.OPERATOR},
+    "RemoveNamespace": {security.KVSTORE, security.ORCHESTRATOR, security.OPERATOR},
+    "RegisterNode": {security.KVSTORE},
+    "Heartbeat": {security.KVSTORE},
+    "LocateBlocks": _POOL,
+    "ReleaseLeases": _POOL,
+    "UpdateBlocks": {security.KVSTORE},
+    "ClaimEviction": {security.KVSTORE},
+    "GetStats": security.ANY,
+}
 
 
 def _add_kvstore_service(servicer: KvstoreServicer, server: grpc.aio.Server) -> None:
@@ -110,4 +130,5 @@ async def build(config: KvstoreConfig) -> ServiceDefinition:
         definition, metadata=metadata, storage=storage, max_keys=config.metadata.max_keys_per_request
     )
     definition.servicers = [(_add_kvstore_service, servicer, _SERVICE)]
+    definition.permissions = security.method_roles(_SERVICE, ROLES)
     return definition

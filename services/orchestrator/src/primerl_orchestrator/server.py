@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 
 from primerl.orchestrator.v1 import orchestrator_pb2, orchestrator_pb2_grpc
+from primerl_common import security
 from primerl_common.server import ServiceDefinition
 from primerl_orchestrator import __version__
 from primerl_orchestrator.config import OrchestratorConfig
@@ -17,7 +18,21 @@ from primerl_orchestrator.servicer import OrchestratorServicer
 from primerl_orchestrator.trainer_client import TrainerFeed
 from primerl_orchestrator.versions import BroadcasterVersions, TrainerVersions, VersionSource
 
-__all__ = ["build"]
+__all__ = ["ROLES", "build"]
+
+
+# Who may call what (primerl_common.security): environments call the environment API only;
+# operators pause and resume; anyone authenticated reads the run's status.
+ROLES = {
+    "ListEnvironments": {security.ENVIRONMENT},
+    "NextEpisode": {security.ENVIRONMENT},
+    "StartEpisode": {security.ENVIRONMENT},
+    "Generate": {security.ENVIRONMENT},
+    "FinishEpisode": {security.ENVIRONMENT},
+    "GetRunStatus": security.ANY,
+    "PauseRun": {security.OPERATOR},
+    "ResumeRun": {security.OPERATOR},
+}
 
 
 async def build(config: OrchestratorConfig) -> ServiceDefinition:
@@ -67,4 +82,5 @@ async def build(config: OrchestratorConfig) -> ServiceDefinition:
     servicer = OrchestratorServicer(definition, run)
     descriptor = orchestrator_pb2.DESCRIPTOR.services_by_name["OrchestratorService"]
     definition.servicers = [(orchestrator_pb2_grpc.add_OrchestratorServiceServicer_to_server, servicer, descriptor)]
+    definition.permissions = security.method_roles(descriptor, ROLES)
     return definition

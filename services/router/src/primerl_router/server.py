@@ -5,6 +5,7 @@ from __future__ import annotations
 import grpc
 
 from primerl.router.v1 import router_pb2, router_pb2_grpc
+from primerl_common import security
 from primerl_common.server import ServiceDefinition
 from primerl_router import __version__
 from primerl_router.config import RouterConfig
@@ -12,9 +13,20 @@ from primerl_router.fleet import Fleet
 from primerl_router.forwarding import Forwarder
 from primerl_router.servicer import RouterServicer
 
-__all__ = ["build"]
+__all__ = ["ROLES", "build"]
 
 _SERVICE = router_pb2.DESCRIPTOR.services_by_name["RouterService"]
+# Who may call what (primerl_common.security): the orchestrator (and serving tenants)
+# generate; operators register, drain and reset replicas; anyone authenticated lists them.
+ROLES = {
+    "Generate": {security.ORCHESTRATOR, security.TENANT},
+    "RegisterReplica": {security.OPERATOR},
+    "DeregisterReplica": {security.OPERATOR},
+    "ListReplicas": security.ANY,
+    "DrainReplica": {security.OPERATOR},
+    "UndrainReplica": {security.OPERATOR},
+    "ResetPrefixCache": {security.OPERATOR},
+}
 # The hot path: a span and server metrics per call cost several times the routing's own
 # CPU; the per-replica metrics count it, and the caller's trace context goes through.
 _GENERATE = f"/{_SERVICE.full_name}/Generate"
@@ -43,4 +55,5 @@ async def build(config: RouterConfig) -> ServiceDefinition:
     )
     servicer = RouterServicer(definition, fleet, Forwarder(fleet, config.routing), config.routing)
     definition.servicers = [(_add_router_service, servicer, _SERVICE)]
+    definition.permissions = security.method_roles(_SERVICE, ROLES)
     return definition

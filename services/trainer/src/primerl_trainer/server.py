@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from primerl.trainer.v1 import trainer_pb2, trainer_pb2_grpc
+from primerl_common import security
 from primerl_common.server import ServiceDefinition
 from primerl_trainer import __version__
 from primerl_trainer.config import TrainerConfig
@@ -13,7 +14,17 @@ from primerl_trainer.service import TrainingService
 from primerl_trainer.servicer import TrainerServicer
 from primerl_trainer.sft_data import SFTDataset, load_sft_samples
 
-__all__ = ["build"]
+__all__ = ["ROLES", "build"]
+
+# Who may call what (primerl_common.security): the orchestrator pushes batches, operators
+# checkpoint on demand, anyone authenticated reads status and step metrics.
+ROLES = {
+    "GetBatchSpec": {security.ORCHESTRATOR, security.OPERATOR},
+    "PushBatch": {security.ORCHESTRATOR},
+    "GetStatus": security.ANY,
+    "WatchSteps": security.ANY,
+    "SaveCheckpoint": {security.OPERATOR},
+}
 
 
 async def build(config: TrainerConfig) -> ServiceDefinition:
@@ -44,6 +55,7 @@ async def build(config: TrainerConfig) -> ServiceDefinition:
     servicer = TrainerServicer(definition, service)
     descriptor = trainer_pb2.DESCRIPTOR.services_by_name["TrainerService"]
     definition.servicers = [(trainer_pb2_grpc.add_TrainerServiceServicer_to_server, servicer, descriptor)]
+    definition.permissions = security.method_roles(descriptor, ROLES)
     return definition
 
 

@@ -4,6 +4,7 @@ import asyncio
 
 from primerl.common.v1 import tensor_pb2
 from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2, weight_broadcaster_pb2_grpc
+from primerl_common import security
 from primerl_common.server import ServiceDefinition
 from primerl_weight_broadcaster import __version__
 from primerl_weight_broadcaster.collective import CollectiveHost, CollectiveSettings
@@ -18,6 +19,18 @@ from primerl_weight_broadcaster.servicer import (
 from primerl_weight_broadcaster.shared_fs import SharedFolders
 from primerl_weight_broadcaster.spill import SpillFolder
 from primerl_weight_broadcaster.store import WeightStore
+
+# Who may call what (primerl_common.security): only the trainer publishes; operators
+# register replicas; anyone authenticated reads versions and replica states.
+ROLES = {
+    "PublishWeights": {security.TRAINER},
+    "PublishCollective": {security.TRAINER},
+    "RegisterReplica": {security.OPERATOR},
+    "DeregisterReplica": {security.OPERATOR},
+    "GetStatus": security.ANY,
+    "WaitForVersion": security.ANY,
+    "WatchReplicas": security.ANY,
+}
 
 
 async def build(config: WeightBroadcasterConfig) -> ServiceDefinition:
@@ -65,4 +78,5 @@ async def build(config: WeightBroadcasterConfig) -> ServiceDefinition:
     definition.servicers = [
         (weight_broadcaster_pb2_grpc.add_WeightBroadcasterServiceServicer_to_server, servicer, descriptor)
     ]
+    definition.permissions = security.method_roles(descriptor, ROLES)
     return definition
