@@ -14,6 +14,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from primerl.inference.v1 import inference_pb2, inference_pb2_grpc
+from primerl_common import security
 from primerl_common.server import channel_options
 from primerl_router.config import HealthConfig, LoadConfig
 from primerl_router.replica import Replica
@@ -43,7 +44,7 @@ class Upstream:
         self._on_change = on_change
         # No channel-level retries (the router retries on another replica itself) and no
         # client interceptors (the forwarding path sets the trace context once).
-        self.channel = grpc.aio.insecure_channel(
+        self.channel = security.secure_aio_channel(
             replica.address, options=[*channel_options(max_message_bytes), ("grpc.enable_retries", 0)]
         )
         # Request and response bytes pass through unparsed: no (de)serializers.

@@ -18,6 +18,7 @@ import grpc
 
 from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2 as wb_pb2
 from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2_grpc as wb_pb2_grpc
+from primerl_common import security
 from primerl_common.server import channel_options
 from primerl_router.replica import UNKNOWN_VERSION, Replica
 
@@ -43,7 +44,7 @@ class BroadcasterFollower:
         """Follows the stream until cancelled, reconnecting with backoff."""
         backoff = 0.1
         num_failures = 0
-        async with grpc.aio.insecure_channel(self.address, options=channel_options(4 * 1024 * 1024)) as channel:
+        async with security.secure_aio_channel(self.address, options=channel_options(4 * 1024 * 1024)) as channel:
             stub = wb_pb2_grpc.WeightBroadcasterServiceStub(channel)
             while True:
                 try:

@@ -27,6 +27,7 @@ from google.rpc import error_details_pb2
 from primerl.common.v1 import tensor_pb2
 from primerl.inference.v1 import inference_pb2
 from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2, weight_broadcaster_pb2_grpc
+from primerl_common import security
 from primerl_common.client import make_channel
 from primerl_common.errors import error_details
 from primerl_common.server import channel_options
@@ -157,7 +158,7 @@ class WeightPublisher:
     def __init__(self, address: str, *, timeout_s: float, max_message_bytes: int = 64 * 1024 * 1024) -> None:
         self.address = address
         self._timeout_s = timeout_s
-        self._channel = grpc.insecure_channel(address, options=channel_options(max_message_bytes))
+        self._channel = security.secure_channel(address, options=channel_options(max_message_bytes))
         self._stub = weight_broadcaster_pb2_grpc.WeightBroadcasterServiceStub(self._channel)
         # The collective group of the latest generation (send_collective).
         self._groups = GroupCache()

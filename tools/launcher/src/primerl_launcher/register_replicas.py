@@ -20,6 +20,10 @@ compose one-shot run it.
 
     primerl-register-replicas --broadcaster HOST:PORT [--router HOST:PORT] \\
         --replica ID=HOST:PORT [--replica ...] [--once [--timeout-s S]]
+
+Under mutual TLS it shows the certificate PRIMERL_TLS_CERT / _KEY / _CA name (with
+PRIMERL_TLS_MODE=mtls; an operator certificate from `primerl-certs`): registering is an
+operator's call. Without PRIMERL_TLS_MODE it speaks plaintext (the local demo).
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ import grpc
 from primerl.router.v1 import router_pb2, router_pb2_grpc
 from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2 as wb_pb2
 from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2_grpc as wb_pb2_grpc
-from primerl_common import observability
+from primerl_common import observability, security
 from primerl_common.server import channel_options
 from primerl_launcher import __version__
 
@@ -101,7 +105,7 @@ class Broadcaster:
 
     def __init__(self, address: str) -> None:
         self.address = address
-        self.channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        self.channel = security.secure_channel(address, options=_CHANNEL_OPTIONS)
         self.stub = wb_pb2_grpc.WeightBroadcasterServiceStub(self.channel)
 
     def lists(self, replica_id: str, address: str) -> bool:
@@ -122,7 +126,7 @@ class Router:
 
     def __init__(self, address: str) -> None:
         self.address = address
-        self.channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        self.channel = security.secure_channel(address, options=_CHANNEL_OPTIONS)
         self.stub = router_pb2_grpc.RouterServiceStub(self.channel)
 
     def lists(self, replica_id: str, address: str) -> bool:
