@@ -22,7 +22,7 @@ from primerl_common.server import GrpcService
 from primerl_common.tensors import iter_tensor_chunks
 from primerl_common.testing import in_process_service
 from primerl_inference.config import InferenceConfig
-from primerl_inference.server import build
+from primerl_inference.server import service_definition
 from primerl_launcher.tiny_model import make_tiny_model
 
 # Small enough to start fast and fit beside other engines on a shared 2-core box.
@@ -57,16 +57,21 @@ def perturbed_model(model_dir: pathlib.Path, out_dir: pathlib.Path, *, seed: int
 class Served:
     service: GrpcService
     stub: inference_pb2_grpc.InferenceServiceStub
+    channel: grpc.aio.Channel
+    engine: Any  # primerl_inference.engine.InferenceEngine (its module imports vLLM)
 
 
 @contextlib.asynccontextmanager
 async def running_service(**engine: Any) -> AsyncIterator[Served]:
     """The inference service in this process on a free port, and a stub talking to it."""
+    from primerl_inference.engine import InferenceEngine
+
     config = InferenceConfig(engine={**ENGINE_SETTINGS, **engine}, server={"host": "127.0.0.1", "port": 0})
     with restored_process_state():
-        definition = await build(config)
-    async with in_process_service(definition, config) as served:
-        yield Served(served.service, inference_pb2_grpc.InferenceServiceStub(served.channel))
+        started = await InferenceEngine.start(config)
+    async with in_process_service(service_definition(started, config), config) as served:
+        stub = inference_pb2_grpc.InferenceServiceStub(served.channel)
+        yield Served(served.service, stub, served.channel, started)
 
 
 def reference_engine(model_dir: pathlib.Path, dtype: str, **engine: Any) -> contextlib.AbstractContextManager[Any]:

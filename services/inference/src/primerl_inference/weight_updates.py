@@ -4,7 +4,19 @@ An update arrives as a tensor stream, a folder on a shared filesystem or over a 
 group (collective_receiver.py). Every tensor is checked before the model is touched
 (weights.py), then the swap pauses scheduling (running requests stay), loads the tensors in
 place in the engine process (worker_extension.py), stamps the new version and resumes. A
-refused update leaves weights and version as they were.
+refused update leaves weights and version as they were; weights holding NaN or Inf are
+refused too, in the engine process, before anything is loaded.
+
+A load can still fail after every check, inside vLLM's loaders (a loader bug, memory). The
+model then holds new weights in the layers already written and old ones in the rest.
+Restoring the old values would need a copy of every layer written, which grows with the
+update to a copy of the whole model: for a model of hundreds of GB on GPUs, host memory
+does not hold that, nor does time allow it in the pause. So a replica whose load failed
+after writing takes itself out of service instead: health NOT_SERVING (routers move
+traffic away), every request in the engine aborted (and calls end UNAVAILABLE), new ones
+refused with UNAVAILABLE naming the failure, deltas refused (they need a whole base), until
+a full update loads a whole version (the broadcaster pushes the latest one again). A failure
+before the first layer was written changes nothing: the replica keeps serving, bit for bit.
 
 Policy versions are exact per token because the engine core stamps every step's outputs
 with its current weight version (`EngineCore._attach_weight_version`), and that version is
@@ -18,14 +30,15 @@ import asyncio
 import logging
 import pathlib
 import time
-from collections.abc import AsyncIterable, Callable
+from collections.abc import AsyncIterable, Awaitable, Callable
+from typing import Any
 
 import torch
 from vllm.platforms import current_platform
 from vllm.v1.engine.async_llm import AsyncLLM
 
 from primerl.common.v1 import tensor_pb2
-from primerl_common.errors import FailedPrecondition, InvalidArgument
+from primerl_common.errors import FailedPrecondition, InvalidArgument, ServiceError, Unavailable
 from primerl_common.tensors import TensorChunkView
 from primerl_inference import metrics
 from primerl_inference.capabilities import (
@@ -37,6 +50,7 @@ from primerl_inference.capabilities import (
     missing_capability,
 )
 from primerl_inference.collective_receiver import CollectiveUpdate, check_collective_update, receive_collective
+from primerl_inference.liveness import EngineLiveness
 from primerl_inference.weights import (
     StagedWeights,
     WeightStaging,
@@ -70,7 +84,8 @@ class WeightUpdater:
 
     A swap holds `control_lock`, the engine's lock over what changes its state (pause,
     resume, adapters), and leaves scheduling paused when `is_paused()` says the engine's
-    caller paused it."""
+    caller paused it. `set_serving` is told when the replica goes out of service (a load
+    that failed after writing) and back."""
 
     def __init__(
         self,
@@ -81,8 +96,14 @@ class WeightUpdater:
         policy_version: int,
         control_lock: asyncio.Lock,
         is_paused: Callable[[], bool],
+        liveness: EngineLiveness,
+        set_serving: Callable[[bool], Awaitable[None]],
     ) -> None:
         self._llm = llm
+        self._liveness = liveness
+        self._set_serving = set_serving
+        # Why the model holds no whole policy version, while it does not.
+        self._out_of_service: str | None = None
         self._weight_tables = weight_tables
         self._staging_dir = staging_dir
         self._control_lock = control_lock
@@ -95,6 +116,12 @@ class WeightUpdater:
     @property
     def policy_version(self) -> int:
         return self._policy_version
+
+    @property
+    def out_of_service(self) -> str | None:
+        """Why the replica serves nothing (a load failed after writing part of the model);
+        None while it holds one whole policy version."""
+        return self._out_of_service
 
     @property
     def updating(self) -> bool:
@@ -124,6 +151,7 @@ class WeightUpdater:
         weights and version as they were. `collective`: the tensors come over a collective
         group instead (collective_receiver.py)."""
         started = time.monotonic()
+        self._liveness.check()
         self._check(update)
         if (
             collective is not None
@@ -140,19 +168,22 @@ class WeightUpdater:
                 staged = check_collective_update(table, update, collective)
                 await receive_collective(self._llm, collective)
                 pause_s = await self._swap_checked(
-                    staged, update, ("primerl_collective_load", (update.format, list(staged.modules)))
+                    staged,
+                    update,
+                    "begin.collective_tensors",
+                    ("primerl_collective_load", (update.format, list(staged.modules))),
                 )
             elif update.shared_fs_path:
                 async for _ in chunks:
                     raise InvalidArgument("no chunks may follow a begin with shared_fs_path", field="chunk")
                 staged = await asyncio.to_thread(stage_shared_folder, table, update)
-                pause_s = await self._swap_checked(staged, update)
+                pause_s = await self._swap_checked(staged, update, "begin.shared_fs_path")
             else:
                 with WeightStaging(table, self._staging_dir, update) as staging:
                     async for chunk in chunks:
                         await staging.feed(chunk)
                     staged = staging.finish()
-                    pause_s = await self._swap_checked(staged, update)
+                    pause_s = await self._swap_checked(staged, update, "chunk.data")
         result = WeightUpdateResult(
             update.policy_version, len(staged.tensors), staged.num_bytes, pause_s, time.monotonic() - started
         )
@@ -171,12 +202,18 @@ class WeightUpdater:
         return result
 
     async def _swap_checked(
-        self, staged: StagedWeights, update: WeightUpdate, load: tuple[str, tuple[object, ...]] | None = None
+        self,
+        staged: StagedWeights,
+        update: WeightUpdate,
+        field: str,
+        load: tuple[str, tuple[object, ...]] | None = None,
     ) -> float:
+        """`field`: where the tensors came from, named when they are refused."""
         async with self._control_lock:
             # The version may have moved while the update came in.
             self._check(update)
-            return await self._swap(staged, update, load)
+            with self._liveness.translated():
+                return await self._swap(staged, update, field, load)
 
     def _check(self, update: WeightUpdate) -> None:
         if update.format == "unspecified":
@@ -189,6 +226,12 @@ class WeightUpdater:
                 subject="begin.policy_version",
                 reason="POLICY_VERSION_NOT_NEWER",
             )
+        if update.delta and self._out_of_service is not None:
+            raise FailedPrecondition(
+                f"the replica holds no whole policy version ({self._out_of_service}); a full update restores it",
+                subject="begin.delta",
+                reason="NO_WHOLE_VERSION",
+            )
         if update.delta and update.base_policy_version != self._policy_version:
             raise FailedPrecondition(
                 f"the delta applies to policy version {update.base_policy_version}, "
@@ -198,7 +241,11 @@ class WeightUpdater:
             )
 
     async def _swap(
-        self, staged: StagedWeights, update: WeightUpdate, load: tuple[str, tuple[object, ...]] | None = None
+        self,
+        staged: StagedWeights,
+        update: WeightUpdate,
+        field: str,
+        load: tuple[str, tuple[object, ...]] | None = None,
     ) -> float:
         """Pause scheduling (running requests stay), load, stamp the new version, resume.
         `load`: the worker method and its arguments; default: load `staged` from its files."""
@@ -206,22 +253,51 @@ class WeightUpdater:
         paused_at = time.monotonic()
         try:
             await self._llm.pause_generation(mode="keep", clear_cache=False)
-            try:
-                method, args = load or ("primerl_load_weights", (update.format, list(staged.modules), staged.index()))
-                await self._llm.collective_rpc(method, args=args)
-            except Exception:
-                logger.exception(
-                    "loading policy version %d failed inside the engine after validation; "
-                    "the model may hold a mix of old and new weights",
-                    update.policy_version,
-                )
-                raise
+            method, args = load or ("primerl_load_weights", (update.format, list(staged.modules), staged.index()))
+            # One outcome per worker (worker_extension.WorkerExtension.primerl_load_weights).
+            outcomes = await self._llm.collective_rpc(method, args=args)
+            await self._settle(outcomes, update, field)
             # From the next step on, the engine stamps its outputs with the new version.
             await self._llm.update_weight_version(str(update.policy_version))
             self._policy_version = update.policy_version
             metrics.policy_version.set(update.policy_version)
+            if self._out_of_service is not None:
+                self._out_of_service = None
+                logger.info("policy version %d is whole: back in service", update.policy_version)
+                await self._set_serving(True)
         finally:
-            if not self._is_paused():
+            if self._out_of_service is None and not self._is_paused():
                 await self._llm.resume_generation()
             self._updating = False
         return time.monotonic() - paused_at
+
+    async def _settle(self, outcomes: list[dict[str, Any]], update: WeightUpdate, field: str) -> None:
+        """Returns when every worker loaded the update; raises otherwise, out of service first
+        where a worker wrote part of it."""
+        refused = [str(o["refused"]) for o in outcomes if "refused" in o]
+        failed = [o for o in outcomes if "failed" in o]
+        num_loaded = sum("num_tensors" in o for o in outcomes)
+        if not failed and not refused:
+            return
+        if not failed and not num_loaded:
+            raise InvalidArgument(refused[0], field=field)
+        num_written = sum(o["num_layers_written"] for o in failed) + (num_loaded if refused else 0)
+        error = str(failed[0]["failed"]) if failed else refused[0]
+        if num_written == 0:
+            logger.error("loading policy version %d failed before writing: %s", update.policy_version, error)
+            raise ServiceError(
+                f"the engine could not load policy version {update.policy_version} ({error}); "
+                f"nothing was written, the replica serves version {self._policy_version}",
+                reason="WEIGHT_LOAD_FAILED",
+            )
+        reason = (
+            f"loading policy version {update.policy_version} failed inside the engine after writing "
+            f"{num_written} layers ({error}); the model holds no whole version"
+        )
+        logger.error("%s: out of service until a full update loads", reason)
+        self._out_of_service = reason
+        await self._set_serving(False)
+        # No request samples from the mix: those in the engine end now (their calls get
+        # UNAVAILABLE), scheduling stays paused until a whole version is in.
+        await self._llm.pause_generation(mode="abort", clear_cache=True)
+        raise Unavailable(reason, reason="WEIGHTS_INCOMPLETE")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import logging
 import mmap
 import os
 import signal
@@ -29,6 +30,8 @@ from primerl_common.weights.engine_modules import engine_module
 from primerl_inference.routed_experts.worker import RoutedExpertsWorkerExtension
 
 __all__ = ["WorkerExtension"]
+
+logger = logging.getLogger(__name__)
 
 
 class WorkerExtension(RoutedExpertsWorkerExtension):
@@ -77,8 +80,19 @@ class WorkerExtension(RoutedExpertsWorkerExtension):
         into the fused parameters), the platform's post-load processing runs again (fusing,
         building CPU GEMM handles), and the result is copied into the existing storage. Two
         CPU layouts this leaves stale are redone afterwards; without that the outputs are
-        silently wrong."""
+        silently wrong.
+
+        Returns a dict (vLLM's RPC carries plain data): {"num_tensors": n} once loaded;
+        {"refused": why} for weights holding NaN or Inf, found before anything is touched;
+        {"failed": error, "num_layers_written": k} for a load that failed after that, the
+        layers not yet written put back as they were (`k` == 0: the model is unchanged)."""
         return self._primerl_load(weight_format, modules, _map_staged_tensors(index))
+
+    def primerl_fail_next_load(self, after_num_tensors: int) -> None:
+        """For tests: the next load fails with an error after `after_num_tensors` tensors went
+        into the model (HF format: through the model's own load_weights), as a loader that
+        rejects a tensor the service's checks passed would; the load after it is normal."""
+        self._primerl_fail_after = after_num_tensors
 
     def primerl_collective_start(self, group: dict[str, Any], tensors: Sequence[Sequence[Any]]) -> None:
         """Starts receiving a version over a collective group (`collective_receiver`): in a
@@ -97,36 +111,97 @@ class WorkerExtension(RoutedExpertsWorkerExtension):
         """Loads what `primerl_collective_start` received, as `primerl_load_weights` does."""
         return self._primerl_load(weight_format, modules, self._primerl_collective.take())
 
-    def _primerl_load(self, weight_format: str, modules: Sequence[str], weights: list[tuple[str, torch.Tensor]]) -> int:
+    def _primerl_load(
+        self, weight_format: str, modules: Sequence[str], weights: list[tuple[str, torch.Tensor]]
+    ) -> dict[str, Any]:
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload.layerwise import (
             finalize_layerwise_reload,
             initialize_layerwise_reload,
         )
 
+        with _one_thread():
+            non_finite = _first_non_finite(weights)
+        if non_finite is not None:
+            return {"refused": non_finite}
+        fail_after, self._primerl_fail_after = getattr(self, "_primerl_fail_after", None), None
         model = self.model_runner.get_model()
         touched = [_base_layer(module) for module in _engine_submodules(model, modules, [n for n, _ in weights])]
         with set_current_vllm_config(self.vllm_config), torch.no_grad(), _one_thread():
-            for module in touched:
-                initialize_layerwise_reload(module)
-            if weight_format == "hf":
-                direct, others = _split_direct_loads(model, weights)
-                for name, tensor in direct:
-                    _load_kernel_tensor(model, name, tensor)
-                model.load_weights(iter(others))
-            else:
-                for name, tensor in weights:
-                    _load_kernel_tensor(model, name, tensor)
-            for module in touched:
-                finalize_layerwise_reload(module, self.model_runner.model_config)
-        if current_platform.is_cpu():
-            _repack_cpu_experts(model, touched, [n for n, _ in weights])
-            _refresh_tied_cpu_gemms(model)
+            try:
+                for module in touched:
+                    initialize_layerwise_reload(module)
+                if weight_format == "hf":
+                    direct, others = _split_direct_loads(model, weights)
+                    for name, tensor in direct:
+                        _load_kernel_tensor(model, name, tensor)
+                    model.load_weights(_failing_after(others, fail_after))
+                else:
+                    for name, tensor in _failing_after(weights, fail_after):
+                        _load_kernel_tensor(model, name, tensor)
+                for module in touched:
+                    finalize_layerwise_reload(module, self.model_runner.model_config)
+                if current_platform.is_cpu():
+                    _repack_cpu_experts(model, touched, [n for n, _ in weights])
+                    _refresh_tied_cpu_gemms(model)
+            except Exception as exc:
+                logger.exception("loading weights failed after their checks")
+                return {"failed": f"{type(exc).__name__}: {exc}", "num_layers_written": _abandon_reload(touched)}
         # What vLLM's own reload does next: state derived from the old weights goes.
         self.model_runner.reset_lora_state()
         self.model_runner.reset_encoder_cache()
         self.model_runner.reset_mm_cache()
-        return len(weights)
+        return {"num_tensors": len(weights)}
+
+
+def _first_non_finite(weights: Sequence[tuple[str, torch.Tensor]]) -> str | None:
+    """What is wrong with the first tensor that holds NaN or Inf; None when all are finite.
+    min and max in one pass, with no tensor-sized temporary: NaN propagates into both, an
+    Inf shows in one of them. 8-bit floats (no update format carries them yet) are not checked."""
+    for name, tensor in weights:
+        if not tensor.is_floating_point() or tensor.element_size() < 2 or tensor.numel() == 0:
+            continue
+        low, high = torch.aminmax(tensor)
+        if not (torch.isfinite(low) and torch.isfinite(high)):
+            return f"tensor {name!r} holds NaN or Inf values (min {low.item()}, max {high.item()})"
+    return None
+
+
+def _failing_after(
+    weights: list[tuple[str, torch.Tensor]], num_tensors: int | None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """`weights`, raising once `num_tensors` of them were taken (primerl_fail_next_load)."""
+    for taken, item in enumerate(weights):
+        if taken == num_tensors:
+            raise RuntimeError(f"injected load failure after {num_tensors} tensors (primerl_fail_next_load)")
+        yield item
+
+
+def _abandon_reload(touched: Sequence[torch.nn.Module]) -> int:
+    """After a failed load: puts every layer that vLLM's layerwise reload has not written
+    back as it was (its own tensors, its own weight loaders), so that the model computes and
+    a later load starts clean; the number of layers whose memory was (or may have been)
+    written: those processed, and those whose processing started. Zero: the model holds the
+    previous weights, every byte."""
+    from vllm.model_executor.model_loader.reload.layerwise import _place_kernel_tensors, get_layerwise_info
+
+    num_written = 0
+    layers = {id(layer): layer for module in touched for layer in module.modules()}
+    for layer in layers.values():
+        info = get_layerwise_info(layer)
+        if hasattr(layer, "_original_do_torchao_reload"):
+            layer._do_torchao_reload = layer._original_do_torchao_reload
+        if not info.can_load():
+            # Processed: its values were copied into the model's tensors (or the failure came
+            # before this layer was set up for the reload: counted all the same).
+            num_written += 1
+            continue
+        total = info.load_numel_total or 0
+        num_written += total > 0 and info.load_numel >= total
+        if info.kernel_tensors is not None:
+            _place_kernel_tensors(layer, info)
+        info.reset()
+    return num_written
 
 
 @contextlib.contextmanager

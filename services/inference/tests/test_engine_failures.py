@@ -1,0 +1,225 @@
+"""What the service does when the engine fails: weights holding NaN or Inf are refused before
+anything is loaded; a load that fails inside the engine after its checks leaves the replica
+serving the previous weights bit for bit (nothing written yet) or out of service until a whole
+version is in (part written); and a dead engine makes a dead service (a real process whose
+engine process is killed)."""
+
+import asyncio
+import pathlib
+import signal
+import sys
+
+import grpc
+import psutil
+import pytest
+import pytest_asyncio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from primerl.common.v1 import generation_pb2, tensor_pb2
+from primerl.inference.v1 import inference_pb2, inference_pb2_grpc
+from primerl_common.client import make_channel
+from primerl_common.processes import ServiceProcess, free_port
+from primerl_common.testing import eventually
+from primerl_common.weights.manifest import write_weights
+
+from .serving import (
+    Served,
+    checkpoint,
+    generate,
+    kernel_format,
+    perturbed_model,
+    policy_version,
+    running_service,
+    sample,
+    status_of,
+    tiny_model,
+    update_stream,
+    update_weights,
+)
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+PROMPTS = [list(range(40, 72)), [(5 * i) % 200 + 30 for i in range(24)]]
+SERVICE = "primerl.inference.v1.InferenceService"
+
+
+@pytest.fixture(scope="module")
+def model_dir(model_root: pathlib.Path) -> pathlib.Path:
+    return tiny_model(model_root, "dense")
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def served(model_dir: pathlib.Path):
+    async with running_service(model=model_dir) as served:
+        yield served
+
+
+async def logprobs(served: Served) -> list[list[float]]:
+    return await sample(served.stub, PROMPTS, num_tokens=4, seed=3)
+
+
+async def health(channel: grpc.aio.Channel) -> int:
+    reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=SERVICE), timeout=5)
+    return reply.status
+
+
+async def refusal(call) -> grpc.aio.AioRpcError:  # type: ignore[no-untyped-def]
+    """The error a call (awaitable or response stream) fails with."""
+    try:
+        if hasattr(call, "__aiter__"):
+            async for _ in call:
+                pass
+        else:
+            await call
+    except grpc.aio.AioRpcError as error:
+        return error
+    raise AssertionError("the call succeeded")
+
+
+def long_generation() -> inference_pb2.GenerateRequest:
+    return inference_pb2.GenerateRequest(
+        input=generation_pb2.GenerationInput(
+            prompt_token_ids=PROMPTS[0],
+            sampling=generation_pb2.SamplingParams(max_tokens=400, ignore_eos=True, seed=1),
+        )
+    )
+
+
+async def test_weights_holding_nan_or_inf_are_refused_naming_the_tensor(
+    served: Served, model_dir: pathlib.Path, tmp_path: pathlib.Path
+) -> None:
+    stub = served.stub
+    version = await policy_version(stub)
+    before = await logprobs(served)
+    original = checkpoint(model_dir)
+    name = "model.layers.1.mlp.down_proj.weight"
+    with_nan = {**original, name: original[name].clone()}
+    with_nan[name][3, 5] = float("nan")
+    kernel = kernel_format(original)
+    fused = "model.layers.0.self_attn.qkv_proj.weight"
+    kernel[fused] = kernel[fused].clone()
+    kernel[fused][-1, -1] = float("-inf")
+    folder = tmp_path / "nan"
+    write_weights(folder, with_nan.items(), policy_version=version + 1, weight_format=tensor_pb2.WEIGHT_FORMAT_HF)
+    cases = {
+        "hf stream": (update_stream(with_nan, version + 1), name, "chunk.data"),
+        "kernel stream": (
+            update_stream(kernel, version + 1, weight_format=tensor_pb2.WEIGHT_FORMAT_KERNEL),
+            fused,
+            "chunk.data",
+        ),
+        "shared folder": (update_stream(with_nan, version + 1, shared_fs_path=folder), name, "begin.shared_fs_path"),
+    }
+    for case, (stream, tensor, field) in cases.items():
+        error = await refusal(stub.UpdateWeights(stream))
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, case
+        assert f"tensor {tensor!r} holds NaN or Inf" in error.details(), case
+        assert field in str(error.trailing_metadata()), case
+
+    assert await policy_version(stub) == version
+    assert await logprobs(served) == before  # bit for bit
+
+
+async def test_a_load_failing_before_it_writes_leaves_the_weights_bit_for_bit(
+    served: Served, model_dir: pathlib.Path, tmp_path: pathlib.Path
+) -> None:
+    stub = served.stub
+    version = await policy_version(stub)
+    before = await logprobs(served)
+    perturbed = perturbed_model(model_dir, tmp_path / "perturbed", seed=1)
+    await served.engine.llm.collective_rpc("primerl_fail_next_load", args=(0,))
+
+    error = await refusal(update_weights(stub, perturbed))
+
+    assert error.code() == grpc.StatusCode.INTERNAL
+    assert "nothing was written" in error.details() and "injected load failure" in error.details()
+    assert await health(served.channel) == health_pb2.HealthCheckResponse.SERVING
+    assert await policy_version(stub) == version
+    assert await logprobs(served) == before
+
+
+async def test_a_load_failing_half_way_takes_the_replica_out_of_service_until_a_whole_version_loads(
+    served: Served, model_dir: pathlib.Path, tmp_path: pathlib.Path
+) -> None:
+    stub = served.stub
+    version = await policy_version(stub)
+    before = await logprobs(served)
+    original = checkpoint(model_dir)
+    perturbed = perturbed_model(model_dir, tmp_path / "perturbed", seed=1)
+    in_flight = stub.Generate(long_generation())
+    await in_flight.read()  # running in the engine
+    await served.engine.llm.collective_rpc("primerl_fail_next_load", args=(len(perturbed) // 2,))
+
+    failed = await refusal(update_weights(stub, perturbed))
+    cut = await refusal(in_flight)
+    refused = await refusal(generate(stub, long_generation().input))
+    layer_1 = {n: t for n, t in original.items() if ".layers.1." in n}
+    delta = await status_of(
+        stub.UpdateWeights(update_stream(layer_1, version + 1, delta=True, base_policy_version=version))
+    )
+    status_while_out = await health(served.channel)
+    restored = await update_weights(stub, original)
+
+    assert failed.code() == grpc.StatusCode.UNAVAILABLE
+    assert "failed inside the engine after writing" in failed.details()
+    for error in (cut, refused):
+        assert error.code() == grpc.StatusCode.UNAVAILABLE
+        assert f"loading policy version {version + 1} failed" in error.details()
+    assert delta == grpc.StatusCode.FAILED_PRECONDITION
+    assert status_while_out == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert restored.policy_version == version + 1  # the failed version's number was never served
+    assert await health(served.channel) == health_pb2.HealthCheckResponse.SERVING
+    assert await logprobs(served) == before
+
+
+@pytest.mark.slow
+async def test_a_dead_engine_is_a_dead_service(model_dir: pathlib.Path) -> None:
+    port = free_port()
+    process = ServiceProcess(
+        [
+            str(pathlib.Path(sys.executable).parent / "primerl-inference"),
+            *("--engine.model", str(model_dir), "--engine.dtype", "float32", "--engine.enforce_eager", "true"),
+            *("--engine.max_model_len", "512", "--engine.max_num_seqs", "4"),
+            # A window in which health and new calls can be seen before the server stops.
+            *("--server.host", "127.0.0.1", "--server.port", str(port), "--server.drain_delay_s", "3"),
+        ],
+        port=port,
+    )
+    # No size given anywhere: the service sizes the CPU KV cache itself (kv_cache_size.py).
+    process.env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    try:
+        await process.start(timeout_s=600)
+        async with make_channel(process.address) as channel:
+            stub = inference_pb2_grpc.InferenceServiceStub(channel)
+            in_flight = stub.Generate(long_generation())
+            await in_flight.read()
+            (engine_core,) = [
+                child
+                for child in psutil.Process(process.pid).children(recursive=True)
+                if "EngineCore" in " ".join(child.cmdline()) or "EngineCore" in child.name()
+            ]
+            engine_core.send_signal(signal.SIGKILL)
+            killed_at = asyncio.get_running_loop().time()
+
+            cut = await refusal(in_flight)
+            await eventually(
+                lambda: _not_serving(channel), timeout_s=5, what="health NOT_SERVING after the engine died"
+            )
+            not_serving_after_s = asyncio.get_running_loop().time() - killed_at
+            refused = await refusal(generate(stub, long_generation().input))
+        exit_code = await process.wait(timeout_s=60)
+    finally:
+        await process.stop()
+        log = process.output()
+        process.close()
+
+    for error in (cut, refused):
+        assert error.code() == grpc.StatusCode.UNAVAILABLE, log
+        assert "the vLLM engine process died" in error.details()
+    assert not_serving_after_s < 5
+    assert exit_code == 1, log
+    assert "CPU KV cache: 0.250 GiB (4 sequences x 512 tokens" in log
+
+
+async def _not_serving(channel: grpc.aio.Channel) -> bool:
+    return await health(channel) == health_pb2.HealthCheckResponse.NOT_SERVING
