@@ -62,6 +62,10 @@ def set_model(services: Mapping[str, ServiceSpec], model: pathlib.Path, *, force
 def wire(services: Mapping[str, ServiceSpec], *, run_dir: pathlib.Path, model: pathlib.Path | None, host: str) -> None:
     """Fills ports, peer addresses, replica ids and the model into the tables (in place)."""
     assign_ports(services, host=host)
+    for spec in services.values():
+        # A local run speaks plaintext, which the services accept on loopback hosts only,
+        # unless the launch file gives a service its tls section.
+        set_default(spec.table, "tls.mode", "plaintext")
     if model is not None:
         set_model(services, model)
     replicas = [spec for spec in services.values() if spec.service == "inference"]
