@@ -58,8 +58,9 @@ async def evaluate_checkpoint(
     settings = launch.launcher
     wire(services, run_dir=run_dir, model=checkpoint, host=settings.host)
     set_model(services, checkpoint, force=True)
-    # Replicas start serving the checkpoint's weights as version 0.
-    table = orchestrator.table
+    # Replicas start serving the checkpoint's weights as version 0. Nothing is tracked or written
+    # but the results.
+    table = {key: value for key, value in orchestrator.table.items() if key not in ("tracking", "output")}
     set_default(table, "model.path", str(checkpoint), force=True)
     set_default(table, "peers.router", address_of(services["router"]), force=True)
     set_default(table, "observability.log_json", False)
