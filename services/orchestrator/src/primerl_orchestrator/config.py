@@ -288,7 +288,11 @@ class OrchestratorConfig(ServiceConfig):
     run: RunConfig = RunConfig()
     advantage: AdvantageConfig = AdvantageConfig()
     output: OutputConfig = OutputConfig()
-    evals: list[EvalConfig] = []
+    evals: list[EvalConfig] = Field(
+        default=[],
+        description="held-out evaluations ([[evals]]: name, environment or kind, num_tasks, num_samples, "
+        "pass_at_k, interval_steps, sampling; see EvalConfig)",
+    )
     tracking: TrackingConfig = TrackingConfig()
 
     @model_validator(mode="after")
