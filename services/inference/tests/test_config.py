@@ -51,6 +51,7 @@ def test_example_config_is_valid(model_dir: pathlib.Path) -> None:
         (["--engine.model", "/nonexistent"], "engine.model: Value error, /nonexistent is not a model folder"),
         (["--replica.role", "leader"], "replica.role: Input should be 'both', 'prefill' or 'decode'"),
         (["--engine.kv_cache_gib", "0"], "engine.kv_cache_gib: Input should be greater than 0"),
+        (["--engine.cpu_kv_cache_max_gib", "0"], "engine.cpu_kv_cache_max_gib: Input should be greater than 0"),
         (["--engine.dtype", "int8"], "engine.dtype: Input should be"),
         (["--weights.staging_dir", "/nonexistent"], "weights.staging_dir: Value error, /nonexistent is not a folder"),
     ],
