@@ -16,7 +16,12 @@ One module per process role:
   the slot that holds a token's KV also holds its routing. A prefix-cache hit reuses KV
   blocks without forwarding them, and their slots still hold the routing of the forward
   that wrote that KV, so hits are filled exactly, for as long as the KV itself is reusable
-  (no separate LRU to fall out of step with the cache). Each slot also records the position
+  (no separate LRU to fall out of step with the cache). The slots are those of a
+  full-attention KV cache group: with sliding-window layers (GPT-OSS, AFMoE) vLLM keeps
+  their KV in a group of its own and frees its blocks behind the window, while the full
+  attention group keeps a block of every token. A model with no full-attention group has
+  its routing kept per request by position instead: a prefix-cache hit then has none for
+  its cached tokens (RoutedExpertsUnavailableError). Each slot also records the position
   and token written there; a request whose slots do not all match (KV loaded through a KV
   connector, which forwards nothing here) raises `RoutedExpertsUnavailableError` instead of
   returning another forward's routing. With `PrimerlKVConnector` the routing travels with the

@@ -16,6 +16,7 @@ import torch
 from primerl_inference.routed_experts import RoutedExpertsUnavailableError
 
 if TYPE_CHECKING:
+    from vllm.v1.kv_cache_interface import KVCacheGroupSpec
     from vllm.v1.worker.gpu_input_batch import CachedRequestState
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
@@ -69,6 +70,37 @@ class _Request:
     # runner drops it so a finished request can still be read.
     state: CachedRequestState
     num_forwarded: int = 0
+    # Its routing by position, when the engine has no full-attention KV cache group.
+    rows: _RoutingRows | None = None
+
+
+class _RoutingRows:
+    """Routing rows by key (a KV slot, or a position of one request), each with the position
+    and token whose routing it holds (-1: none)."""
+
+    def __init__(self, num_rows: int, num_layers: int, top_k: int, dtype: np.dtype[Any]) -> None:
+        self.rows = np.zeros((num_rows, num_layers, top_k), dtype)
+        self.positions = np.full(num_rows, -1, np.int32)
+        self.tokens = np.full(num_rows, -1, np.int32)
+
+    def reserve(self, num_rows: int) -> None:
+        """Room for keys below `num_rows` (grown by doubling)."""
+        if num_rows <= len(self.rows):
+            return
+        grown = _RoutingRows(max(num_rows, 2 * len(self.rows)), *self.rows.shape[1:], self.rows.dtype)
+        for name in ("rows", "positions", "tokens"):
+            getattr(grown, name)[: len(self.rows)] = getattr(self, name)
+        self.rows, self.positions, self.tokens = grown.rows, grown.positions, grown.tokens
+
+    def write(self, keys: np.ndarray, positions: np.ndarray, tokens: Sequence[int], rows: np.ndarray) -> None:
+        self.rows[keys] = rows
+        self.positions[keys] = positions
+        self.tokens[keys] = tokens
+
+    def read(self, keys: np.ndarray, positions: np.ndarray, tokens: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """(rows, which of them hold the routing of `tokens` at `positions`)."""
+        written = (self.positions[keys] == positions) & (self.tokens[keys] == tokens)
+        return self.rows[keys], written
 
 
 class RoutedExpertsCapture:
@@ -82,12 +114,8 @@ class RoutedExpertsCapture:
 
     def __init__(self, model_runner: GPUModelRunner, *, max_unclaimed: int = 1024) -> None:
         from vllm.model_executor.layers.fused_moe.routed_experts_capturer import bind_routed_experts_capturer
-        from vllm.v1.kv_cache_interface import FullAttentionSpec
 
         model_config = model_runner.model_config
-        (kv_group, *_) = model_runner.kv_cache_config.kv_cache_groups
-        if not isinstance(kv_group.kv_cache_spec, FullAttentionSpec):
-            raise ValueError("routed-experts capture keys routing by full-attention KV slots")
         if model_runner.scheduler_config.async_scheduling:
             # Tokens of an asynchronously scheduled step are not on the host when it runs.
             raise ValueError("routed-experts capture needs async_scheduling=False")
@@ -96,11 +124,18 @@ class RoutedExpertsCapture:
         self.dtype = routed_experts_dtype(model_config.get_num_experts())
         self._runner = model_runner
         self._max_unclaimed = max_unclaimed
-        self._block_size = kv_group.kv_cache_spec.block_size
-        num_slots = model_runner.kv_cache_config.num_blocks * self._block_size
-        self._slot_rows = np.zeros((num_slots, self.num_layers, self.top_k), self.dtype)
-        self._slot_positions = np.full(num_slots, -1, np.int32)
-        self._slot_tokens = np.full(num_slots, -1, np.int32)
+        kv_cache_config = model_runner.kv_cache_config
+        # Routing is kept by the KV slots of a full-attention group (see the package
+        # docstring), else per request.
+        self._kv_group = _full_attention_group(kv_cache_config.kv_cache_groups)
+        self._slot_rows: _RoutingRows | None = None
+        self._block_size = 0
+        if self._kv_group is not None:
+            self._block_size = kv_cache_config.kv_cache_groups[self._kv_group].kv_cache_spec.block_size
+            num_slots = kv_cache_config.num_blocks * self._block_size
+            self._slot_rows = _RoutingRows(num_slots, self.num_layers, self.top_k, self.dtype)
+        else:
+            logger.info("no full-attention KV cache group: routed experts are kept per request")
         # Filled layer by layer during a forward, on the model's device; vLLM never runs
         # more than max_num_batched_tokens tokens in one forward.
         self._step_rows = torch.zeros(
@@ -184,26 +219,32 @@ class RoutedExpertsCapture:
     def block_rows(self, block_id: int, first_position: int, token_ids: Sequence[int]) -> np.ndarray | None:
         """The routing held in KV block `block_id` for `token_ids` at positions
         `first_position..`, `[block_size, num_layers, top_k]`; None unless every slot of the
-        block holds exactly those tokens (a forward of this engine, or `fill_block`, wrote it)."""
+        block holds exactly those tokens (a forward of this engine, or `fill_block`, wrote it),
+        or when routing is not kept by KV slot."""
+        if self._slot_rows is None:
+            return None
         slots, positions = self._block_slots(block_id, first_position)
         with self._lock:
-            written = (self._slot_positions[slots] == positions) & (self._slot_tokens[slots] == token_ids)
-            return self._slot_rows[slots].copy() if written.all() else None
+            rows, written = self._slot_rows.read(slots, positions, token_ids)
+            return rows if written.all() else None
 
     def fill_block(self, block_id: int, first_position: int, token_ids: Sequence[int], rows: np.ndarray) -> None:
         """Puts the routing of a KV block loaded from elsewhere into its slots (before the
         forward that reads the block, as the KV itself)."""
+        if self._slot_rows is None:
+            raise ValueError("routed experts are kept per request (no full-attention KV cache group), not by block")
         slots, positions = self._block_slots(block_id, first_position)
         if rows.shape != (len(slots), self.num_layers, self.top_k):
             raise ValueError(f"routing of shape {rows.shape} for a block of {len(slots)} tokens")
         with self._lock:
             # Requests that finished in the last step may still own these slots' routing.
             self._keep_finished()
-            self._slot_rows[slots] = rows
-            self._slot_positions[slots] = positions
-            self._slot_tokens[slots] = token_ids
+            self._slot_rows.write(slots, positions, token_ids, rows)
 
     def _block_slots(self, block_id: int, first_position: int) -> tuple[np.ndarray, np.ndarray]:
+        # A KV connector hands over the first group's block ids: vLLM runs one that does not
+        # support hybrid KV cache groups with a single, full-attention group.
+        assert self._kv_group == 0, "KV blocks exchanged with a hybrid KV cache layout"
         offsets = np.arange(self._block_size)
         return block_id * self._block_size + offsets, first_position + offsets
 
@@ -217,19 +258,16 @@ class RoutedExpertsCapture:
         tokens = runner.input_ids.cpu[:num_tokens].numpy()
         for index, internal_id in enumerate(batch.req_ids[:num_reqs]):
             state = runner.requests[internal_id]
-            start, end = int(query_start[index]), int(query_start[index + 1])
-            first_position = int(batch.num_computed_tokens_cpu[index])
-            positions = np.arange(first_position, first_position + end - start)
-            slots = self._slots(state, positions)
-            self._slot_rows[slots] = rows[start:end]
-            self._slot_positions[slots] = positions
-            self._slot_tokens[slots] = tokens[start:end]
-
             request_id = _caller_request_id(internal_id)
             request = self._requests.get(request_id)
             if request is None or request.state is not state:
                 request = self._requests[request_id] = _Request(state)
                 self._finished.pop(request_id, None)  # an earlier request under the same id
+            start, end = int(query_start[index]), int(query_start[index + 1])
+            first_position = int(batch.num_computed_tokens_cpu[index])
+            positions = np.arange(first_position, first_position + end - start)
+            table, keys = self._table(request, positions)
+            table.write(keys, positions, tokens[start:end], rows[start:end])
             request.num_forwarded = first_position + end - start
 
     def _keep_finished(self) -> None:
@@ -250,13 +288,32 @@ class RoutedExpertsCapture:
         token_ids = [*(state.prompt_token_ids or ()), *state.output_token_ids]
         # The last token, sampled, was never forwarded (a rejected draft token may have been).
         positions = np.arange(min(request.num_forwarded, len(token_ids) - 1))
-        slots = self._slots(state, positions)
-        written = (self._slot_positions[slots] == positions) & (self._slot_tokens[slots] == token_ids[: len(positions)])
-        return _Captured(state.req_id, len(token_ids), self._slot_rows[slots], written)
+        table, keys = self._table(request, positions)
+        rows, written = table.read(keys, positions, token_ids[: len(positions)])
+        return _Captured(state.req_id, len(token_ids), rows, written)
 
-    def _slots(self, state: CachedRequestState, positions: np.ndarray) -> np.ndarray:
-        blocks = np.asarray(state.block_ids[0], dtype=np.int64)[positions // self._block_size]
-        return blocks * self._block_size + positions % self._block_size
+    def _table(self, request: _Request, positions: np.ndarray) -> tuple[_RoutingRows, np.ndarray]:
+        """Where the routing of `request`'s tokens at `positions` is kept, and their keys there."""
+        if self._slot_rows is not None:
+            blocks = np.asarray(request.state.block_ids[self._kv_group], dtype=np.int64)[positions // self._block_size]
+            return self._slot_rows, blocks * self._block_size + positions % self._block_size
+        if request.rows is None:
+            request.rows = _RoutingRows(0, self.num_layers, self.top_k, self.dtype)
+        request.rows.reserve(int(positions.max(initial=-1)) + 1)
+        return request.rows, positions
+
+
+def _full_attention_group(kv_cache_groups: Sequence[KVCacheGroupSpec]) -> int | None:
+    """The first KV cache group whose blocks hold every token of a request for as long as the
+    request runs and its prefix stays cached (full attention; not sliding-window or other
+    groups that free blocks behind a window); None if there is none."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, HiddenStateCacheSpec, RSWASpec
+
+    for index, group in enumerate(kv_cache_groups):
+        spec = group.kv_cache_spec
+        if isinstance(spec, FullAttentionSpec) and not isinstance(spec, RSWASpec | HiddenStateCacheSpec):
+            return index
+    return None
 
 
 def _bind_kv_connector(capture: RoutedExpertsCapture) -> None:
