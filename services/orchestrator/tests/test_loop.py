@@ -139,3 +139,44 @@ async def test_batches_a_restarted_trainer_lost_are_collected_again(config):
     assert trainer.trained == [1, 2, 3, 4]
     records = [json.loads(line) for line in config.output.metrics_jsonl.read_text().splitlines()]
     assert [record["step"] for record in records] == [1, 2, 3, 4]
+
+
+async def test_a_batch_lost_while_the_next_step_waits_for_its_policy_is_collected_again(config):
+    """The next step's rollouts need the policy the lost batch would make (max_async_level 1):
+    the loop must notice the trainer expects the lost step again, not wait for that policy."""
+    trainer = RestartingTrainer()
+    run = Run(config, renderer=None, generation=None)
+    cut: list[int] = []
+
+    async def next_batch(step: int) -> list[Rollout]:
+        while trainer.completed < step - 1:  # noqa: ASYNC110 (stands for the dispatcher's wait)
+            await asyncio.sleep(0.01)
+        cut.append(step)
+        sample = Sample([1, 2, 3], [False, True, True], [0.0, -0.1, -0.2], [0, 0, 0], [1.0, 1.0, 1.0])
+        return [Rollout(f"episode-{len(cut)}", "env", f"group-{len(cut)}", 1.0, 0.5, [sample])]
+
+    run.next_batch = next_batch  # type: ignore[method-assign]
+    loop = asyncio.create_task(BatchLoop(config, run, trainer, InitialVersion()).run())
+    try:
+
+        async def pushed(count: int) -> None:
+            async with asyncio.timeout(10):
+                while len(trainer.pushes) < count:  # noqa: ASYNC110 (the loop is a task here)
+                    await asyncio.sleep(0.01)
+
+        trainer.allow(10)
+        await pushed(1)
+        trainer.train()  # step 1
+        await pushed(2)
+        trainer.restart()  # step 2 was queued, not trained: lost while step 3 waits for policy 2
+        await pushed(3)  # step 2 again
+        for count in (3, 4, 5):
+            await pushed(count)
+            trainer.train()
+        await asyncio.wait_for(loop, 10)
+    finally:
+        loop.cancel()
+    assert run.state == RunState.FINISHED and not run.error
+    assert trainer.pushes == [1, 2, 2, 3, 4]
+    assert trainer.trained == [1, 2, 3, 4]
+    assert cut == [1, 2, 2, 3, 4]

@@ -114,7 +114,17 @@ class BatchLoop:
         last_step_at = time.monotonic()
         while True:
             while step <= config.run.max_steps:
-                rollouts = await run.next_batch(step)
+                rollouts = await self._next_batch(step)
+                if isinstance(rollouts, int):
+                    # The trainer restarted and lost the batches it had queued: a later step
+                    # would wait forever for the policy version they make.
+                    logger.warning(
+                        "the trainer expects the batch of step %d again (it restarted); collecting it", rollouts
+                    )
+                    self._rewind(rollouts)
+                    step = rollouts
+                    run.dispatcher.update(next_step=step)
+                    continue
                 samples = [TrainingSample(sample, r.advantage) for r in rollouts for sample in r.samples]
                 packed = pack(samples, seq_len=spec.seq_len, with_routed_experts=spec.router_replay)
                 if packed.num_loss_tokens == 0:
@@ -167,6 +177,29 @@ class BatchLoop:
                 continue
             self._pushed(step, packed, _off_policy(step, oldest))
             return step
+
+    async def _next_batch(self, step: int) -> list[Rollout] | int:
+        """The rollouts of `step`; or, if the trainer comes to expect an earlier step meanwhile
+        (it restarted from its checkpoint without the batches it had queued), that step."""
+        collecting = asyncio.ensure_future(self._run.next_batch(step))
+        lost = asyncio.ensure_future(self._trainer_expects_before(step))
+        try:
+            await asyncio.wait([collecting, lost], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (collecting, lost):
+                if not task.done():
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
+        return collecting.result() if collecting.done() and not collecting.cancelled() else lost.result()
+
+    async def _trainer_expects_before(self, step: int) -> int:
+        """Returns only once the trainer expects a step before `step`: that step."""
+        while True:
+            await asyncio.sleep(self._config.peers.poll_interval_s)
+            spec = await self._trainer.batch_spec()
+            if spec.next_step < step:
+                return spec.next_step
 
     async def _first_untrained_step(self) -> int | None:
         """None once the trainer has trained max_steps; the step it expects, if it expects one
