@@ -26,6 +26,7 @@ from typing import Any
 import grpc
 from pydantic import Field
 
+from primerl_common import security
 from primerl_common.config import Section
 from primerl_common.errors import ResourceExhausted, ServiceError
 from primerl_common.grpc_handlers import wrap_method_handler
@@ -40,6 +41,7 @@ __all__ = [
     "StreamDeadlineExceeded",
     "caller_key",
     "check_limit",
+    "peer_host",
 ]
 
 logger = logging.getLogger(__name__)
@@ -79,8 +81,17 @@ class AdmissionConfig(Section):
 
 
 def caller_key(context: grpc.aio.ServicerContext) -> str:
-    """Who a call comes from, for per-caller limits: the peer's host ("ipv4:10.0.0.5:41234" ->
-    "10.0.0.5"; a Unix socket peer as it is)."""
+    """Who a call comes from, for per-caller limits: its identity under mTLS (the certificate's or
+    the bearer token's name, security.caller_of), else the peer's host."""
+    try:
+        caller = security.caller_of(context)
+    except security.Unauthenticated:
+        return peer_host(context)
+    return peer_host(context) if caller.via == "plaintext" else caller.name
+
+
+def peer_host(context: grpc.aio.ServicerContext) -> str:
+    """The host of a call's peer ("ipv4:10.0.0.5:41234" -> "10.0.0.5"; a Unix socket peer as it is)."""
     peer = context.peer() or ""
     kind, _, address = peer.partition(":")
     if kind == "ipv4":
