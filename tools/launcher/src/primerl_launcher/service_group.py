@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -149,6 +150,7 @@ class ServiceGroup:
             f"{name} {describe_exit(dead.returncode)}: restart {restart} of {policy.max_restarts} "
             f"in {delay_s:.1f}s (log: {dead.log_path})"
         )
+        _kill_leftovers(dead)
         await asyncio.sleep(delay_s)
         process = ServiceProcess(dead.args, address=dead.address, name=name, log_path=dead.log_path, env=dead.env)
         dead.close()
@@ -186,3 +188,11 @@ class ServiceGroup:
     def kill(self) -> None:
         for process in self.processes.values():
             process.signal(signal.SIGKILL)
+
+
+def _kill_leftovers(dead: ServiceProcess) -> None:
+    """What the dead process started and left running (e.g. vLLM's engine core process, with
+    its memory): its session's process group, which it led (own session, pid = group id)."""
+    if dead.pid is not None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(dead.pid, signal.SIGKILL)
