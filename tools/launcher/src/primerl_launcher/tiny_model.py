@@ -564,8 +564,14 @@ class TinyGlmMoeDsaSpec(TinyMoeSpec):
             "index_topk": self.index_topk,
             "index_head_dim": self.index_head_dim,
             "index_n_heads": self.index_n_heads,
-            # Full and shared indexer layers alternating, the first full.
+            # Full and shared indexer layers alternating, the first full; also as the hub's
+            # `index_topk_pattern`, which vLLM reads (it ignores indexer_types).
             "indexer_types": ["full" if i % 2 == 0 else "shared" for i in range(self.num_hidden_layers)],
+            "index_topk_pattern": "".join("F" if i % 2 == 0 else "S" for i in range(self.num_hidden_layers)),
+            # The routing fields of the hub's config that vLLM reads (its DeepSeek defaults are
+            # softmax scores and no correction bias); transformers' GLM-5 routes so regardless.
+            "scoring_func": "sigmoid",
+            "topk_method": "noaux_tc",
             "attention_bias": False,
             "norm_topk_prob": True,
             "n_group": self.n_group,
