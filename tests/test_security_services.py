@@ -565,3 +565,39 @@ async def test_inference(certs, tmp_path_factory):
             token_id async for reply in router.Generate(generate, timeout=60) for token_id in reply.output.token_ids
         ]
         assert len(tokens) == 2
+
+
+# --- deployment -----------------------------------------------------------------------------
+
+
+async def test_the_container_health_probe_speaks_mutual_tls(certs):
+    """deploy/docker/grpc_healthcheck.py (the images' HEALTHCHECK, the Kubernetes probes) with
+    the identity PRIMERL_TLS_* names; without it the mTLS server refuses it."""
+    import asyncio
+    import os
+    import sys
+
+    from primerl_router.config import RouterConfig
+    from primerl_router.server import build
+
+    config = RouterConfig(server={"host": "127.0.0.1", "port": 0}, tls=service_tls(certs, "router"))
+    async with served(await build(config), config, certs) as target:
+        port = target.address.rpartition(":")[2]
+        script = str(REPO / "deploy" / "docker" / "grpc_healthcheck.py")
+        plain_env = {k: v for k, v in os.environ.items() if not k.startswith("PRIMERL_")}
+        tls_env = {
+            **plain_env,
+            "PRIMERL_TLS_MODE": "mtls",
+            "PRIMERL_TLS_CERT": str(certs / "router.pem"),
+            "PRIMERL_TLS_KEY": str(certs / "router-key.pem"),
+            "PRIMERL_TLS_CA": str(certs / "ca.pem"),
+        }
+        results = []
+        for env in (tls_env, plain_env):
+            probe = await asyncio.create_subprocess_exec(
+                sys.executable, script, port, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+            )
+            out, err = await probe.communicate()
+            results.append((probe.returncode, (out + err).decode()))
+    assert results[0][0] == 0 and "SERVING" in results[0][1], results
+    assert results[1][0] == 1, results

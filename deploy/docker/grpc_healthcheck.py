@@ -5,6 +5,8 @@ status, service "") on 127.0.0.1 and exits 0 only when it answers SERVING.
 Installed in every image as `primerl-healthcheck`; the Dockerfiles' HEALTHCHECK
 runs `primerl-healthcheck <default port>`. The port comes from, in order:
 PRIMERL_HEALTHCHECK_PORT, the service's PRIMERL_<SERVICE>_SERVER__PORT, the argument.
+Under mutual TLS (PRIMERL_TLS_MODE=mtls) it shows the certificate PRIMERL_TLS_CERT and
+PRIMERL_TLS_KEY name and trusts PRIMERL_TLS_CA (any identity of the CA may ask for health).
 
 It speaks just enough HTTP/2 for one unary call, with the standard library
 only: a probe that imports grpcio costs a few tenths of a second of CPU, many
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import os
 import socket
+import ssl
 import struct
 import sys
 
@@ -61,13 +64,24 @@ def read_exactly(sock: socket.socket, size: int) -> bytes:
     return data
 
 
+def tls_context() -> ssl.SSLContext | None:
+    """The client side of mutual TLS from PRIMERL_TLS_*, or None for plaintext."""
+    if os.environ.get("PRIMERL_TLS_MODE", "plaintext") != "mtls":
+        return None
+    context = ssl.create_default_context(cafile=os.environ["PRIMERL_TLS_CA"])
+    context.load_cert_chain(os.environ["PRIMERL_TLS_CERT"], os.environ["PRIMERL_TLS_KEY"])
+    context.set_alpn_protocols(["h2"])
+    return context
+
+
 def check(address: str, host: str) -> int:
     """The health status the server answers (an int of HealthCheckResponse.ServingStatus)."""
+    context = tls_context()
     headers = b"".join(
         literal(name, value)
         for name, value in (
             (":method", "POST"),
-            (":scheme", "http"),
+            (":scheme", "http" if context is None else "https"),
             (":path", "/grpc.health.v1.Health/Check"),
             (":authority", address),
             ("content-type", "application/grpc"),
@@ -75,7 +89,8 @@ def check(address: str, host: str) -> int:
         )
     )
     request = b"\x00" + struct.pack(">I", 0)  # an empty HealthCheckRequest: service ""
-    with socket.create_connection((host, int(address.rpartition(":")[2])), timeout=TIMEOUT_S) as sock:
+    with socket.create_connection((host, int(address.rpartition(":")[2])), timeout=TIMEOUT_S) as plain:
+        sock = plain if context is None else context.wrap_socket(plain, server_hostname=host)
         sock.sendall(
             PREFACE
             + frame(SETTINGS, 0, 0)
@@ -144,7 +159,7 @@ def main() -> int:
     address = f"127.0.0.1:{port(sys.argv[1] if len(sys.argv) > 1 else '50051')}"
     try:
         status = check(address, "127.0.0.1")
-    except (OSError, ValueError, IndexError, struct.error) as exc:
+    except (OSError, KeyError, ValueError, IndexError, struct.error) as exc:
         print(f"{address}: {exc}", file=sys.stderr)
         return 1
     print(f"{address}: {STATUS_NAMES.get(status, status)}")
