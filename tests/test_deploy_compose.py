@@ -60,7 +60,7 @@ def test_compose_registers_the_replica_once_before_the_run(fake_model: Path) -> 
         "inference": {"condition": "service_healthy"},
         "weight-broadcaster": {"condition": "service_healthy"},
     }
-    assert "volumes" not in register  # the command comes with the image
+    assert register["volumes"] == ["./certs:/etc/primerl/certs:ro"]  # its certificate; the command comes with the image
     inference = load_service_config("inference", COMPOSE / "inference.toml", fake_model)
     replicas = [(inference.replica.id, f"inference:{inference.server.port}")]
     assert args.replica == replicas

@@ -1,7 +1,7 @@
 """`primerl-certs`: a development certificate authority and one certificate per service.
 
     primerl-certs DIR [--services NAME[:ROLE[+ROLE]] ...] [--hosts HOST ...] [--days N]
-                      [--tokens NAME:ROLE[+ROLE][@PEER] ...]
+                      [--tokens NAME:ROLE[+ROLE][@PEER] ...] [--readable-keys]
 
 Writes DIR/ca.pem and DIR/ca-key.pem (made once, reused by later runs so that certificates
 added later are trusted by the same CA), then for each NAME DIR/NAME.pem and DIR/NAME-key.pem.
@@ -43,6 +43,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--hosts", nargs="*", default=[], help="more host names/addresses every certificate serves")
     parser.add_argument("--days", type=int, default=365, help="validity of the certificates (default 365)")
+    parser.add_argument(
+        "--readable-keys",
+        action="store_true",
+        help="certificate keys 0644, not 0600 (containers that run as another user; development only)",
+    )
     parser.add_argument("--tokens", nargs="*", default=[], metavar="NAME:ROLE[+ROLE][@PEER]", help="bearer tokens")
     args = parser.parse_args(argv)
     try:
@@ -53,12 +58,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(exc))
     authority = make_authority(args.directory)
     for holder in holders:
-        cert, _ = make_certificate(authority, args.directory, holder, hosts=args.hosts, days=args.days)
+        cert, _ = make_certificate(
+            authority, args.directory, holder, hosts=args.hosts, days=args.days, readable_key=args.readable_keys
+        )
         print(f"{cert}  {' '.join(identity_uri(role, holder.name) for role in holder.roles)}")
     for spec in args.tokens:
         make_token(args.directory, spec)
         print(f"{args.directory / 'tokens' / (spec.partition(':')[0] + '.token')}  (tokens.toml: its sha256)")
-    print(f"CA: {authority.path}", file=sys.stderr)
+    print(f"CA: {authority.path}")
     return 0
 
 

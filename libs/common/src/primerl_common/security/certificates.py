@@ -135,9 +135,16 @@ def _alternative_names(holder: Holder, hosts: Sequence[str]) -> list[x509.Genera
 
 
 def make_certificate(
-    authority: Authority, directory: pathlib.Path, holder: Holder, *, hosts: Sequence[str] = (), days: int = 365
+    authority: Authority,
+    directory: pathlib.Path,
+    holder: Holder,
+    *,
+    hosts: Sequence[str] = (),
+    days: int = 365,
+    readable_key: bool = False,
 ) -> tuple[pathlib.Path, pathlib.Path]:
-    """DIR/NAME.pem and DIR/NAME-key.pem for `holder`, signed by `authority` (server and client use)."""
+    """DIR/NAME.pem and DIR/NAME-key.pem for `holder`, signed by `authority` (server and client
+    use). The key is 0600 unless `readable_key` (0644: for containers that run as another user)."""
     key = ec.generate_private_key(ec.SECP256R1())
     now = datetime.datetime.now(datetime.UTC)
     certificate = (
@@ -164,7 +171,7 @@ def make_certificate(
         .sign(authority.key, hashes.SHA256())
     )
     cert_path, key_path = directory / f"{holder.name}.pem", directory / f"{holder.name}-key.pem"
-    _write(key_path, _pem_key(key), private=True)
+    _write(key_path, _pem_key(key), private=not readable_key)
     _write(cert_path, certificate.public_bytes(serialization.Encoding.PEM))
     return cert_path, key_path
 
