@@ -27,7 +27,8 @@ from google.rpc import error_details_pb2
 from primerl.common.v1 import generation_pb2, tensor_pb2
 from primerl.inference.v1 import inference_pb2
 from primerl.kvstore.v1 import kvstore_pb2
-from primerl.router.v1 import router_pb2
+from primerl.orchestrator.v1 import orchestrator_pb2, orchestrator_pb2_grpc
+from primerl.router.v1 import router_pb2, router_pb2_grpc
 from primerl.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2 as wb_pb2
 from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2_grpc
@@ -41,7 +42,9 @@ from primerl_common.tensors import tensor_to_proto
 from primerl_common.testing import bare_server, eventually, in_process_service
 from primerl_kvstore.config import KvstoreConfig
 from primerl_kvstore.server import build as build_kvstore
-from primerl_launcher.tiny_model import make_tiny_model
+from primerl_launcher.tiny_model import make_tiny_model, save_tokenizer
+from primerl_orchestrator.config import OrchestratorConfig
+from primerl_orchestrator.server import build as build_orchestrator
 from primerl_router.config import RouterConfig
 from primerl_router.server import build as build_router
 from primerl_trainer.config import TrainerConfig
@@ -389,3 +392,81 @@ async def test_kvstore_bulk_channel_bounds_connections_and_ends_a_trickling_put(
             response_deserializer=kvstore_pb2.GetStatsResponse.FromString,
         )(kvstore_pb2.GetStatsRequest())
         assert stats.nodes[0].num_blocks == 0
+
+
+# ------------------------------------------------------------------------------------ orchestrator
+
+
+class IdleTrainer(trainer_pb2_grpc.TrainerServiceServicer):
+    """A real trainer.v1 server at step 0 (policy version 0) that never needs a batch."""
+
+    async def GetBatchSpec(self, request, context):
+        return trainer_pb2.GetBatchSpecResponse(
+            seq_len=256, vocab_size=320, next_step=1, mode=trainer_pb2.TRAINING_MODE_RL
+        )
+
+    async def GetStatus(self, request, context):
+        return trainer_pb2.GetStatusResponse(mode=trainer_pb2.TRAINING_MODE_RL, step=0, published_policy_version=0)
+
+
+class OneTurnRouter(router_pb2_grpc.RouterServiceServicer):
+    """A real router.v1 server answering every turn with two tokens of policy version 0."""
+
+    async def Generate(self, request, context):
+        yield router_pb2.GenerateResponse(
+            output=generation_pb2.GenerationOutput(
+                token_ids=[65, 66],
+                logprobs=[-0.1, -0.2],
+                policy_versions=[0, 0],
+                finished=True,
+                finish_reason=generation_pb2.FINISH_REASON_STOP,
+            )
+        )
+
+
+async def test_an_environment_caller_past_its_episodes_is_refused_until_it_finishes_some(tmp_path) -> None:
+    save_tokenizer(tmp_path)
+    async with (
+        bare_server(functools.partial(trainer_pb2_grpc.add_TrainerServiceServicer_to_server, IdleTrainer())) as trainer,
+        bare_server(functools.partial(router_pb2_grpc.add_RouterServiceServicer_to_server, OneTurnRouter())) as router,
+    ):
+        config = OrchestratorConfig(
+            server={"host": "127.0.0.1", "port": 0},
+            observability=QUIET,
+            peers={"router": router, "trainer": trainer, "poll_interval_s": 0.05},
+            model={"path": tmp_path, "max_model_len": 64},
+            environments=[{"name": "guess", "group_size": 2}],
+            run={"batch_size": 8, "max_steps": 3, "max_concurrent_episodes": 16, "max_episodes_per_caller": 4},
+        )
+        async with in_process_service(await build_orchestrator(config), config) as served:
+            stub = orchestrator_pb2_grpc.OrchestratorServiceStub(served.channel)
+
+            async def running() -> bool:
+                status = await stub.GetRunStatus(orchestrator_pb2.GetRunStatusRequest())
+                return status.state == orchestrator_pb2.RUN_STATE_RUNNING
+
+            await eventually(running, timeout_s=30, what="the run is running")
+
+            async def start(task_id: str) -> list[str]:
+                request = orchestrator_pb2.StartEpisodeRequest(
+                    environment="guess", task=orchestrator_pb2.Task(task_id=task_id)
+                )
+                return [e.episode_id for e in (await stub.StartEpisode(request, timeout=10)).episodes]
+
+            first, _ = await start("a"), await start("b")
+            # Ten more groups asked for at once: all refused, nothing started for them.
+            results = await asyncio.gather(*(start(f"c{i}") for i in range(10)), return_exceptions=True)
+            for result in results:
+                assert isinstance(result, grpc.aio.AioRpcError), result
+                assert result.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert "run.max_episodes_per_caller = 4" in result.details()
+                assert_retry_hint(result)
+            status = await stub.GetRunStatus(orchestrator_pb2.GetRunStatusRequest())
+            assert status.environments[0].num_episodes_started == 4
+            for episode_id in first:
+                messages = orchestrator_pb2.ChatMessages(
+                    messages=[orchestrator_pb2.ChatMessage(role="user", content="hi")]
+                )
+                await stub.Generate(orchestrator_pb2.GenerateRequest(episode_id=episode_id, messages=messages))
+                await stub.FinishEpisode(orchestrator_pb2.FinishEpisodeRequest(episode_id=episode_id, reward=1.0))
+            assert len(await start("d")) == 2

@@ -134,6 +134,13 @@ class RunConfig(Section):
         description="a rollout goes into step n's batch only if its oldest token's version >= n - max_off_policy_steps",
     )
     max_concurrent_episodes: int = Field(default=64, ge=1, description="episodes started and not yet finished")
+    max_episodes_per_caller: int | None = Field(
+        default=None,
+        ge=1,
+        description="episodes one environment caller (its identity, or its address without mTLS) may hold "
+        "started and not finished, counting those it waits for; past it NextEpisode/StartEpisode answer "
+        "RESOURCE_EXHAUSTED with a retry hint; unset: max_concurrent_episodes alone bounds them",
+    )
     episode_timeout_s: float = Field(
         default=1800.0, gt=0, description="an episode not finished this long after its start is dropped"
     )

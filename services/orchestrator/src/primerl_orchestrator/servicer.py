@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import collections
+import contextlib
+from collections.abc import Iterator
+
 import grpc
 from google.protobuf import json_format, struct_pb2
 
 from primerl.orchestrator.v1 import orchestrator_pb2, orchestrator_pb2_grpc
+from primerl_common.admission import Overloaded, caller_key
 from primerl_common.errors import InvalidArgument
 from primerl_common.server import ServiceDefinition
 from primerl_orchestrator.environments import Task
@@ -27,6 +32,37 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
     def __init__(self, definition: ServiceDefinition, run: Run) -> None:
         self._definition = definition
         self._run = run
+        # run.max_episodes_per_caller: each caller's episodes handed out, and those it waits for.
+        self._episodes_of: dict[str, list[Episode]] = {}
+        self._waiting_for: collections.Counter[str] = collections.Counter()
+
+    @contextlib.contextmanager
+    def _episodes_for(self, context: grpc.aio.ServicerContext, num_episodes: int) -> Iterator[list[Episode]]:
+        """Admits a caller's request for `num_episodes` under run.max_episodes_per_caller; the
+        episodes it gets are appended to the list yielded."""
+        limit = self._run.config.run.max_episodes_per_caller
+        caller = caller_key(context)
+        held = [episode for episode in self._episodes_of.pop(caller, []) if not episode.state.ended]
+        if held:
+            self._episodes_of[caller] = held
+        if limit is not None and len(held) + self._waiting_for[caller] + num_episodes > limit:
+            raise Overloaded(
+                f"{caller} holds {len(held)} unfinished episodes and waits for {self._waiting_for[caller]}; "
+                f"{num_episodes} more would pass run.max_episodes_per_caller = {limit}: finish some first",
+                config_field="run.max_episodes_per_caller",
+                limit=limit,
+                retry_after_s=1.0,
+            )
+        self._waiting_for[caller] += num_episodes
+        got: list[Episode] = []
+        try:
+            yield got
+        finally:
+            self._waiting_for[caller] -= num_episodes
+            if not self._waiting_for[caller]:
+                del self._waiting_for[caller]
+            if got:
+                self._episodes_of.setdefault(caller, []).extend(got)
 
     async def GetServiceInfo(
         self, request: orchestrator_pb2.GetServiceInfoRequest, context: grpc.aio.ServicerContext
@@ -51,14 +87,19 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
     async def NextEpisode(
         self, request: orchestrator_pb2.NextEpisodeRequest, context: grpc.aio.ServicerContext
     ) -> orchestrator_pb2.NextEpisodeResponse:
-        episode = await self._run.next_episode(request.environment)
+        with self._episodes_for(context, 1) as got:
+            episode = await self._run.next_episode(request.environment)
+            got.append(episode)
         return orchestrator_pb2.NextEpisodeResponse(episode=_episode_to_proto(episode))
 
     async def StartEpisode(
         self, request: orchestrator_pb2.StartEpisodeRequest, context: grpc.aio.ServicerContext
     ) -> orchestrator_pb2.StartEpisodeResponse:
         task = Task(task_id=request.task.task_id, data=json_format.MessageToDict(request.task.data))
-        episodes = await self._run.start_episodes(request.environment, task, request.num_episodes)
+        num_episodes = request.num_episodes or self._run.environment(request.environment).config.group_size
+        with self._episodes_for(context, num_episodes) as got:
+            episodes = await self._run.start_episodes(request.environment, task, request.num_episodes)
+            got.extend(episodes)
         return orchestrator_pb2.StartEpisodeResponse(episodes=[_episode_to_proto(e) for e in episodes])
 
     async def Generate(
