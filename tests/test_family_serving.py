@@ -31,13 +31,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
+import shutil
 import subprocess
 import sys
 
 import pytest
 import pytest_asyncio
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from primerl.common.v1 import tensor_pb2
 from primerl_launcher.tiny_model import FAMILIES, make_tiny_model
@@ -49,20 +50,54 @@ pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:torch.distrib
 # One event loop for the module's engines (an AsyncLLM stays bound to the loop it started on).
 on_session_loop = pytest.mark.asyncio(loop_scope="session")
 
-# Every family of the tiny-model maker, by its checkpoints' model_type.
+# Every family of the tiny-model maker, by its checkpoints' model_type, and the hub's multimodal
+# Qwen3.5-MoE (its language model is the maker's qwen3.5-moe).
 FAMILIES_OF = {spec.model_type: family for family, spec in FAMILIES.items()}
-MODEL_TYPES = tuple(FAMILIES_OF)
+MODEL_TYPES = (*FAMILIES_OF, "qwen3_5_moe")
+# What a publish never carries: the trainer trains and publishes Qwen3.5's language model only.
+_UNPUBLISHED = ("visual.",)
 SERVED = ("glm4_moe", "gpt_oss", "afmoe")
 TOLERANCE = 1e-4
 _PARAMETER_TABLE = pathlib.Path(__file__).with_name("vllm_parameter_table.py")
 
 
 def tiny_checkpoint(root: pathlib.Path, model_type: str) -> pathlib.Path:
+    if model_type == "qwen3_5_moe":
+        return multimodal_qwen3_5_moe(root / "qwen3.5-moe-multimodal", tiny_checkpoint(root, "qwen3_5_moe_text"))
     family = FAMILIES_OF[model_type]
     spec = FAMILIES[family]
     if model_type == "gpt_oss":  # vLLM's GptOssForCausalLM fixes its RMSNorm eps at the hub's 1e-5
         spec = dataclasses.replace(spec, rms_norm_eps=1e-5)
     return make_tiny_model(root / family, family=family, spec=spec)
+
+
+def multimodal_qwen3_5_moe(out: pathlib.Path, text_model: pathlib.Path) -> pathlib.Path:
+    """The hub's layout around a tiny Qwen3.5-MoE language model: config `qwen3_5_moe` with the
+    text config inside and a one-block vision tower, tensors under `model.language_model.`."""
+    from transformers import Qwen3_5MoeConfig
+
+    text_config = json.loads((text_model / "config.json").read_text())
+    del text_config["architectures"], text_config["model_type"]
+    vision_config = {
+        "depth": 1,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_heads": 2,
+        "out_hidden_size": text_config["hidden_size"],
+        "num_position_embeddings": 64,
+        "deepstack_visual_indexes": [],
+    }
+    config = Qwen3_5MoeConfig(text_config=text_config, vision_config=vision_config, tie_word_embeddings=False)
+    config.architectures = ["Qwen3_5MoeForConditionalGeneration"]
+    config.save_pretrained(out)
+    tensors = {
+        name.replace("model.", "model.language_model.", 1) if name.startswith("model.") else name: tensor
+        for name, tensor in hf_tensors(text_model).items()
+    }
+    save_file(tensors, out / "model.safetensors")
+    for tokenizer_file in text_model.glob("tokenizer*.json"):
+        shutil.copy(tokenizer_file, out)
+    return out
 
 
 def hf_tensors(model_dir: pathlib.Path) -> dict[str, torch.Tensor]:
@@ -98,7 +133,7 @@ def test_kernel_format_has_the_names_and_shapes_of_vllms_parameters(
 ) -> None:
     kernel = kernel_format(model_type)(hf_tensors(checkpoints[model_type]))
     shapes = {name: tuple(t.shape) for name, t in kernel.items()}
-    expected = vllm_parameters[model_type]
+    expected = {name: shape for name, shape in vllm_parameters[model_type].items() if not name.startswith(_UNPUBLISHED)}
     mismatched = sorted(n for n in shapes.keys() | expected.keys() if shapes.get(n) != expected.get(n))
     assert not mismatched, [(n, shapes.get(n), expected.get(n)) for n in mismatched[:10]]
 

@@ -62,6 +62,23 @@ def test_qwen3_5_deltanet_projections_fuse_as_vllm_s_in_proj_qkvz_and_in_proj_ba
     assert w13.shape == (NUM_EXPERTS, 2 * EXPERT_INTERMEDIATE, HIDDEN)
 
 
+def test_qwen3_5_moe_multimodal_names_are_vllm_s_language_model_s() -> None:
+    hf = random_tensors(
+        {
+            "model.language_model.embed_tokens.weight": (320, HIDDEN),
+            "model.language_model.layers.0.linear_attn.in_proj_b.weight": (4, HIDDEN),
+            "model.language_model.layers.0.linear_attn.in_proj_a.weight": (4, HIDDEN),
+            "lm_head.weight": (320, HIDDEN),
+        }
+    )
+    kernel = convert(hf, KERNEL, "qwen3_5_moe").tensors
+    assert sorted(kernel) == [
+        "language_model.lm_head.weight",
+        "language_model.model.embed_tokens.weight",
+        "language_model.model.layers.0.linear_attn.in_proj_ba.weight",
+    ]
+
+
 def test_nemotron_h_renames_as_vllm_and_stacks_its_non_gated_experts() -> None:
     mamba, moe, attention = "backbone.layers.0.mixer", "backbone.layers.1.mixer", "backbone.layers.2.mixer"
     hf = random_tensors(
@@ -135,7 +152,7 @@ def test_glm_moe_dsa_fuses_the_latent_down_projections_and_the_indexer_s_key_and
     assert "model.layers.1.mlp.gate.e_score_correction_bias" in kernel
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_5_moe_text", "nemotron_h", "glm_moe_dsa"])
+@pytest.mark.parametrize("model_type", ["qwen3_5_moe_text", "qwen3_5_moe", "nemotron_h", "glm_moe_dsa"])
 def test_fp8_is_refused_with_the_reason(model_type: str) -> None:
     hf = {"model.embed_tokens.weight": torch.zeros(4, HIDDEN)}
     with pytest.raises(ValueError, match=rf"no block-FP8 kernel format for model_type '{model_type}'.*not checked"):

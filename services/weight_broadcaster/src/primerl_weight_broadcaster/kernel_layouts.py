@@ -77,6 +77,15 @@ class KernelLayout:
 
 
 _QWEN3 = (_QKV, Fusion("gate_up_proj", ("gate_proj", "up_proj"), ("mlp",)))
+# Gated DeltaNet layers: q/k/v with the output gate z in `in_proj_qkvz`, the beta and decay
+# projections in `in_proj_ba` (b first); the gated attention's q_proj carries its gate rows.
+_QWEN3_5 = (
+    _QKV,
+    Fusion("gate_up_proj", ("gate_proj", "up_proj"), ("mlp.shared_expert",)),
+    Fusion("in_proj_qkvz", ("in_proj_qkv", "in_proj_z"), ("linear_attn",)),
+    Fusion("in_proj_ba", ("in_proj_b", "in_proj_a"), ("linear_attn",)),
+)
+_QWEN3_5_NO_FP8 = "its block-FP8 layout (which DeltaNet projections vLLM quantizes) is not checked here"
 
 LAYOUTS: dict[str, KernelLayout] = {
     layout.model_type: layout
@@ -117,19 +126,19 @@ LAYOUTS: dict[str, KernelLayout] = {
             renames=((r"\.mlp\.experts\.(e_score_correction_bias)$", r".mlp.experts.routed_experts.\1"),),
             fp8_linear=("qkv_proj", "o_proj", "g_proj", "gate_proj", "up_proj", "down_proj"),
         ),
-        # Gated DeltaNet layers: q/k/v with the output gate z in `in_proj_qkvz`, the beta and
-        # decay projections in `in_proj_ba`; the attention's q_proj carries its output gate rows.
+        KernelLayout("qwen3_5_moe_text", _QWEN3_5, ExpertStacking(), fp8_linear=None, no_fp8_reason=_QWEN3_5_NO_FP8),
+        # The hub's multimodal checkpoints: the language model of vLLM's
+        # Qwen3_5MoeForConditionalGeneration (the trainer publishes no vision tower).
         KernelLayout(
-            "qwen3_5_moe_text",
-            (
-                _QKV,
-                Fusion("gate_up_proj", ("gate_proj", "up_proj"), ("mlp.shared_expert",)),
-                Fusion("in_proj_qkvz", ("in_proj_qkv", "in_proj_z"), ("linear_attn",)),
-                Fusion("in_proj_ba", ("in_proj_b", "in_proj_a"), ("linear_attn",)),
-            ),
+            "qwen3_5_moe",
+            _QWEN3_5,
             ExpertStacking(),
+            renames=(
+                (r"^model\.language_model\.", "language_model.model."),
+                (r"^lm_head\.", "language_model.lm_head."),
+            ),
             fp8_linear=None,
-            no_fp8_reason="its block-FP8 layout (which DeltaNet projections vLLM quantizes) is not checked here",
+            no_fp8_reason=_QWEN3_5_NO_FP8,
         ),
         # One `mixer` per layer (Mamba-2, attention, MLP or MoE); non-gated relu^2 experts; the
         # hub's `backbone.` prefix, `embeddings` and `A_log` renamed as vLLM's mapper does (its
