@@ -163,7 +163,9 @@ def test_check_config_validates_and_exits_without_serving(tmp_path):
     config = tmp_path / "all.toml"
     config.write_text("[probe]\nslow_call_s = 1.0\n[bad]\nslow_call_s = -1\nport = 3\n")
     base = [sys.executable, str(HERE / "servers.py"), "-c", str(config), "--check-config"]
-    ok = subprocess.run([*base, "--config-section", "probe"], capture_output=True, text=True, timeout=60)
+    ok = subprocess.run(
+        [*base, "--config-section", "probe", "--server.host=127.0.0.1"], capture_output=True, text=True, timeout=60
+    )
     assert ok.returncode == 0 and "configuration is valid" in ok.stdout, ok.stderr
     bad = subprocess.run([*base, "--config-section", "bad"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2
@@ -176,5 +178,6 @@ def test_check_config_does_not_import_a_build_given_by_name(capsys):
     from .servers import ProbeConfig
 
     # --check-config never imports the server module (here: one that does not exist).
-    assert run_main(ProbeConfig, "no_such_module:build", version="0", argv=["--check-config", "--server.host=127.0.0.1"]) == 0
+    argv = ["--check-config", "--server.host=127.0.0.1"]  # plaintext (ProbeConfig's tls) on loopback only
+    assert run_main(ProbeConfig, "no_such_module:build", version="0", argv=argv) == 0
     assert "configuration is valid" in capsys.readouterr().out
