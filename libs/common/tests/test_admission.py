@@ -10,6 +10,7 @@ from google.rpc import error_details_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from primerl.trainer.v1 import trainer_pb2, trainer_pb2_grpc
+from primerl_common import security
 from primerl_common.admission import (
     RETRY_AFTER_METADATA,
     AdmissionConfig,
@@ -22,6 +23,7 @@ from primerl_common.admission import (
 )
 from primerl_common.client import make_channel
 from primerl_common.errors import ErrorInterceptor, error_details
+from primerl_common.security.certificates import Holder, make_authority, make_certificate, tls_of
 from primerl_common.testing import bare_server, eventually
 
 
@@ -207,3 +209,32 @@ def test_config_refuses_non_positive_limits():
         AdmissionConfig(max_concurrent_unary=0)
     with pytest.raises(ValueError, match="stream_idle_timeout_s"):
         AdmissionConfig(stream_idle_timeout_s=0)
+
+
+async def test_per_caller_limits_key_on_the_certificate_identity_under_mtls(servicer, tmp_path):
+    authority = make_authority(tmp_path)
+    for holder in ("probe:trainer", "env-a:environment", "env-b:environment"):
+        make_certificate(authority, tmp_path, Holder.parse(holder))
+    config = AdmissionConfig(max_concurrent_unary=8, max_concurrent_unary_per_caller=1)
+    server = grpc.aio.server(interceptors=[AdmissionInterceptor(config), ErrorInterceptor()])
+    trainer_pb2_grpc.add_TrainerServiceServicer_to_server(servicer, server)
+    port = server.add_secure_port("127.0.0.1:0", security.server_credentials(tls_of(tmp_path, "probe")))
+    await server.start()
+    try:
+        async with (
+            make_channel(f"127.0.0.1:{port}", tls=tls_of(tmp_path, "env-a")) as as_a,
+            make_channel(f"127.0.0.1:{port}", tls=tls_of(tmp_path, "env-b")) as as_b,
+        ):
+            a, b = trainer_pb2_grpc.TrainerServiceStub(as_a), trainer_pb2_grpc.TrainerServiceStub(as_b)
+            held = asyncio.ensure_future(a.SaveCheckpoint(trainer_pb2.SaveCheckpointRequest(), timeout=10))
+            await eventually(lambda: servicer.peers == ["env-a"], timeout_s=5, what="env-a's call runs")
+            # Both callers come from 127.0.0.1: only their certificates tell them apart.
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                await a.SaveCheckpoint(trainer_pb2.SaveCheckpointRequest(), timeout=10)
+            assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "from env-a" in error.value.details()
+            other = asyncio.ensure_future(b.SaveCheckpoint(trainer_pb2.SaveCheckpointRequest(), timeout=10))
+            await eventually(lambda: servicer.peers == ["env-a", "env-b"], timeout_s=5, what="env-b's call runs")
+            servicer.gate.set()
+            assert [(await held).step, (await other).step] == [1, 1]
+    finally:
+        await server.stop(0)
