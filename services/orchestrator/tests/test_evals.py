@@ -9,6 +9,7 @@ import functools
 import itertools
 import math
 
+import grpc
 import pytest
 from transformers import AutoTokenizer
 
@@ -160,3 +161,52 @@ def test_eval_configs_name_their_problem(tmp_path):
     environment = config.eval_environment(config.evals[0])
     assert environment.options == {"max_length": 5} and environment.sampling.top_p == 0.5
     assert config.evals[0].ks == [1]
+
+
+class FlakyRouter(router_pb2_grpc.RouterServiceServicer):
+    """UNAVAILABLE for the first `num_failures` turns, then answers 'abc'."""
+
+    def __init__(self, num_failures: int) -> None:
+        self.num_failures = num_failures
+        self.calls = 0
+
+    async def Generate(self, request, context):
+        self.calls += 1
+        if self.calls <= self.num_failures:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "no replica can take the request")
+        yield router_pb2.GenerateResponse(
+            output=generation_pb2.GenerationOutput(
+                token_ids=list(b"abc"),
+                logprobs=[-0.5] * 3,
+                policy_versions=[3] * 3,
+                finished=True,
+                finish_reason=generation_pb2.FINISH_REASON_STOP,
+            )
+        )
+
+
+# The channel tries a call 5 times on UNAVAILABLE (primerl_common.client); a sample is played 3 times.
+@pytest.mark.parametrize(("num_failures", "num_errors", "calls"), [(7, 0, 8), (100, 1, 15)])
+async def test_a_sample_inference_could_not_serve_is_played_again_then_counted_failed(
+    tmp_path, num_failures, num_errors, calls
+):
+    save_tokenizer(tmp_path)
+    config = OrchestratorConfig(
+        model={"path": tmp_path, "max_model_len": 128},
+        environments=[{"name": "train", "kind": "reverse_text"}],
+        evals=[{"name": "e", "kind": "sort_letters", "num_tasks": 1}],
+    )
+    router = FlakyRouter(num_failures)
+    async with bare_server(functools.partial(router_pb2_grpc.add_RouterServiceServicer_to_server, router)) as address:
+        generation = RouterGeneration(address, timeout_s=10, retry_s=0)
+        try:
+            evaluator = Evaluator(
+                config, PromptRenderer(tmp_path, max_model_len=128), generation, versions_served=False
+            )
+            result = await evaluator.evaluate(config.evals[0], policy_version=3, admission=Immediately())
+        finally:
+            await generation.close()
+    assert (result.num_errors, router.calls) == (num_errors, calls)
+    assert result.max_token_version == (None if num_errors else 3)
+    if num_errors:
+        assert "UNAVAILABLE" in result.samples[0].error and result.pass_at[1] == 0.0

@@ -19,11 +19,13 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import grpc
+
 from primerl.common.v1 import generation_pb2
 from primerl_orchestrator.config import EvalConfig, OrchestratorConfig
 from primerl_orchestrator.environments import BuiltinEnvironment, Task, TurnOutcome
 from primerl_orchestrator.environments.runtime import EnvironmentRuntime
-from primerl_orchestrator.generation import GenerationRequest, RouterGeneration
+from primerl_orchestrator.generation import GenerationError, GenerationRequest, RouterGeneration
 from primerl_orchestrator.metrics import mean_std
 from primerl_orchestrator.rendering import PromptRenderer
 from primerl_orchestrator.scheduler import Dispatcher
@@ -35,6 +37,8 @@ logger = logging.getLogger(__name__)
 
 # Default offset of an eval's task seed from the run's: a stream apart from training's.
 EVAL_SEED_OFFSET = 1000
+# Plays of a sample while inference is unavailable, before it counts as failed.
+_SAMPLE_ATTEMPTS = 3
 
 
 def pass_at_k(num_samples: int, num_correct: int, k: int) -> float:
@@ -239,12 +243,25 @@ class Evaluator:
             )
             return TurnOutcome(text, truncated)
 
-        try:
-            outcome = await environment.play(task, generate)
-            reward, error = outcome.reward, ""
-        except Exception as exc:  # a failed sample counts as failed, the evaluation goes on
-            logger.warning("eval %s: sample %s failed: %s", evaluation.name, episode_id, exc)
-            reward, error = 0.0, f"{type(exc).__name__}: {exc}"
+        reward, error = 0.0, ""
+        for attempt in range(1, _SAMPLE_ATTEMPTS + 1):
+            turns.clear()
+            sample_versions.clear()
+            try:
+                reward, error = (await environment.play(task, generate)).reward, ""
+                break
+            except GenerationError as exc:
+                # Inference unavailable (after the router retries): the answer was never seen, so
+                # the sample is played again rather than scored as wrong.
+                error = f"{type(exc).__name__}: {exc}"
+                if exc.code != grpc.StatusCode.UNAVAILABLE or attempt == _SAMPLE_ATTEMPTS:
+                    break
+                logger.info("eval %s: sample %s again (%s)", evaluation.name, episode_id, exc)
+            except Exception as exc:
+                error = f"{type(exc).__name__}: {exc}"
+                break
+        if error:  # counted as failed; the evaluation goes on
+            logger.warning("eval %s: sample %s failed: %s", evaluation.name, episode_id, error)
         versions.extend(sample_versions)
         return SampleRecord(
             task_id=task.task_id,

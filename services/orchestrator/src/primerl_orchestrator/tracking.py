@@ -52,13 +52,14 @@ class _Wandb:
         settings = config.wandb
         directory.mkdir(parents=True, exist_ok=True)
         # wandb keeps artifacts (tables) and its settings under the home folder, which a service
-        # may not be able to write: kept beside the run unless the environment says otherwise.
+        # may not be able to write: kept beside the run unless the environment says otherwise (not in
+        # `.wandb`: wandb would take that folder for its run folder).
         for variable, folder in (
             ("WANDB_DATA_DIR", "data"),
             ("WANDB_CACHE_DIR", "cache"),
             ("WANDB_CONFIG_DIR", "config"),
         ):
-            os.environ.setdefault(variable, str(directory / ".wandb" / folder))
+            os.environ.setdefault(variable, str(directory / "wandb-home" / folder))
         self._wandb = wandb
         self.run = wandb.init(
             project=settings.project,
