@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import pathlib
 from typing import Any
 
@@ -274,6 +275,15 @@ class TrackingConfig(Section):
     config_dir: pathlib.Path | None = Field(
         default=None, description="a folder of the run's other service configs (*.toml) logged with this one"
     )
+
+    @model_validator(mode="after")
+    def _installed(self) -> TrackingConfig:
+        for name, enabled in (("wandb", self.wandb.enabled), ("tensorboard", self.tensorboard.enabled)):
+            if enabled and importlib.util.find_spec(name) is None:
+                raise ValueError(
+                    f"tracking.{name}.enabled needs the {name} package: pip install 'primerl-orchestrator[tracking]'"
+                )
+        return self
 
     @property
     def enabled(self) -> bool:

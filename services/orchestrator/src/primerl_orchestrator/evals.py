@@ -298,7 +298,11 @@ async def follow_evals(
                 await dispatcher.wait_for_change()
                 continue
             last_period = version // interval
-            result = await evaluator.evaluate(evaluation, policy_version=version, admission=admission)
+            try:
+                result = await evaluator.evaluate(evaluation, policy_version=version, admission=admission)
+            except Exception:
+                logger.exception("eval %s at policy version %d failed", evaluation.name, version)
+                continue
             logger.info(
                 "eval %s at policy version %d: reward %.3f, %s",
                 evaluation.name,
