@@ -120,11 +120,11 @@ def test_k8s_objects_match_the_kubernetes_schemas(k8s_objects: list[dict]) -> No
 def test_k8s_schema_check_catches_a_bad_field(k8s_objects: list[dict]) -> None:
     need_kubernetes_validate()
     broken = yaml.safe_load(yaml.safe_dump(by_kind(k8s_objects, "StatefulSet")["inference"]))
-    broken["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["grpc"]["prot"] = 50053
+    broken["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["exec"]["prot"] = 50053
     broken["spec"]["replicas"] = "two"
     errors = schema_errors([broken])
     assert len(errors) == 1 and ("prot" in errors[0] or "two" in errors[0]), errors
-    del broken["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["grpc"]["prot"]
+    del broken["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["exec"]["prot"]
     assert "two" in schema_errors([broken])[0]
 
 
@@ -176,7 +176,9 @@ def reference_errors(objects: list[dict]) -> list[str]:
             where = f"{name} container {container['name']}"
             ports = {p["containerPort"]: p.get("name") for p in container.get("ports", [])}
             for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-                port = container.get(probe, {}).get("grpc", {}).get("port")
+                # primerl-healthcheck PORT (a gRPC probe of the kubelet cannot show a client certificate)
+                command = container.get(probe, {}).get("exec", {}).get("command", [])
+                port = int(command[1]) if command[:1] == ["primerl-healthcheck"] else None
                 if probe in container and port not in ports:
                     errors.append(f"{where}: {probe} port {port} is none of its ports")
             for mount in container.get("volumeMounts", []):
@@ -269,7 +271,7 @@ def test_k8s_service_runs_its_config_and_outlives_its_drain(
     if service != "trainer":
         assert container["args"] == ["--config", f"/config/{service}.toml"]
     for probe in ("readinessProbe", "livenessProbe"):
-        assert container[probe]["grpc"]["port"] == PORTS[service]
+        assert container[probe]["exec"]["command"] == ["primerl-healthcheck", str(PORTS[service])]
     toml = tmp_path / f"{service}.toml"
     toml.write_text(mounted_config(workload, config_maps, service))
     config = load_service_config(service, toml, fake_model)
@@ -348,4 +350,7 @@ def test_k8s_register_sidecar_runs_the_installed_command(k8s_objects: list[dict]
     assert args.router == f"router:{PORTS['router']}"
     assert args.replica == [("$(POD_NAME)", f"$(POD_NAME).inference:{PORTS['inference']}")]
     assert not args.once  # a loop: it re-registers with restarted peers, deregisters on SIGTERM
-    assert {e["name"] for e in sidecar["env"]} == {"POD_NAME"}
+    # POD_NAME, and the operator's certificate (PRIMERL_TLS_*): registering is an operator's call
+    assert {e["name"] for e in sidecar["env"]} - {"POD_NAME"} == {
+        f"PRIMERL_TLS_{k}" for k in ("MODE", "CERT", "KEY", "CA")
+    }
