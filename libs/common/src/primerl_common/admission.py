@@ -24,10 +24,8 @@ from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, I
 from typing import Any
 
 import grpc
-from pydantic import Field
+from pydantic import BaseModel, ConfigDict, Field
 
-from primerl_common import security
-from primerl_common.config import Section
 from primerl_common.errors import ResourceExhausted, ServiceError
 from primerl_common.grpc_handlers import wrap_method_handler
 
@@ -50,9 +48,12 @@ RETRY_AFTER_METADATA = "retry-after-ms"
 _HEALTH_METHODS = ("/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch")
 
 
-class AdmissionConfig(Section):
+class AdmissionConfig(BaseModel):
     """Calls a server runs at once and deadlines of client streams (`admission.*`). Sized to bound
     memory, not to refuse real use: tighten them per deployment."""
+
+    # A config Section (unknown keys refused), written out: primerl_common.config imports this module.
+    model_config = ConfigDict(extra="forbid")
 
     max_concurrent_unary: int = Field(default=8192, gt=0, description="unary calls in flight on this server")
     max_concurrent_unary_per_caller: int = Field(
@@ -83,6 +84,8 @@ class AdmissionConfig(Section):
 def caller_key(context: grpc.aio.ServicerContext) -> str:
     """Who a call comes from, for per-caller limits: its identity under mTLS (the certificate's or
     the bearer token's name, security.caller_of), else the peer's host."""
+    from primerl_common import security  # imported at use: security imports config, which imports this module
+
     try:
         caller = security.caller_of(context)
     except security.Unauthenticated:
