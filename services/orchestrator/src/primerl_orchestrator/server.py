@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 
 from primerl.orchestrator.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 from primerl_common import security
 from primerl_common.server import ServiceDefinition
 from primerl_orchestrator import __version__
 from primerl_orchestrator.config import OrchestratorConfig
+from primerl_orchestrator.environments.processes import EnvironmentProcess, local_address
 from primerl_orchestrator.generation import RouterGeneration
 from primerl_orchestrator.loop import BatchLoop
 from primerl_orchestrator.rendering import PromptRenderer
@@ -48,14 +50,30 @@ async def build(config: OrchestratorConfig) -> ServiceDefinition:
     run = Run(config, renderer, generation)
     loop = BatchLoop(config, run, trainer, versions)
     running: list[asyncio.Task[None]] = []
+    # The programs playing process environments (verifiers ones), through this server's API.
+    processes = [
+        EnvironmentProcess(
+            name,
+            env.process,
+            orchestrator=local_address(config.server),
+            abandon=functools.partial(run.abandon_episodes, name),
+            fail=run.fail,
+        )
+        for name, env in run.environments.items()
+        if env.process is not None
+    ]
 
     async def start() -> None:
         running.append(asyncio.create_task(loop.run()))
+        for process in processes:
+            process.start()
 
     async def drain() -> None:
         run.drain()
+        await asyncio.gather(*(process.stop() for process in processes))
 
     async def stop() -> None:
+        await asyncio.gather(*(process.stop() for process in processes))
         for task in running:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -68,7 +86,11 @@ async def build(config: OrchestratorConfig) -> ServiceDefinition:
         name="orchestrator",
         version=__version__,
         servicers=[],
-        capabilities=["orchestrator.environments.external", "orchestrator.environments.builtin"],
+        capabilities=[
+            "orchestrator.environments.external",
+            "orchestrator.environments.builtin",
+            "orchestrator.environments.process",
+        ],
         attributes={
             "environments": ",".join(env.name for env in config.environments),
             "router": peers.router,

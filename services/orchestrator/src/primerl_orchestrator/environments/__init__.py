@@ -1,7 +1,9 @@
-"""Environments by kind. Every module of this package (but `base`, `runtime` and `task_file`) that
-defines a BuiltinEnvironment subclass with a `kind` is a built-in environment: adding one
-is adding its module. `external` names an environment played by a program through the
-orchestrator's API."""
+"""Environments by kind. Every module of this package (but `base`, `processes`, `runtime` and
+`task_file`; subpackages are helpers of a kind, never kinds) that defines an Environment
+subclass with a `kind` is an environment kind: adding one is adding its module. Built-in ones
+are played by the orchestrator, process ones by a program of their own that it runs.
+`external` names an environment played by a program through the orchestrator's API that the
+user runs."""
 
 from __future__ import annotations
 
@@ -9,12 +11,21 @@ import functools
 import importlib
 import pkgutil
 
-from primerl_orchestrator.environments.base import BuiltinEnvironment, Outcome, Task, TurnOutcome
+from primerl_orchestrator.environments.base import (
+    BuiltinEnvironment,
+    Environment,
+    Outcome,
+    ProcessEnvironment,
+    Task,
+    TurnOutcome,
+)
 
 __all__ = [
     "EXTERNAL",
     "BuiltinEnvironment",
+    "Environment",
     "Outcome",
+    "ProcessEnvironment",
     "Task",
     "TurnOutcome",
     "environment_class",
@@ -22,20 +33,20 @@ __all__ = [
 ]
 
 EXTERNAL = "external"
-_NOT_ENVIRONMENTS = {"base", "runtime", "task_file"}
+_NOT_ENVIRONMENTS = {"base", "processes", "runtime", "task_file"}
 
 
 @functools.cache
-def _registry() -> dict[str, type[BuiltinEnvironment]]:
-    environments: dict[str, type[BuiltinEnvironment]] = {}
+def _registry() -> dict[str, type[Environment]]:
+    environments: dict[str, type[Environment]] = {}
     for module_info in pkgutil.iter_modules(__path__):
-        if module_info.name in _NOT_ENVIRONMENTS:
+        if module_info.ispkg or module_info.name in _NOT_ENVIRONMENTS:
             continue
         module = importlib.import_module(f"{__name__}.{module_info.name}")
         for value in vars(module).values():
             if (
                 isinstance(value, type)
-                and issubclass(value, BuiltinEnvironment)
+                and issubclass(value, Environment)
                 and value.__module__ == module.__name__
                 and hasattr(value, "kind")
             ):
@@ -49,8 +60,8 @@ def environment_kinds() -> list[str]:
     return sorted(_registry())
 
 
-def environment_class(kind: str) -> type[BuiltinEnvironment]:
-    """The built-in environment of `kind`; ValueError naming the known kinds otherwise."""
+def environment_class(kind: str) -> type[Environment]:
+    """The environment class of `kind`; ValueError naming the known kinds otherwise."""
     try:
         return _registry()[kind]
     except KeyError:

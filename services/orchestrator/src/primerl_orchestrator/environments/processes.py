@@ -1,0 +1,121 @@
+"""The programs that play process environments: each started with the service, watched,
+restarted when it dies (bounded, with backoff), stopped with the service. The program reaches
+the orchestrator through its gRPC API only, so its crash costs the episodes it was playing
+(dropped at once, so their groups end and the run goes on) and nothing else; once it has died
+more than max_restarts times the run fails, saying why."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+
+from primerl_common.config import ServerConfig
+from primerl_common.processes import ServiceProcess, describe_exit
+from primerl_orchestrator.environments.base import ProcessEnvironment
+
+__all__ = ["EnvironmentProcess", "local_address"]
+
+logger = logging.getLogger(__name__)
+
+# A process that lived this long before dying starts the backoff over.
+_HEALTHY_AFTER_S = 60.0
+_LOG_TAIL_LINES = 30
+_WILDCARD_HOSTS = {"", "0.0.0.0", "::", "[::]"}
+
+
+def local_address(server: ServerConfig) -> str:
+    """Where a process on this machine reaches the orchestrator."""
+    if server.port == 0:
+        raise ValueError(
+            "a process environment reaches the orchestrator at server.port: set one (not 0, which picks a free "
+            "port at start)"
+        )
+    host = "127.0.0.1" if server.host in _WILDCARD_HOSTS else server.host
+    return f"{host}:{server.port}"
+
+
+class EnvironmentProcess:
+    """The program of environment `name`. `abandon(reason)` drops the episodes it was playing
+    when it died (returns how many); `fail(error)` fails the run once it may not restart."""
+
+    def __init__(
+        self,
+        name: str,
+        environment: ProcessEnvironment,
+        *,
+        orchestrator: str,
+        abandon: Callable[[str], int],
+        fail: Callable[[str], None],
+    ) -> None:
+        self.name = name
+        self.options = environment.options
+        self.command = environment.command(name=name, orchestrator=orchestrator)
+        self._abandon = abandon
+        self._fail = fail
+        self.process: ServiceProcess | None = None
+        self.num_restarts = 0
+        self._watcher: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        assert self._watcher is None, f"environment {self.name}'s process was started already"
+        self._watcher = asyncio.create_task(self._watch(), name=f"environment-process-{self.name}")
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        """No more restarts; the program gets SIGTERM, then SIGKILL after `grace_s`."""
+        if self._watcher is not None:
+            self._watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watcher
+        if self.process is not None:
+            await self.process.stop(grace_s)
+            self.process.close()
+
+    async def _watch(self) -> None:
+        backoff_s = self.options.restart_backoff_s
+        while True:
+            self.process = ServiceProcess(self.command, name=f"environment {self.name}", log_path=self.options.log_file)
+            self.process.launch()
+            started = time.monotonic()
+            logger.info(
+                "started environment %s's process (pid %d)",
+                self.name,
+                self.process.pid,
+                extra={"environment": self.name},
+            )
+            code = await self.process.wait()
+            lived_s = time.monotonic() - started
+            abandoned = self._abandon(f"its environment process {describe_exit(code)}")
+            if code == 0:
+                logger.info("environment %s's process finished: the run is over", self.name)
+                return
+            tail = self.process.log_tail(_LOG_TAIL_LINES)
+            self.process.close()
+            if self.num_restarts >= self.options.max_restarts:
+                error = (
+                    f"environment {self.name}'s process {describe_exit(code)} after {self.num_restarts} restarts "
+                    f"(max_restarts {self.options.max_restarts})"
+                )
+                logger.error("%s; last lines:\n%s", error, tail, extra={"environment": self.name})
+                self._fail(error)
+                return
+            if lived_s >= _HEALTHY_AFTER_S:
+                backoff_s = self.options.restart_backoff_s
+            self.num_restarts += 1
+            logger.warning(
+                "environment %s's process %s after %.1fs; %d episodes it was playing are dropped; restart %d of "
+                "at most %d in %.1fs; last lines:\n%s",
+                self.name,
+                describe_exit(code),
+                lived_s,
+                abandoned,
+                self.num_restarts,
+                self.options.max_restarts,
+                backoff_s,
+                tail,
+                extra={"environment": self.name},
+            )
+            await asyncio.sleep(backoff_s)
+            backoff_s = min(2 * backoff_s, self.options.max_restart_backoff_s)
