@@ -601,3 +601,14 @@ async def test_the_container_health_probe_speaks_mutual_tls(certs):
             results.append((probe.returncode, (out + err).decode()))
     assert results[0][0] == 0 and "SERVING" in results[0][1], results
     assert results[1][0] == 1, results
+
+
+@pytest.mark.parametrize("deployment", ["compose", "systemd/etc", "k8s/config", "slurm/config"])
+def test_every_shipped_deployment_requires_mutual_tls(deployment):
+    import tomllib
+
+    configs = sorted((REPO / "deploy" / deployment).glob("*.toml"))
+    assert len(configs) == 6
+    for path in configs:
+        tls = TlsConfig(**tomllib.loads(path.read_text())["tls"])
+        assert tls.mode == "mtls" and None not in (tls.cert, tls.key, tls.ca), path
