@@ -147,7 +147,7 @@ def test_evals_reach_metrics_wandb_and_tensorboard_and_samples_show_a_step(tmp_p
     assert any(r.get("samples/rollouts.nrows") == 4 for r in rows)
     [run] = [r["run"] for r in wandb_records if r["type"] == "run"]
     assert run["config"]["update"]["orchestrator"]["evals"][0]["interval_steps"] == 2
-    assert "[trainer.optimizer]" in run["config"]["update"]["trainer"]
+    assert "[optimizer]\nlr = 0.0001" in run["config"]["update"]["trainer"]
 
     # TensorBoard event file.
     events = EventAccumulator(str(run_dir / "orchestrator" / "tensorboard"), size_guidance={"scalars": 0})
