@@ -324,7 +324,9 @@ async def test_kvstore(certs, monkeypatch):
     from primerl_kvstore.server import build
 
     config = KvstoreConfig(
-        server={"host": "127.0.0.1", "port": free_port(), "drain_delay_s": 0}, tls=service_tls(certs, "kvstore")
+        server={"host": "127.0.0.1", "port": free_port(), "drain_delay_s": 0},
+        tls=service_tls(certs, "kvstore"),
+        node={"bulk_port": 0},
     )
     async with served(await build(config), config, certs) as target:
         stub = kvstore_pb2_grpc.KvStoreServiceStub(target.channel("operator"))
@@ -384,8 +386,44 @@ async def test_kvstore(certs, monkeypatch):
         ]:
             await attack(target, f"/primerl.kvstore.v1.KvStoreService/{rpc}", allowed, invoke)
         assert await stats() == before
+        await attack_bulk_channel(
+            certs, (await stub.GetStats(kvstore_pb2.GetStatsRequest())).nodes[0].bulk_address, key
+        )
+        assert await stats() == before
         await stub.RemoveNamespace(kvstore_pb2.RemoveNamespaceRequest(model="tiny", namespace="v1"))
         assert await stats() == []
+
+
+async def attack_bulk_channel(certs: pathlib.Path, bulk_address: str, key: BlockKey) -> None:
+    """The kvstore's raw-TCP bulk channel: mutual TLS, inference replicas only."""
+    import asyncio
+    import ssl
+
+    from primerl_common.kvpool.bulk import BulkClient, BulkError
+
+    def get(tls: TlsConfig) -> list:
+        client = BulkClient(bulk_address, tls=tls, timeout_s=10)
+        try:
+            return client.get([key])
+        finally:
+            client.close()
+
+    evil = (kvstore_pb2.BlockHeader(key=BlockKey("tiny", 0, "v1", b"\x03" * 16).to_proto()), b"evil")
+    for holder in ("router", "trainer", "operator", "kvstore"):
+        with pytest.raises(BulkError) as refused:
+            await asyncio.to_thread(get, tls_of(certs, holder))
+        assert refused.value.code == DENIED and "inference" in refused.value.message
+        with pytest.raises(BulkError):
+            await asyncio.to_thread(lambda h=holder: BulkClient(bulk_address, tls=tls_of(certs, h)).put([evil]))
+    with pytest.raises(BulkError) as refused:
+        await asyncio.to_thread(get, tls_of(certs, "anonymous"))
+    assert refused.value.code == UNAUTHENTICATED
+    impostor = tls_of(certs / "other", HOLDERS["inference"]).model_copy(update={"ca": certs / "ca.pem"})
+    for tls in (TlsConfig(mode="plaintext"), impostor):  # no certificate; another CA's
+        with pytest.raises((ssl.SSLError, ConnectionError, OSError, BulkError)):
+            await asyncio.to_thread(get, tls)
+    ((header, data),) = await asyncio.to_thread(get, tls_of(certs, HOLDERS["inference"]))
+    assert header.found and bytes(data) == b"\x07" * 64
 
 
 # --- trainer --------------------------------------------------------------------------------

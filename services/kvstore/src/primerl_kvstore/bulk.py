@@ -31,14 +31,16 @@ import socket
 import socketserver
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
 from google.rpc import status_pb2
 
 from primerl.kvstore.v1 import kvstore_pb2
+from primerl_common import security
 from primerl_common.admission import LimitExceeded, Overloaded, StreamDeadlineExceeded
+from primerl_common.config import TlsConfig
 from primerl_common.errors import InvalidArgument, ResourceExhausted, ServiceError
 from primerl_common.kvpool.bulk import (
     EXISTING,
@@ -147,6 +149,11 @@ class _Handler(socketserver.BaseRequestHandler):
         conn: socket.socket = self.request
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         bulk = self.server.bulk
+        if bulk.tls_context is not None:
+            try:
+                conn = bulk.admit(conn)
+            except (ServiceError, OSError):  # refused (answered), or no TLS handshake
+                return
         while True:
             # Between requests a pooled connection may stay quiet as long as it likes (bounded by
             # node.bulk_max_connections); once a request starts, its deadlines run.
@@ -199,9 +206,22 @@ class _ThreadingServer(socketserver.ThreadingTCPServer):
 
 
 class BulkServer:
-    def __init__(self, node: StorageNode, host: str, port: int, *, limits: BulkLimits | None = None) -> None:
+    def __init__(
+        self,
+        node: StorageNode,
+        host: str,
+        port: int,
+        *,
+        limits: BulkLimits | None = None,
+        tls: TlsConfig | None = None,
+        allowed_roles: Collection[str] = (),
+    ) -> None:
+        """Under tls.mode mtls each connection is mutual TLS, and only a peer whose certificate
+        names one of `allowed_roles` (those of PutBlocks / GetBlocks) may use it."""
         self.node = node
         self.limits = limits or BulkLimits()
+        self.tls_context = security.ssl_server_context(tls) if tls is not None and tls.mode == "mtls" else None
+        self._allowed_roles = frozenset(allowed_roles)
         # Held by each connection's worker thread, released when it ends.
         self.connections = threading.BoundedSemaphore(self.limits.max_connections)
         self._host, self._port = host, port
@@ -209,6 +229,29 @@ class BulkServer:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.port = 0
+
+    def admit(self, conn: socket.socket) -> socket.socket:
+        """The TLS side of a new connection, once its peer's certificate names an allowed role;
+        else the refusal is answered (UNAUTHENTICATED / PERMISSION_DENIED) and raised."""
+        assert self.tls_context is not None
+        conn.settimeout(self.limits.idle_timeout_s)  # the handshake, too, is bounded
+        secure = self.tls_context.wrap_socket(conn, server_side=True)
+        identity = security.certificate_identity(secure.getpeercert(binary_form=True) or b"")
+        refusal: ServiceError | None = None
+        if identity is None:
+            refusal = security.Unauthenticated("the client certificate names no identity", reason="NO_IDENTITY")
+        elif identity[1].isdisjoint(self._allowed_roles):
+            needed = " or ".join(sorted(self._allowed_roles))
+            refusal = security.PermissionDenied(
+                f"the kvstore bulk channel needs role {needed}; {identity[0]} has {','.join(sorted(identity[1]))}",
+                reason="MISSING_ROLE",
+            )
+        if refusal is not None:
+            logger.warning("kvstore bulk channel refused %s: %s", secure.getpeername(), refusal.message)
+            _send_error(secure, refusal)
+            secure.close()
+            raise refusal
+        return secure
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()

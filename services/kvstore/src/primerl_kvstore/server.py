@@ -109,6 +109,8 @@ async def build(config: KvstoreConfig) -> ServiceDefinition:
                     idle_timeout_s=config.node.bulk_idle_timeout_s,
                     request_timeout_s=config.node.bulk_request_timeout_s,
                 ),
+                tls=config.tls,
+                allowed_roles=ROLES["PutBlocks"] | ROLES["GetBlocks"],
             )
 
             async def start_bulk(bulk: BulkServer = bulk, node: StorageNode = storage) -> None:

@@ -4,6 +4,7 @@ the constants and socket reads both ends use, and `BulkClient`, the client end."
 from __future__ import annotations
 
 import socket
+import ssl
 import struct
 from collections.abc import Sequence
 
@@ -11,6 +12,8 @@ import grpc
 from google.rpc import status_pb2
 
 from primerl.kvstore.v1 import kvstore_pb2
+from primerl_common import security
+from primerl_common.config import TlsConfig
 from primerl_common.kvpool.framing import stamped_header
 from primerl_common.kvpool.keys import BlockKey
 
@@ -36,6 +39,10 @@ SEND, EXISTING, REJECTED = 0, 1, 2  # a node's decision per block of a bulk put
 
 
 def recv_exact(conn: socket.socket, size: int) -> bytes:
+    if isinstance(conn, ssl.SSLSocket):  # no recv flags under TLS
+        buffer = bytearray(size)
+        recv_into(conn, memoryview(buffer))
+        return bytes(buffer)
     data = conn.recv(size, socket.MSG_WAITALL) if size else b""
     if len(data) != size:
         raise ConnectionError(f"peer closed after {len(data)} of {size} bytes")
@@ -61,12 +68,15 @@ class BulkError(Exception):
 
 class BulkClient:
     """Blocking client of one node's bulk channel (one connection, one request at a time;
-    run it in a worker thread from async code)."""
+    run it in a worker thread from async code). Mutual TLS with `tls` (default: the process's
+    identity, see primerl_common.security) unless that is plaintext."""
 
-    def __init__(self, address: str, *, timeout_s: float = 60.0) -> None:
+    def __init__(self, address: str, *, timeout_s: float = 60.0, tls: TlsConfig | None = None) -> None:
         host, port = address.rsplit(":", 1)
-        self._conn = socket.create_connection((host, int(port)), timeout=timeout_s)
-        self._conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        conn = socket.create_connection((host, int(port)), timeout=timeout_s)
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        context = security.ssl_client_context(tls)
+        self._conn = conn if context is None else context.wrap_socket(conn, server_hostname=host)
 
     def close(self) -> None:
         self._conn.close()

@@ -18,6 +18,8 @@ from primerl_common.security._credentials import (
     secure_channel,
     server_credentials,
     setup_process_tls,
+    ssl_client_context,
+    ssl_server_context,
 )
 from primerl_common.security._identity import (
     LOCAL,
@@ -28,6 +30,7 @@ from primerl_common.security._identity import (
     TokenEntry,
     Unauthenticated,
     caller_of,
+    certificate_identity,
     identity_uri,
     load_tokens,
 )
@@ -69,6 +72,7 @@ __all__ = [
     "TokenEntry",
     "Unauthenticated",
     "caller_of",
+    "certificate_identity",
     "channel_credentials",
     "identity_uri",
     "load_tokens",
@@ -78,4 +82,6 @@ __all__ = [
     "secure_channel",
     "server_credentials",
     "setup_process_tls",
+    "ssl_client_context",
+    "ssl_server_context",
 ]

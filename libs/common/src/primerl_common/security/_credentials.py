@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import ssl
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -29,6 +30,8 @@ __all__ = [
     "secure_channel",
     "server_credentials",
     "setup_process_tls",
+    "ssl_client_context",
+    "ssl_server_context",
 ]
 
 ENV_PREFIX = "PRIMERL_TLS_"
@@ -123,3 +126,33 @@ def secure_channel(
     if resolved is None:
         return grpc.insecure_channel(address, options=list(options))
     return grpc.secure_channel(address, channel_credentials(resolved), options=list(options))
+
+
+def ssl_server_context(tls: TlsConfig) -> ssl.SSLContext:
+    """For a raw TLS listener (the kvstore's bulk channel): as server_credentials, every
+    client must show a certificate of tls.ca."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.load_cert_chain(_path(tls.cert, "cert"), _path(tls.key, "key"))
+    context.load_verify_locations(_path(tls.ca, "ca"))
+    context.verify_mode = ssl.CERT_REQUIRED
+    return context
+
+
+def ssl_client_context(tls: TlsConfig | None = None) -> ssl.SSLContext | None:
+    """For a raw TLS connection with `tls` (default: the process's identity); None where
+    that is plaintext or unset."""
+    resolved = _resolve(tls)
+    if resolved is None:
+        return None
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.load_cert_chain(_path(resolved.cert, "cert"), _path(resolved.key, "key"))
+    context.load_verify_locations(_path(resolved.ca, "ca"))
+    return context
+
+
+def _path(path: pathlib.Path | None, field: str) -> str:
+    if path is None:
+        raise ValueError(f"tls.{field} is not set (needed by tls.mode mtls)")
+    return str(path)

@@ -37,6 +37,7 @@ __all__ = [
     "TokenEntry",
     "Unauthenticated",
     "caller_of",
+    "certificate_identity",
     "identity_uri",
     "load_tokens",
 ]
@@ -79,9 +80,13 @@ def identity_uri(role: str, name: str) -> str:
 
 
 @functools.lru_cache(maxsize=256)
-def _certificate_identity(pem: bytes) -> tuple[str, frozenset[str]] | None:
-    # Cached by the certificate's bytes: a connection's calls all show the same one.
-    certificate = x509.load_pem_x509_certificate(pem)
+def certificate_identity(certificate_bytes: bytes) -> tuple[str, frozenset[str]] | None:
+    """(name, roles) a certificate (PEM or DER) names in its `spiffe://primerl/<role>/<name>`
+    URI SANs; None without one. Cached by the bytes: a connection's calls all show the same."""
+    if certificate_bytes.startswith(b"-----"):
+        certificate = x509.load_pem_x509_certificate(certificate_bytes)
+    else:
+        certificate = x509.load_der_x509_certificate(certificate_bytes)
     try:
         names = certificate.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     except x509.ExtensionNotFound:
@@ -165,7 +170,7 @@ class CallerResolver:
         pems = (context.auth_context() or {}).get("x509_pem_cert") or []
         if not pems:
             raise Unauthenticated("no client certificate", reason="NO_CLIENT_CERTIFICATE")
-        identity = _certificate_identity(bytes(pems[0]))
+        identity = certificate_identity(bytes(pems[0]))
         if identity is None:
             raise Unauthenticated(
                 f"the client certificate names no identity (a URI SAN {_URI_PREFIX}<role>/<name>)",
