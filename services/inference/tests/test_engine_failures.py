@@ -1,8 +1,8 @@
 """What the service does when the engine fails: weights holding NaN or Inf are refused before
-anything is loaded; a load that fails inside the engine after its checks leaves the replica
-serving the previous weights bit for bit (nothing written yet) or out of service until a whole
-version is in (part written); and a dead engine makes a dead service (a real process whose
-engine process is killed)."""
+anything is loaded (streamed, in a shared folder, over a collective group); a load that fails
+inside the engine after its checks leaves the replica serving the previous weights bit for bit
+(nothing written yet) or out of service until a whole version is in (part written); and a dead
+engine makes a dead service (a real process whose engine process is killed)."""
 
 import asyncio
 import pathlib
@@ -13,13 +13,17 @@ import grpc
 import psutil
 import pytest
 import pytest_asyncio
+import torch
+import torch.distributed as dist
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from primerl.common.v1 import generation_pb2, tensor_pb2
 from primerl.inference.v1 import inference_pb2, inference_pb2_grpc
 from primerl_common.client import make_channel
 from primerl_common.processes import ServiceProcess, free_port
+from primerl_common.tensors import dtype_to_proto
 from primerl_common.testing import eventually
+from primerl_common.weights.collective import GroupSpec, TensorSpec, connect, send_tensors
 from primerl_common.weights.manifest import write_weights
 
 from .serving import (
@@ -110,14 +114,56 @@ async def test_weights_holding_nan_or_inf_are_refused_naming_the_tensor(
         ),
         "shared folder": (update_stream(with_nan, version + 1, shared_fs_path=folder), name, "begin.shared_fs_path"),
     }
-    for case, (stream, tensor, field) in cases.items():
-        error = await refusal(stub.UpdateWeights(stream))
+    errors = {case: await refusal(stub.UpdateWeights(stream)) for case, (stream, _, _) in cases.items()}
+    errors["collective group"] = await collective_update(stub, with_nan, version + 1)
+    cases["collective group"] = (None, name, "begin.collective_tensors")
+
+    for case, (_, tensor, field) in cases.items():
+        error = errors[case]
         assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, case
         assert f"tensor {tensor!r} holds NaN or Inf" in error.details(), case
         assert field in str(error.trailing_metadata()), case
 
     assert await policy_version(stub) == version
     assert await logprobs(served) == before  # bit for bit
+
+
+async def collective_update(
+    stub: inference_pb2_grpc.InferenceServiceStub, tensors: dict[str, torch.Tensor], version: int
+) -> grpc.aio.AioRpcError:
+    """An update over a gloo group this test hosts (rank 0 sends, as the broadcaster would);
+    the error it fails with."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    group = GroupSpec(f"127.0.0.1:{store.port}", "nan-test", 0, 2, "gloo", 60.0, 1 << 20)
+    specs = [TensorSpec(name, t.dtype, tuple(t.shape)) for name, t in tensors.items()]
+
+    def send() -> None:
+        for _ in send_tensors(connect(group), group, specs, tensors.items()):
+            pass
+
+    sending = asyncio.get_running_loop().run_in_executor(None, send)
+    begin = inference_pb2.WeightUpdateBegin(
+        policy_version=version,
+        format=tensor_pb2.WEIGHT_FORMAT_HF,
+        num_tensors=len(specs),
+        num_bytes=sum(spec.num_bytes for spec in specs),
+        collective=inference_pb2.CollectiveGroup(
+            store_address=group.store_address,
+            group_name=group.group_name,
+            rank=1,
+            world_size=2,
+            backend="gloo",
+            timeout_ms=60_000,
+            bucket_bytes=group.bucket_bytes,
+        ),
+        collective_tensors=[
+            tensor_pb2.TensorHeader(name=spec.name, dtype=dtype_to_proto(spec.dtype), shape=list(spec.shape))
+            for spec in specs
+        ],
+    )
+    error = await refusal(stub.UpdateWeights(iter([inference_pb2.UpdateWeightsRequest(begin=begin)])))
+    await sending
+    return error
 
 
 async def test_a_load_failing_before_it_writes_leaves_the_weights_bit_for_bit(

@@ -301,17 +301,20 @@ class InferenceEngine:
         abort: they end with finish reason abort. New requests queue until resume."""
         async with self._control_lock:
             self._paused = True
-            await self._llm.pause_generation(mode=mode, clear_cache=False)
+            with self.liveness.translated():
+                await self._llm.pause_generation(mode=mode, clear_cache=False)
 
     async def resume(self) -> None:
         async with self._control_lock:
             self._paused = False
             if self.weight_updater.out_of_service is None:  # else scheduling waits for a whole version
-                await self._llm.resume_generation()
+                with self.liveness.translated():
+                    await self._llm.resume_generation()
 
     async def reset_prefix_cache(self) -> bool:
         """False when vLLM could not reset it (blocks held by running requests)."""
-        return await self._llm.reset_prefix_cache()
+        with self.liveness.translated():
+            return await self._llm.reset_prefix_cache()
 
     def start_draining(self) -> None:
         """New requests are refused with UNAVAILABLE from now on; running ones continue."""
@@ -354,6 +357,7 @@ class InferenceEngine:
                 await self._llm.add_lora(lora_request)
             except Exception as exc:
                 self._adapters.discard(owned_folder)
+                self.liveness.check()
                 # vLLM reports a malformed adapter (unknown module, rank above the limit,
                 # mismatched shapes) as an error of the call.
                 raise InvalidArgument(f"vLLM could not load the adapter: {exc}", field="spec") from None
@@ -364,7 +368,8 @@ class InferenceEngine:
             lora_request = self._adapters.remove(name)
             if lora_request is None:
                 return False
-            await self._llm.remove_lora(lora_request.lora_int_id)
+            with self.liveness.translated():
+                await self._llm.remove_lora(lora_request.lora_int_id)
             return True
 
 

@@ -254,8 +254,15 @@ class WeightUpdater:
         try:
             await self._llm.pause_generation(mode="keep", clear_cache=False)
             method, args = load or ("primerl_load_weights", (update.format, list(staged.modules), staged.index()))
-            # One outcome per worker (worker_extension.WorkerExtension.primerl_load_weights).
-            outcomes = await self._llm.collective_rpc(method, args=args)
+            try:
+                # One outcome per worker (worker_extension.WorkerExtension.primerl_load_weights).
+                outcomes = await self._llm.collective_rpc(method, args=args)
+            except Exception as exc:
+                if self._liveness.dead:
+                    raise
+                # Raised outside the load's own handling, maybe on one worker of several while
+                # the others loaded: what the model holds is not known.
+                outcomes = [{"failed": f"{type(exc).__name__}: {exc}", "num_layers_written": None}]
             await self._settle(outcomes, update, field)
             # From the next step on, the engine stamps its outputs with the new version.
             await self._llm.update_weight_version(str(update.policy_version))
@@ -281,7 +288,8 @@ class WeightUpdater:
             return
         if not failed and not num_loaded:
             raise InvalidArgument(refused[0], field=field)
-        num_written = sum(o["num_layers_written"] for o in failed) + (num_loaded if refused else 0)
+        counts = [o["num_layers_written"] for o in failed]
+        num_written = None if None in counts else sum(counts) + (num_loaded if refused else 0)
         error = str(failed[0]["failed"]) if failed else refused[0]
         if num_written == 0:
             logger.error("loading policy version %d failed before writing: %s", update.policy_version, error)
@@ -290,9 +298,10 @@ class WeightUpdater:
                 f"nothing was written, the replica serves version {self._policy_version}",
                 reason="WEIGHT_LOAD_FAILED",
             )
+        written = "an unknown part of the model" if num_written is None else f"{num_written} layers"
         reason = (
             f"loading policy version {update.policy_version} failed inside the engine after writing "
-            f"{num_written} layers ({error}); the model holds no whole version"
+            f"{written} ({error}); the model holds no whole version"
         )
         logger.error("%s: out of service until a full update loads", reason)
         self._out_of_service = reason

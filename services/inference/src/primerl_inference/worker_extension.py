@@ -69,7 +69,9 @@ class WorkerExtension(RoutedExpertsWorkerExtension):
             rows.append([name.replace(".base_layer.", "."), list(meta.shape), str(meta.dtype).removeprefix("torch.")])
         return rows
 
-    def primerl_load_weights(self, weight_format: str, modules: Sequence[str], index: Sequence[Sequence[Any]]) -> int:
+    def primerl_load_weights(
+        self, weight_format: str, modules: Sequence[str], index: Sequence[Sequence[Any]]
+    ) -> dict[str, Any]:
         """Loads validated tensors (`weights.StagedWeights.index()` rows) into the model in
         place: a full update or a delta that carries whole modules. `modules` are the modules
         the tensors belong to; the others are not touched.
@@ -107,7 +109,7 @@ class WorkerExtension(RoutedExpertsWorkerExtension):
         """None while receiving; "" once every tensor arrived; the error otherwise."""
         return self._primerl_collective.poll()
 
-    def primerl_collective_load(self, weight_format: str, modules: Sequence[str]) -> int:
+    def primerl_collective_load(self, weight_format: str, modules: Sequence[str]) -> dict[str, Any]:
         """Loads what `primerl_collective_start` received, as `primerl_load_weights` does."""
         return self._primerl_load(weight_format, modules, self._primerl_collective.take())
 
