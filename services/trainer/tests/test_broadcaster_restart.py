@@ -102,3 +102,30 @@ async def test_the_latest_version_is_published_again_to_a_broadcaster_that_lost_
             status = await status_when(stub, lambda status: status.published_policy_version == 2)
             assert (status.step, status.last_publish_error) == (2, "")
             assert broadcaster.published == [1, 1, 2]
+
+
+async def test_a_step_is_checkpointed_before_its_version_is_published(
+    dense_dir: pathlib.Path, rl_batches: list[list[MicroBatch]], tmp_path: pathlib.Path
+) -> None:
+    """Killed after a publish and before its checkpoint, a trainer would train the step again
+    while the replicas serve the first attempt's weights under that version."""
+    checkpoints = tmp_path / "checkpoints"
+    latest_at_publish: list[str | None] = []
+
+    class Recording(FakeBroadcaster):
+        async def PublishWeights(self, request_iterator, context):
+            marker = checkpoints / "latest"
+            latest_at_publish.append(marker.read_text().strip() if marker.is_file() else None)
+            return await super().PublishWeights(request_iterator, context)
+
+    broadcaster = Recording()
+    async with broadcaster.serving() as address:
+        config = trainer_config(
+            dense_dir, publish={"weight_broadcaster": address}, checkpoint={"dir": str(checkpoints), "interval": 1}
+        )
+        async with serving(config) as stub:
+            for step in (1, 2):
+                await push(stub, step, rl_batches[step - 1])
+                await watch(stub, after_step=step - 1, count=1)
+    assert broadcaster.published == [1, 2]
+    assert latest_at_publish == ["step_00000001", "step_00000002"]

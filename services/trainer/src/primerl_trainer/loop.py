@@ -3,9 +3,12 @@
 Rank 0's worker takes the next thing to do, in this order of priority: a checkpoint someone
 asked for, the oldest queued batch (or the SFT dataset's next batch), a publish retry that is
 due. It broadcasts that command to the other ranks (commands.py) and does its own part; they do
-theirs. A batch's step is: train it (Trainer.train_step), publish the new weights (policy
-version = step; the gathers are collective, the stream leaves from rank 0 only), checkpoint
-when the interval says so. The gRPC event loop never waits on any of it.
+theirs. A batch's step is: train it (Trainer.train_step), checkpoint when the interval says so,
+publish the new weights (policy version = step; the gathers are collective, the stream leaves
+from rank 0 only). Checkpoint first: a trainer killed between the two resumes from that step
+and publishes it again, whereas one killed after a publish but before its checkpoint would
+train the step again while the replicas serve the first attempt's weights under the same
+version. The gRPC event loop never waits on any of it.
 
 A publish that fails is logged and retried with an exponential backoff while no batch comes;
 the next step's publish supersedes it (it carries newer weights), and the step is never undone.
@@ -62,7 +65,7 @@ class StepExecutor:
     """One rank's part of each command; rank 0 also streams publishes (`publisher`).
 
     Every method is collective: all ranks call the same ones in the same order. A TRAIN command
-    is `train`, then `publish` when publishing is configured, then `maybe_save`."""
+    is `train`, then `maybe_save`, then `publish` when publishing is configured."""
 
     def __init__(self, runtime: TrainingRuntime, publisher: WeightPublisher | None = None) -> None:
         self.runtime = runtime
@@ -168,9 +171,9 @@ def follow(runtime: TrainingRuntime) -> None:
             return
         if command.kind == CommandKind.TRAIN:
             executor.train(command)
+            executor.maybe_save()
             if executor.publishing:
                 executor.publish()
-            executor.maybe_save()
         elif command.kind == CommandKind.SAVE:
             executor.save()
         elif command.kind == CommandKind.PUBLISH:
@@ -403,9 +406,9 @@ class TrainingLoop:
                 self._note_sft_loss(metrics["loss"])
             self.completed_step = executor.trainer.step
             prometheus.observe_step(self.completed_step, metrics)
+            saved = executor.maybe_save()
             if executor.publishing:
                 metrics |= self._publish_or_schedule_retry()
-            saved = executor.maybe_save()
         finally:
             self.running_step = None
         if saved:
