@@ -220,33 +220,46 @@ class RoutedExpertsCapture:
         """The routing held in KV block `block_id` for `token_ids` at positions
         `first_position..`, `[block_size, num_layers, top_k]`; None unless every slot of the
         block holds exactly those tokens (a forward of this engine, or `fill_block`, wrote it),
-        or when routing is not kept by KV slot."""
-        if self._slot_rows is None:
+        or when routing is not kept by the slots of the blocks a KV connector names."""
+        block = self._connector_block(block_id, first_position)
+        if block is None:
             return None
-        slots, positions = self._block_slots(block_id, first_position)
+        table, slots, positions = block
         with self._lock:
-            rows, written = self._slot_rows.read(slots, positions, token_ids)
+            rows, written = table.read(slots, positions, token_ids)
             return rows if written.all() else None
 
     def fill_block(self, block_id: int, first_position: int, token_ids: Sequence[int], rows: np.ndarray) -> None:
         """Puts the routing of a KV block loaded from elsewhere into its slots (before the
         forward that reads the block, as the KV itself)."""
-        if self._slot_rows is None:
-            raise ValueError("routed experts are kept per request (no full-attention KV cache group), not by block")
-        slots, positions = self._block_slots(block_id, first_position)
+        block = self._connector_block(block_id, first_position)
+        if block is None:
+            raise ValueError("routed experts are not kept by the slots of the first KV cache group's blocks")
+        table, slots, positions = block
         if rows.shape != (len(slots), self.num_layers, self.top_k):
             raise ValueError(f"routing of shape {rows.shape} for a block of {len(slots)} tokens")
         with self._lock:
             # Requests that finished in the last step may still own these slots' routing.
             self._keep_finished()
-            self._slot_rows.write(slots, positions, token_ids, rows)
+            table.write(slots, positions, token_ids, rows)
 
-    def _block_slots(self, block_id: int, first_position: int) -> tuple[np.ndarray, np.ndarray]:
-        # A KV connector hands over the first group's block ids: vLLM runs one that does not
-        # support hybrid KV cache groups with a single, full-attention group.
-        assert self._kv_group == 0, "KV blocks exchanged with a hybrid KV cache layout"
+    @property
+    def keyed_by_connector_blocks(self) -> bool:
+        """Whether routing is kept by the slots of the blocks a KV connector names: those of
+        the first KV cache group (vLLM gives an engine whose connector does not support hybrid
+        KV cache groups one group, full attention)."""
+        return self._kv_group == 0
+
+    def _connector_block(
+        self, block_id: int, first_position: int
+    ) -> tuple[_RoutingRows, np.ndarray, np.ndarray] | None:
+        """(table, slots, positions) of a block a KV connector names; None unless
+        `keyed_by_connector_blocks`."""
+        if not self.keyed_by_connector_blocks:
+            return None
+        assert self._slot_rows is not None
         offsets = np.arange(self._block_size)
-        return block_id * self._block_size + offsets, first_position + offsets
+        return self._slot_rows, block_id * self._block_size + offsets, first_position + offsets
 
     def _store_step(self) -> None:
         runner = self._runner
@@ -320,10 +333,17 @@ def _bind_kv_connector(capture: RoutedExpertsCapture) -> None:
     """Hands the capture to the engine's KV connector when it carries routing with its blocks."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 
-    if has_kv_transfer_group():
-        bind = getattr(get_kv_transfer_group(), "bind_routed_experts", None)
-        if bind is not None:
-            bind(capture)
+    if not has_kv_transfer_group():
+        return
+    bind = getattr(get_kv_transfer_group(), "bind_routed_experts", None)
+    if bind is None:
+        return
+    if not capture.keyed_by_connector_blocks:
+        logger.warning(
+            "routed experts do not travel with KV blocks: the KV cache groups are not one full-attention group"
+        )
+        return
+    bind(capture)
 
 
 def _caller_request_id(internal_id: str) -> str:
