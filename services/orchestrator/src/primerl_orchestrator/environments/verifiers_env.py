@@ -41,6 +41,11 @@ class VerifiersEnvironment(ProcessEnvironment):
             default=4, ge=1, description="groups the process plays at once (each runs its group_size rollouts)"
         )
         turn_timeout_s: float = Field(default=900.0, gt=0, description="deadline of one Generate call")
+        hub_offline: bool = Field(
+            default=True,
+            description="run the process with HF_HUB_OFFLINE and HF_DATASETS_OFFLINE set: the environment builds "
+            "its data locally (or finds it cached), nothing is downloaded at run time",
+        )
 
         @field_validator("module")
         @classmethod

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -62,6 +63,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         format=f"%(asctime)s %(levelname)s environment {args.environment} %(name)s: %(message)s",
     )
     options = VerifiersEnvironment.Options.model_validate_json(args.options)
+    # Before verifiers (and datasets, huggingface_hub) are imported: they read these once.
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    if options.hub_offline:
+        os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"
     asyncio.run(play(orchestrator=args.orchestrator, name=args.environment, seed=args.seed, options=options))
     return 0
 
