@@ -650,3 +650,17 @@ def test_every_shipped_deployment_requires_mutual_tls(deployment):
     for path in configs:
         tls = TlsConfig(**tomllib.loads(path.read_text())["tls"])
         assert tls.mode == "mtls" and None not in (tls.cert, tls.key, tls.ca), path
+
+
+def test_a_local_run_of_primerl_up_says_plaintext_unless_the_launch_file_gives_tls(tmp_path):
+    from primerl_launcher.spec import ServiceSpec
+    from primerl_launcher.wiring import wire
+
+    given = {"mode": "mtls", "cert": "c.pem", "key": "k.pem", "ca": "ca.pem"}
+    services = {
+        "router": ServiceSpec("router", "router", {}, "[router]"),
+        "kvstore": ServiceSpec("kvstore", "kvstore", {"tls": dict(given)}, "[kvstore]"),
+    }
+    wire(services, run_dir=tmp_path, model=None, host="127.0.0.1")
+    assert services["router"].table["tls"] == {"mode": "plaintext"}
+    assert services["kvstore"].table["tls"] == given
