@@ -263,6 +263,7 @@ async def bench(args: argparse.Namespace, work_dir: pathlib.Path) -> None:
             "max_num_seqs": args.num_prompts,
         },
         server={"host": "127.0.0.1", "port": 0},
+        tls={"mode": "plaintext"},  # loopback
     )
     engine = await InferenceEngine.start(config)
     service = GrpcService(service_definition(engine, config), config)

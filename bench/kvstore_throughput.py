@@ -144,7 +144,7 @@ async def bench(args: argparse.Namespace) -> None:
         *("--server.host", "127.0.0.1", "--server.port", str(kv_port), "--server.drain_delay_s", "0"),
         *("--dram.capacity_bytes", str(4 * total + 64 * MiB)),
         *("--node.chunk_bytes", str(args.chunk_bytes), "--node.bulk_port", "0"),
-        *("--observability.log_level", "WARNING"),
+        *("--tls.mode", "plaintext", "--observability.log_level", "WARNING"),
     ]
     try:
         process = ServiceProcess(kvstore_args, port=kv_port, env=MALLOC_ENV)

@@ -296,6 +296,8 @@ async def bench(args: argparse.Namespace) -> None:
                 "127.0.0.1",
                 "--server.port",
                 str(router_port),
+                "--tls.mode",  # loopback, like the stand-in replicas (bench/tls_overhead.py: mTLS)
+                "plaintext",
             ],
             port=router_port,
             env=env,

@@ -230,7 +230,7 @@ def replica_args(model: pathlib.Path, port: int) -> list[str]:
         *("--engine.model", str(model), "--engine.dtype", "float32", "--engine.enforce_eager", "true"),
         *("--engine.max_model_len", "128", "--engine.max_num_seqs", "2", "--engine.kv_cache_gib", "0.125"),
         *("--server.host", "127.0.0.1", "--server.port", str(port), "--server.drain_delay_s", "0"),
-        *("--observability.log_level", "WARNING"),
+        *("--tls.mode", "plaintext", "--observability.log_level", "WARNING"),
     ]
 
 
@@ -309,7 +309,7 @@ async def bench(args: argparse.Namespace) -> None:
         [
             binary("primerl-weight-broadcaster"),
             *("--server.host", "127.0.0.1", "--server.port", str(broadcaster_port), "--server.drain_delay_s", "0"),
-            *("--push.probe_interval_s", "0.5", "--observability.log_level", "WARNING"),
+            *("--push.probe_interval_s", "0.5", "--tls.mode", "plaintext", "--observability.log_level", "WARNING"),
         ],
         port=broadcaster_port,
         env=MALLOC_ENV,
