@@ -63,6 +63,11 @@ class EnvironmentProcess:
         assert self._watcher is None, f"environment {self.name}'s process was started already"
         self._watcher = asyncio.create_task(self._watch(), name=f"environment-process-{self.name}")
 
+    @property
+    def done(self) -> bool:
+        """True once it will not start the program again (finished, given up on, or stopped)."""
+        return self._watcher is not None and self._watcher.done()
+
     async def stop(self, grace_s: float = 5.0) -> None:
         """No more restarts; the program gets SIGTERM, then SIGKILL after `grace_s`."""
         if self._watcher is not None:
