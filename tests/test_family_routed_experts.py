@@ -39,7 +39,8 @@ BLOCK_SIZE = 128
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session", params=FAMILIES)
 async def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
-    model_dir = tiny_checkpoint(tmp_path_factory.getbasetemp() / "r3-family-models", request.param)
+    # The folder tests/test_family_serving.py makes its checkpoints in (made once per session).
+    model_dir = tiny_checkpoint(tmp_path_factory.getbasetemp() / "family-models", request.param)
     async with running_service(model=model_dir, dtype="float32") as service:
         yield model_dir, service.stub
 
