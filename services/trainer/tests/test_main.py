@@ -19,7 +19,7 @@ def _run(argv: list[str]) -> tuple[int, bool, str]:
 
 
 def test_check_config_imports_no_torch():
-    assert _run(["--check-config", "-c", str(EXAMPLE)])[:2] == (0, False)
+    assert _run(["--check-config", "-c", str(EXAMPLE), "--server.host=127.0.0.1"])[:2] == (0, False)
 
 
 def test_an_invalid_config_exits_2_without_torch(tmp_path):
@@ -33,4 +33,4 @@ def test_an_invalid_config_exits_2_without_torch(tmp_path):
 def test_a_follower_rank_checks_its_config_without_torch(monkeypatch):
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert _run(["--check-config", "-c", str(EXAMPLE)])[:2] == (0, False)
+    assert _run(["--check-config", "-c", str(EXAMPLE), "--server.host=127.0.0.1"])[:2] == (0, False)
