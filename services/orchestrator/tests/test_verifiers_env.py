@@ -266,10 +266,10 @@ async def test_both_examples_play_through_the_orchestrator_and_a_killed_process_
         # Killed mid-turn: the episodes it was playing are dropped (their groups end, incomplete),
         # it comes back, and it plays again.
         [victim] = environment_processes("spell")
-        await eventually(lambda: spell_running(), timeout_s=60, what="spell episodes running")
+        await eventually(spell_running, timeout_s=60, what="spell episodes running")
         victim.send_signal(signal.SIGKILL)
         await stub.PauseRun(orchestrator_pb2.PauseRunRequest())
-        await eventually(lambda: spell_dropped(), timeout_s=30, what="the killed process's episodes dropped")
+        await eventually(spell_dropped, timeout_s=30, what="the killed process's episodes dropped")
         await eventually(
             lambda: processes_ready(tmp_path / "spell.log") == 2, timeout_s=120, what="spell's process restarted"
         )
@@ -282,20 +282,20 @@ async def test_both_examples_play_through_the_orchestrator_and_a_killed_process_
     assert final.error == ""
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, 9))
-    spell = [r["environments"]["spell"] for r in records]
-    kv = [r["environments"]["kv"] for r in records]
+    spell_steps = [r["environments"]["spell"] for r in records]
+    kv_steps = [r["environments"]["kv"] for r in records]
     # The rubrics' rewards: the knowing model is right every time.
-    for env in spell + kv:
+    for env in spell_steps + kv_steps:
         if env["num_rewards"]:
             assert env["reward_mean"] == 1.0, env
-    spell_metrics = [e["episode_metrics"] for e in spell if e["num_rewards"]]
-    kv_metrics = [e["episode_metrics"] for e in kv if e["num_rewards"]]
+    spell_metrics = [e["episode_metrics"] for e in spell_steps if e["num_rewards"]]
+    kv_metrics = [e["episode_metrics"] for e in kv_steps if e["num_rewards"]]
     assert spell_metrics and all(m["reasoning_gym_score"] == 1.0 and m["num_turns"] == 1 for m in spell_metrics)
     assert kv_metrics and all(
         m["correct_value"] == 1.0 and m["lookup_calls"] == 1 and m["num_turns"] == 2 for m in kv_metrics
     )
     # Tool turns continue one training sample: the answer's tokens were rendered back as they were.
-    assert sum(e["turns"] for e in kv) >= 4 and sum(e["new_samples_after_first"] for e in kv) == 0
+    assert sum(e["turns"] for e in kv_steps) >= 4 and sum(e["new_samples_after_first"] for e in kv_steps) == 0
     assert any('"name": "lookup"' in system for system in router.system_messages)
 
 
