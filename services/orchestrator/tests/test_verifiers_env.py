@@ -240,6 +240,7 @@ def processes_ready(log: pathlib.Path) -> int:
     return log.read_text().count("rows of its train dataset") if log.is_file() else 0
 
 
+@pytest.mark.slow  # ~40 s: two processes import verifiers
 async def test_both_examples_play_through_the_orchestrator_and_a_killed_process_is_restarted(tmp_path):
     save_tokenizer(tmp_path)
     router = KnowingRouter(AutoTokenizer.from_pretrained(str(tmp_path)))
