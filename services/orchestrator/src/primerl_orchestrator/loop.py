@@ -61,7 +61,8 @@ class BatchLoop:
     async def run(self) -> None:
         """The whole run; a failure is reported through the run's status, never raised."""
         try:
-            self._tracker = Tracker(self._config)
+            # Off the event loop: wandb.init starts its service process (seconds).
+            self._tracker = await asyncio.to_thread(Tracker, self._config)
             await self._feed_trainer()
         except asyncio.CancelledError:
             raise
