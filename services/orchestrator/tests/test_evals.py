@@ -149,6 +149,7 @@ def test_eval_configs_name_their_problem(tmp_path):
         ({"name": "e"}, "set one of environment"),
         ({"name": "e", "environment": "nope"}, "no environment 'nope'"),
         ({"name": "e", "kind": "external"}, "nobody to play"),
+        ({"name": "e", "kind": "verifiers", "options": {"module": "x"}}, "played by a process of their own"),
         ({"name": "e", "kind": "sort_letters", "num_samples": 2, "pass_at_k": [4]}, r"pass_at_k \[4\]"),
         ({"name": "e", "environment": "train", "options": {"min_length": 0}}, "eval 'e'"),
     ]

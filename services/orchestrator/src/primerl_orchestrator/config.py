@@ -9,7 +9,7 @@ from typing import Any
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from primerl_common.config import Section, ServerConfig, ServiceConfig, service_settings
-from primerl_orchestrator.environments import EXTERNAL, environment_class
+from primerl_orchestrator.environments import EXTERNAL, BuiltinEnvironment, environment_class
 
 __all__ = [
     "AdvantageConfig",
@@ -230,7 +230,7 @@ class EvalConfig(Section):
         if self.kind is not None:
             if self.kind == EXTERNAL:
                 raise ValueError(f"eval {self.name!r}: an external environment has nobody to play its evaluations")
-            environment_class(self.kind)
+            _check_evaluable(self.name, self.kind)
         too_large = [k for k in self.pass_at_k if not 1 <= k <= self.num_samples]
         if too_large:
             raise ValueError(f"eval {self.name!r}: pass_at_k {too_large} not in [1, num_samples {self.num_samples}]")
@@ -358,6 +358,7 @@ class OrchestratorConfig(ServiceConfig):
                 raise ValueError(
                     f"eval {evaluation.name!r}: environment {env.name!r} is external: nobody plays its evaluations"
                 )
+            _check_evaluable(evaluation.name, env.kind)
         for evaluation in self.evals:
             try:
                 self.eval_environment(evaluation)
@@ -381,3 +382,11 @@ class OrchestratorConfig(ServiceConfig):
                 "sampling": evaluation.sampling.over(SamplingDefaults()).model_dump(),
             }
         return EnvironmentConfig.model_validate(fields)
+
+
+def _check_evaluable(name: str, kind: str) -> None:
+    if not issubclass(environment_class(kind), BuiltinEnvironment):
+        raise ValueError(
+            f"eval {name!r}: environments of kind {kind!r} are played by a process of their own; evaluations "
+            "play the environments the orchestrator plays itself (for now)"
+        )
