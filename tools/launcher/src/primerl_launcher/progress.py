@@ -214,6 +214,9 @@ class RunMonitor:
         self.finish_timeout_s = finish_timeout_s
         self.records: list[dict[str, Any]] = []
         self.trainer_steps: dict[int, dict[str, float]] = {}
+        # The trainer's completed step (GetStatus): a trainer resumed from a checkpoint has
+        # steps that WatchSteps does not replay.
+        self.trainer_completed_step = 0
         self.versions: dict[str, int] = dict.fromkeys(peers.replicas, 0)
         self.tokens_per_s = 0.0
         self._orchestrator_records: dict[int, dict[str, Any]] = {}
@@ -241,6 +244,9 @@ class RunMonitor:
                 name: inference_pb2_grpc.InferenceServiceStub(await stack.enter_async_context(make_channel(address)))
                 for name, address in self.peers.replicas.items()
             }
+            trainer = trainer_pb2_grpc.TrainerServiceStub(
+                await stack.enter_async_context(make_channel(self.peers.trainer))
+            )
             watcher = asyncio.ensure_future(watch_trainer_steps(self.peers.trainer, self.trainer_steps))
             stack.callback(watcher.cancel)
             finished_at = None
@@ -249,6 +255,9 @@ class RunMonitor:
                     self._status = await orchestrator.GetRunStatus(
                         orchestrator_pb2.GetRunStatusRequest(), timeout=_RPC_TIMEOUT_S
                     )
+                with contextlib.suppress(grpc.aio.AioRpcError):
+                    trainer_status = await trainer.GetStatus(trainer_pb2.GetStatusRequest(), timeout=_RPC_TIMEOUT_S)
+                    self.trainer_completed_step = max(self.trainer_completed_step, trainer_status.step)
                 await self._poll_replicas(replicas)
                 self._read_orchestrator_metrics()
                 self._write_ready(final=False)
@@ -278,7 +287,7 @@ class RunMonitor:
 
     @property
     def trained_step(self) -> int:
-        return max(self.trainer_steps, default=0)
+        return max(max(self.trainer_steps, default=0), self.trainer_completed_step)
 
     def postfix(self) -> str:
         status = self._status

@@ -187,6 +187,10 @@ class Launcher:
         if settings.max_restarts:
             for warning in restart_warnings:
                 print(f"warning: {warning}", file=sys.stderr)
+        if "trainer" in services and get_path(services["trainer"].table, "checkpoint.resume") is not False:
+            marker = pathlib.Path(get_path(services["trainer"].table, "checkpoint.dir")) / "latest"
+            if marker.is_file():
+                print(f"resuming from the trainer's checkpoint {marker.read_text().strip()} in {marker.parent}")
         sft = sft_trainer_spec(launch, run_dir) if launch.warm_start is not None else None
         config_dir = run_dir / "config"
         paths = write_configs([*services.values(), *([sft] if sft else [])], config_dir)
