@@ -19,14 +19,9 @@ from typing import Any
 
 import grpc
 
+from primerl_common.errors import ServiceError
 from primerl_common.grpc_handlers import wrap_method_handler
-from primerl_common.security._identity import (
-    Caller,
-    CallerResolver,
-    PermissionDenied,
-    ServiceError,
-    _current,
-)
+from primerl_common.security._identity import Caller, CallerResolver, PermissionDenied, _current
 
 __all__ = [
     "ANY",
