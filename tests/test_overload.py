@@ -2,22 +2,16 @@
 process on port 0 (real gRPC servers, real stubs; the router's replica is a real inference.v1
 server that generates slowly). Each test answers RESOURCE_EXHAUSTED or DEADLINE_EXCEEDED, stays
 within a stated bound on the growth of this process's RSS (the services run in it) while the
-overload lasts, and serves the next good request.
-
-The broadcaster's tests serve its servicer behind AdmissionInterceptor on a plain server (the
-idle deadline of client streams lives there), which is how the shared interceptor chain will
-run it once admission is wired into every service."""
+overload lasts, and serves the next good request."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import pathlib
 import socket
 import struct
 import time
-from collections.abc import AsyncIterator
 
 import grpc
 import pytest
@@ -32,12 +26,10 @@ from primerl.router.v1 import router_pb2, router_pb2_grpc
 from primerl.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2 as wb_pb2
 from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2_grpc
-from primerl_common.admission import RETRY_AFTER_METADATA, AdmissionConfig, AdmissionInterceptor
-from primerl_common.client import make_channel
-from primerl_common.errors import ErrorInterceptor, error_details
+from primerl_common.admission import RETRY_AFTER_METADATA
+from primerl_common.errors import error_details
 from primerl_common.kvpool.bulk import OP_PUT, STATUS_ERROR
 from primerl_common.processes import free_port
-from primerl_common.server import ServiceDefinition
 from primerl_common.tensors import tensor_to_proto
 from primerl_common.testing import bare_server, eventually, in_process_service
 from primerl_kvstore.config import KvstoreConfig
@@ -158,21 +150,6 @@ async def test_oversized_push_batches_are_refused_before_they_are_held(dense_dir
 # ---------------------------------------------------------------------------- weight broadcaster
 
 
-@contextlib.asynccontextmanager
-async def served_with_admission(definition: ServiceDefinition, admission: AdmissionConfig) -> AsyncIterator[str]:
-    """`definition`'s servicers on a real server behind AdmissionInterceptor and the error mapping."""
-    registrations = [functools.partial(add, servicer) for add, servicer, _ in definition.servicers]
-    interceptors = [AdmissionInterceptor(admission), ErrorInterceptor()]
-    async with bare_server(*registrations, interceptors=interceptors) as address:
-        for hook in definition.on_start:
-            await hook()
-        try:
-            yield address
-        finally:
-            for hook in definition.on_stop:
-                await hook()
-
-
 def tensor_chunks(name: str, num_bytes: int, chunk_bytes: int = 2 * MiB) -> list[tensor_pb2.TensorChunk]:
     header = tensor_pb2.TensorHeader(name=name, dtype=tensor_pb2.DTYPE_UINT8, shape=[num_bytes], num_bytes=num_bytes)
     data = b"\x01" * chunk_bytes
@@ -205,13 +182,10 @@ async def broadcaster():
         server={"host": "127.0.0.1", "port": 0},
         observability=QUIET,
         publish={"max_tensors": 1000, "max_bytes": 256 * MiB},
+        admission={"stream_idle_timeout_s": 2.0},
     )
-    admission = AdmissionConfig(stream_idle_timeout_s=2.0)
-    async with (
-        served_with_admission(await build_broadcaster(config), admission) as address,
-        make_channel(address) as channel,
-    ):
-        yield weight_broadcaster_pb2_grpc.WeightBroadcasterServiceStub(channel)
+    async with in_process_service(await build_broadcaster(config), config) as served:
+        yield weight_broadcaster_pb2_grpc.WeightBroadcasterServiceStub(served.channel)
 
 
 async def test_oversized_and_concurrent_publishes_are_refused_within_a_memory_bound(broadcaster) -> None:

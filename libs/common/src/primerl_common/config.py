@@ -30,6 +30,8 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from primerl_common.admission import AdmissionConfig
+
 __all__ = [
     "CommandLine",
     "ConfigError",
@@ -147,6 +149,7 @@ class ServiceConfig(BaseSettings):
 
     server: ServerConfig = ServerConfig()
     tls: TlsConfig = TlsConfig()
+    admission: AdmissionConfig = AdmissionConfig()
     observability: ObservabilityConfig = ObservabilityConfig()
 
     @classmethod

@@ -30,6 +30,7 @@ from grpc_reflection.v1alpha import reflection
 
 from primerl.common.v1 import service_info_pb2
 from primerl_common import observability, security
+from primerl_common.admission import AdmissionInterceptor
 from primerl_common.config import ConfigError, ServiceConfig, parse_command_line
 from primerl_common.errors import ErrorInterceptor, Unimplemented
 
@@ -182,12 +183,15 @@ class _SharedInterceptors(grpc.aio.ServerInterceptor):
         self,
         observers: Sequence[grpc.aio.ServerInterceptor],
         authorization: security.AuthorizationInterceptor,
+        admission: AdmissionInterceptor,
         errors: ErrorInterceptor,
         *,
         unobserved: Collection[str],
     ) -> None:
-        self._chain = [*observers, authorization, errors]
-        self._unobserved_chain = [authorization, errors]
+        # Admission after authorization: a caller refused there takes no slot, and admission
+        # keys its per-caller limits on the identity authorization found.
+        self._chain = [*observers, authorization, admission, errors]
+        self._unobserved_chain = [authorization, admission, errors]
         self._unobserved = frozenset(unobserved)
         self._handlers: dict[str, grpc.RpcMethodHandler] = {}
 
@@ -232,6 +236,7 @@ class GrpcService:
         interceptor = _SharedInterceptors(
             observability.server_interceptors(),
             authorization,
+            AdmissionInterceptor(self.config.admission),
             ErrorInterceptor(),
             unobserved=self.definition.unobserved_methods,
         )
