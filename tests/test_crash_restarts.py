@@ -136,6 +136,17 @@ async def follow_steps(address: str, finished: dict[int, set[tuple[int, int]]]) 
             await asyncio.sleep(0.2)
 
 
+async def trainer_idle(address: str) -> bool:
+    """No step running or queued: a kill now loses no checkpointed step's record (a step killed
+    between its checkpoint and its WatchSteps record would be trained, yet never reported)."""
+    async with make_channel(address, max_attempts=1) as channel:
+        try:
+            status = await trainer_pb2_grpc.TrainerServiceStub(channel).GetStatus(trainer_pb2.GetStatusRequest())
+        except grpc.aio.AioRpcError:
+            return False
+    return not status.training
+
+
 async def num_pooled_blocks(address: str) -> int:
     async with make_channel(address, max_attempts=1) as channel:
         try:
@@ -166,6 +177,8 @@ async def kill_each_once(run: Run) -> dict[int, set[tuple[int, int]]]:
                 await run.until(lambda: num_pooled_blocks(kvstore), what="blocks in the KV pool")
             if name == "inference-0":  # the restarted kvstore is in use again
                 await run.until(lambda: num_pooled_blocks(kvstore), what="blocks in the restarted KV pool")
+            if name == "trainer":
+                await run.until(lambda: trainer_idle(services["trainer"]["address"]), what="an idle trainer")
             before = run.services()[name]
             assert before["restarts"] == 0
             os.kill(before["pid"], signal.SIGKILL)
