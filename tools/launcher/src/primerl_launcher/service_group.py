@@ -191,8 +191,9 @@ class ServiceGroup:
 
 
 def _kill_leftovers(dead: ServiceProcess) -> None:
-    """What the dead process started and left running (e.g. vLLM's engine core process, with
-    its memory): its session's process group, which it led (own session, pid = group id)."""
+    """What the dead process started and left running (a child that does not watch its parent
+    would hold its memory, or a port, into the restart): its session's process group, which it
+    led (own session, pid = group id). vLLM's engine core process does exit on its own."""
     if dead.pid is not None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(dead.pid, signal.SIGKILL)
