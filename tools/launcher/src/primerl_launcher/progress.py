@@ -25,7 +25,7 @@ from primerl.inference.v1 import inference_pb2, inference_pb2_grpc
 from primerl.orchestrator.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 from primerl.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2, weight_broadcaster_pb2_grpc
-from primerl_common.client import make_channel
+from primerl_common.client import call_with_retry, make_channel
 
 __all__ = ["Display", "RunFailed", "RunMonitor", "RunPeers", "StallWatch", "describe_groups", "watch_trainer_steps"]
 
@@ -340,7 +340,11 @@ class RunMonitor:
                 min_replicas=len(self.peers.replicas),
                 timeout_ms=int(self.finish_timeout_s * 1000),
             )
-            reply = await stub.WaitForVersion(request, timeout=self.finish_timeout_s + _RPC_TIMEOUT_S)
+            # Retried while the broadcaster is away (restarting): a new one is sent the version again.
+            reply = await call_with_retry(
+                lambda: stub.WaitForVersion(request, timeout=self.finish_timeout_s + _RPC_TIMEOUT_S),
+                deadline_s=self.finish_timeout_s,
+            )
         if not reply.reached:
             raise RunFailed(
                 f"policy version {version} reached only {reply.num_replicas_at_version} of "
