@@ -31,6 +31,7 @@ class LoadReport:
     num_prompt_tokens_total: int
     num_generated_tokens_total: int
     num_prefix_cache_hit_tokens_total: int
+    num_kv_pool_hit_tokens_total: int
 
 
 class EngineStats(StatLoggerBase):
@@ -42,6 +43,7 @@ class EngineStats(StatLoggerBase):
         self.num_prompt_tokens_total = 0
         self.num_generated_tokens_total = 0
         self.num_prefix_cache_hit_tokens_total = 0
+        self.num_kv_pool_hit_tokens_total = 0
 
     def record(
         self,
@@ -59,6 +61,7 @@ class EngineStats(StatLoggerBase):
             prompt = iteration_stats.prompt_token_stats
             self.num_prompt_tokens_total += prompt.total
             self.num_prefix_cache_hit_tokens_total += prompt.cached_tokens
+            self.num_kv_pool_hit_tokens_total += prompt.external_kv_transfer
             self.num_generated_tokens_total += iteration_stats.num_generation_tokens
             metrics.prompt_tokens.inc(prompt.total)
             metrics.prefix_cache_hit_tokens.inc(prompt.cached_tokens)

@@ -310,6 +310,7 @@ def load_to_proto(load: LoadReport) -> generation_pb2.LoadReport:
         num_prompt_tokens_total=load.num_prompt_tokens_total,
         num_generated_tokens_total=load.num_generated_tokens_total,
         num_prefix_cache_hit_tokens_total=load.num_prefix_cache_hit_tokens_total,
+        num_kv_pool_hit_tokens_total=load.num_kv_pool_hit_tokens_total,
     )
 
 
