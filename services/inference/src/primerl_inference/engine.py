@@ -338,6 +338,7 @@ class InferenceEngine:
             num_prompt_tokens_total=self._stats.num_prompt_tokens_total,
             num_generated_tokens_total=self._stats.num_generated_tokens_total,
             num_prefix_cache_hit_tokens_total=self._stats.num_prefix_cache_hit_tokens_total,
+            num_kv_pool_hit_tokens_total=self._stats.num_kv_pool_hit_tokens_total,
         )
 
     # ------------------------------------------------------------------ adapters
