@@ -1,7 +1,8 @@
 """deploy/compose.yaml, checked offline (tests/test_containers.py runs it): every config of
 deploy/compose/ loads with its service's config class and serves on the port compose
-probes and publishes; the one-shot containers run commands the images have, and the
-replica registration names the replica and the broadcaster as their configs do."""
+probes and publishes; the containers of the launcher's commands run commands the images have, and the
+replica registration (kept up, not a one-shot) names the replica and the broadcaster as
+their configs do."""
 
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ def test_compose_service_runs_its_config_on_its_port(service: str, fake_model: P
     assert drain_s(config) < float(spec["stop_grace_period"].removesuffix("s"))
 
 
-def test_compose_registers_the_replica_once_before_the_run(fake_model: Path) -> None:
+def test_compose_keeps_the_replica_registered_and_starts_the_run_once_it_is(fake_model: Path) -> None:
     services = compose_services()
     for name, spec in services.items():
         if "entrypoint" in spec:
@@ -54,8 +55,15 @@ def test_compose_registers_the_replica_once_before_the_run(fake_model: Path) -> 
     assert register["image"] == services["model"]["image"] == "primerl-tools:${PRIMERL_TAG:-latest}"
     assert register["entrypoint"][0] == "primerl-register-replicas"
     args = parse_args(register["entrypoint"][1:] + register["command"])
-    assert args.once  # one-shot: the orchestrator starts once it has exited 0
-    assert services["orchestrator"]["depends_on"]["register-replica"] == {"condition": "service_completed_successfully"}
+    # Not a one-shot: a broadcaster restarted by compose has forgotten the replica.
+    assert not args.once and args.interval <= 10
+    assert register["restart"] == "on-failure"
+    # Healthy once registered (the same registration, --once); the orchestrator waits for that.
+    probe = register["healthcheck"]["test"]
+    assert probe[:2] == ["CMD", "primerl-register-replicas"]
+    checked = parse_args(probe[2:])
+    assert checked.once and (checked.broadcaster, checked.replica) == (args.broadcaster, args.replica)
+    assert services["orchestrator"]["depends_on"]["register-replica"] == {"condition": "service_healthy"}
     assert register["depends_on"] == {
         "inference": {"condition": "service_healthy"},
         "weight-broadcaster": {"condition": "service_healthy"},
