@@ -3,12 +3,18 @@
 import asyncio
 import os
 import socket
+import time
 
 import grpc
 import pytest
 
-from primerl.kvstore.v1 import kvstore_pb2
+from primerl.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
 from primerl_common.kvpool.bulk import BulkClient, BulkError
+from primerl_common.processes import free_port
+from primerl_common.security.certificates import Holder, make_authority, make_certificate, tls_of
+from primerl_common.testing import in_process_service
+from primerl_kvstore.config import KvstoreConfig
+from primerl_kvstore.server import build
 
 from .conftest import key
 
@@ -92,3 +98,57 @@ async def test_bulk_errors_name_the_field_and_a_full_node_says_so(pool):
     assert stats.num_blocks == 9 and stats.dram_used_bytes == 9000
     reply = await client.put_bulk(bulk_address, [(key(30), os.urandom(500))])  # its room was given back
     assert reply.num_stored == 1
+
+
+async def test_under_mtls_a_connection_over_the_limit_is_refused_after_the_handshake(tmp_path):
+    """Past node.bulk_max_connections an mTLS node completes the handshake, then answers
+    RESOURCE_EXHAUSTED naming the limit (plaintext bytes first would end the client's handshake
+    instead); once a slot is free the next connection is served."""
+    authority = make_authority(tmp_path)
+    for holder in ("kvstore", "inference-0:inference"):
+        make_certificate(authority, tmp_path, Holder.parse(holder))
+    replica = tls_of(tmp_path, "inference-0")
+    config = KvstoreConfig(
+        server={"host": "127.0.0.1", "port": free_port(), "drain_delay_s": 0},
+        tls=tls_of(tmp_path, "kvstore"),
+        node={"node_id": "bulk-node", "bulk_port": 0, "bulk_max_connections": 1},
+        dram={"capacity_bytes": 16 * MiB},
+    )
+    async with in_process_service(await build(config), config, client_tls=tls_of(tmp_path, "kvstore")) as served:
+        stats = await kvstore_pb2_grpc.KvStoreServiceStub(served.channel).GetStats(kvstore_pb2.GetStatsRequest())
+        bulk_address = stats.nodes[0].bulk_address
+
+        def over_the_limit() -> BulkError:
+            holder = BulkClient(bulk_address, tls=replica, timeout_s=10)
+            try:
+                ((header, _),) = holder.get([key(1)])  # admitted: it holds the node's one slot
+                assert not header.found
+                second = BulkClient(bulk_address, tls=replica, timeout_s=10)  # the handshake completes
+                try:
+                    with pytest.raises(BulkError) as refused:
+                        second.get([key(1)])
+                    return refused.value
+                finally:
+                    second.close()
+            finally:
+                holder.close()
+
+        refused = await asyncio.to_thread(over_the_limit)
+        assert refused.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "node.bulk_max_connections = 1" in refused.message and "retry later" in refused.message
+
+        def served_once_a_slot_is_free() -> bytes:
+            for _ in range(100):  # until the closed connection has given its slot back
+                client = BulkClient(bulk_address, tls=replica, timeout_s=10)
+                try:
+                    client.put([(kvstore_pb2.BlockHeader(key=key(2).to_proto()), b"after")])
+                    ((_, data),) = client.get([key(2)])
+                    return bytes(data)
+                except BulkError as error:
+                    assert error.code == grpc.StatusCode.RESOURCE_EXHAUSTED, error
+                    time.sleep(0.05)
+                finally:
+                    client.close()
+            raise AssertionError("the bulk channel kept refusing connections")
+
+        assert await asyncio.to_thread(served_once_a_slot_is_free) == b"after"

@@ -65,6 +65,10 @@ logger = logging.getLogger(__name__)
 _MAX_BLOCKS = 65_536
 # Headers and requests on this channel are small; a larger length is a broken peer.
 _MAX_HEADER_BYTES = 16 * 1024 * 1024
+# Connections over node.bulk_max_connections being refused at once under mTLS (each a TLS
+# handshake and an answer, in a thread of its own, for at most _REFUSAL_TIMEOUT_S each).
+_MAX_REFUSALS = 8
+_REFUSAL_TIMEOUT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -142,6 +146,12 @@ def _send_error(conn: socket.socket, exc: ServiceError) -> None:
         conn.sendall(bytes((STATUS_ERROR,)) + U32.pack(len(status)) + status)
 
 
+def _close(conn: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        conn.shutdown(socket.SHUT_RDWR)
+    conn.close()
+
+
 class _Handler(socketserver.BaseRequestHandler):
     server: _ThreadingServer
 
@@ -189,18 +199,7 @@ class _ThreadingServer(socketserver.ThreadingTCPServer):
 
     def process_request(self, request: Any, client_address: Any) -> None:
         if not self.bulk.connections.acquire(blocking=False):
-            limit = self.bulk.limits.max_connections
-            _send_error(
-                request,
-                Overloaded(
-                    f"{limit} bulk connections are open, the most this node takes (node.bulk_max_connections = "
-                    f"{limit}); use the open ones or retry later",
-                    config_field="node.bulk_max_connections",
-                    limit=limit,
-                    retry_after_s=1.0,
-                ),
-            )
-            self.shutdown_request(request)
+            self.bulk.refuse_overloaded(request)
             return
         super().process_request(request, client_address)
 
@@ -224,6 +223,7 @@ class BulkServer:
         self._allowed_roles = frozenset(allowed_roles)
         # Held by each connection's worker thread, released when it ends.
         self.connections = threading.BoundedSemaphore(self.limits.max_connections)
+        self._refusals = threading.BoundedSemaphore(_MAX_REFUSALS)
         self._host, self._port = host, port
         self._server: _ThreadingServer | None = None
         self._thread: threading.Thread | None = None
@@ -252,6 +252,47 @@ class BulkServer:
             secure.close()
             raise refusal
         return secure
+
+    def refuse_overloaded(self, conn: socket.socket) -> None:
+        """A connection over node.bulk_max_connections, answered RESOURCE_EXHAUSTED with a retry
+        hint: in plaintext at once; under mTLS after the handshake (the client reads nothing
+        before it), in a thread of its own, at most _MAX_REFUSALS at a time; past those it is
+        closed without a word (the client's handshake fails: it retries or uses gRPC)."""
+        limit = self.limits.max_connections
+        error = Overloaded(
+            f"{limit} bulk connections are open, the most this node takes (node.bulk_max_connections = "
+            f"{limit}); use the open ones or retry later",
+            config_field="node.bulk_max_connections",
+            limit=limit,
+            retry_after_s=1.0,
+        )
+        if self.tls_context is None:
+            _send_error(conn, error)
+            _close(conn)
+        elif self._refusals.acquire(blocking=False):
+            threading.Thread(
+                target=self._refuse_after_handshake, args=(conn, error), name="kvstore-bulk-refusal", daemon=True
+            ).start()
+        else:
+            _close(conn)
+
+    def _refuse_after_handshake(self, conn: socket.socket, error: ServiceError) -> None:
+        assert self.tls_context is not None
+        try:
+            conn.settimeout(min(self.limits.idle_timeout_s, _REFUSAL_TIMEOUT_S))
+            conn = self.tls_context.wrap_socket(conn, server_side=True)
+            _send_error(conn, error)
+            # Read what the client sends meanwhile (its first request) until it closes: closed
+            # with unread bytes, the connection would be reset and the answer lost.
+            conn.settimeout(_REFUSAL_TIMEOUT_S)
+            with contextlib.suppress(OSError):
+                while conn.recv(65536):
+                    pass
+        except OSError:
+            pass
+        finally:
+            _close(conn)
+            self._refusals.release()
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()

@@ -76,7 +76,18 @@ class BulkClient:
         conn = socket.create_connection((host, int(port)), timeout=timeout_s)
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         context = security.ssl_client_context(tls)
-        self._conn = conn if context is None else context.wrap_socket(conn, server_hostname=host)
+        if context is None:
+            self._conn = conn
+            return
+        try:
+            self._conn = context.wrap_socket(conn, server_hostname=host)
+        except (ssl.SSLError, ConnectionError) as exc:
+            conn.close()
+            # A node past node.bulk_max_connections answers RESOURCE_EXHAUSTED after the
+            # handshake; one flooded with refusals, or refusing this certificate, ends it.
+            raise BulkError(
+                grpc.StatusCode.UNAVAILABLE, f"{address}: the bulk channel's TLS handshake failed ({exc})"
+            ) from exc
 
     def close(self) -> None:
         self._conn.close()
