@@ -25,6 +25,7 @@ from primerl.common.v1 import generation_pb2
 from primerl.orchestrator.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 from primerl.router.v1 import router_pb2, router_pb2_grpc
 from primerl.trainer.v1 import trainer_pb2, trainer_pb2_grpc
+from primerl_common.errors import ServiceError
 from primerl_common.processes import free_port
 from primerl_common.testing import bare_server, eventually, in_process_service
 from primerl_launcher.tiny_model import EOS_TOKEN_ID, save_tokenizer
@@ -32,14 +33,11 @@ from primerl_orchestrator.config import EnvironmentConfig, OrchestratorConfig
 from primerl_orchestrator.environments import environment_class
 from primerl_orchestrator.environments.runtime import EnvironmentRuntime
 from primerl_orchestrator.environments.verifiers_env import VerifiersEnvironment
-from primerl_orchestrator.environments.verifiers_process.client import to_chat_messages, to_sampling
+from primerl_orchestrator.environments.verifiers_process.client import to_chat_messages, to_sampling, to_tools
 from primerl_orchestrator.environments.verifiers_process.player import TaskRows
-from primerl_orchestrator.environments.verifiers_process.tool_calls import (
-    ToolCall,
-    parse_tool_calls,
-    render_tool_calls,
-)
+from primerl_orchestrator.rendering import Message, PromptRenderer
 from primerl_orchestrator.server import build
+from primerl_orchestrator.tool_calls import HERMES, ToolCall, ToolSpec
 
 from .stand_ins import StandInTrainer
 
@@ -53,23 +51,98 @@ LOOKUP_TOOL = {
 # ---------------------------------------------------------------- the pieces
 
 
-def test_tool_calls_are_read_from_text_and_an_answer_is_rendered_back_token_for_token():
+def test_hermes_tool_calls_are_read_from_text_and_recognised_in_an_answer_that_holds_them():
     text = 'I look.<tool_call>{"name": "lookup", "arguments": {"key": "amber"}}</tool_call>'
-    assert parse_tool_calls(text) == [ToolCall("lookup", '{"key": "amber"}')]
-    assert parse_tool_calls('<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>') == [
+    assert HERMES.parse(text) == [ToolCall("lookup", '{"key": "amber"}')]
+    assert HERMES.parse('<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>') == [
         ToolCall("f", '{"a": 1}')
     ]
     for broken in ["<tool_call>not json</tool_call>", '<tool_call>{"arguments": {}}</tool_call>', "plain answer"]:
-        assert parse_tool_calls(broken) == []
-    # The model's own text holds its calls: kept as it is, so the next prompt extends the sample.
-    assert render_tool_calls(text, parse_tool_calls(text)) == text
-    rendered = render_tool_calls("", [ToolCall("lookup", '{"key": "amber"}')])
-    assert parse_tool_calls(rendered) == [ToolCall("lookup", '{"key": "amber"}')]
+        assert HERMES.parse(broken) == []
+    # The model's own text holds its calls (whatever the spacing of their arguments).
+    assert HERMES.holds(text, [ToolCall("lookup", '{"key":"amber"}', id="call_0_0")])
+    assert not HERMES.holds("I look.", [ToolCall("lookup", "{}")])
+    rendered = HERMES.render("", [ToolCall("lookup", '{"key": "amber"}')])
+    assert HERMES.parse(rendered) == [ToolCall("lookup", '{"key": "amber"}')]
 
 
-def test_openai_messages_become_generate_messages_with_the_tools_in_the_system_message():
+# A chat template that takes tools and writes calls the Hermes/Qwen way (written for this test).
+TOOL_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n{% endif %}"
+    "<tools>{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n</tools><|im_end|>\n{% endif %}"
+    "{% for message in messages %}{% if not (tools and loop.first and message['role'] == 'system') %}"
+    "<|im_start|>{{ 'user' if message['role'] == 'tool' else message['role'] }}\n"
+    "{% if message['role'] == 'tool' %}<tool_response>{{ message['content'] }}</tool_response>"
+    "{% else %}{{ message['content'] }}{% endif %}"
+    "{% for call in message.get('tool_calls') or [] %}\n<tool_call>{{ {'name': call['function']['name'], "
+    "'arguments': call['function']['arguments']} | tojson }}</tool_call>{% endfor %}<|im_end|>\n"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _renderer(path: pathlib.Path, template: str | None = None) -> PromptRenderer:
+    save_tokenizer(path)
+    if template is not None:
+        config_path = path / "tokenizer_config.json"
+        config = json.loads(config_path.read_text())
+        config["chat_template"] = template
+        config_path.write_text(json.dumps(config))
+    return PromptRenderer(path, max_model_len=1024)
+
+
+def test_tools_go_through_a_template_that_takes_them_and_its_calls_are_parsed(tmp_path):
+    renderer = _renderer(tmp_path, TOOL_TEMPLATE)
+    assert renderer.takes_tools and renderer.call_format is HERMES
+    lookup = ToolSpec("lookup", "a value", {"type": "object", "properties": {"key": {"type": "string"}}})
+    call = ToolCall("lookup", '{"key": "amber"}', id="call_0_0")
     messages = [
-        {"role": "system", "content": "Be brief."},
+        Message("system", "Be brief."),
+        Message("user", "What is under amber?"),
+        # Written by the environment, not the model: the template renders the call.
+        Message("assistant", "", tool_calls=(call,)),
+        Message("tool", "410", tool_call_id="call_0_0"),
+    ]
+    tokenizer = AutoTokenizer.from_pretrained(str(tmp_path))
+    prompt = tokenizer.decode(renderer.render_messages(messages, tools=[lookup]))
+    assert prompt.startswith("<|im_start|>system\nBe brief.\n<tools>{") and '"name": "lookup"' in prompt
+    assert "Tools you can call" not in prompt
+    assert (
+        '<|im_start|>assistant\n<tool_call>{"name": "lookup", "arguments": {"key": "amber"}}</tool_call><|im_end|>\n'
+        "<|im_start|>user\n<tool_response>410</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    ) in prompt
+    # The model's own answer holds its call: kept as written, not rendered twice.
+    answer = 'Looking.<tool_call>{"name": "lookup", "arguments": {"key": "amber"}}</tool_call>'
+    own = tokenizer.decode(
+        renderer.render_messages([messages[1], Message("assistant", answer, (call,))], tools=[lookup])
+    )
+    assert own.count("<tool_call>") == 1 and f"<|im_start|>assistant\n{answer}<|im_end|>" in own
+    assert renderer.parse_tool_calls(answer, id_prefix="call_3") == [ToolCall("lookup", '{"key": "amber"}', "call_3_0")]
+
+
+def test_a_template_without_tools_gets_them_described_in_the_system_message(tmp_path):
+    renderer = _renderer(tmp_path)
+    assert not renderer.takes_tools and renderer.call_format is HERMES
+    lookup = ToolSpec("lookup", "a value")
+    prompt = renderer.decode(
+        renderer.render_messages(
+            [Message("user", "hi"), Message("assistant", "", (ToolCall("lookup", "{}", id="c"),))], tools=[lookup]
+        )
+    )
+    assert prompt.startswith("system\nTools you can call") and '{"description": "a value", "name": "lookup"}' in prompt
+    assert 'assistant\n<tool_call>{"name": "lookup", "arguments": {}}</tool_call>' in prompt
+
+
+def test_a_template_that_takes_tools_in_an_unknown_call_format_asks_for_the_format(tmp_path):
+    renderer = _renderer(tmp_path, "{{ tools | tojson }}{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    assert renderer.takes_tools and renderer.call_format is None
+    with pytest.raises(ServiceError, match=r"set model\.tool_call_format"):
+        renderer.parse_tool_calls("x", id_prefix="c")
+
+
+def test_openai_messages_and_tools_become_generate_fields():
+    messages = [
+        {"role": "developer", "content": "Be brief."},
         {"role": "user", "content": [{"type": "text", "text": "What is under "}, {"type": "text", "text": "amber?"}]},
         {
             "role": "assistant",
@@ -78,13 +151,17 @@ def test_openai_messages_become_generate_messages_with_the_tools_in_the_system_m
         },
         {"role": "tool", "tool_call_id": "1", "content": "410"},
     ]
-    pairs = to_chat_messages(messages, [LOOKUP_TOOL])
-    assert [role for role, _ in pairs] == ["system", "user", "assistant", "tool"]
-    assert pairs[0][1].startswith("Be brief.\n\n") and '"name": "lookup"' in pairs[0][1]
-    assert pairs[1][1] == "What is under amber?"
-    assert parse_tool_calls(pairs[2][1]) == [ToolCall("lookup", "{}")]
-    assert to_chat_messages([{"role": "user", "content": "hi"}], [LOOKUP_TOOL])[0][0] == "system"
-    assert to_chat_messages([{"role": "user", "content": "hi"}]) == [("user", "hi")]
+    converted = to_chat_messages(messages)
+    assert [m.role for m in converted] == ["system", "user", "assistant", "tool"]
+    assert converted[1].content == "What is under amber?"
+    assert [(c.id, c.name, c.arguments) for c in converted[2].tool_calls] == [("1", "lookup", "{}")]
+    assert converted[3].tool_call_id == "1"
+    [tool] = to_tools([LOOKUP_TOOL])
+    assert (tool.name, tool.description, json.loads(tool.parameters_json)) == (
+        "lookup",
+        "a value",
+        {"type": "object", "properties": {}},
+    )
 
 
 def test_openai_sampling_arguments_become_the_turns_overrides():
@@ -112,7 +189,8 @@ def test_the_verifiers_kind_validates_its_options_and_names_its_process(tmp_path
     config = {"name": "kv", "kind": "verifiers", "options": {"module": f"{EXAMPLES}.key_value_store"}}
     runtime = EnvironmentRuntime(EnvironmentConfig(**config), seed=7)
     assert runtime.builtin is None and runtime.process is not None
-    assert runtime.next_task().data == {"index": 0} and runtime.next_task().data == {"index": 1}
+    assert runtime.next_task().data == {"index": 0, "split": "train", "seed": 7, "shuffle": True}
+    assert runtime.next_task().data["index"] == 1
     command = runtime.process.command(name="kv", orchestrator="127.0.0.1:1")
     assert command[1:3] == ["-m", "primerl_orchestrator.environments.verifiers_process"]
     assert "--seed=7" in command and "--environment=kv" in command
@@ -211,7 +289,7 @@ async def orchestrator(
                     "group_size": 2,
                     "options": {
                         "module": f"{EXAMPLES}.reasoning_gym_task",
-                        "args": {"num_examples": 50, "num_eval_examples": 0},
+                        "args": {"num_examples": 50, "num_eval_examples": 10},
                         "restart_backoff_s": 0.2,
                         "log_file": str(model_dir / "spell.log"),
                     },
@@ -230,6 +308,18 @@ async def orchestrator(
             run={"batch_size": 4, "max_concurrent_episodes": 8, **run},
             advantage={"filter_zero_advantage": False},
             output={"metrics_jsonl": metrics},
+            # Played by the environments' processes as evaluation episodes.
+            evals=[
+                {
+                    "name": "spell_eval",
+                    "environment": "spell",
+                    "options": {"split": "eval"},
+                    "num_tasks": 3,
+                    "num_samples": 2,
+                    "interval_steps": 4,
+                },
+                {"name": "kv_eval", "environment": "kv", "num_tasks": 2, "num_samples": 2, "interval_steps": 4},
+            ],
         )
         async with in_process_service(await build(config), config) as served:
             yield orchestrator_pb2_grpc.OrchestratorServiceStub(served.channel)
@@ -295,6 +385,13 @@ async def test_both_examples_play_through_the_orchestrator_and_a_killed_process_
     assert kv_metrics and all(
         m["correct_value"] == 1.0 and m["lookup_calls"] == 1 and m["num_turns"] == 2 for m in kv_metrics
     )
+    # The evaluations, played by the same processes and never trained on: right every time.
+    evals = [json.loads(line) for line in (tmp_path / "evals.jsonl").read_text().splitlines()]
+    for name in ("spell_eval", "kv_eval"):
+        versions = [e["policy_version"] for e in evals if e["name"] == name]
+        assert versions[:2] == [0, 4], evals
+    for result in evals:
+        assert (result["reward_mean"], result["pass@1"], result["num_errors"]) == (1.0, 1.0, 0), result
     # Tool turns continue one training sample: the answer's tokens were rendered back as they were.
     assert sum(e["turns"] for e in kv_steps) >= 4 and sum(e["new_samples_after_first"] for e in kv_steps) == 0
     assert any('"name": "lookup"' in system for system in router.system_messages)

@@ -9,7 +9,8 @@ from typing import Any
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from primerl_common.config import Section, ServerConfig, ServiceConfig, service_settings
-from primerl_orchestrator.environments import EXTERNAL, BuiltinEnvironment, environment_class
+from primerl_orchestrator.environments import EXTERNAL, ProcessEnvironment, environment_class, environment_kinds
+from primerl_orchestrator.tool_calls import FORMATS
 
 __all__ = [
     "AdvantageConfig",
@@ -48,6 +49,16 @@ class PeersConfig(Section):
         description="how long a model turn is tried again while the router is unavailable (e.g. restarting)",
     )
     poll_interval_s: float = Field(default=0.5, gt=0, description="how often the trainer's status is polled")
+    kv_cache_pool: str | None = Field(
+        default=None,
+        description="host:port of the KV pool's kvstore (metadata role) the replicas use: the orchestrator removes "
+        "the namespace of a policy version once no replica serves it and no turn in flight may use it; unset: "
+        "none is removed (old versions leave the pool only by eviction)",
+    )
+    kv_cache_pool_model: str = Field(
+        default="", description="the model name the replicas' [kv_cache_pool] sections give ('' : every model)"
+    )
+    kv_namespace_sweep_s: float = Field(default=5.0, gt=0, description="how often namespaces are checked for removal")
 
 
 class ModelConfig(Section):
@@ -58,6 +69,19 @@ class ModelConfig(Section):
         description="prompt + completion tokens of one turn, as the inference engines are set up; "
         "unset: max_position_embeddings of config.json",
     )
+    tool_call_format: str = Field(
+        default="auto",
+        description="how the model writes tool calls, parsed from its answers when a turn offers tools: 'auto' "
+        "(the format its chat template writes; a template that takes no tools gets the text fallback, the "
+        f"tools described in the system message and calls in the hermes layout) or one of: {', '.join(FORMATS)}",
+    )
+
+    @field_validator("tool_call_format")
+    @classmethod
+    def _known_format(cls, name: str) -> str:
+        if name != "auto" and name not in FORMATS:
+            raise ValueError(f"unknown tool-call format {name!r}; known: auto, {', '.join(FORMATS)}")
+        return name
 
     @field_validator("path")
     @classmethod
@@ -82,8 +106,9 @@ class EnvironmentConfig(Section):
     name: str = Field(min_length=1, description="unique; what NextEpisode and the metrics call it")
     kind: str = Field(
         default=EXTERNAL,
-        description="'external' (played by a program through the API) or a built-in environment, which "
-        "the orchestrator plays itself: reverse_text, sort_letters",
+        description="'external' (played by a program through the API that the user runs), or a kind the "
+        "orchestrator knows: one it plays itself (built in) or one played by a program of its own that it runs "
+        f"(verifiers); known: {', '.join(environment_kinds())}",
     )
     weight: float = Field(default=1.0, gt=0, description="relative share of the episodes started")
     group_size: int = Field(default=8, ge=1, description="episodes per task; advantages are computed per group")
@@ -205,7 +230,9 @@ class EvalConfig(Section):
         default=None, description="a built-in environment kind evaluated without training on it (unset: `environment`)"
     )
     options: dict[str, Any] = Field(
-        default={}, description="options of `kind`, or overrides of the named environment's options"
+        default={},
+        description="options of `kind`, or overrides of the named environment's options (of an environment "
+        "played by its own process, only those of its task stream, e.g. verifiers' split)",
     )
     sampling: EvalSampling = EvalSampling()
     num_tasks: int = Field(default=32, ge=1, description="tasks per evaluation")
@@ -230,7 +257,11 @@ class EvalConfig(Section):
         if self.kind is not None:
             if self.kind == EXTERNAL:
                 raise ValueError(f"eval {self.name!r}: an external environment has nobody to play its evaluations")
-            _check_evaluable(self.name, self.kind)
+            if issubclass(environment_class(self.kind), ProcessEnvironment):
+                raise ValueError(
+                    f"eval {self.name!r}: environments of kind {self.kind!r} are played by their process: name a "
+                    "configured one (environment = ...), whose process plays its evaluations too"
+                )
         too_large = [k for k in self.pass_at_k if not 1 <= k <= self.num_samples]
         if too_large:
             raise ValueError(f"eval {self.name!r}: pass_at_k {too_large} not in [1, num_samples {self.num_samples}]")
@@ -358,7 +389,15 @@ class OrchestratorConfig(ServiceConfig):
                 raise ValueError(
                     f"eval {evaluation.name!r}: environment {env.name!r} is external: nobody plays its evaluations"
                 )
-            _check_evaluable(evaluation.name, env.kind)
+            cls = environment_class(env.kind)
+            if issubclass(cls, ProcessEnvironment):
+                fixed = sorted(set(evaluation.options) - cls.eval_options)
+                if fixed:
+                    raise ValueError(
+                        f"eval {evaluation.name!r}: options {', '.join(fixed)} of environment {env.name!r} are its "
+                        f"process's, the same for its evaluations; an eval may set only "
+                        f"{', '.join(sorted(cls.eval_options)) or 'none'}"
+                    )
         for evaluation in self.evals:
             try:
                 self.eval_environment(evaluation)
@@ -383,10 +422,3 @@ class OrchestratorConfig(ServiceConfig):
             }
         return EnvironmentConfig.model_validate(fields)
 
-
-def _check_evaluable(name: str, kind: str) -> None:
-    if not issubclass(environment_class(kind), BuiltinEnvironment):
-        raise ValueError(
-            f"eval {name!r}: environments of kind {kind!r} are played by a process of their own; evaluations "
-            "play the environments the orchestrator plays itself (for now)"
-        )

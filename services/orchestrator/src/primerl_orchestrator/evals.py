@@ -3,7 +3,9 @@ never trained on.
 
 An evaluation plays the first `num_tasks` tasks of its environment's stream (under its own
 seed), `num_samples` times each, through the same router as training rollouts, and reports
-the mean reward and pass@k (the unbiased estimator from n samples per task). During training
+the mean reward and pass@k (the unbiased estimator from n samples per task). The orchestrator
+plays a built-in environment's samples itself; an environment played by a process of its own
+gets them as evaluation episodes through the API (eval_episodes.py), played by that process. During training
 an eval episode starts only while training cannot start a group (TrainingFirst): evaluations
 fill the time inference would otherwise wait for a new policy, and never take a slot a
 training group could have.
@@ -22,9 +24,10 @@ from typing import Any, Protocol
 import grpc
 
 from primerl.common.v1 import generation_pb2
-from primerl_orchestrator.config import EvalConfig, OrchestratorConfig
+from primerl_orchestrator.config import EvalConfig, EvalSampling, OrchestratorConfig
 from primerl_orchestrator.environments import BuiltinEnvironment, Task, TurnOutcome
 from primerl_orchestrator.environments.runtime import EnvironmentRuntime
+from primerl_orchestrator.eval_episodes import EvalEpisodes, EvalPlay, SampleRecord
 from primerl_orchestrator.generation import GenerationError, GenerationRequest, RouterGeneration
 from primerl_orchestrator.metrics import mean_std
 from primerl_orchestrator.rendering import PromptRenderer
@@ -53,18 +56,6 @@ def pass_at_k(num_samples: int, num_correct: int, k: int) -> float:
     for drawn in range(num_samples - num_correct + 1, num_samples + 1):
         failing_all *= 1.0 - k / drawn
     return 1.0 - failing_all
-
-
-@dataclass
-class SampleRecord:
-    """One played eval sample, as the samples table shows it."""
-
-    task_id: str
-    prompt: str
-    completion: str
-    reward: float
-    policy_version: int
-    error: str = ""
 
 
 @dataclass
@@ -104,12 +95,18 @@ class EvalResult:
 
 
 class Admission(Protocol):
+    def may_start(self) -> bool:
+        """True while an eval episode may start."""
+
     async def wait(self) -> None:
         """Returns when an eval episode may start."""
 
 
 class Immediately:
     """No training to give way to (`primerl eval`)."""
+
+    def may_start(self) -> bool:
+        return True
 
     async def wait(self) -> None:
         return None
@@ -143,9 +140,13 @@ class Evaluator:
         generation: RouterGeneration,
         *,
         versions_served: bool,
+        episodes: EvalEpisodes | None = None,
         max_sample_records: int = 8,
     ) -> None:
+        """`episodes`: where the evaluations of process-played environments are handed out (the
+        run's), None when there are none."""
         self._config = config
+        self._episodes = episodes
         self._renderer = renderer
         self._generation = generation
         self._versions_served = versions_served
@@ -154,18 +155,49 @@ class Evaluator:
         for evaluation in config.evals:
             seed = evaluation.seed if evaluation.seed is not None else config.run.seed + EVAL_SEED_OFFSET
             runtime = EnvironmentRuntime(config.eval_environment(evaluation), seed=seed)
-            if runtime.builtin is None:
-                raise ValueError(f"eval {evaluation.name!r}: its environment is not one the orchestrator plays")
+            if runtime.builtin is None and (runtime.process is None or episodes is None):
+                raise ValueError(f"eval {evaluation.name!r}: nobody plays its environment")
             self.environments[evaluation.name] = runtime
 
     async def evaluate(self, evaluation: EvalConfig, *, policy_version: int, admission: Admission) -> EvalResult:
         runtime = self.environments[evaluation.name]
-        environment = runtime.builtin
-        assert environment is not None and runtime.tasks is not None
+        assert runtime.tasks is not None
         tasks = [runtime.tasks.task(index) for index in range(evaluation.num_tasks)]
-        slots = asyncio.Semaphore(evaluation.max_concurrent)
         started = time.monotonic()
         token_versions: list[int] = []
+        if runtime.builtin is not None:
+            records = await self._play_builtin(
+                evaluation, runtime, tasks, policy_version=policy_version, admission=admission, versions=token_versions
+            )
+        else:
+            assert self._episodes is not None and evaluation.environment is not None
+            play = EvalPlay(
+                evaluation=evaluation.name,
+                environment=evaluation.environment,
+                policy_version=policy_version,
+                sampling=runtime.config.sampling,
+                forced_sampling=_forced(evaluation.sampling),
+                max_concurrent=evaluation.max_concurrent,
+                may_start=admission.may_start,
+            )
+            records = await self._episodes.play(play, tasks, evaluation.num_samples)
+            token_versions.extend(r.policy_version for r in records if not r.error)
+        return self._result(evaluation, runtime, records, policy_version, token_versions, started)
+
+    async def _play_builtin(
+        self,
+        evaluation: EvalConfig,
+        runtime: EnvironmentRuntime,
+        tasks: list[Task],
+        *,
+        policy_version: int,
+        admission: Admission,
+        versions: list[int],
+    ) -> list[SampleRecord]:
+        environment = runtime.builtin
+        assert environment is not None
+        slots = asyncio.Semaphore(evaluation.max_concurrent)
+        token_versions = versions
 
         async def play(task: Task, index: int) -> SampleRecord:
             async with slots:
@@ -181,7 +213,17 @@ class Evaluator:
                 )
 
         plays = [play(task, index) for task in tasks for index in range(evaluation.num_samples)]
-        records = await asyncio.gather(*plays)
+        return list(await asyncio.gather(*plays))
+
+    def _result(
+        self,
+        evaluation: EvalConfig,
+        runtime: EnvironmentRuntime,
+        records: list[SampleRecord],
+        policy_version: int,
+        token_versions: list[int],
+        started: float,
+    ) -> EvalResult:
         rewards = [r.reward for r in records]
         per_task = [records[i : i + evaluation.num_samples] for i in range(0, len(records), evaluation.num_samples)]
         passed = [sum(r.reward >= evaluation.pass_threshold and not r.error for r in group) for group in per_task]
@@ -316,3 +358,8 @@ async def follow_evals(
                 await outcome
 
     await asyncio.gather(*(follow(evaluation) for evaluation in evaluations))
+
+
+def _forced(sampling: EvalSampling) -> generation_pb2.SamplingParams:
+    """The eval's own sampling settings, as the fields that replace a turn's."""
+    return generation_pb2.SamplingParams(**sampling.model_dump(exclude_none=True))

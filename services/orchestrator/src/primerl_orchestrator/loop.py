@@ -40,6 +40,10 @@ __all__ = ["BatchLoop"]
 logger = logging.getLogger(__name__)
 
 _SWEEP_INTERVAL_S = 1.0
+# Batches in a row with no loss token left (the trainer's seq_len below every prompt) before
+# the run fails, and how often that is logged meanwhile.
+_MAX_EMPTY_BATCHES = 20
+_EMPTY_BATCH_LOG_INTERVAL_S = 30.0
 
 
 class BatchLoop:
@@ -57,6 +61,8 @@ class BatchLoop:
         # Eval results finished since the last step's metrics line, by eval name.
         self._new_evals: dict[str, dict[str, Any]] = {}
         self._last_off_policy: dict[str, float] = {}
+        self._num_empty_batches = 0
+        self._empty_batch_logged_at = -math.inf
 
     async def run(self) -> None:
         """The whole run; a failure is reported through the run's status, never raised."""
@@ -101,7 +107,9 @@ class BatchLoop:
                 for _ in range(config.run.max_concurrent_episodes):
                     self._spawn(play_builtin(run, name, env.builtin))
         if config.evals:
-            evaluator = Evaluator(config, run.renderer, run.generation, versions_served=self._versions.served)
+            evaluator = Evaluator(
+                config, run.renderer, run.generation, versions_served=self._versions.served, episodes=run.evals
+            )
             group_size = min(env.group_size for env in config.environments)
             self._spawn(
                 follow_evals(
@@ -129,11 +137,10 @@ class BatchLoop:
                 samples = [TrainingSample(sample, r.advantage) for r in rollouts for sample in r.samples]
                 packed = pack(samples, seq_len=spec.seq_len, with_routed_experts=spec.router_replay)
                 if packed.num_loss_tokens == 0:
-                    logger.warning(
-                        "the batch of step %d has no loss token left after truncation; collecting again", step
-                    )
+                    self._empty_batch(step, rollouts, seq_len=spec.seq_len)
                     run.dispatcher.update(next_step=step)
                     continue
+                self._num_empty_batches = 0
                 now = time.monotonic()
                 record = self._step_record(rollouts, packed, elapsed_s=now - last_step_at)
                 oldest = [r.oldest_version for r in rollouts]
@@ -154,6 +161,26 @@ class BatchLoop:
             run.dispatcher.update(next_step=step)
         run.finish()
         logger.info("the run is finished: %d steps", config.run.max_steps)
+
+    def _empty_batch(self, step: int, rollouts: list[Rollout], *, seq_len: int) -> None:
+        """A batch whose samples were all cut at the trainer's seq_len before their first
+        completion token: logged as an error (at most every _EMPTY_BATCH_LOG_INTERVAL_S), and the
+        run fails once _MAX_EMPTY_BATCHES came in a row."""
+        self._num_empty_batches += 1
+        # A sample's prompt: the tokens before its first loss token.
+        prompts = [s.loss_mask.index(True) for r in rollouts for s in r.samples if any(s.loss_mask)]
+        error = (
+            f"the batch of step {step} has no loss token left: the trainer's seq_len {seq_len} (trainer.seq_len) "
+            f"cuts every sample before its completion (prompts of {min(prompts, default=0)}-"
+            f"{max(prompts, default=0)} tokens); raise trainer.seq_len above the prompts, or shorten them "
+            f"({self._num_empty_batches} such batches in a row)"
+        )
+        if self._num_empty_batches >= _MAX_EMPTY_BATCHES:
+            raise RuntimeError(error)
+        now = time.monotonic()
+        if now - self._empty_batch_logged_at >= _EMPTY_BATCH_LOG_INTERVAL_S:
+            self._empty_batch_logged_at = now
+            logger.error("%s; collecting again (the run fails after %d)", error, _MAX_EMPTY_BATCHES)
 
     async def _push(self, step: int, packed: PackedBatch, record: dict[str, Any], oldest: list[int]) -> int | None:
         """Pushes the batch as `step`, or as the step the trainer expects; returns that step

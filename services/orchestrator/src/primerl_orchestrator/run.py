@@ -3,17 +3,20 @@ become rollouts ready for a batch, and the run's state and status.
 
 Every call checks the episode's state first (episodes.py) so that a bad call from an
 environment is refused with a clear status and nothing else changes; the run goes on.
+Evaluation episodes of the environments a process plays go through the same calls
+(eval_episodes.py): handed out when training cannot start a group, never trained on.
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextlib
 import enum
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from primerl.common.v1 import generation_pb2
@@ -23,13 +26,15 @@ from primerl_orchestrator.config import OrchestratorConfig
 from primerl_orchestrator.environments import Task
 from primerl_orchestrator.environments.runtime import EnvironmentRuntime
 from primerl_orchestrator.episodes import Episode, EpisodeBook, EpisodeState, Group, Rollout
-from primerl_orchestrator.generation import GenerationError, GenerationRequest, RouterGeneration
+from primerl_orchestrator.eval_episodes import EvalEpisode, EvalEpisodes
+from primerl_orchestrator.generation import GenerationError, GenerationRequest, GenerationResult, RouterGeneration
 from primerl_orchestrator.metrics import RunCounters
 from primerl_orchestrator.ready import ReadyRollouts
-from primerl_orchestrator.rendering import PromptRenderer
+from primerl_orchestrator.rendering import Message, PromptRenderer
 from primerl_orchestrator.samples import Turn
 from primerl_orchestrator.scheduler import Dispatcher
 from primerl_orchestrator.staleness import is_stale
+from primerl_orchestrator.tool_calls import ToolCall, ToolSpec
 from primerl_orchestrator.trainer_client import BatchSpec
 from primerl_orchestrator.turns import sampling_params, turn_error
 
@@ -56,6 +61,8 @@ class TurnResult:
     truncated: bool
     first_policy_version: int
     last_policy_version: int
+    # With tools offered: the calls in `text`.
+    tool_calls: list[ToolCall]
 
 
 @dataclass(frozen=True)
@@ -130,6 +137,8 @@ class Run:
         self._generation = generation
         self._clock = clock
         self._book = EpisodeBook()
+        # Evaluation episodes of process-played environments (evals.py queues them).
+        self.evals = EvalEpisodes(self.dispatcher, clock=clock)
         self._running: collections.Counter[str] = collections.Counter()
         self._ready = ReadyRollouts(
             advantage=config.advantage,
@@ -275,8 +284,9 @@ class Run:
         except KeyError:
             raise NotFound(f"no environment {name!r}; configured: {', '.join(self.environments)}") from None
 
-    async def next_episode(self, name: str, *, builtin_player: bool = False) -> Episode:
-        """The next episode of the environment's task stream (waits while dispatch is held)."""
+    async def next_episode(self, name: str, *, builtin_player: bool = False) -> Episode | EvalEpisode:
+        """The next episode of the environment's task stream, or an evaluation episode of it
+        while training cannot start a group (waits while both are held)."""
         env = self.environment(name)
         if env.builtin is not None and not builtin_player:
             raise FailedPrecondition(
@@ -288,11 +298,33 @@ class Run:
                 reason="NO_TASK_STREAM",
             )
         group_size = env.config.group_size
-        episode = await self.dispatcher.next_episode(
+        training = self.dispatcher.next_episode(
             name, group_size, lambda step: self._new_group(env, env.next_task(), group_size, step)
         )
+        if env.process is None or not any(e.environment == name for e in self.config.evals):
+            episode = await training
+        else:
+            episode = await self._training_or_eval(training, name)
+            if isinstance(episode, EvalEpisode):
+                return episode
         self._started(episode)
         return episode
+
+    async def _training_or_eval(self, training: Awaitable[Episode], name: str) -> Episode | EvalEpisode:
+        """Whichever comes first; one taken at the same time as the other is put back."""
+        tasks = [asyncio.ensure_future(training), asyncio.ensure_future(self.evals.next_episode(name))]
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        taken = [t.result() for t in tasks if not t.cancelled() and t.exception() is None]
+        if not taken:
+            raise next(t.exception() for t in tasks if not t.cancelled() and t.exception() is not None)
+        if len(taken) == 2:
+            self.evals.unget(taken[1])
+        return taken[0]
 
     async def start_episodes(self, name: str, task: Task, num_episodes: int) -> list[Episode]:
         """A group of episodes for a task the environment brings (waits while dispatch is held)."""
@@ -330,19 +362,18 @@ class Run:
         self,
         episode_id: str,
         *,
-        messages: Sequence[tuple[str, str]] | None = None,
+        messages: Sequence[Message | tuple[str, str]] | None = None,
+        tools: Sequence[ToolSpec] = (),
         token_ids: Sequence[int] | None = None,
         sampling: generation_pb2.SamplingParams | None = None,
     ) -> TurnResult:
+        evaluation = self.evals.get(episode_id)
+        if evaluation is not None:
+            return await self._generate_eval(evaluation, messages, tools, token_ids, sampling)
         episode = self._book.get(episode_id)
         episode.check_can_play()
         assert self.spec is not None, "episodes exist once the trainer's spec is known"
-        if messages is not None:
-            field = "messages"
-            prompt = self._renderer.render_messages(messages, field=field)
-        else:
-            field = "tokens"
-            prompt = self._renderer.check_tokens(token_ids or [], vocab_size=self.spec.vocab_size)
+        prompt, field = self._prompt(messages, tools, token_ids)
         room = self._renderer.check_fits(len(prompt), field=field)
         params = sampling_params(self.environments[episode.environment].config.sampling, sampling, room=room)
         self._check_on_policy(episode)
@@ -354,7 +385,7 @@ class Run:
             episode_id=episode_id,
             prompt_token_ids=prompt,
             sampling=params,
-            cache_salt=str(episode.start_version),
+            cache_salt="",  # replicas salt with the version they serve the turn at
             min_policy_version=min_version if self._versions_served else 0,
             return_routed_experts=self.spec.router_replay,
         )
@@ -390,8 +421,34 @@ class Run:
             self.counters.count(env, "turns_truncated_by_context")
         if turn_index > 0 and not continued:
             self.counters.count(env, "new_samples_after_first")
+        return self._turn_result(result, prompt, turn_index, truncated, tools, episode_id)
+
+    def _prompt(
+        self,
+        messages: Sequence[Message | tuple[str, str]] | None,
+        tools: Sequence[ToolSpec],
+        token_ids: Sequence[int] | None,
+    ) -> tuple[list[int], str]:
+        """The turn's prompt tokens, and the request field they came from."""
+        if messages is not None:
+            if tools:
+                self._renderer.check_tool_format()
+            return self._renderer.render_messages(messages, tools=tools, field="messages"), "messages"
+        vocab_size = self.spec.vocab_size if self.spec is not None else self._renderer.vocab_size
+        return self._renderer.check_tokens(token_ids or [], vocab_size=vocab_size), "tokens"
+
+    def _turn_result(
+        self,
+        result: GenerationResult,
+        prompt: list[int],
+        turn_index: int,
+        truncated: bool,
+        tools: Sequence[ToolSpec],
+        episode_id: str,
+    ) -> TurnResult:
+        text = self._renderer.decode(result.token_ids)
         return TurnResult(
-            text=self._renderer.decode(result.token_ids),
+            text=text,
             token_ids=result.token_ids,
             finish_reason=result.finish_reason,
             num_prompt_tokens=len(prompt),
@@ -399,7 +456,58 @@ class Run:
             truncated=truncated,
             first_policy_version=result.policy_versions[0],
             last_policy_version=result.policy_versions[-1],
+            tool_calls=self._renderer.parse_tool_calls(text, id_prefix=f"call_{turn_index}") if tools else [],
         )
+
+    async def _generate_eval(
+        self,
+        episode: EvalEpisode,
+        messages: Sequence[Message | tuple[str, str]] | None,
+        tools: Sequence[ToolSpec],
+        token_ids: Sequence[int] | None,
+        sampling: generation_pb2.SamplingParams | None,
+    ) -> TurnResult:
+        """A turn of an evaluation episode: the eval's sampling and policy version, nothing recorded
+        for training."""
+        episode.check_can_play()
+        prompt, field = self._prompt(messages, tools, token_ids)
+        room = self._renderer.check_fits(len(prompt), field=field)
+        play = episode.play
+        params = sampling_params(play.sampling, sampling, room=room)
+        params.MergeFrom(play.forced_sampling)
+        params.max_tokens = min(params.max_tokens, room)
+        turn_index = episode.num_turns
+        request = GenerationRequest(
+            request_id=f"{episode.episode_id}-{turn_index}",
+            episode_id=episode.episode_id,
+            prompt_token_ids=prompt,
+            sampling=params,
+            cache_salt=str(play.policy_version),
+            min_policy_version=play.policy_version if self._versions_served else 0,
+            return_routed_experts=False,
+        )
+        episode.turn_in_progress = True
+        try:
+            result = await self._generation.generate(request)
+        except GenerationError as exc:
+            episode.turn_failed = f"{exc.code.name}: {exc.message}"
+            raise turn_error(exc, field) from None
+        finally:
+            episode.turn_in_progress = False
+        episode.turn_failed = ""
+        episode.num_turns += 1
+        text = self._renderer.decode(result.token_ids)
+        last = messages[-1] if messages else None
+        episode.prompts.append(
+            (last.content if isinstance(last, Message) else last[1]) if last is not None else f"<{len(prompt)} tokens>"
+        )
+        episode.completions.append(text)
+        episode.versions.extend(result.policy_versions)
+        truncated = (
+            result.finish_reason == generation_pb2.FINISH_REASON_LENGTH
+            and len(prompt) + len(result.token_ids) >= self._renderer.max_model_len
+        )
+        return self._turn_result(result, prompt, turn_index, truncated, tools, episode.episode_id)
 
     def _check_on_policy(self, episode: Episode) -> None:
         """Drops an episode whose tokens are already too old for the step being collected:
@@ -432,12 +540,18 @@ class Run:
     def finish_episode(
         self, episode_id: str, *, reward: float, metrics: dict[str, float], discard: bool
     ) -> FinishResult:
-        episode = self._book.get(episode_id)
+        evaluation = self.evals.get(episode_id)
+        episode = self._book.get(episode_id) if evaluation is None else None
         if not math.isfinite(reward):
             raise InvalidArgument(f"{reward} is not a finite number", field="reward")
         for key, value in metrics.items():
             if not math.isfinite(value):
                 raise InvalidArgument(f"{value} is not a finite number", field=f"metrics[{key}]")
+        if evaluation is not None:
+            self.evals.finish(evaluation, reward=reward, discard=discard)
+            # Scored by its evaluation, never a training sample.
+            return FinishResult(group_complete=False, num_samples=0)
+        assert episode is not None
         episode.check_can_finish(discard=discard)
         env = episode.environment
         previous = episode.state
@@ -460,12 +574,13 @@ class Run:
         running = [e for e in self._book.live() if e.environment == environment and e.state == EpisodeState.RUNNING]
         for episode in running:
             self._drop(episode, reason, counter="errors")
-        return len(running)
+        return len(running) + self.evals.abandon(environment, reason)
 
     def sweep(self) -> None:
         """Drops episodes past run.episode_timeout_s, and those gone too far off-policy."""
         now = self._clock()
         timeout_s = self.config.run.episode_timeout_s
+        self.evals.sweep(timeout_s=timeout_s)
         for episode in self._book.live():
             if episode.state.ended:
                 continue

@@ -13,6 +13,7 @@ from primerl_orchestrator import __version__
 from primerl_orchestrator.config import OrchestratorConfig
 from primerl_orchestrator.environments.processes import EnvironmentProcess, local_address
 from primerl_orchestrator.generation import RouterGeneration
+from primerl_orchestrator.kv_namespaces import KvNamespaceSweeper
 from primerl_orchestrator.loop import BatchLoop
 from primerl_orchestrator.rendering import PromptRenderer
 from primerl_orchestrator.run import Run
@@ -39,7 +40,9 @@ ROLES = {
 
 async def build(config: OrchestratorConfig) -> ServiceDefinition:
     peers = config.peers
-    renderer = PromptRenderer(config.model.path, max_model_len=config.model.max_model_len)
+    renderer = PromptRenderer(
+        config.model.path, max_model_len=config.model.max_model_len, tool_call_format=config.model.tool_call_format
+    )
     generation = RouterGeneration(peers.router, timeout_s=peers.generate_timeout_s, retry_s=peers.router_retry_s)
     trainer = TrainerFeed(peers.trainer)
     versions: VersionSource
@@ -48,6 +51,15 @@ async def build(config: OrchestratorConfig) -> ServiceDefinition:
     else:
         versions = TrainerVersions(trainer, poll_interval_s=peers.poll_interval_s)
     run = Run(config, renderer, generation)
+    sweeper = None
+    if peers.kv_cache_pool is not None:
+        sweeper = KvNamespaceSweeper(
+            generation.in_flight,
+            router=peers.router,
+            kvstore=peers.kv_cache_pool,
+            model=peers.kv_cache_pool_model,
+            interval_s=peers.kv_namespace_sweep_s,
+        )
     loop = BatchLoop(config, run, trainer, versions)
     running: list[asyncio.Task[None]] = []
     # The programs playing process environments (verifiers ones), through this server's API.
@@ -65,6 +77,8 @@ async def build(config: OrchestratorConfig) -> ServiceDefinition:
 
     async def start() -> None:
         running.append(asyncio.create_task(loop.run()))
+        if sweeper is not None:
+            running.append(asyncio.create_task(sweeper.run()))
         for process in processes:
             process.start()
 
@@ -79,6 +93,8 @@ async def build(config: OrchestratorConfig) -> ServiceDefinition:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await generation.close()
+        if sweeper is not None:
+            await sweeper.close()
         await versions.close()
         await trainer.close()
 

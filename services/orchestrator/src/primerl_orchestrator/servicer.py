@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import json
 from collections.abc import Iterator
 
 import grpc
@@ -15,7 +16,10 @@ from primerl_common.errors import InvalidArgument
 from primerl_common.server import ServiceDefinition
 from primerl_orchestrator.environments import Task
 from primerl_orchestrator.episodes import Episode
+from primerl_orchestrator.eval_episodes import EvalEpisode
+from primerl_orchestrator.rendering import Message
 from primerl_orchestrator.run import Run, RunState
+from primerl_orchestrator.tool_calls import ToolCall, ToolSpec
 
 __all__ = ["OrchestratorServicer"]
 
@@ -33,11 +37,13 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
         self._definition = definition
         self._run = run
         # run.max_episodes_per_caller: each caller's episodes handed out, and those it waits for.
-        self._episodes_of: dict[str, list[Episode]] = {}
+        self._episodes_of: dict[str, list[Episode | EvalEpisode]] = {}
         self._waiting_for: collections.Counter[str] = collections.Counter()
 
     @contextlib.contextmanager
-    def _episodes_for(self, context: grpc.aio.ServicerContext, num_episodes: int) -> Iterator[list[Episode]]:
+    def _episodes_for(
+        self, context: grpc.aio.ServicerContext, num_episodes: int
+    ) -> Iterator[list[Episode | EvalEpisode]]:
         """Admits a caller's request for `num_episodes` under run.max_episodes_per_caller; the
         episodes it gets are appended to the list yielded."""
         limit = self._run.config.run.max_episodes_per_caller
@@ -54,7 +60,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
                 retry_after_s=1.0,
             )
         self._waiting_for[caller] += num_episodes
-        got: list[Episode] = []
+        got: list[Episode | EvalEpisode] = []
         try:
             yield got
         finally:
@@ -110,8 +116,12 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
             raise InvalidArgument("set messages or tokens", field="prompt")
         sampling = request.sampling if request.HasField("sampling") else None
         if prompt == "messages":
-            messages = [(m.role, m.content) for m in request.messages.messages]
-            result = await self._run.generate(request.episode_id, messages=messages, sampling=sampling)
+            result = await self._run.generate(
+                request.episode_id,
+                messages=[_message(m) for m in request.messages.messages],
+                tools=[_tool(tool, index) for index, tool in enumerate(request.messages.tools)],
+                sampling=sampling,
+            )
         else:
             result = await self._run.generate(request.episode_id, token_ids=request.tokens.token_ids, sampling=sampling)
         return orchestrator_pb2.GenerateResponse(
@@ -123,6 +133,10 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
             truncated=result.truncated,
             first_policy_version=result.first_policy_version,
             last_policy_version=result.last_policy_version,
+            tool_calls=[
+                orchestrator_pb2.ToolCall(id=call.id, name=call.name, arguments=call.arguments)
+                for call in result.tool_calls
+            ],
         )
 
     async def FinishEpisode(
@@ -183,16 +197,46 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
         return orchestrator_pb2.ResumeRunResponse(state=_STATES[self._run.resume()])
 
 
-def _episode_to_proto(episode: Episode) -> orchestrator_pb2.Episode:
-    group = episode.group
+def _episode_to_proto(episode: Episode | EvalEpisode) -> orchestrator_pb2.Episode:
+    if isinstance(episode, EvalEpisode):
+        task, group_id, group_size = episode.task, episode.group_id, episode.group_size
+        evaluation = episode.play.evaluation
+    else:
+        task, group_id, group_size = episode.group.task, episode.group.group_id, len(episode.group.episodes)
+        evaluation = ""
     data = struct_pb2.Struct()
-    data.update(group.task.data)
+    data.update(task.data)
     return orchestrator_pb2.Episode(
         episode_id=episode.episode_id,
-        group_id=group.group_id,
-        environment=group.environment,
-        task=orchestrator_pb2.Task(task_id=group.task.task_id, data=data),
-        group_size=len(group.episodes),
+        group_id=group_id,
+        environment=episode.environment,
+        task=orchestrator_pb2.Task(task_id=task.task_id, data=data),
+        group_size=group_size,
         index_in_group=episode.index_in_group,
         policy_version=episode.start_version,
+        evaluation=evaluation,
     )
+
+
+def _message(message: orchestrator_pb2.ChatMessage) -> Message:
+    return Message(
+        role=message.role,
+        content=message.content,
+        tool_calls=tuple(ToolCall(c.name, c.arguments, id=c.id) for c in message.tool_calls),
+        tool_call_id=message.tool_call_id,
+    )
+
+
+def _tool(tool: orchestrator_pb2.Tool, index: int) -> ToolSpec:
+    field = f"messages.tools[{index}]"
+    if not tool.name:
+        raise InvalidArgument("a tool needs a name", field=f"{field}.name")
+    parameters = None
+    if tool.parameters_json:
+        try:
+            parameters = json.loads(tool.parameters_json)
+        except ValueError as exc:
+            raise InvalidArgument(f"not JSON: {exc}", field=f"{field}.parameters_json") from None
+        if not isinstance(parameters, dict):
+            raise InvalidArgument("the JSON schema must be an object", field=f"{field}.parameters_json")
+    return ToolSpec(tool.name, tool.description, parameters)

@@ -18,7 +18,7 @@ from primerl_common.processes import ServiceDied, ServiceProcess
 from primerl_launcher.run import service_command, write_configs
 from primerl_launcher.service_group import ServiceGroup
 from primerl_launcher.spec import LaunchConfigError, LaunchFile, ServiceSpec
-from primerl_launcher.wiring import address_of, set_default, set_model, wire
+from primerl_launcher.wiring import address_of, get_path, set_default, set_model, wire
 
 __all__ = ["evaluate_checkpoint", "format_results"]
 
@@ -64,6 +64,10 @@ async def evaluate_checkpoint(
     set_default(table, "model.path", str(checkpoint), force=True)
     set_default(table, "peers.router", address_of(services["router"]), force=True)
     set_default(table, "observability.log_json", False)
+    # It serves the orchestrator's API to the environment processes it runs (verifiers evals),
+    # on a free port, in the wired services' TLS mode.
+    set_default(table, "server.host", settings.host)
+    set_default(table, "tls.mode", get_path(services["router"].table, "tls.mode") or "plaintext")
     evaluator = ServiceSpec("orchestrator-eval", "orchestrator", table, "[orchestrator]")
     paths = write_configs([*services.values(), evaluator], run_dir / "config")
     env = {**MALLOC_ENV, **os.environ, **settings.env}

@@ -115,8 +115,17 @@ class ProcessEnvironment(Environment):
             description="the process's output (appended); unset: kept in a temporary file whose last lines are "
             "logged when the process dies",
         )
+        tls_cert: pathlib.Path | None = Field(
+            default=None,
+            description="under tls.mode mtls (required there): the certificate the process shows, naming the role "
+            "environment (not the orchestrator's); primerl up makes one",
+        )
+        tls_key: pathlib.Path | None = Field(default=None, description="the private key of tls_cert")
 
     options: Options
+    # The options an evaluation of it may override (those its tasks carry to the process, e.g.
+    # which dataset); the rest are the process's, the same for training and evaluation episodes.
+    eval_options: ClassVar[frozenset[str]] = frozenset()
 
     @abc.abstractmethod
     def command(self, *, name: str, orchestrator: str) -> list[str]:

@@ -2,11 +2,14 @@
 tool-calling, scored by its rubric), played by a process of its own.
 
 The orchestrator's side is the task stream: task `index` is row `index` of the environment's
-dataset (in an order shuffled by the run's seed, anew each pass). The process
+dataset (`split`, in an order shuffled by the stream's seed, anew each pass); the task carries
+the split and the seed, so that an evaluation's tasks (its own seed, maybe the eval split) are
+read by the same process. The process
 (primerl_orchestrator.environments.verifiers_process) loads the environment with
 `verifiers.load_environment(module, **args)`, takes episodes with NextEpisode, plays them
 with the environment's own rollout, its model turns going through Generate, and ends them
-with FinishEpisode carrying the rubric's reward and metrics. Needs
+with FinishEpisode carrying the rubric's reward and metrics; evaluation episodes (marked with
+their evaluation's name) the same way, never trained on. Needs
 `primerl-orchestrator[verifiers]`.
 """
 
@@ -27,6 +30,7 @@ PROCESS_MODULE = "primerl_orchestrator.environments.verifiers_process"
 
 class VerifiersEnvironment(ProcessEnvironment):
     kind = "verifiers"
+    eval_options = frozenset({"split", "shuffle"})
 
     class Options(ProcessEnvironment.Options):
         module: str = Field(
@@ -66,7 +70,11 @@ class VerifiersEnvironment(ProcessEnvironment):
 
     def task(self, index: int) -> Task:
         # The row itself is the process's to read: only it loads the dataset.
-        return Task(task_id=f"{self.kind}-{index}", data={"index": index})
+        options = self.options
+        return Task(
+            task_id=f"{self.kind}-{options.split}-{self.seed}-{index}",
+            data={"index": index, "split": options.split, "seed": self.seed, "shuffle": options.shuffle},
+        )
 
     def command(self, *, name: str, orchestrator: str) -> list[str]:
         return [

@@ -44,7 +44,7 @@ class Task(_message.Message):
     def __init__(self, task_id: _Optional[str] = ..., data: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
 
 class Episode(_message.Message):
-    __slots__ = ("episode_id", "group_id", "environment", "task", "group_size", "index_in_group", "policy_version")
+    __slots__ = ("episode_id", "group_id", "environment", "task", "group_size", "index_in_group", "policy_version", "evaluation")
     EPISODE_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     ENVIRONMENT_FIELD_NUMBER: _ClassVar[int]
@@ -52,6 +52,7 @@ class Episode(_message.Message):
     GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     INDEX_IN_GROUP_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    EVALUATION_FIELD_NUMBER: _ClassVar[int]
     episode_id: str
     group_id: str
     environment: str
@@ -59,7 +60,8 @@ class Episode(_message.Message):
     group_size: int
     index_in_group: int
     policy_version: int
-    def __init__(self, episode_id: _Optional[str] = ..., group_id: _Optional[str] = ..., environment: _Optional[str] = ..., task: _Optional[_Union[Task, _Mapping]] = ..., group_size: _Optional[int] = ..., index_in_group: _Optional[int] = ..., policy_version: _Optional[int] = ...) -> None: ...
+    evaluation: str
+    def __init__(self, episode_id: _Optional[str] = ..., group_id: _Optional[str] = ..., environment: _Optional[str] = ..., task: _Optional[_Union[Task, _Mapping]] = ..., group_size: _Optional[int] = ..., index_in_group: _Optional[int] = ..., policy_version: _Optional[int] = ..., evaluation: _Optional[str] = ...) -> None: ...
 
 class EnvironmentInfo(_message.Message):
     __slots__ = ("name", "builtin", "group_size", "weight")
@@ -111,19 +113,45 @@ class StartEpisodeResponse(_message.Message):
     episodes: _containers.RepeatedCompositeFieldContainer[Episode]
     def __init__(self, episodes: _Optional[_Iterable[_Union[Episode, _Mapping]]] = ...) -> None: ...
 
+class ToolCall(_message.Message):
+    __slots__ = ("id", "name", "arguments")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ARGUMENTS_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    name: str
+    arguments: str
+    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., arguments: _Optional[str] = ...) -> None: ...
+
+class Tool(_message.Message):
+    __slots__ = ("name", "description", "parameters_json")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    PARAMETERS_JSON_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    description: str
+    parameters_json: str
+    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., parameters_json: _Optional[str] = ...) -> None: ...
+
 class ChatMessage(_message.Message):
-    __slots__ = ("role", "content")
+    __slots__ = ("role", "content", "tool_calls", "tool_call_id")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALL_ID_FIELD_NUMBER: _ClassVar[int]
     role: str
     content: str
-    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+    tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
+    tool_call_id: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., tool_call_id: _Optional[str] = ...) -> None: ...
 
 class ChatMessages(_message.Message):
-    __slots__ = ("messages",)
+    __slots__ = ("messages", "tools")
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_FIELD_NUMBER: _ClassVar[int]
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
-    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
+    tools: _containers.RepeatedCompositeFieldContainer[Tool]
+    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("token_ids",)
@@ -144,7 +172,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, episode_id: _Optional[str] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., tokens: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("text", "token_ids", "finish_reason", "num_prompt_tokens", "turn", "truncated", "first_policy_version", "last_policy_version")
+    __slots__ = ("text", "token_ids", "finish_reason", "num_prompt_tokens", "turn", "truncated", "first_policy_version", "last_policy_version", "tool_calls")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -153,6 +181,7 @@ class GenerateResponse(_message.Message):
     TRUNCATED_FIELD_NUMBER: _ClassVar[int]
     FIRST_POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     LAST_POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: _generation_pb2.FinishReason
@@ -161,7 +190,8 @@ class GenerateResponse(_message.Message):
     truncated: bool
     first_policy_version: int
     last_policy_version: int
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_generation_pb2.FinishReason, str]] = ..., num_prompt_tokens: _Optional[int] = ..., turn: _Optional[int] = ..., truncated: _Optional[bool] = ..., first_policy_version: _Optional[int] = ..., last_policy_version: _Optional[int] = ...) -> None: ...
+    tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_generation_pb2.FinishReason, str]] = ..., num_prompt_tokens: _Optional[int] = ..., turn: _Optional[int] = ..., truncated: _Optional[bool] = ..., first_policy_version: _Optional[int] = ..., last_policy_version: _Optional[int] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ...) -> None: ...
 
 class FinishEpisodeRequest(_message.Message):
     __slots__ = ("episode_id", "reward", "metrics", "discard")

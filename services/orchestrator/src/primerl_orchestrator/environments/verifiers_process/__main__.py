@@ -23,18 +23,17 @@ async def play(*, orchestrator: str, name: str, seed: int, options: VerifiersEnv
     # Imported here: verifiers takes seconds to import, and the arguments are checked first.
     import verifiers as vf
 
-    from primerl_orchestrator.environments.verifiers_process.player import EpisodePlayer, TaskRows
+    from primerl_orchestrator.environments.verifiers_process.player import DatasetRows, EpisodePlayer
 
     environment = vf.load_environment(options.module, **options.args)
-    dataset = environment.get_dataset() if options.split == "train" else environment.get_eval_dataset()
-    rows = TaskRows(dataset.to_list(), seed=seed, shuffle=options.shuffle)
+    rows = DatasetRows(environment, split=options.split, seed=seed, shuffle=options.shuffle)
     logger.info(
         "environment %s: %s (%s) from %s, %d rows of its %s dataset",
         name,
         type(environment).__name__,
         ", ".join(f"{k}={v!r}" for k, v in options.args.items()) or "no arguments",
         options.module,
-        len(rows),
+        len(rows.stream()),
         options.split,
     )
     async with make_channel(orchestrator) as channel:

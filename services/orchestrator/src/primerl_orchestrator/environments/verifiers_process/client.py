@@ -3,12 +3,14 @@ the episode through the orchestrator's Generate, which renders the messages with
 chat template, samples through the router and records the tokens for training.
 
 It is the part of `openai.AsyncOpenAI` that verifiers' chat-completions client calls
-(`chat.completions.create`, `close`). Tools are offered and calls read as text
-(tool_calls.py): Generate's messages are (role, content) pairs.
+(`chat.completions.create`, `close`). Tools, the calls of assistant messages and the call a
+tool message answers travel as Generate's fields: the orchestrator renders them with the
+model's chat template and parses the calls in the answer in the template's format.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import time
@@ -27,14 +29,8 @@ from verifiers.errors import OverlongPromptError
 from primerl.common.v1 import generation_pb2
 from primerl.orchestrator.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 from primerl_common.errors import error_details
-from primerl_orchestrator.environments.verifiers_process.tool_calls import (
-    ToolCall,
-    describe_tools,
-    parse_tool_calls,
-    render_tool_calls,
-)
 
-__all__ = ["EpisodeChatClient", "TurnFailed", "to_chat_messages", "to_sampling"]
+__all__ = ["EpisodeChatClient", "TurnFailed", "to_chat_messages", "to_sampling", "to_tools"]
 
 logger = logging.getLogger(__name__)
 
@@ -78,9 +74,7 @@ class EpisodeChatClient:
     ) -> ChatCompletion:
         request = orchestrator_pb2.GenerateRequest(
             episode_id=self.episode_id,
-            messages=orchestrator_pb2.ChatMessages(
-                messages=[orchestrator_pb2.ChatMessage(role=r, content=c) for r, c in to_chat_messages(messages, tools)]
-            ),
+            messages=orchestrator_pb2.ChatMessages(messages=to_chat_messages(messages), tools=to_tools(tools or [])),
             sampling=to_sampling(sampling),
         )
         try:
@@ -91,7 +85,7 @@ class EpisodeChatClient:
                 raise OverlongPromptError(error.details()) from error
             raise TurnFailed(error.code(), error.details() or "", reasons[0] if reasons else "") from error
         self.num_turns += 1
-        calls = parse_tool_calls(response.text) if tools else []
+        calls = list(response.tool_calls)
         if calls:
             finish_reason = "tool_calls"
         elif response.finish_reason == generation_pb2.FINISH_REASON_LENGTH:
@@ -104,11 +98,9 @@ class EpisodeChatClient:
             content=response.text,
             tool_calls=[
                 ChatCompletionMessageFunctionToolCall(
-                    id=f"call-{response.turn}-{index}",
-                    type="function",
-                    function=Function(name=call.name, arguments=call.arguments),
+                    id=call.id, type="function", function=Function(name=call.name, arguments=call.arguments)
                 )
-                for index, call in enumerate(calls)
+                for call in calls
             ]
             or None,
         )
@@ -127,31 +119,44 @@ class EpisodeChatClient:
         )
 
 
-def to_chat_messages(
-    messages: Iterable[Mapping[str, Any]], tools: list[Mapping[str, Any]] | None = None
-) -> list[tuple[str, str]]:
-    """OpenAI chat messages as Generate's (role, content) pairs; `tools` described in the system
-    message (one is put first if there is none)."""
-    pairs = []
+def to_chat_messages(messages: Iterable[Mapping[str, Any]]) -> list[orchestrator_pb2.ChatMessage]:
+    """OpenAI chat messages as Generate's, with their tool calls and the call a tool message answers."""
+    converted = []
     for message in messages:
-        role = message["role"]
-        content = _text(message.get("content"))
-        if role == "assistant":
-            calls = [
-                ToolCall(call["function"]["name"], call["function"].get("arguments") or "{}")
-                for call in message.get("tool_calls") or []
-            ]
-            content = render_tool_calls(content, calls)
-        elif role == "developer":
-            role = "system"
-        pairs.append((role, content))
-    if tools:
-        description = describe_tools(tools)
-        if pairs and pairs[0][0] == "system":
-            pairs[0] = ("system", f"{pairs[0][1]}\n\n{description}")
-        else:
-            pairs.insert(0, ("system", description))
-    return pairs
+        role = "system" if message["role"] == "developer" else message["role"]
+        calls = [
+            orchestrator_pb2.ToolCall(
+                id=call.get("id") or "",
+                name=call["function"]["name"],
+                arguments=call["function"].get("arguments") or "{}",
+            )
+            for call in message.get("tool_calls") or []
+        ]
+        converted.append(
+            orchestrator_pb2.ChatMessage(
+                role=role,
+                content=_text(message.get("content")),
+                tool_calls=calls,
+                tool_call_id=message.get("tool_call_id") or "",
+            )
+        )
+    return converted
+
+
+def to_tools(tools: Iterable[Mapping[str, Any]]) -> list[orchestrator_pb2.Tool]:
+    """OpenAI tool definitions ({"type": "function", "function": {...}}) as Generate's."""
+    converted = []
+    for tool in tools:
+        function = tool.get("function", tool)
+        parameters = function.get("parameters")
+        converted.append(
+            orchestrator_pb2.Tool(
+                name=function["name"],
+                description=function.get("description") or "",
+                parameters_json=json.dumps(parameters) if parameters is not None else "",
+            )
+        )
+    return converted
 
 
 def to_sampling(sampling: Mapping[str, Any]) -> generation_pb2.SamplingParams:

@@ -4,6 +4,9 @@ so one caller takes them all), the environment's own rollout of each (its model 
 Generate calls: client.py), its rubric over the group (group reward functions see the whole
 group, as verifiers scores one), FinishEpisode with each rollout's reward and metrics.
 
+Evaluation episodes (Episode.evaluation set) are played the same way, a group being one task's
+samples; the orchestrator scores the evaluation and never trains on them.
+
 A rollout the orchestrator could not serve (a turn refused, the episode dropped) or that
 generated no turn ends discarded; one the model answered badly is scored like any other.
 """
@@ -26,7 +29,7 @@ from verifiers.clients import OpenAIChatCompletionsClient
 from primerl.orchestrator.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 from primerl_orchestrator.environments.verifiers_process.client import EpisodeChatClient, TurnFailed
 
-__all__ = ["EpisodePlayer", "TaskRows"]
+__all__ = ["DatasetRows", "EpisodePlayer", "TaskRows"]
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +67,36 @@ class TaskRows:
         return self._rows[self._order[1][position]]
 
 
+class DatasetRows:
+    """A task's row: its data names the split, the seed and the order of the stream (a training
+    task and an evaluation's alike; unnamed: the process's own), each dataset read once."""
+
+    def __init__(self, environment: vf.Environment, *, split: str, seed: int, shuffle: bool) -> None:
+        self._environment = environment
+        self._defaults = (split, seed, shuffle)
+        self._datasets: dict[str, list[dict[str, Any]]] = {}
+        self._streams: dict[tuple[str, int, bool], TaskRows] = {}
+
+    def stream(self, split: str | None = None, seed: int | None = None, shuffle: bool | None = None) -> TaskRows:
+        default_split, default_seed, default_shuffle = self._defaults
+        key = (
+            split or default_split,
+            default_seed if seed is None else int(seed),
+            default_shuffle if shuffle is None else bool(shuffle),
+        )
+        if key not in self._streams:
+            if key[0] not in self._datasets:
+                env = self._environment
+                dataset = env.get_dataset() if key[0] == "train" else env.get_eval_dataset()
+                self._datasets[key[0]] = dataset.to_list()
+            self._streams[key] = TaskRows(self._datasets[key[0]], seed=key[1], shuffle=key[2])
+        return self._streams[key]
+
+    def row(self, data: dict[str, Any]) -> dict[str, Any]:
+        stream = self.stream(data.get("split"), data.get("seed"), data.get("shuffle"))
+        return stream.row(int(data["index"]))
+
+
 @dataclass
 class _Rollout:
     episode: orchestrator_pb2.Episode
@@ -77,7 +110,7 @@ class EpisodePlayer:
     def __init__(
         self,
         environment: vf.Environment,
-        rows: TaskRows,
+        rows: DatasetRows,
         stub: orchestrator_pb2_grpc.OrchestratorServiceStub,
         *,
         name: str,
@@ -157,7 +190,7 @@ class EpisodePlayer:
         await asyncio.gather(*(self._finish(rollout) for rollout in rollouts))
 
     async def _roll_out(self, rollout: _Rollout) -> None:
-        row = self._rows.row(int(rollout.episode.task.data["index"]))
+        row = self._rows.row(dict(rollout.episode.task.data))
         client = OpenAIChatCompletionsClient(rollout.client)
         try:
             rollout.state = await self._env.rollout(
