@@ -1,6 +1,7 @@
 """The launch file: one TOML with a table per service ([orchestrator], [trainer],
 [inference] or [[inference]], [router], [weight_broadcaster], [kvstore]), each holding
-that service's own config, plus [launcher] and an optional [warm_start].
+that service's own config, plus [launcher], an optional [warm_start] and an optional
+[inference.deployment] (the shape of the inference fleet: primerl_launcher.deployment).
 
 Only the launcher's own tables are validated here; each service table is validated by
 the service itself (`--check-config`) once the launcher has filled in what links them.
@@ -15,6 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+
+from primerl_launcher.deployment import DeploymentConfig, apply_settings, replica_settings, router_settings
 
 __all__ = [
     "SERVICES",
@@ -52,7 +55,9 @@ class LauncherConfig(BaseModel):
     run_dir: pathlib.Path | None = Field(default=None, description="unset: runs/<date-time>")
     cache_dir: pathlib.Path = Field(default=pathlib.Path(".cache/primerl"), description="where tiny models are kept")
     host: str = Field(default="127.0.0.1", description="interface the services listen on, unless they say")
-    inference_replicas: int = Field(default=1, ge=1, description="copies of a single [inference] table")
+    inference_replicas: int = Field(
+        default=1, ge=1, description="copies of a single [inference] table; [inference.deployment] says it better"
+    )
     check_config: bool = Field(
         default=True,
         description="validate every service's config, and the trainer/inference dtype rule, before starting any",
@@ -121,6 +126,8 @@ class LaunchFile:
     warm_start: WarmStartConfig | None
     services: dict[str, ServiceSpec]
     path: pathlib.Path | None = None
+    # The inference fleet's shape; None when [[inference]] lists the replicas one by one.
+    deployment: DeploymentConfig | None = None
     # Tables the file leaves out that the run needs, started with their defaults (said at start).
     added: list[str] = field(default_factory=list)
 
@@ -153,13 +160,18 @@ def parse_launch_file(data: dict[str, Any]) -> LaunchFile:
         raise LaunchConfigError("[warm_start] needs an [orchestrator] table (its environments make the data)")
     if not any(service in data for service in SERVICES):
         raise LaunchConfigError(f"no service table; add some of: {', '.join(f'[{s}]' for s in SERVICES)}")
-    added = _add_needed_tables(data, launcher)
+    deployment = _deployment(data, launcher)
+    added = _add_needed_tables(data, launcher, deployment)
+    if deployment is not None:
+        added += _apply_deployment(data, deployment)
+    elif "inference" in data and not isinstance(data["inference"], list):
+        deployment = DeploymentConfig.from_replicas(launcher.inference_replicas)
     services: dict[str, ServiceSpec] = {}
     for service in SERVICES:
         if service not in data:
             continue
         if service == "inference":
-            services.update(_inference_replicas(data["inference"], launcher.inference_replicas))
+            services.update(_inference_replicas(data["inference"], deployment))
         else:
             services[service] = ServiceSpec(service, service, data[service], f"[{service}]")
     if launcher.model is not None and launcher.model not in TINY_MODELS:
@@ -169,7 +181,7 @@ def parse_launch_file(data: dict[str, Any]) -> LaunchFile:
                 f"[launcher] model: {launcher.model!r} is neither {' nor '.join(TINY_MODELS)} "
                 "nor a model folder (no config.json)"
             )
-    return LaunchFile(launcher, warm_start, services, added=added)
+    return LaunchFile(launcher, warm_start, services, added=added, deployment=deployment)
 
 
 def _is_set(data: dict[str, Any], table: str, dotted: str) -> bool:
@@ -181,7 +193,54 @@ def _is_set(data: dict[str, Any], table: str, dotted: str) -> bool:
     return True
 
 
-def _add_needed_tables(data: dict[str, Any], launcher: LauncherConfig) -> list[str]:
+def _deployment(data: dict[str, Any], launcher: LauncherConfig) -> DeploymentConfig | None:
+    """[inference.deployment], taken out of the [inference] table (the service does not know it)."""
+    inference = data.get("inference")
+    if isinstance(inference, list):
+        for index, item in enumerate(inference):
+            if isinstance(item, dict) and "deployment" in item:
+                raise LaunchConfigError(
+                    f"[[inference]] #{index + 1} deployment: the deployment section needs a single [inference] "
+                    "table ([[inference]] lists the replicas one by one, each with its replica.role)"
+                )
+        return None
+    if not isinstance(inference, dict) or "deployment" not in inference:
+        return None
+    deployment = _model(DeploymentConfig, inference.pop("deployment"), "inference.deployment")
+    if "inference_replicas" in launcher.model_fields_set:
+        raise LaunchConfigError(
+            "[launcher] inference_replicas: not with [inference.deployment], which says how many replicas "
+            "(replicas, or prefill and decode)"
+        )
+    return deployment
+
+
+def _apply_deployment(data: dict[str, Any], deployment: DeploymentConfig) -> list[str]:
+    """The shape's settings of the router and the tables the shape needs; returns what it added."""
+    added = []
+    if deployment.shape != "single" and "router" not in data and not _is_set(data, "orchestrator", "peers.router"):
+        data["router"] = {}
+        added.append(f"[router] (shape {deployment.shape}: the replicas are served through it)")
+    outside_pool = _is_set(data, "inference", "kv_cache_pool.metadata_address")
+    if deployment.pool_on and "kvstore" not in data and not outside_pool:
+        data["kvstore"] = {}
+        added.append("[kvstore] (the KV pool of [inference.deployment])")
+    if deployment.disaggregate and "router" not in data:
+        raise LaunchConfigError(
+            "[inference.deployment] shape: disaggregated needs the run's [router], which splits each request "
+            "(a router outside the run is configured there: routing.disaggregate)"
+        )
+    if "router" in data:
+        try:
+            apply_settings(data["router"], router_settings(deployment))
+        except ValueError as exc:
+            raise LaunchConfigError(f"[router] {exc} ([inference.deployment] shape = {deployment.shape!r})") from None
+    return added
+
+
+def _add_needed_tables(
+    data: dict[str, Any], launcher: LauncherConfig, deployment: DeploymentConfig | None = None
+) -> list[str]:
     """A run file that leaves out what it needs either gets it (the serving side: inference,
     router, weight broadcaster, which run on their defaults and the model) or is refused (the
     trainer: what is trained and how is the file's to say). A peer address set in a table
@@ -196,7 +255,7 @@ def _add_needed_tables(data: dict[str, Any], launcher: LauncherConfig) -> list[s
                 "or set [launcher] model for the launcher to start them on"
             )
         data["inference"] = {}
-        added.append(f"[inference] x{launcher.inference_replicas} ({why})")
+        added.append(f"[inference] x{deployment.num_replicas if deployment else launcher.inference_replicas} ({why})")
 
     if "inference" not in data and "inference_replicas" in launcher.model_fields_set:
         add_inference(f"[launcher] inference_replicas = {launcher.inference_replicas}")
@@ -221,14 +280,23 @@ def _add_needed_tables(data: dict[str, Any], launcher: LauncherConfig) -> list[s
     return added
 
 
-def _inference_replicas(value: Any, copies: int) -> dict[str, ServiceSpec]:
-    if isinstance(value, dict):
-        tables = [(copy.deepcopy(value), "[inference]") for _ in range(copies)]
-    elif isinstance(value, list) and value and all(isinstance(item, dict) for item in value):
+def _inference_replicas(value: Any, deployment: DeploymentConfig | None) -> dict[str, ServiceSpec]:
+    if isinstance(value, dict) and deployment is not None:
+        specs = {}
+        for layout in deployment.layout():
+            table = copy.deepcopy(value)
+            try:
+                apply_settings(table, replica_settings(layout))
+            except ValueError as exc:
+                raise LaunchConfigError(
+                    f"[inference] {exc} ([inference.deployment] shape = {deployment.shape!r})"
+                ) from None
+            specs[layout.name] = ServiceSpec(layout.name, "inference", table, "[inference]")
+        return specs
+    if isinstance(value, list) and value and all(isinstance(item, dict) for item in value):
         tables = [(item, f"[[inference]] #{index + 1}") for index, item in enumerate(value)]
-    else:
-        raise LaunchConfigError("inference: must be a table ([inference]) or an array of tables ([[inference]])")
-    return {f"inference-{i}": ServiceSpec(f"inference-{i}", "inference", t, w) for i, (t, w) in enumerate(tables)}
+        return {f"inference-{i}": ServiceSpec(f"inference-{i}", "inference", t, w) for i, (t, w) in enumerate(tables)}
+    raise LaunchConfigError("inference: must be a table ([inference]) or an array of tables ([[inference]])")
 
 
 def _model(cls: type[BaseModel], value: Any, table: str) -> Any:

@@ -72,13 +72,20 @@ def wire(services: Mapping[str, ServiceSpec], *, run_dir: pathlib.Path, model: p
     addresses = {name: address_of(spec) for name, spec in services.items()}
     for spec in replicas:
         set_default(spec.table, "replica.id", spec.name)
+        if get_path(spec.table, "kv_cache_pool.enabled") and "kvstore" in services:
+            set_default(spec.table, "kv_cache_pool.metadata_address", addresses["kvstore"])
     for name, spec in services.items():
         # Plain-text logs: they are read by people (and their tail shown when a service dies).
         set_default(spec.table, "observability.log_json", False)
         if name == "router":
             if "replicas" not in spec.table:
                 spec.table["replicas"] = [
-                    {"replica_id": get_path(r.table, "replica.id"), "address": addresses[r.name]} for r in replicas
+                    {
+                        "replica_id": get_path(r.table, "replica.id"),
+                        "address": addresses[r.name],
+                        **({"role": get_path(r.table, "replica.role")} if get_path(r.table, "replica.role") else {}),
+                    }
+                    for r in replicas
                 ]
             if "weight_broadcaster" in services:
                 set_default(spec.table, "versions.weight_broadcaster_address", addresses["weight_broadcaster"])
