@@ -226,6 +226,7 @@ class Replica:
         self.num_started_since_report = 0
         self.policy_version = UNKNOWN_VERSION
         self.load_updating = False
+        self.metrics.forget_load()
         self.metrics.policy_version.set(UNKNOWN_VERSION)
         self.metrics.updating.set(self.updating)
 
