@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+from primerl.common.v1 import generation_pb2
 from primerl_launcher.deployment import DeploymentConfig
+from primerl_launcher.progress import RunMonitor, RunPeers
 from primerl_launcher.spec import LaunchConfigError, parse_launch_file
 from primerl_launcher.wiring import address_of, wire
 
@@ -124,3 +126,26 @@ def test_without_the_section_inference_replicas_gives_the_shape():
 def test_a_bad_deployment_is_refused_naming_the_field(data, message):
     with pytest.raises(LaunchConfigError, match=message):
         parse_launch_file(data)
+
+
+def test_the_progress_line_shows_each_replica_group_and_the_pool_hit_rate(tmp_path):
+    monitor = RunMonitor(
+        RunPeers(orchestrator="", trainer="", replicas={}),
+        metrics_path=tmp_path / "metrics.jsonl",
+        orchestrator_metrics=None,
+        poll_interval_s=1.0,
+        finish_timeout_s=1.0,
+    )
+    roles = generation_pb2.REPLICA_ROLE_PREFILL, generation_pb2.REPLICA_ROLE_DECODE
+    monitor.loads = {
+        "inference-prefill-0": generation_pb2.LoadReport(role=roles[0], num_waiting=3, num_running=1,
+                                                         num_prompt_tokens_total=1000),
+        "inference-decode-0": generation_pb2.LoadReport(role=roles[1], num_running=4, num_prompt_tokens_total=1000,
+                                                        num_prefix_cache_hit_tokens_total=900,
+                                                        num_kv_pool_hit_tokens_total=800),
+    }  # fmt: skip
+    monitor._sum_groups()
+    assert monitor.shows_replica_groups()
+    line = monitor.postfix()
+    assert "prefill q 3 run 1 prefill 0 tok/s | decode q 0 run 4 decode 0 tok/s pool hit 80%" in line, line
+    assert monitor.groups["decode"].kv_pool_hit_rate == 0.8

@@ -2,13 +2,19 @@
 the orchestrator's run status, the trainer's finished steps (WatchSteps), each inference
 replica's load report (policy version, generated tokens) and, for the final version,
 the weight broadcaster. One JSON line per trained step joins the trainer's metrics with
-the orchestrator's record of the same step (its metrics file)."""
+the orchestrator's record of the same step (its metrics file).
+
+The replicas' load reports are summed by role (prefill, decode, both): queue depth, running
+requests, prompt tokens computed per second, tokens generated per second and the KV pool hit
+rate (prompt tokens loaded from the pool / prompt tokens served). The progress line shows them
+when the fleet is disaggregated or uses the pool; every record carries them."""
 
 from __future__ import annotations
 
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import json
 import math
 import pathlib
@@ -21,13 +27,24 @@ from typing import Any, TextIO
 
 import grpc
 
+from primerl.common.v1 import generation_pb2
 from primerl.inference.v1 import inference_pb2, inference_pb2_grpc
 from primerl.orchestrator.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 from primerl.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2, weight_broadcaster_pb2_grpc
 from primerl_common.client import call_with_retry, make_channel
 
-__all__ = ["Display", "RunFailed", "RunMonitor", "RunPeers", "StallWatch", "describe_groups", "watch_trainer_steps"]
+__all__ = [
+    "Display",
+    "GroupLoad",
+    "RunFailed",
+    "RunMonitor",
+    "RunPeers",
+    "StallWatch",
+    "describe_groups",
+    "describe_replica_groups",
+    "watch_trainer_steps",
+]
 
 _RPC_TIMEOUT_S = 10.0
 _THROUGHPUT_WINDOW_S = 10.0
@@ -174,6 +191,45 @@ class RunPeers:
     weight_broadcaster: str | None = None
 
 
+_ROLE_NAMES = {
+    generation_pb2.REPLICA_ROLE_PREFILL: "prefill",
+    generation_pb2.REPLICA_ROLE_DECODE: "decode",
+}
+
+
+@dataclass
+class GroupLoad:
+    """The replicas of one role, summed from their last load reports."""
+
+    num_replicas: int = 0
+    queue_depth: int = 0
+    running: int = 0
+    computed_prompt_tokens_per_s: float = 0.0
+    generated_tokens_per_s: float = 0.0
+    prompt_tokens: int = 0  # served since start, computed or cached
+    kv_pool_hit_tokens: int = 0
+
+    @property
+    def kv_pool_hit_rate(self) -> float:
+        return self.kv_pool_hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+def describe_replica_groups(groups: Mapping[str, GroupLoad]) -> str:
+    """The replica groups as on the progress line: `prefill q 3 run 2 prefill 1,200 tok/s |
+    decode q 0 run 8 decode 340 tok/s pool hit 92%` (q: requests queued, run: running)."""
+    parts = []
+    for role, group in groups.items():
+        text = f"{role} q {group.queue_depth} run {group.running}"
+        if role != "decode":
+            text += f" prefill {group.computed_prompt_tokens_per_s:,.0f} tok/s"
+        if role != "prefill":
+            text += f" decode {group.generated_tokens_per_s:,.0f} tok/s"
+        if group.kv_pool_hit_tokens:
+            text += f" pool hit {group.kv_pool_hit_rate:.0%}"
+        parts.append(text)
+    return " | ".join(parts)
+
+
 @dataclass
 class _Throughput:
     samples: collections.deque[tuple[float, int]] = field(default_factory=collections.deque)
@@ -219,6 +275,10 @@ class RunMonitor:
         self.trainer_completed_step = 0
         self.versions: dict[str, int] = dict.fromkeys(peers.replicas, 0)
         self.tokens_per_s = 0.0
+        # Each replica's last load report, and the replicas summed by role.
+        self.loads: dict[str, generation_pb2.LoadReport] = {}
+        self.groups: dict[str, GroupLoad] = {}
+        self._group_throughput: dict[tuple[str, str], _Throughput] = collections.defaultdict(_Throughput)
         self._orchestrator_records: dict[int, dict[str, Any]] = {}
         self._orchestrator_offset = 0
         self._step_seen_at: dict[int, float] = {}
@@ -305,6 +365,8 @@ class RunMonitor:
         parts.append(f"dropped {status.num_dropped_off_policy_total}")
         parts.append(f"{self.tokens_per_s:,.0f} tok/s")
         parts.append("versions " + " ".join(f"{name}={v}" for name, v in self.versions.items()))
+        if self.shows_replica_groups():
+            parts.append(describe_replica_groups(self.groups))
         if self.stall.shows_groups(status):
             parts.append(describe_groups(status.groups))
         if self.stall.stalled_s >= self.stall.warn_after_s:
@@ -314,6 +376,33 @@ class RunMonitor:
         if any(self.restarts.values()):
             parts.append("restarts " + " ".join(f"{name}={n}" for name, n in sorted(self.restarts.items()) if n))
         return " | ".join(parts)
+
+    def shows_replica_groups(self) -> bool:
+        """Disaggregated, or on the KV pool: the groups say whether the P:D ratio fits the load."""
+        return any(role != "both" for role in self.groups) or any(
+            load.num_kv_pool_hit_tokens_total for load in self.loads.values()
+        )
+
+    def _sum_groups(self) -> None:
+        groups: dict[str, GroupLoad] = {}
+        totals: dict[str, list[int]] = {}
+        for load in self.loads.values():
+            role = _ROLE_NAMES.get(load.role, "both")
+            group = groups.setdefault(role, GroupLoad())
+            group.num_replicas += 1
+            group.queue_depth += load.num_waiting
+            group.running += load.num_running
+            group.prompt_tokens += load.num_prompt_tokens_total
+            group.kv_pool_hit_tokens += load.num_kv_pool_hit_tokens_total
+            computed = load.num_prompt_tokens_total - load.num_prefix_cache_hit_tokens_total
+            counts = totals.setdefault(role, [0, 0])
+            counts[0] += computed
+            counts[1] += load.num_generated_tokens_total
+        for role, group in groups.items():
+            computed, generated = totals[role]
+            group.computed_prompt_tokens_per_s = self._group_throughput[role, "computed"].add(computed)
+            group.generated_tokens_per_s = self._group_throughput[role, "generated"].add(generated)
+        self.groups = dict(sorted(groups.items(), key=lambda item: ("prefill", "decode", "both").index(item[0])))
 
     async def _poll_replicas(self, replicas: dict[str, inference_pb2_grpc.InferenceServiceStub]) -> None:
         names = list(replicas)
@@ -326,9 +415,11 @@ class RunMonitor:
             if isinstance(reply, BaseException):
                 continue
             self.versions[name] = reply.load.policy_version
+            self.loads[name] = reply.load
             total += reply.load.num_generated_tokens_total
         if names and not any(isinstance(reply, BaseException) for reply in replies):
             self.tokens_per_s = self._throughput.add(total)
+            self._sum_groups()
 
     async def _wait_for_final_version(self, version: int) -> None:
         if self.peers.weight_broadcaster is None or not self.peers.replicas:
@@ -399,6 +490,17 @@ class RunMonitor:
             "num_dropped_off_policy": orchestrator_value("num_dropped_off_policy"),
             "tokens_per_s": self.tokens_per_s,
             "replica_policy_versions": dict(self.versions),
+            "replica_groups": {role: dataclasses.asdict(group) for role, group in self.groups.items()},
+            "replica_load": {
+                name: {
+                    "role": _ROLE_NAMES.get(load.role, "both"),
+                    "prompt_tokens": load.num_prompt_tokens_total,
+                    "prefix_cache_hit_tokens": load.num_prefix_cache_hit_tokens_total,
+                    "kv_pool_hit_tokens": load.num_kv_pool_hit_tokens_total,
+                    "generated_tokens": load.num_generated_tokens_total,
+                }
+                for name, load in self.loads.items()
+            },
             "trainer": trainer,
             "orchestrator": orchestrator,
         }
