@@ -20,7 +20,7 @@ from primerl.router.v1 import router_pb2, router_pb2_grpc
 from primerl_common.errors import ServiceError
 from primerl_common.testing import bare_server
 from primerl_launcher.tiny_model import save_tokenizer
-from primerl_orchestrator.config import OrchestratorConfig
+from primerl_orchestrator.config import EnvironmentConfig, OrchestratorConfig
 from primerl_orchestrator.environments import Task
 from primerl_orchestrator.environments.sort_letters import SortLetters
 from primerl_orchestrator.episodes import Episode, EpisodeBook
@@ -406,3 +406,13 @@ async def test_a_process_environment_gets_training_episodes_first_and_eval_ones_
         evaluating.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await evaluating
+
+
+def test_an_eval_of_a_process_environment_may_override_only_its_task_options(tmp_path):
+    save_tokenizer(tmp_path)
+    config = _process_eval_config(tmp_path).model_dump()
+    config["evals"][0]["options"] = {"split": "eval", "args": {"num_keys": 2}}
+    with pytest.raises(ValueError, match="options args of environment 'kv' are its process's"):
+        OrchestratorConfig.model_validate(config)
+    kind = EnvironmentConfig.model_fields["kind"].description
+    assert "verifiers" in kind and "reverse_text" in kind and "sort_letters" in kind

@@ -180,3 +180,23 @@ async def test_a_batch_lost_while_the_next_step_waits_for_its_policy_is_collecte
     assert trainer.pushes == [1, 2, 2, 3, 4]
     assert trainer.trained == [1, 2, 3, 4]
     assert cut == [1, 2, 2, 3, 4]
+
+
+async def test_a_seq_len_below_every_prompt_fails_the_run_naming_the_field(config, caplog):
+    trainer = RestartingTrainer()  # seq_len 64
+    run = Run(config, renderer=None, generation=None)  # turns are never played here
+    num_cut = 0
+
+    async def next_batch(step: int) -> list[Rollout]:
+        nonlocal num_cut
+        num_cut += 1
+        # A 100-token prompt: cut at 64, no completion token is left to train on.
+        sample = Sample(list(range(102)), [False] * 100 + [True] * 2, [0.0] * 102, [0] * 102, [1.0] * 102)
+        return [Rollout(f"episode-{num_cut}", "env", f"group-{num_cut}", 1.0, 0.5, [sample])]
+
+    run.next_batch = next_batch  # type: ignore[method-assign]
+    await asyncio.wait_for(BatchLoop(config, run, trainer, InitialVersion()).run(), 10)
+    assert run.state == RunState.FAILED and "trainer.seq_len" in run.error and "prompts of 100-100 tokens" in run.error
+    assert num_cut == 20 and trainer.pushes == []
+    # Logged once meanwhile (at most every 30 s), not once per batch.
+    assert sum("no loss token left" in r.getMessage() for r in caplog.records if r.levelname == "ERROR") == 1
