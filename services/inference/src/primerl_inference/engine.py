@@ -25,6 +25,7 @@ from typing import Literal
 
 import numpy as np
 import vllm
+from vllm import SamplingParams
 from vllm.config import VllmConfig
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.inputs.engine import tokens_input
@@ -35,6 +36,7 @@ from vllm.v1.engine.async_llm import AsyncLLM
 
 from primerl.common.v1 import tensor_pb2
 from primerl_common.errors import FailedPrecondition, InvalidArgument, Unavailable
+from primerl_common.kvpool.keys import served_cache_salt
 from primerl_inference.adapters import AdapterRegistry, AdapterSpec, receive_adapter_tensors
 from primerl_inference.capabilities import (
     CAPABILITY_KV_TRANSFER,
@@ -44,7 +46,7 @@ from primerl_inference.capabilities import (
     missing_capability,
 )
 from primerl_inference.config import InferenceConfig
-from primerl_inference.generation import GenerateRequest, GenerationChunk
+from primerl_inference.generation import GenerateRequest, GenerationChunk, PolicyVersionChanged
 from primerl_inference.kv_cache_size import cpu_kv_cache_bytes, cpu_kv_cache_env_set, kv_bytes_per_token
 from primerl_inference.kv_connector import kv_transfer_config
 from primerl_inference.liveness import EngineLiveness
@@ -62,6 +64,8 @@ logger = logging.getLogger(__name__)
 PauseMode = Literal["keep", "wait", "abort"]
 
 _WORKER_EXTENSION = "primerl_inference.worker_extension.WorkerExtension"
+# How often a request is started again because an update landed before its first token.
+_MAX_VERSION_RESTARTS = 3
 
 
 class InferenceEngine:
@@ -140,6 +144,7 @@ class InferenceEngine:
         llm = AsyncLLM.from_vllm_config(vllm_config, stat_loggers=[stats.factory], disable_log_stats=True)
         await llm.collective_rpc("primerl_exit_with_parent", args=(os.getpid(),))
         await llm.update_weight_version(str(config.replica.initial_policy_version))
+        await llm.collective_rpc("primerl_set_policy_version", args=(config.replica.initial_policy_version,))
         weight_tables = await load_weight_tables(llm, engine.model, vllm_config.model_config.dtype)
         routed_experts = await _install_routed_experts_capture(llm) if engine.capture_routed_experts else None
         logger.info(
@@ -221,21 +226,48 @@ class InferenceEngine:
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerationChunk]:
         """Streams the completion of `request` in chunks as its stream policy asks; the last
-        chunk has `finished` set. Closing the iterator early aborts the request in the engine."""
+        chunk has `finished` set. Closing the iterator early aborts the request in the engine.
+
+        KV is reused only within one policy version: the request's cache salt is the version
+        the replica serves when it is admitted, before the caller's salt (kvpool.keys), and a
+        request whose first token comes out at another version (an update landed before it
+        was scheduled, so its prefix was looked up under the older salt) is started again,
+        its tokens dropped, under the new version's salt."""
         self._admit(request)
         if request.kv_transfer == "prefill":
             # The prompt's KV goes to the pool as it is computed; stop at the first token.
             prefill_only = dataclasses.replace(request.sampling, max_tokens=1, min_tokens=0)
             request = dataclasses.replace(request, sampling=prefill_only)
         params = sampling_params(request)
-        prompt = tokens_input(list(request.prompt_token_ids), cache_salt=request.cache_salt or None)
+        for attempt in range(1, _MAX_VERSION_RESTARTS + 2):
+            version = self.policy_version
+            try:
+                async for chunk in self._generate_at(request, params, version):
+                    yield chunk
+                return
+            except PolicyVersionChanged as changed:
+                logger.info("request %s started again (attempt %d): %s", request.request_id, attempt + 1, changed)
+                self._check_in_service()
+        raise Unavailable(
+            f"weight updates landed before the request's first token {_MAX_VERSION_RESTARTS + 1} times; retry it",
+            reason="POLICY_VERSION_CHANGED",
+        )
+
+    async def _generate_at(
+        self, request: GenerateRequest, params: SamplingParams, version: int
+    ) -> AsyncIterator[GenerationChunk]:
+        """One attempt of `request`, salted with policy version `version`."""
+        salt = served_cache_salt(version, request.cache_salt)
+        prompt = tokens_input(list(request.prompt_token_ids), cache_salt=salt)
         # Unique per call, whatever the client chose: the version lookup below goes by it.
         engine_request_id = f"{request.request_id}-{next(self._request_numbers)}"
         routed_experts_claimed = False
         with contextlib.ExitStack() as stack:
             lora = stack.enter_context(self._adapters.in_use(request.lora_adapter)) if request.lora_adapter else None
             outputs = self._llm.generate(prompt, params, engine_request_id, lora_request=lora)
-            chunks = stream_chunks(request, engine_request_id, outputs, self._llm.output_processor)
+            chunks = stream_chunks(
+                request, engine_request_id, outputs, self._llm.output_processor, salted_version=version
+            )
             try:
                 # UNAVAILABLE where the engine dies under the request, or where it ends aborted
                 # because the replica went out of service (a weight load failed part-way).

@@ -23,6 +23,7 @@ __all__ = [
     "GenerationChunk",
     "GenerationStats",
     "KvTransferMode",
+    "PolicyVersionChanged",
     "SamplingSpec",
     "StreamBatcher",
     "StreamPolicy",
@@ -137,6 +138,17 @@ class GenerationChunk:
     routed_experts: np.ndarray | None = None
     routed_experts_start: int = 0
     stats: GenerationStats | None = None
+
+
+class PolicyVersionChanged(Exception):
+    """A request's first token was sampled at another policy version than the one its cache
+    salt names: a weight update landed between its admission and its first token, so its
+    prefix may have been looked up (and reused) under the older version's salt."""
+
+    def __init__(self, salted_version: int, sampled_version: int) -> None:
+        super().__init__(f"salted with policy version {salted_version}, first token sampled at {sampled_version}")
+        self.salted_version = salted_version
+        self.sampled_version = sampled_version
 
 
 class StreamBatcher:

@@ -13,13 +13,21 @@ builds that from the `[kv_cache_pool]` section). It has vLLM's two halves:
   leases released) into the paged KV cache; after it, the blocks that became whole are
   copied out and put on a storage node.
 
-Keys: (model, parallel rank, namespace, content hash). The namespace is the request's
-`cache_salt` (the policy version salt), so a new policy never reads KV of an old one and a
+Keys: (model, parallel rank, namespace, content hash). The namespace is the policy version
+the request's `cache_salt` names (the service salts each request with the version it serves,
+kvpool.keys.served_cache_salt), so a new policy never reads KV of an old one and a
 version's blocks leave the pool with one `RemoveNamespace`. The content hash chains over
 the block's token ids from a seed of the KV layout (device type, attention shapes and
-dtype, block size), the salt and the LoRA adapter, so a hash names one prefix computed by
-one kind of engine. Whole blocks only; a block holds the block's slice of every layer, in
-the cache's own layout, one layer after the other.
+dtype, block size), the whole salt (the caller's part too) and the LoRA adapter, so a hash
+names one prefix computed by one kind of engine.
+
+The worker side is told the version its weights hold (`set_policy_version`, at start and by
+every weight update while scheduling is paused) and moves no block of an older version's
+namespace: a request that runs across an update computes its later blocks with the newer
+weights, and those must not be pooled (nor read) under its older salt.
+
+Whole blocks only; a block holds the block's slice of every layer, in the cache's own
+layout, one layer after the other.
 
 Router replay: where the engine captures routed experts (`RoutedExpertsCapture` binds itself
 here), a saved block's header carries the experts its tokens were routed to, and a loaded
@@ -57,7 +65,7 @@ from vllm.platforms import current_platform
 
 from primerl.kvstore.v1 import kvstore_pb2
 from primerl_common.kvpool.client import KvStoreClient
-from primerl_common.kvpool.keys import BlockKey
+from primerl_common.kvpool.keys import BlockKey, namespace_of_salt, policy_version_of_namespace
 from primerl_common.tensors import tensor_from_proto, tensor_to_proto
 
 if TYPE_CHECKING:
@@ -206,7 +214,8 @@ class _Tracked:
         request = self.request
         hashes = self.hashes(end, block_size)[start:]
         tokens = list(request.all_token_ids[start * block_size : end * block_size])
-        return _Transfer(request.request_id, request.cache_salt or "", hashes, list(block_ids), start, tokens)
+        namespace = namespace_of_salt(request.cache_salt or "")
+        return _Transfer(request.request_id, namespace, hashes, list(block_ids), start, tokens)
 
 
 class PrimerlKVConnector(KVConnectorBase_V1):
@@ -238,6 +247,8 @@ class PrimerlKVConnector(KVConnectorBase_V1):
         self._layers: list[torch.Tensor] = []
         self._load_errors: set[int] = set()
         self._routed_experts: RoutedExpertsCapture | None = None
+        # The policy version the weights hold; None until told (then every namespace is moved).
+        self._policy_version: int | None = None
 
     # ------------------------------------------------------------------ scheduler side
 
@@ -260,7 +271,7 @@ class PrimerlKVConnector(KVConnectorBase_V1):
         num_blocks = (request.num_tokens - 1) // self._block_size
         if not self._load or request.mm_features or num_blocks <= start:
             return 0, False
-        namespace = request.cache_salt or ""
+        namespace = namespace_of_salt(request.cache_salt or "")
         hashes = tracked.hashes(num_blocks, self._block_size)[start:]
         try:
             exists = self._pool.run(self._pool.exists([self._key(namespace, h, 0) for h in hashes]))
@@ -313,6 +324,15 @@ class PrimerlKVConnector(KVConnectorBase_V1):
 
     # ------------------------------------------------------------------ worker side
 
+    def set_policy_version(self, policy_version: int) -> None:
+        """The version the weights hold from the next forward pass on (called while paused)."""
+        self._policy_version = policy_version
+
+    def _older_version(self, namespace: str) -> bool:
+        """True for the namespace of a version older than the weights'."""
+        version = policy_version_of_namespace(namespace)
+        return self._policy_version is not None and version is not None and version < self._policy_version
+
     def bind_routed_experts(self, capture: RoutedExpertsCapture) -> None:
         """Saved blocks carry the routing `capture` holds for them; loaded blocks fill it."""
         self._routed_experts = capture
@@ -344,6 +364,9 @@ class PrimerlKVConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, PrimerlKVMetadata)
         for load in meta.loads:
+            if self._older_version(load.namespace):
+                self._load_errors.update(load.block_ids)  # recomputed with the weights it runs on
+                continue
             keys = [self._key(load.namespace, h, self._rank) for h in load.content_hashes]
             try:
                 fetched = self._pool.run(self._pool.client.get(keys, lease_ms=self._lease_ms, bulk=True))
@@ -386,6 +409,8 @@ class PrimerlKVConnector(KVConnectorBase_V1):
         assert isinstance(meta, PrimerlKVMetadata)
         blocks: list[tuple[kvstore_pb2.BlockHeader, memoryview]] = []
         for save in meta.saves:
+            if self._older_version(save.namespace):
+                continue  # computed (at least in part) by newer weights than its namespace's
             for content_hash, block_id, first_position, tokens in save.blocks(self._block_size):
                 flat = [v.reshape(-1).view(torch.uint8) for v in self._block_views(block_id)]
                 data = torch.cat(flat).cpu()

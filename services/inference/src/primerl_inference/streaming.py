@@ -17,7 +17,13 @@ from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.output_processor import OutputProcessor
 
 from primerl_common.errors import InvalidArgument
-from primerl_inference.generation import GenerateRequest, GenerationChunk, GenerationStats, StreamBatcher
+from primerl_inference.generation import (
+    GenerateRequest,
+    GenerationChunk,
+    GenerationStats,
+    PolicyVersionChanged,
+    StreamBatcher,
+)
 
 __all__ = ["sampling_params", "stream_chunks"]
 
@@ -57,9 +63,13 @@ async def stream_chunks(
     engine_request_id: str,
     outputs: AsyncIterator[RequestOutput],
     output_processor: OutputProcessor,
+    *,
+    salted_version: int | None = None,
 ) -> AsyncIterator[GenerationChunk]:
     """The chunks of one request, from `outputs` (AsyncLLM.generate of `request` under
-    `engine_request_id`). Closing this iterator before the last chunk aborts the request."""
+    `engine_request_id`). Closing this iterator before the last chunk aborts the request.
+    `salted_version`: the policy version its cache salt names; PolicyVersionChanged (the
+    request aborted, none of its tokens yielded) when its first token is sampled at another."""
     started = time.monotonic()
     first_token_at: float | None = None
     batcher = StreamBatcher(request.stream)
@@ -92,6 +102,8 @@ async def stream_chunks(
                 first_token_at = first_token_at or time.monotonic()
                 logprobs = _sampled_logprobs(completion.logprobs, len(token_ids))
                 versions = _policy_versions(output_processor, engine_request_id, completion, begin, len(token_ids))
+                if begin == 0 and salted_version is not None and versions[0] != salted_version:
+                    raise PolicyVersionChanged(salted_version, versions[0])
                 batcher.add(token_ids, logprobs, versions)
             if output.finished:
                 finished = True

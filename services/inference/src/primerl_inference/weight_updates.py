@@ -264,6 +264,7 @@ class WeightUpdater:
                 # the others loaded: what the model holds is not known.
                 outcomes = [{"failed": f"{type(exc).__name__}: {exc}", "num_layers_written": None}]
             await self._settle(outcomes, update, field)
+            await self._llm.collective_rpc("primerl_set_policy_version", args=(update.policy_version,))
             # From the next step on, the engine stamps its outputs with the new version.
             await self._llm.update_weight_version(str(update.policy_version))
             self._policy_version = update.policy_version

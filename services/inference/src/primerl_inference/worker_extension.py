@@ -53,6 +53,15 @@ class WorkerExtension(RoutedExpertsWorkerExtension):
 
         threading.Thread(target=watch, name="primerl-exit-with-parent", daemon=True).start()
 
+    def primerl_set_policy_version(self, policy_version: int) -> None:
+        """Tells the KV connector (when it takes it) the policy version the weights now hold."""
+        from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+        if has_kv_transfer_group():
+            set_version = getattr(get_kv_transfer_group(), "set_policy_version", None)
+            if set_version is not None:
+                set_version(policy_version)
+
     def primerl_kernel_weight_table(self) -> list[list[Any]]:
         """Name, shape and dtype of each parameter as the model creates it, before the platform
         processes it after loading (on CPU a linear layer's weight moves into a GEMM handle):

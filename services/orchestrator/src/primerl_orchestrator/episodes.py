@@ -38,7 +38,8 @@ class Episode:
     episode_id: str
     group: Group
     index_in_group: int
-    # Latest policy version when the group started: the episode's cache salt.
+    # Latest policy version when the group started (replicas salt each turn with the version
+    # they serve it at, not this one).
     start_version: int
     created_at: float
     state: EpisodeState = EpisodeState.PENDING

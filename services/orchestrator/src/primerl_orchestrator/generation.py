@@ -14,6 +14,7 @@ from primerl.common.v1 import generation_pb2
 from primerl.router.v1 import router_pb2, router_pb2_grpc
 from primerl_common.client import make_channel
 from primerl_common.tensors import tensor_from_proto
+from primerl_orchestrator.kv_namespaces import TurnsInFlight
 
 __all__ = ["GenerationError", "GenerationRequest", "GenerationResult", "RouterGeneration"]
 
@@ -29,6 +30,8 @@ class GenerationRequest:
     episode_id: str
     prompt_token_ids: list[int]
     sampling: generation_pb2.SamplingParams
+    # The caller's part of the salt: replicas put the policy version they serve the turn at
+    # before it, so prefixes are reused only within one version ("" for none of its own).
     cache_salt: str
     min_policy_version: int
     return_routed_experts: bool
@@ -72,11 +75,17 @@ class RouterGeneration:
         self._retry_s = retry_s
         self._channel = make_channel(address)
         self._stub = router_pb2_grpc.RouterServiceStub(self._channel)
+        # Turns sent and not yet answered (which KV namespaces may still be in use).
+        self.in_flight = TurnsInFlight()
 
     async def close(self) -> None:
         await self._channel.close()
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
+        with self.in_flight.track():
+            return await self._generate(request)
+
+    async def _generate(self, request: GenerationRequest) -> GenerationResult:
         loop = asyncio.get_running_loop()
         started = loop.time()
         backoff = _INITIAL_BACKOFF_S

@@ -1,4 +1,6 @@
-"""Block keys: (model, parallel rank, policy-version namespace, content hash), checked at the edge."""
+"""Block keys: (model, parallel rank, policy-version namespace, content hash), checked at the
+edge; and the cache salt a replica gives each request, which names the policy version the
+request is served at (its namespace in the pool) before the caller's own salt."""
 
 from __future__ import annotations
 
@@ -9,10 +11,47 @@ from dataclasses import dataclass
 from primerl.kvstore.v1 import kvstore_pb2
 from primerl_common.errors import InvalidArgument
 
-__all__ = ["MAX_CONTENT_HASH_BYTES", "MAX_NAME_CHARS", "BlockKey", "keys_from_proto"]
+__all__ = [
+    "MAX_CONTENT_HASH_BYTES",
+    "MAX_NAME_CHARS",
+    "BlockKey",
+    "keys_from_proto",
+    "namespace_of_salt",
+    "policy_version_namespace",
+    "policy_version_of_namespace",
+    "served_cache_salt",
+]
 
 MAX_NAME_CHARS = 512
 MAX_CONTENT_HASH_BYTES = 64
+_NAMESPACE_PREFIX = "v"
+_SALT_SEPARATOR = ":"
+
+
+def policy_version_namespace(policy_version: int) -> str:
+    """The pool namespace of the KV computed with one policy version's weights."""
+    return f"{_NAMESPACE_PREFIX}{policy_version}"
+
+
+def policy_version_of_namespace(namespace: str) -> int | None:
+    """The policy version a namespace holds the KV of; None for one that names no version."""
+    digits = namespace.removeprefix(_NAMESPACE_PREFIX)
+    if namespace == digits or not digits.isdigit():
+        return None
+    return int(digits)
+
+
+def served_cache_salt(policy_version: int, caller_salt: str) -> str:
+    """The cache salt of a request served at `policy_version`: the version's namespace, then
+    the caller's salt (which keeps prefixes of different callers apart within a version)."""
+    namespace = policy_version_namespace(policy_version)
+    return f"{namespace}{_SALT_SEPARATOR}{caller_salt}" if caller_salt else namespace
+
+
+def namespace_of_salt(salt: str) -> str:
+    """The pool namespace of a request's cache salt: its policy version's for a salt that
+    `served_cache_salt` made, else the salt itself."""
+    return salt.split(_SALT_SEPARATOR, 1)[0]
 
 
 @dataclass(frozen=True, slots=True)
