@@ -1,0 +1,165 @@
+"""`primerl up` in each inference deployment shape ([inference.deployment]) on the tiny
+Qwen3-MoE with router replay: `single` (one replica), `replicas` (two behind the router, on the
+KV pool) and `disaggregated` (1 prefill + 1 decode replica, the KV pool between them, the router
+splitting each request). Each run trains its few steps with mismatch_kl below 1e-3; every pushed
+sample has a routed-experts row for every token; in the disaggregated shape the decode replica
+computes fewer prompt tokens than it serves, the pool supplying the difference (its hits counted
+in the records of the run), and the progress line shows both groups.
+
+Kept short (CI time): two steps of four rollouts, answers of a few tokens; the prompts carry a
+long system prompt so that they span several whole KV blocks, the unit the pool moves.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+
+import pytest
+from safetensors.torch import load_file
+
+pytestmark = pytest.mark.slow
+
+CACHE = pathlib.Path(os.environ.get("PRIMERL_TEST_CACHE", pathlib.Path(tempfile.gettempdir()) / "primerl-test-cache"))
+MAX_STEPS = 2
+MAX_MISMATCH_KL = 1e-3
+# ~300 tokens with the byte-level tokenizer: the prompt spans whole KV blocks.
+SYSTEM_PROMPT = "Reverse the text. " * 17
+SHAPES = {
+    "single": 'shape = "single"',
+    "replicas": 'shape = "replicas"\nreplicas = 2\nkv_pool = true',
+    "disaggregated": 'shape = "disaggregated"\nprefill = 1\ndecode = 1',
+}
+
+LAUNCH_FILE = """
+[launcher]
+model = "tiny-moe"
+cache_dir = "{cache}"
+poll_interval_s = 0.5
+start_timeout_s = 240
+check_config = false   # tested with cheap services in tools/launcher/tests
+
+[inference.deployment]
+{deployment}
+
+[inference.engine]
+dtype = "float32"
+enforce_eager = true
+max_model_len = 512
+max_num_seqs = 8
+kv_cache_gib = 0.25
+
+[orchestrator.model]
+max_model_len = 512
+[orchestrator.peers]
+poll_interval_s = 0.2
+[orchestrator.run]
+max_steps = {max_steps}
+batch_size = 4
+max_async_level = 1
+max_off_policy_steps = 1
+[orchestrator.advantage]
+filter_zero_advantage = false
+[orchestrator.output]
+batches_dir = "{batches}"
+[[orchestrator.environments]]
+name = "reverse_text"
+kind = "reverse_text"
+group_size = 2
+[orchestrator.environments.sampling]
+max_tokens = 6
+[orchestrator.environments.options]
+system_prompt = "{system_prompt}"
+max_length = 6
+
+[trainer]
+device = "cpu"
+seq_len = 2048
+router_replay = true
+[trainer.model]
+dtype = "float32"
+compute_dtype = "float32"
+
+[router.health]
+interval_s = 0.5
+[router.routing]
+no_replica_wait_s = 120.0
+[weight_broadcaster.push]
+probe_interval_s = 0.5
+"""
+
+
+def run_up(tmp_path: pathlib.Path, shape: str) -> tuple[str, list[dict]]:
+    config, run_dir, out = tmp_path / "launch.toml", tmp_path / "run", tmp_path / "launcher.out"
+    config.write_text(
+        LAUNCH_FILE.format(
+            cache=CACHE / "launcher",
+            deployment=SHAPES[shape],
+            max_steps=MAX_STEPS,
+            batches=tmp_path / "batches",
+            system_prompt=SYSTEM_PROMPT,
+        )
+    )
+    with out.open("w") as log:
+        launcher = subprocess.Popen(
+            [sys.executable, "-m", "primerl_launcher", "up", "-c", str(config), "--run-dir", str(run_dir)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+    try:
+        assert launcher.wait(600) == 0, out.read_text()
+    finally:
+        launcher.kill()
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return out.read_text(), records
+
+
+def check_routed_experts(batches: pathlib.Path) -> int:
+    """Every micro-batch of every pushed batch has one routed-experts row per token, each a
+    valid expert index; returns the tokens checked."""
+    checked = 0
+    for path in sorted(batches.glob("step_*.safetensors")):
+        tensors = load_file(path)
+        index = 0
+        while f"micro_batch_{index}.input_ids" in tensors:
+            tokens = tensors[f"micro_batch_{index}.input_ids"]
+            routed = tensors[f"micro_batch_{index}.routed_experts"]
+            assert routed.shape[0] == tokens.shape[0], (path, index, routed.shape, tokens.shape)
+            assert routed.ndim == 3 and routed.shape[1] >= 1 and routed.shape[2] >= 1
+            checked += tokens.shape[0]
+            index += 1
+    return checked
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_primerl_up_trains_in_each_deployment_shape(tmp_path: pathlib.Path, shape: str) -> None:
+    printed, records = run_up(tmp_path, shape)
+
+    assert [r["step"] for r in records] == list(range(1, MAX_STEPS + 1)), printed
+    for record in records:
+        assert record["mismatch_kl"] is not None and record["mismatch_kl"] < MAX_MISMATCH_KL, record
+    assert check_routed_experts(tmp_path / "batches") > 0
+    assert "not a clean exit" not in printed, printed
+    last = records[-1]["replica_load"]
+    if shape == "single":
+        assert list(last) == ["inference-0"] and last["inference-0"]["kv_pool_hit_tokens"] == 0
+        return
+    if shape == "replicas":
+        assert {name: load["role"] for name, load in last.items()} == {"inference-0": "both", "inference-1": "both"}
+        return
+    assert {name: load["role"] for name, load in last.items()} == {
+        "inference-prefill-0": "prefill",
+        "inference-decode-0": "decode",
+    }
+    decode = last["inference-decode-0"]
+    computed = decode["prompt_tokens"] - decode["prefix_cache_hit_tokens"]
+    assert computed < decode["prompt_tokens"], decode
+    assert decode["kv_pool_hit_tokens"] > 0, decode  # not only its own prefix cache: the pool's blocks
+    assert last["inference-prefill-0"]["generated_tokens"] <= last["inference-prefill-0"]["prompt_tokens"]
+    assert records[-1]["replica_groups"]["decode"]["kv_pool_hit_tokens"] == decode["kv_pool_hit_tokens"]
+    assert "prefill q " in printed and "| decode q " in printed and "pool hit " in printed, printed
