@@ -5,7 +5,8 @@ The launcher starts each one again on its address; the run trains every step; no
 trained twice (each step has one finish time across every trainer process the run had:
 WatchSteps, followed through the restarts); no rollout mixes policy versions (every loss token
 of step n's batch, as the orchestrator pushed it, was sampled by policy n - 1: with
-max_async_level = max_off_policy_steps = 1 nothing else may be trained).
+max_async_level = max_off_policy_steps = 1 nothing else may be trained). The run is under mutual TLS (`[launcher] tls =
+"mtls"`): each service shows its own certificate, the launcher and this test the operator's.
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ from safetensors.torch import load_file
 from primerl.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
 from primerl.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from primerl_common.client import make_channel
+from primerl_common.config import TlsConfig
 from primerl_common.processes import free_port
+from primerl_common.security.certificates import tls_of
 
 pytestmark = pytest.mark.slow
 
@@ -46,6 +49,7 @@ cache_dir = "{cache}"
 poll_interval_s = 0.5
 start_timeout_s = 240
 check_config = false   # tested with cheap services in tools/launcher/tests
+tls = "mtls"
 max_restarts = 1
 restart_backoff_s = 0.5
 
@@ -107,6 +111,10 @@ class Run:
     def __init__(self, launcher: subprocess.Popen[str], run_dir: pathlib.Path, out: pathlib.Path) -> None:
         self.launcher, self.run_dir, self.out = launcher, run_dir, out
 
+    @property
+    def tls(self) -> TlsConfig:
+        return tls_of(self.run_dir / "certs", "operator")
+
     def services(self) -> dict:
         return json.loads((self.run_dir / "services.json").read_text())
 
@@ -121,10 +129,10 @@ class Run:
         return value
 
 
-async def follow_steps(address: str, finished: dict[int, set[tuple[int, int]]]) -> None:
+async def follow_steps(address: str, tls: TlsConfig, finished: dict[int, set[tuple[int, int]]]) -> None:
     """Every trained step with its finish time, from each trainer process in turn (each one
     replays what it trained), until cancelled."""
-    async with make_channel(address, max_attempts=1) as channel:
+    async with make_channel(address, max_attempts=1, tls=tls) as channel:
         stub = trainer_pb2_grpc.TrainerServiceStub(channel)
         while True:
             try:
@@ -136,10 +144,10 @@ async def follow_steps(address: str, finished: dict[int, set[tuple[int, int]]]) 
             await asyncio.sleep(0.2)
 
 
-async def trainer_idle(address: str) -> bool:
+async def trainer_idle(address: str, tls: TlsConfig) -> bool:
     """No step running or queued: a kill now loses no checkpointed step's record (a step killed
     between its checkpoint and its WatchSteps record would be trained, yet never reported)."""
-    async with make_channel(address, max_attempts=1) as channel:
+    async with make_channel(address, max_attempts=1, tls=tls) as channel:
         try:
             status = await trainer_pb2_grpc.TrainerServiceStub(channel).GetStatus(trainer_pb2.GetStatusRequest())
         except grpc.aio.AioRpcError:
@@ -147,8 +155,8 @@ async def trainer_idle(address: str) -> bool:
     return not status.training
 
 
-async def num_pooled_blocks(address: str) -> int:
-    async with make_channel(address, max_attempts=1) as channel:
+async def num_pooled_blocks(address: str, tls: TlsConfig) -> int:
+    async with make_channel(address, max_attempts=1, tls=tls) as channel:
         try:
             stats = await kvstore_pb2_grpc.KvStoreServiceStub(channel).GetStats(
                 kvstore_pb2.GetStatsRequest(), timeout=5
@@ -164,7 +172,7 @@ async def kill_each_once(run: Run) -> dict[int, set[tuple[int, int]]]:
     await run.until(lambda: asyncio.to_thread((run.run_dir / "services.json").is_file), what="the services")
     services = run.services()
     finished: dict[int, set[tuple[int, int]]] = {}
-    watcher = asyncio.ensure_future(follow_steps(services["trainer"]["address"], finished))
+    watcher = asyncio.ensure_future(follow_steps(services["trainer"]["address"], run.tls, finished))
     kvstore = services["kvstore"]["address"]
 
     async def trained(step: int) -> bool:
@@ -174,11 +182,11 @@ async def kill_each_once(run: Run) -> dict[int, set[tuple[int, int]]]:
         for step, name in KILLS:
             await run.until(lambda step=step: trained(step), what=f"step {step}")
             if name == "kvstore":  # the pool is in use: the replica has written blocks into it
-                await run.until(lambda: num_pooled_blocks(kvstore), what="blocks in the KV pool")
+                await run.until(lambda: num_pooled_blocks(kvstore, run.tls), what="blocks in the KV pool")
             if name == "inference-0":  # the restarted kvstore is in use again
-                await run.until(lambda: num_pooled_blocks(kvstore), what="blocks in the restarted KV pool")
+                await run.until(lambda: num_pooled_blocks(kvstore, run.tls), what="blocks in the restarted KV pool")
             if name == "trainer":
-                await run.until(lambda: trainer_idle(services["trainer"]["address"]), what="an idle trainer")
+                await run.until(lambda: trainer_idle(services["trainer"]["address"], run.tls), what="an idle trainer")
             before = run.services()[name]
             assert before["restarts"] == 0
             os.kill(before["pid"], signal.SIGKILL)
@@ -219,12 +227,15 @@ def test_each_service_killed_once_is_restarted_and_the_run_trains_every_step_onc
             cache=CACHE / "launcher", max_steps=MAX_STEPS, batches=run_dir / "batches", kvstore_port=free_port()
         )
     )
+    # Not the tests' plaintext default (conftest's PRIMERL_<SERVICE>_TLS__MODE): the run file's mTLS.
+    env = {name: value for name, value in os.environ.items() if not name.endswith("_TLS__MODE")}
     with out.open("w") as log:
         launcher = subprocess.Popen(
             [sys.executable, "-m", "primerl_launcher", "up", "-c", str(config), "--run-dir", str(run_dir)],
             stdout=log,
             stderr=subprocess.STDOUT,
             text=True,
+            env=env,
         )
     try:
         finished = asyncio.run(kill_each_once(Run(launcher, run_dir, out)))
@@ -233,7 +244,12 @@ def test_each_service_killed_once_is_restarted_and_the_run_trains_every_step_onc
         launcher.kill()
     printed = out.read_text()
 
+    assert "mutual TLS: development CA and certificates in" in printed, printed
     names = [name for _, name in KILLS]
+    for name in names:  # served under mutual TLS, with its own certificate
+        assert "(mutual TLS" in (run_dir / "logs" / f"{name}.log").read_text(), name
+    for path in (run_dir / "config").glob("*.toml"):
+        assert f'cert = "{run_dir / "certs" / path.stem}.pem"' in path.read_text(), path
     for name in names:
         assert f"{name} was killed by SIGKILL: restart 1 of 1" in printed, printed
         assert f"{name} SERVING again at" in printed, printed

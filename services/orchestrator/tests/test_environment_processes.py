@@ -5,11 +5,15 @@ reaches the orchestrator at."""
 
 from __future__ import annotations
 
+import json
 import sys
 
 import pytest
 
-from primerl_common.config import ServerConfig
+from primerl_common import security
+from primerl_common.config import ConfigError, ServerConfig
+from primerl_common.security import _credentials
+from primerl_common.security.certificates import Holder, make_authority, make_certificate, tls_of
 from primerl_common.testing import eventually
 from primerl_orchestrator.environments import ProcessEnvironment, Task
 from primerl_orchestrator.environments.processes import EnvironmentProcess, local_address
@@ -78,3 +82,38 @@ def test_the_address_a_program_reaches_the_orchestrator_at():
     assert local_address(ServerConfig(host="10.1.2.3", port=7)) == "10.1.2.3:7"
     with pytest.raises(ValueError, match=r"server\.port"):
         local_address(ServerConfig(host="127.0.0.1", port=0))
+
+
+async def test_under_mtls_the_program_shows_its_environment_certificate_not_the_orchestrators(tmp_path, monkeypatch):
+    authority = make_authority(tmp_path)
+    for holder in ("orchestrator", "environment:environment"):
+        make_certificate(authority, tmp_path, Holder.parse(holder))
+    for name in ("MODE", "CERT", "KEY", "CA"):
+        monkeypatch.setenv(security.ENV_PREFIX + name, "")  # restored after the test
+    monkeypatch.setattr(_credentials, "_process", None)
+    security.setup_process_tls(tls_of(tmp_path, "orchestrator"))
+    with pytest.raises(ConfigError, match=r"environments\[prog\]\.options\.tls_cert"):
+        watched("pass")
+    out = tmp_path / "identity.json"
+    code = (
+        "import json, pathlib; from primerl_common import security; tls = security.process_tls(); "
+        "identity = security.certificate_identity(pathlib.Path(tls.cert).read_bytes()); "
+        f"pathlib.Path({str(out)!r}).write_text(json.dumps([tls.mode, str(tls.key), str(tls.ca), identity[0], "
+        "sorted(identity[1])]))"
+    )
+    process, abandoned, failed = watched(
+        code, tls_cert=tmp_path / "environment.pem", tls_key=tmp_path / "environment-key.pem"
+    )
+    process.start()
+    try:
+        await eventually(lambda: abandoned, timeout_s=30, what="the program exited")
+    finally:
+        await process.stop()
+    assert failed == [] and process.process.returncode == 0
+    assert json.loads(out.read_text()) == [
+        "mtls",
+        str((tmp_path / "environment-key.pem").resolve()),
+        str((tmp_path / "ca.pem").resolve()),
+        "environment",
+        ["environment"],
+    ]

@@ -3,6 +3,7 @@ broadcaster) and the launch file's splitting, wiring and validation."""
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import pathlib
@@ -14,12 +15,15 @@ import time
 import tomllib
 
 import pytest
+from cryptography import x509
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from primerl.orchestrator.v1 import orchestrator_pb2
 from primerl_common.processes import free_port
+from primerl_common.security import certificate_identity, identity_uri
 from primerl_common.testing import bare_server
 from primerl_launcher import _toml
+from primerl_launcher.certs import run_certificates
 from primerl_launcher.checks import check_dtypes, check_outside_peers
 from primerl_launcher.cli import demo_config_text
 from primerl_launcher.progress import StallWatch, describe_groups
@@ -29,7 +33,7 @@ from primerl_launcher.service_group import RestartPolicy
 from primerl_launcher.spec import LaunchConfigError, parse_launch_file
 from primerl_launcher.tiny_model import make_tiny_model
 from primerl_launcher.warm_start import sft_trainer_spec
-from primerl_launcher.wiring import address_of, wire
+from primerl_launcher.wiring import address_of, identities, served_hosts, wire
 
 PRIMERL = [sys.executable, "-m", "primerl_launcher"]
 CHEAP = "[router.policy]\nname = 'round_robin'\n[kvstore]\n[weight_broadcaster]\n"
@@ -75,6 +79,11 @@ def test_tables_split_into_one_config_per_process():
         ({"router": 3}, r"router: must be a table"),
         ({"inference": [1, 2]}, r"inference: must be a table"),
         ({"launcher": {}}, r"no service table"),
+        ({"router": {}, "launcher": {"tls": "tcp"}}, r"\[launcher\] tls: Input should be 'plaintext' or 'mtls'"),
+        (
+            {"router": {}, "launcher": {"host": "0.0.0.0"}},
+            r"\[launcher\] tls: Value error, plaintext is allowed only on a loopback host, not '0.0.0.0'",
+        ),
     ],
 )
 def test_bad_launch_files_name_the_table_and_field(data, message):
@@ -155,6 +164,43 @@ def test_wiring_fills_every_link_that_is_unset(tmp_path):
     assert tables["inference-1"]["replica"]["id"] == "inference-1"
     # What is written is what was wired.
     assert tomllib.loads(_toml.dumps(tables["orchestrator"])) == tables["orchestrator"]
+
+
+def test_under_mtls_every_service_gets_its_own_certificate_and_process_environments_the_environment_one(tmp_path):
+    launch = parse_launch_file(
+        {
+            "launcher": {"tls": "mtls", "host": "10.1.2.3"},
+            "orchestrator": {
+                "environments": [{"name": "v", "kind": "verifiers"}, {"name": "b"}],
+                "peers": {"router": "elsewhere:1"},
+            },
+            "trainer": {},
+            "kvstore": {"tls": {"mode": "mtls", "cert": "own.pem"}},
+        }
+    )
+    services = launch.services
+    certs = tmp_path / "certs"
+    tls = run_certificates(certs, identities(services), hosts=served_hosts(services, launch.launcher.host))
+    wire(services, run_dir=tmp_path, model=tmp_path / "model", host=launch.launcher.host, tls=tls)
+    for name, spec in services.items():
+        table = spec.table["tls"]
+        assert table["mode"] == "mtls" and table["ca"] == str(certs / "ca.pem")
+        if name == "kvstore":
+            assert table["cert"] == "own.pem"  # set in the file: kept
+            continue
+        assert table["cert"] == str(certs / f"{name}.pem") and table["key"] == str(certs / f"{name}-key.pem")
+        names = x509.load_pem_x509_certificate((certs / f"{name}.pem").read_bytes()).extensions
+        alternatives = names.get_extension_for_class(x509.SubjectAlternativeName).value
+        assert identity_uri(spec.service, name) in alternatives.get_values_for_type(x509.UniformResourceIdentifier)
+        assert ipaddress.ip_address("10.1.2.3") in alternatives.get_values_for_type(x509.IPAddress)
+    assert certificate_identity((certs / "operator.pem").read_bytes()) == ("operator", frozenset({"operator"}))
+    verifiers, builtin = services["orchestrator"].table["environments"]
+    assert verifiers["options"] == {
+        "tls_cert": str(certs / "environment.pem"),
+        "tls_key": str(certs / "environment-key.pem"),
+    }
+    assert certificate_identity((certs / "environment.pem").read_bytes()) == ("environment", frozenset({"environment"}))
+    assert "options" not in builtin
 
 
 def test_warm_start_job_is_the_trainer_with_overrides_in_sft_mode(tmp_path):

@@ -23,12 +23,34 @@ from __future__ import annotations
 import argparse
 import pathlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
+from primerl_common.config import TlsConfig
 from primerl_common.security import identity_uri
-from primerl_common.security.certificates import DEFAULT_HOLDERS, Holder, make_authority, make_certificate, make_token
+from primerl_common.security.certificates import (
+    DEFAULT_HOLDERS,
+    Holder,
+    make_authority,
+    make_certificate,
+    make_token,
+    tls_of,
+)
 
-__all__ = ["main"]
+__all__ = ["main", "run_certificates"]
+
+
+def run_certificates(
+    directory: pathlib.Path, holders: Mapping[str, Sequence[str]], *, hosts: Sequence[str] = ()
+) -> dict[str, TlsConfig]:
+    """What `primerl up` under `[launcher] tls = "mtls"` uses: the CA in `directory` (the one
+    there, so a run started again keeps it) and a new certificate for each name -> roles,
+    valid for loopback and `hosts`. The tls section of each, by name."""
+    authority = make_authority(directory)
+    sections = {}
+    for name, roles in holders.items():
+        make_certificate(authority, directory, Holder(name, tuple(roles)), hosts=hosts)
+        sections[name] = tls_of(directory, name)
+    return sections
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -21,17 +21,29 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from primerl.orchestrator.v1 import orchestrator_pb2
+from primerl_common import security
+from primerl_common.config import TlsConfig
 from primerl_common.malloc import MALLOC_ENV
 from primerl_common.processes import ServiceDied, ServiceProcess, describe_exit
 from primerl_launcher import _toml
 from primerl_launcher import register_replicas as registration
+from primerl_launcher.certs import run_certificates
 from primerl_launcher.checks import check_dtypes, check_outside_peers
 from primerl_launcher.progress import Display, RunFailed, RunMonitor, RunPeers, describe_groups
 from primerl_launcher.report import format_summary, summary, write_plot
 from primerl_launcher.service_group import RestartPolicy, RestartsExhausted, ServiceGroup
 from primerl_launcher.spec import TINY_MODELS, LaunchConfigError, LauncherConfig, LaunchFile, ServiceSpec
 from primerl_launcher.warm_start import WarmStartFailed, run_warm_start, sft_trainer_spec
-from primerl_launcher.wiring import address_of, get_path, set_default, set_model, wire
+from primerl_launcher.wiring import (
+    OPERATOR,
+    address_of,
+    get_path,
+    identities,
+    served_hosts,
+    set_default,
+    set_model,
+    wire,
+)
 
 __all__ = ["Launcher", "keep_state_in_run_dir", "prepare_model", "validate_configs"]
 
@@ -182,7 +194,8 @@ class Launcher:
             print(f"model: {model}")
         if launch.added:
             print("not in the run file, added on their defaults: " + ", ".join(launch.added))
-        wire(services, run_dir=run_dir, model=model, host=settings.host)
+        tls = await self._identities(services)
+        wire(services, run_dir=run_dir, model=model, host=settings.host, tls=tls)
         restart_warnings = keep_state_in_run_dir(services, run_dir)
         if settings.max_restarts:
             for warning in restart_warnings:
@@ -247,6 +260,23 @@ class Launcher:
             print("restarted: " + ", ".join(f"{n} {k}x" for n, k in values["restarts"].items()))
         print(f"metrics: {run_dir / 'metrics.jsonl'}\nplot:    {plot}\nlogs:    {run_dir / 'logs'}")
         return 0
+
+    async def _identities(self, services: Mapping[str, ServiceSpec]) -> dict[str, TlsConfig] | None:
+        """Under `[launcher] tls = "mtls"`: a development CA and the run's certificates in
+        <run_dir>/certs, and the launcher's own channels (health waits, registration,
+        progress) shown as the operator. None in plaintext."""
+        settings = self.launch.launcher
+        if settings.tls == "plaintext":
+            print('plaintext gRPC on loopback, no identities (the local demo; [launcher] tls = "mtls" for mutual TLS)')
+            return None
+        directory = self.run_dir / "certs"
+        tls = await asyncio.to_thread(
+            run_certificates, directory, identities(services), hosts=served_hosts(services, settings.host)
+        )
+        # Not exported: the services it starts show their own certificates, never the operator's.
+        security.setup_process_tls(tls[OPERATOR], export=False)
+        print(f"mutual TLS: development CA and certificates in {directory}; the launcher calls as {OPERATOR}")
+        return tls
 
     async def _start(self, services: Mapping[str, ServiceSpec], paths: Mapping[str, pathlib.Path]) -> None:
         for name, spec in services.items():

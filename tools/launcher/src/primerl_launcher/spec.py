@@ -13,10 +13,11 @@ import copy
 import pathlib
 import tomllib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
+from primerl_common.config import is_loopback
 from primerl_launcher.deployment import DeploymentConfig, apply_settings, replica_settings, router_settings
 
 __all__ = [
@@ -55,6 +56,13 @@ class LauncherConfig(BaseModel):
     run_dir: pathlib.Path | None = Field(default=None, description="unset: runs/<date-time>")
     cache_dir: pathlib.Path = Field(default=pathlib.Path(".cache/primerl"), description="where tiny models are kept")
     host: str = Field(default="127.0.0.1", description="interface the services listen on, unless they say")
+    tls: Literal["plaintext", "mtls"] = Field(
+        default="plaintext",
+        validate_default=True,
+        description="mtls: a development CA and one certificate per service are made in <run_dir>/certs, every "
+        "service gets its [tls] table and the launcher calls them as an operator; plaintext (loopback hosts only): "
+        "the local demo, no identities",
+    )
     inference_replicas: int = Field(
         default=1, ge=1, description="copies of a single [inference] table; [inference.deployment] says it better"
     )
@@ -84,6 +92,14 @@ class LauncherConfig(BaseModel):
     poll_interval_s: float = Field(default=1.0, gt=0, description="progress refresh")
     log_tail_lines: int = Field(default=30, ge=1, description="lines of a dead service's log to show")
     env: dict[str, str] = Field(default={}, description="extra environment variables of every service")
+
+    @field_validator("tls")
+    @classmethod
+    def _plaintext_on_loopback_only(cls, value: str, info: ValidationInfo) -> str:
+        host = info.data.get("host")
+        if value == "plaintext" and host is not None and not is_loopback(host):
+            raise ValueError(f'plaintext is allowed only on a loopback host, not {host!r}: set tls = "mtls"')
+        return value
 
     @field_validator("restart_backoff_max_s")
     @classmethod

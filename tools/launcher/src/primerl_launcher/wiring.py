@@ -7,14 +7,32 @@ import pathlib
 from collections.abc import Mapping
 from typing import Any
 
+from primerl_common.config import TlsConfig
 from primerl_common.processes import free_ports
 from primerl_launcher.spec import ServiceSpec
 
-__all__ = ["address_of", "assign_ports", "get_path", "set_default", "set_model", "wire"]
+__all__ = [
+    "OPERATOR",
+    "PROCESS_ENVIRONMENT",
+    "PROCESS_ENVIRONMENT_KINDS",
+    "address_of",
+    "assign_ports",
+    "get_path",
+    "identities",
+    "served_hosts",
+    "set_default",
+    "set_model",
+    "wire",
+]
 
 _UNSPECIFIED_HOSTS = ("", "0.0.0.0", "::", "[::]")
 # Where each service kind takes the model folder.
 MODEL_FIELDS = {"orchestrator": "model.path", "trainer": "model.path", "inference": "engine.model"}
+# Under mTLS: the launcher's own identity, and the one the orchestrator gives the programs of its
+# process environments (the kinds below; options.tls_cert/tls_key): role environment only.
+OPERATOR = "operator"
+PROCESS_ENVIRONMENT = "environment"
+PROCESS_ENVIRONMENT_KINDS = ("verifiers",)
 
 
 def get_path(table: Mapping[str, Any], dotted: str) -> Any:
@@ -59,13 +77,53 @@ def set_model(services: Mapping[str, ServiceSpec], model: pathlib.Path, *, force
             set_default(spec.table, MODEL_FIELDS[spec.service], str(model), force=force)
 
 
-def wire(services: Mapping[str, ServiceSpec], *, run_dir: pathlib.Path, model: pathlib.Path | None, host: str) -> None:
-    """Fills ports, peer addresses, replica ids and the model into the tables (in place)."""
+def identities(services: Mapping[str, ServiceSpec]) -> dict[str, list[str]]:
+    """The certificates an mTLS run needs, name -> roles: one per service (its kind's role),
+    the launcher's (operator) and its process environments' (environment)."""
+    return {
+        **{name: [spec.service] for name, spec in services.items()},
+        OPERATOR: [OPERATOR],
+        PROCESS_ENVIRONMENT: [PROCESS_ENVIRONMENT],
+    }
+
+
+def served_hosts(services: Mapping[str, ServiceSpec], host: str) -> list[str]:
+    """The host names the services are reached at besides loopback (their certificates name them)."""
+    hosts = {host, *(get_path(spec.table, "server.host") or host for spec in services.values())}
+    return sorted(name for name in hosts if name not in _UNSPECIFIED_HOSTS)
+
+
+def _set_tls(spec: ServiceSpec, tls: Mapping[str, TlsConfig] | None) -> None:
+    """The service's tls section, where the launch file leaves it: plaintext (a local run,
+    which the services accept on loopback hosts only), or its certificate from `tls`."""
+    if tls is None:
+        set_default(spec.table, "tls.mode", "plaintext")
+        return
+    for field in ("mode", "cert", "key", "ca"):
+        set_default(spec.table, f"tls.{field}", str(getattr(tls[spec.name], field)))
+    if spec.service != "orchestrator":
+        return
+    environment = tls[PROCESS_ENVIRONMENT]
+    for table in spec.table.get("environments") or ():
+        if isinstance(table, dict) and table.get("kind") in PROCESS_ENVIRONMENT_KINDS:
+            set_default(table, "options.tls_cert", str(environment.cert))
+            set_default(table, "options.tls_key", str(environment.key))
+
+
+def wire(
+    services: Mapping[str, ServiceSpec],
+    *,
+    run_dir: pathlib.Path,
+    model: pathlib.Path | None,
+    host: str,
+    tls: Mapping[str, TlsConfig] | None = None,
+) -> None:
+    """Fills ports, peer addresses, replica ids, the model and each service's tls section
+    (`tls`: the certificates of `identities(services)` by name; None: plaintext) into the
+    tables (in place)."""
     assign_ports(services, host=host)
     for spec in services.values():
-        # A local run speaks plaintext, which the services accept on loopback hosts only,
-        # unless the launch file gives a service its tls section.
-        set_default(spec.table, "tls.mode", "plaintext")
+        _set_tls(spec, tls)
     if model is not None:
         set_model(services, model)
     replicas = [spec for spec in services.values() if spec.service == "inference"]

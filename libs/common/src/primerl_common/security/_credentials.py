@@ -68,11 +68,15 @@ def channel_credentials(tls: TlsConfig) -> grpc.ChannelCredentials:
         return _credentials[key]
 
 
-def setup_process_tls(tls: TlsConfig) -> None:
-    """Makes `tls` the identity of every channel this process (and what it starts) opens."""
+def setup_process_tls(tls: TlsConfig, *, export: bool = True) -> None:
+    """Makes `tls` the identity of every channel this process (and, with `export`, what it
+    starts) opens. Without `export` the processes it starts do not inherit it (the launcher:
+    its services have identities of their own and must not hold the operator's key)."""
     global _process
     with _lock:
         _process = tls
+    if not export:
+        return
     os.environ[ENV_PREFIX + "MODE"] = tls.mode
     for name in ("cert", "key", "ca"):
         path = getattr(tls, name)

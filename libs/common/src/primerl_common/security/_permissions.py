@@ -5,7 +5,7 @@ Each service lists, for every method of its contract, the roles allowed to call 
 reflection and GetServiceInfo are open to any authenticated caller (probes and peers need
 them before anything else; they change nothing and tell only what the service is). A method
 without an entry is refused to everyone. A method that admits the operator role is an admin
-method: each call to one is logged with its caller, as is every refusal.
+method: each call to one made as an operator is logged with its caller, as is every refusal.
 
 In plaintext (loopback only: the local demo and tests) there are no identities: every caller
 is `LOCAL`, and permissions are not enforced.
@@ -132,7 +132,9 @@ class AuthorizationInterceptor(grpc.aio.ServerInterceptor):
                 reason="MISSING_ROLE",
                 metadata={"method": method, "caller": caller.name, "roles": ",".join(sorted(allowed))},
             )
-        if self._enforced and "operator" in allowed:
+        if self._enforced and "operator" in allowed and allowed.isdisjoint(caller.roles - {"operator"}):
+            # Called as an operator (a service calling a method its own role allows, such as the
+            # orchestrator polling GetBatchSpec, is routine and not logged per call).
             logger.info(
                 "%s admin call %s by %s",
                 self._service,

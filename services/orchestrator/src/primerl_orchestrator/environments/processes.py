@@ -2,21 +2,30 @@
 restarted when it dies (bounded, with backoff), stopped with the service. The program reaches
 the orchestrator through its gRPC API only, so its crash costs the episodes it was playing
 (dropped at once, so their groups end and the run goes on) and nothing else; once it has died
-more than max_restarts times the run fails, saying why."""
+more than max_restarts times the run fails, saying why.
+
+Under mutual TLS the program shows a certificate of its own (options.tls_cert/tls_key, role
+`environment`: it may call the environment API and nothing else), never the orchestrator's:
+an environment is often someone else's code, and with the orchestrator's key it could push
+batches to the trainer. It gets it, with the orchestrator's CA, as its process identity
+(PRIMERL_TLS_*, primerl_common.security). Run it as another user where its code is not trusted
+to leave the orchestrator's key file alone."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+import pathlib
 import time
 from collections.abc import Callable
 
-from primerl_common.config import ServerConfig
+from primerl_common import security
+from primerl_common.config import ConfigError, ServerConfig
 from primerl_common.processes import ServiceProcess, describe_exit
 from primerl_orchestrator.environments.base import ProcessEnvironment
 
-__all__ = ["EnvironmentProcess", "local_address"]
+__all__ = ["EnvironmentProcess", "identity_env", "local_address"]
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +46,28 @@ def local_address(server: ServerConfig) -> str:
     return f"{host}:{server.port}"
 
 
+def identity_env(name: str, options: ProcessEnvironment.Options) -> dict[str, str]:
+    """The environment variables that give environment `name`'s program its identity: its own
+    certificate under this process's mtls, nothing in plaintext. Raises ConfigError when mtls
+    and options.tls_cert/tls_key are not set."""
+    tls = security.process_tls()
+    if tls is None or tls.mode != "mtls":
+        return {}
+    if options.tls_cert is None or options.tls_key is None:
+        raise ConfigError(
+            f"invalid configuration:\n  environments[{name}].options.tls_cert, tls_key: required under tls.mode mtls "
+            "(the certificate its process shows: role environment, e.g. primerl-certs DIR --services "
+            "environment:environment)"
+        )
+    prefix = security.ENV_PREFIX
+    return {
+        prefix + "MODE": "mtls",
+        prefix + "CERT": str(options.tls_cert.resolve()),
+        prefix + "KEY": str(options.tls_key.resolve()),
+        prefix + "CA": str(pathlib.Path(str(tls.ca)).resolve()),
+    }
+
+
 class EnvironmentProcess:
     """The program of environment `name`. `abandon(reason)` drops the episodes it was playing
     when it died (returns how many); `fail(error)` fails the run once it may not restart."""
@@ -53,6 +84,7 @@ class EnvironmentProcess:
         self.name = name
         self.options = environment.options
         self.command = environment.command(name=name, orchestrator=orchestrator)
+        self.env = identity_env(name, environment.options)
         self._abandon = abandon
         self._fail = fail
         self.process: ServiceProcess | None = None
@@ -81,7 +113,9 @@ class EnvironmentProcess:
     async def _watch(self) -> None:
         backoff_s = self.options.restart_backoff_s
         while True:
-            self.process = ServiceProcess(self.command, name=f"environment {self.name}", log_path=self.options.log_file)
+            self.process = ServiceProcess(
+                self.command, name=f"environment {self.name}", log_path=self.options.log_file, env=self.env
+            )
             self.process.launch()
             started = time.monotonic()
             logger.info(
