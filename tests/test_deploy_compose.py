@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from primerl_launcher.deployment import DeploymentConfig
 from primerl_launcher.register_replicas import parse_args
 
 from . import deploy_helpers
@@ -76,3 +77,73 @@ def test_compose_keeps_the_replica_registered_and_starts_the_run_once_it_is(fake
     # No --router: the router's config lists the replica.
     router = load_service_config("router", COMPOSE / "router.toml")
     assert args.router is None and [(r.replica_id, r.address) for r in router.replicas] == replicas
+
+
+# ---------------------------------------------------------------------------- deployment shapes
+
+# Shape -> the file laid over compose.yaml (None: compose.yaml alone) and the shape it deploys.
+SHAPES = {
+    "single": (None, DeploymentConfig()),
+    "replicas": (COMPOSE / "replicas.yaml", DeploymentConfig(shape="replicas", replicas=2)),
+    "disaggregated": (COMPOSE / "disaggregated.yaml", DeploymentConfig(shape="disaggregated", prefill=1, decode=1)),
+}
+
+
+def _mounts(volumes: list[str]) -> dict[str, str]:
+    return {volume.split(":")[1]: volume for volume in volumes}
+
+
+def merged_services(override: Path | None) -> dict[str, dict]:
+    """compose.yaml with `override` laid over it as `docker compose -f compose.yaml -f override`
+    merges them: mappings key by key, mounts by their container path, sequences such as
+    command replaced."""
+    services = compose_services()
+    if override is None:
+        return services
+    for name, spec in yaml.safe_load(override.read_text())["services"].items():
+        base = services.setdefault(name, {})
+        for key, value in spec.items():
+            if key == "volumes" and key in base:
+                base[key] = list((_mounts(base[key]) | _mounts(value)).values())
+            elif isinstance(value, dict) and isinstance(base.get(key), dict):
+                base[key] = {**base[key], **value}
+            else:
+                base[key] = value
+    return services
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_each_deployment_shape_gives_the_replicas_router_and_pool_of_that_shape(shape: str, fake_model: Path) -> None:
+    override, deployment = SHAPES[shape]
+    services = merged_services(override)
+    replicas = {name: spec for name, spec in services.items() if spec["image"].startswith("primerl-inference:")}
+    configs = {}
+    for name, spec in replicas.items():
+        [config_file] = [v.split(":")[0] for v in spec["volumes"] if v.endswith(":/etc/primerl/inference.toml:ro")]
+        env = {k: str(v) for k, v in spec["environment"].items() if k.startswith("PRIMERL_INFERENCE_")}
+        configs[name] = load_service_config("inference", DEPLOY / config_file, fake_model, env=env)
+        assert spec["environment"]["PRIMERL_HEALTHCHECK_PORT"] == str(configs[name].server.port)
+        assert spec["depends_on"]["model"] == {"condition": "service_completed_successfully"}
+        if configs[name].kv_cache_pool.enabled:
+            assert configs[name].kv_cache_pool.metadata_address == f"kvstore:{PORTS['kvstore']}"
+            assert spec["depends_on"]["kvstore"] == {"condition": "service_healthy"}
+    # The roles and pool switches of the shape, as the launcher lays them out.
+    layout = deployment.layout()
+    assert sorted((c.replica.role, c.kv_cache_pool.enabled) for c in configs.values()) == sorted(
+        (r.role, r.kv_pool) for r in layout
+    )
+    # The router lists every replica with its role, and splits requests exactly when disaggregated.
+    [router_file] = [v.split(":")[0] for v in services["router"]["volumes"] if "/etc/primerl/router.toml" in v]
+    router = load_service_config("router", DEPLOY / router_file)
+    listed = {(r.replica_id, r.address, r.role) for r in router.replicas}
+    assert listed == {(c.replica.id, f"{name}:{c.server.port}", c.replica.role) for name, c in configs.items()}
+    assert router.routing.disaggregate == deployment.disaggregate
+    # Every replica is registered with the broadcaster (its pushes) once healthy.
+    register = services["register-replica"]
+    args = parse_args(register["entrypoint"][1:] + register["command"])
+    assert sorted(args.replica) == sorted((r.replica_id, r.address) for r in router.replicas)
+    assert all(register["depends_on"][name] == {"condition": "service_healthy"} for name in replicas)
+    kvstore = load_service_config("kvstore", COMPOSE / "kvstore.toml")
+    assert kvstore.node.advertise_address == f"kvstore:{PORTS['kvstore']}"
+    published = [port for spec in services.values() for port in spec.get("ports", [])]
+    assert len({p.split(":")[-2] for p in published}) == len(published)  # no host port twice
