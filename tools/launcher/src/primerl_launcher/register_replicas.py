@@ -18,8 +18,11 @@ Every primerl image and install has it (it comes with primerl-common): the
 inference pods' sidecar (Kubernetes), the Slurm job, the systemd unit and the
 compose one-shot run it.
 
-    primerl-register-replicas --broadcaster HOST:PORT [--router HOST:PORT] \\
+    primerl-register-replicas --broadcaster HOST:PORT [--router HOST:PORT [--role ROLE]] \\
         --replica ID=HOST:PORT [--replica ...] [--once [--timeout-s S]]
+
+--role (both, prefill, decode) is what the router sends the replicas: whole requests, or the
+prefill or decode half of a disaggregated one (the replicas' own replica.role).
 
 Under mutual TLS it shows the certificate PRIMERL_TLS_CERT / _KEY / _CA name (with
 PRIMERL_TLS_MODE=mtls; an operator certificate from `primerl-certs`): registering is an
@@ -39,6 +42,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from primerl.common.v1 import generation_pb2
 from primerl.router.v1 import router_pb2, router_pb2_grpc
 from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2 as wb_pb2
 from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2_grpc as wb_pb2_grpc
@@ -51,6 +55,11 @@ __all__ = ["Broadcaster", "RegistrationFailed", "Router", "main", "parse_args", 
 logger = logging.getLogger(__name__)
 
 CALL_TIMEOUT_S = 5.0
+ROLES = {
+    "both": generation_pb2.REPLICA_ROLE_BOTH,
+    "prefill": generation_pb2.REPLICA_ROLE_PREFILL,
+    "decode": generation_pb2.REPLICA_ROLE_DECODE,
+}
 # Codes that mean "not reachable (yet)": --once retries them until --timeout-s.
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 ONCE_RETRY_S = 1.0
@@ -76,6 +85,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--broadcaster", required=True, metavar="HOST:PORT", help="the weight broadcaster")
     parser.add_argument(
         "--router", metavar="HOST:PORT", help="the router; unset: the router's config lists the replicas"
+    )
+    parser.add_argument(
+        "--role",
+        choices=sorted(ROLES),
+        default="both",
+        help="with --router: the replicas' role there (both: whole requests; prefill, decode: the halves of "
+        "a disaggregated request); default both",
     )
     parser.add_argument(
         "--replica",
@@ -124,17 +140,18 @@ class Broadcaster:
 class Router:
     name = "router"
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, role: int = generation_pb2.REPLICA_ROLE_BOTH) -> None:
         self.address = address
+        self.role = role
         self.channel = security.secure_channel(address, options=_CHANNEL_OPTIONS)
         self.stub = router_pb2_grpc.RouterServiceStub(self.channel)
 
     def lists(self, replica_id: str, address: str) -> bool:
         replicas = self.stub.ListReplicas(router_pb2.ListReplicasRequest(), timeout=CALL_TIMEOUT_S).replicas
-        return any(r.replica_id == replica_id and r.address == address for r in replicas)
+        return any(r.replica_id == replica_id and r.address == address and r.role == self.role for r in replicas)
 
     def register(self, replica_id: str, address: str) -> None:
-        request = router_pb2.RegisterReplicaRequest(replica_id=replica_id, address=address)
+        request = router_pb2.RegisterReplicaRequest(replica_id=replica_id, address=address, role=self.role)
         self.stub.RegisterReplica(request, timeout=CALL_TIMEOUT_S)
 
     def deregister(self, replica_id: str) -> None:
@@ -245,7 +262,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     peers: list[Peer] = [Broadcaster(args.broadcaster)]
     if args.router:
-        peers.append(Router(args.router))
+        peers.append(Router(args.router, ROLES[args.role]))
     try:
         if args.once:
             try:
