@@ -5,9 +5,11 @@ inside the engine after its checks leaves the replica serving the previous weigh
 engine makes a dead service (a real process whose engine process is killed)."""
 
 import asyncio
+import itertools
 import pathlib
 import signal
 import sys
+import time
 
 import grpc
 import psutil
@@ -15,13 +17,15 @@ import pytest
 import pytest_asyncio
 import torch
 import torch.distributed as dist
+from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from primerl.common.v1 import generation_pb2, tensor_pb2
 from primerl.inference.v1 import inference_pb2, inference_pb2_grpc
 from primerl_common.client import make_channel
+from primerl_common.errors import error_details
 from primerl_common.processes import ServiceProcess, free_port
-from primerl_common.tensors import dtype_to_proto
+from primerl_common.tensors import dtype_to_proto, iter_tensor_chunks
 from primerl_common.testing import eventually
 from primerl_common.weights.collective import GroupSpec, TensorSpec, connect, send_tensors
 from primerl_common.weights.manifest import write_weights
@@ -219,6 +223,48 @@ async def test_a_load_failing_half_way_takes_the_replica_out_of_service_until_a_
 
 
 @pytest.mark.slow
+async def test_a_trickling_update_stream_ends_on_its_idle_deadline_and_changes_nothing(
+    served: Served, model_dir: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`begin` and the first chunk of a two-chunk tensor, then nothing: the service's admission
+    idle deadline (1 s here) ends the call DEADLINE_EXCEEDED (STREAM_IDLE); the update is
+    abandoned whole (version, logprobs as before, not updating) and frees the update lock."""
+    # The running service's own admission settings, which its interceptor reads at each call.
+    monkeypatch.setattr(served.service.config.admission, "stream_idle_timeout_s", 1.0)
+    stub = served.stub
+    version = await policy_version(stub)
+    before = await logprobs(served)
+    original = checkpoint(model_dir)
+    name, tensor = max(original.items(), key=lambda item: item[1].numel())
+    half = tensor.numel() * tensor.element_size() // 2
+    first, second = iter_tensor_chunks([(name, tensor)], chunk_bytes=half)  # two chunks of one tensor
+    assert first.HasField("header") and not second.HasField("header")
+    stalled = asyncio.Event()
+
+    async def trickle():  # type: ignore[no-untyped-def]
+        (begin,) = itertools.islice(update_stream(original, version + 1), 1)
+        yield begin
+        yield inference_pb2.UpdateWeightsRequest(chunk=first)
+        stalled.set()
+        await asyncio.sleep(60)  # never sends the rest
+
+    started = time.monotonic()
+    error = await refusal(stub.UpdateWeights(trickle()))
+    took_s = time.monotonic() - started
+
+    assert stalled.is_set()
+    assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED, error
+    assert "admission.stream_idle_timeout_s" in error.details()
+    assert [d.reason for d in error_details(error) if isinstance(d, error_details_pb2.ErrorInfo)] == ["STREAM_IDLE"]
+    assert 1.0 <= took_s < 3.5, took_s
+    load = (await stub.GetLoad(inference_pb2.GetLoadRequest())).load
+    assert (load.policy_version, load.updating_weights) == (version, False)
+    assert await logprobs(served) == before
+    # The update lock was freed: a whole update goes through at once.
+    reply = await update_weights(stub, original, version + 1)
+    assert reply.policy_version == version + 1 == await policy_version(stub)
+
+
 async def test_a_dead_engine_is_a_dead_service(model_dir: pathlib.Path) -> None:
     port = free_port()
     process = ServiceProcess(
