@@ -274,7 +274,9 @@ async def test_a_registered_replica_takes_traffic_and_a_drained_one_finishes_its
         async with paused(first):
             await asyncio.sleep(0.5)  # what `first` sent before it froze arrives
             on_first = [
-                c for c, task in zip(running, tasks, strict=True) if first.replica_id in c.replica_ids and not task.done()
+                c
+                for c, task in zip(running, tasks, strict=True)
+                if first.replica_id in c.replica_ids and not task.done()
             ]
             drained = await stub.DrainReplica(router_pb2.DrainReplicaRequest(replica_id=first.replica_id))
             assert drained.replica.draining and drained.replica.num_in_flight == len(on_first) > 0
