@@ -9,8 +9,13 @@ concurrency 1, and the throughput of a weight push stream.
   in what else the machine runs weighs on both alike; added p50 = mTLS p50 - plaintext p50
   (two TLS hops: client -> router -> replica).
 - Push: a sink server process takes a client stream of 4 MiB `bytes` messages, the transport of
-  PublishWeights and UpdateWeights, with primerl's channel and server options; GiB/s of each mode
-  in rounds that alternate; ratio = mTLS / plaintext (medians).
+  PublishWeights and UpdateWeights (whose chunks are 4 MiB too), with primerl's channel and server
+  options; GiB/s of each mode in rounds that alternate; ratio = mTLS / plaintext (medians). Both
+  ends run on this machine: where they use every core (a 2-core box), the throughput is CPU-bound
+  and the ratio is what TLS's per-byte work (AES-GCM on each side; TLS records are at most 16 KiB
+  whatever the message size) costs against a plaintext path that copies each byte a few times.
+  Also printed: CPU seconds per GiB of each mode, both ends together, to tell that cost from a
+  bottleneck of the code.
 
 glibc's malloc thresholds are raised in every process (DESIGN.md).
 
@@ -30,6 +35,7 @@ import tempfile
 import time
 
 import grpc
+import psutil
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from primerl_common import security
@@ -157,13 +163,20 @@ async def router_latency(
     return latencies
 
 
+def cpu_s(sink: psutil.Process) -> float:
+    """CPU seconds so far of this process (the pushing client) and the sink process."""
+    own, theirs = os.times(), sink.cpu_times()
+    return own.user + own.system + theirs.user + theirs.system
+
+
 async def push_throughput(
-    ports: dict[str, int], certs: pathlib.Path, args: argparse.Namespace
-) -> dict[str, list[float]]:
-    """GiB/s of each push round to each mode's sink."""
+    ports: dict[str, int], sinks: dict[str, psutil.Process], certs: pathlib.Path, args: argparse.Namespace
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """GiB/s of each push round to each mode's sink, and its CPU seconds per GiB (both ends)."""
     payload = os.urandom(args.message_mib * MiB)
     num_messages = args.push_mib // args.message_mib
     rates: dict[str, list[float]] = {mode: [] for mode in ports}
+    cpu_per_gib: dict[str, list[float]] = {mode: [] for mode in ports}
     channels = {
         mode: security.secure_aio_channel(
             f"127.0.0.1:{port}", options=channel_options(64 * MiB), tls=tls_for(mode, certs, "trainer")
@@ -178,12 +191,14 @@ async def push_throughput(
 
     for _ in range(args.rounds):
         for mode in ports:
-            began = time.perf_counter()
+            cpu_before, began = cpu_s(sinks[mode]), time.perf_counter()
             await push[mode](messages())
-            rates[mode].append(num_messages * len(payload) / (time.perf_counter() - began) / (1 << 30))
+            gib = num_messages * len(payload) / (1 << 30)
+            rates[mode].append(gib / (time.perf_counter() - began))
+            cpu_per_gib[mode].append((cpu_s(sinks[mode]) - cpu_before) / gib)
     for channel in channels.values():
         await channel.close()
-    return rates
+    return rates, cpu_per_gib
 
 
 def percentile_ms(values: list[float], fraction: float) -> float:
@@ -198,16 +213,18 @@ async def bench(args: argparse.Namespace) -> None:
         certs = tmp / "certs"
         make_certs(certs)
         async with contextlib.AsyncExitStack() as stack:
-            routers, sinks = {}, {}
+            routers, sinks, sink_processes = {}, {}, {}
             for mode in MODES:
                 replica_port, router_port, sink_port = free_port(), free_port(), free_port()
+                sink = child("sink", sink_port, mode, certs, "weight_broadcaster")
                 for process, tls in (
                     (child("replica", replica_port, mode, certs, "inference-0"), tls_for(mode, certs, "router")),
                     (router_process(router_port, replica_port, mode, certs, tmp), tls_for(mode, certs, "orchestrator")),
-                    (child("sink", sink_port, mode, certs, "weight_broadcaster"), tls_for(mode, certs, "trainer")),
+                    (sink, tls_for(mode, certs, "trainer")),
                 ):
                     await started(stack, process, tls)
                 routers[mode], sinks[mode] = router_port, sink_port
+                sink_processes[mode] = psutil.Process(sink.pid)
             print(
                 f"router: {args.calls} sequential Generate calls per mode ({args.tokens} tokens in messages of "
                 f"{args.every_n}, prompt {args.prompt_len}), in {args.slices} alternating slices"
@@ -220,9 +237,14 @@ async def bench(args: argparse.Namespace) -> None:
                     f"{percentile_ms(values, 0.99):>8.3f}"
                 )
             print(f"push: {args.rounds} rounds per mode of {args.push_mib} MiB in {args.message_mib} MiB messages")
-            rates = await push_throughput(sinks, certs, args)
+            rates, cpu_per_gib = await push_throughput(sinks, sink_processes, certs, args)
             for mode, values in rates.items():
-                print(f"{mode:>10} GiB/s " + " ".join(f"{v:.2f}" for v in values))
+                print(
+                    f"{mode:>10} GiB/s "
+                    + " ".join(f"{v:.2f}" for v in values)
+                    + "   CPU s/GiB (both ends) "
+                    + " ".join(f"{v:.2f}" for v in cpu_per_gib[mode])
+                )
     print(f"load average after: {os.getloadavg()[0]:.2f}")
     added_p50 = percentile_ms(latencies["mtls"], 0.5) - percentile_ms(latencies["plaintext"], 0.5)
     ratio = statistics.median(rates["mtls"]) / statistics.median(rates["plaintext"])
