@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from primerl_launcher.deployment import DeploymentConfig
 from primerl_launcher.register_replicas import parse_args
 
 from . import deploy_helpers
@@ -36,13 +37,39 @@ KUBERNETES_VERSION = "1.32"
 WORKLOAD_KINDS = ("Deployment", "StatefulSet", "DaemonSet", "Job")
 
 
+def strategic_merge(base: object, patch: object) -> object:
+    """A strategic merge patch as kustomize applies the ones used here: mappings key by key,
+    lists of named items (containers, env) item by name, other lists replaced."""
+    if isinstance(base, dict) and isinstance(patch, dict):
+        return {**base, **{k: strategic_merge(base[k], v) if k in base else v for k, v in patch.items()}}
+    named = isinstance(base, list) and isinstance(patch, list)
+    if named and all(isinstance(i, dict) and "name" in i for i in [*base, *patch]):
+        merged = {item["name"]: item for item in base}
+        for item in patch:
+            merged[item["name"]] = strategic_merge(merged[item["name"]], item) if item["name"] in merged else item
+        return list(merged.values())
+    return patch
+
+
 def load_kustomization(directory: Path) -> list[dict]:
-    """The objects `kubectl kustomize directory` builds, without kustomize: the resources, the
-    generated ConfigMaps (named without the content hash), the namespace and the image tags."""
+    """The objects `kubectl kustomize directory` builds, without kustomize: the resources (files,
+    or folders of another kustomization), the generated ConfigMaps (named without the content
+    hash), strategic merge patches, replica counts, the namespace and the image tags."""
     kustomization = yaml.safe_load((directory / "kustomization.yaml").read_text())
     objects: list[dict] = []
     for resource in kustomization["resources"]:
+        if (directory / resource).is_dir():
+            objects += load_kustomization((directory / resource).resolve())
+            continue
         objects += [doc for doc in yaml.safe_load_all((directory / resource).read_text()) if doc]
+    for patch in kustomization.get("patches", []):
+        for doc in yaml.safe_load_all((directory / patch["path"]).read_text()):
+            [index] = [i for i, o in enumerate(objects) if (o["kind"], o["metadata"]["name"]) ==
+                       (doc["kind"], doc["metadata"]["name"])]  # fmt: skip
+            objects[index] = strategic_merge(objects[index], doc)
+    for count in kustomization.get("replicas", []):
+        [workload] = [o for o in objects if o["kind"] in WORKLOAD_KINDS and o["metadata"]["name"] == count["name"]]
+        workload["spec"]["replicas"] = count["count"]
     for generator in kustomization.get("configMapGenerator", []):
         data: dict[str, str] = {}
         for entry in generator.get("files", []):
@@ -354,3 +381,126 @@ def test_k8s_register_sidecar_runs_the_installed_command(k8s_objects: list[dict]
     assert {e["name"] for e in sidecar["env"]} - {"POD_NAME"} == {
         f"PRIMERL_TLS_{k}" for k in ("MODE", "CERT", "KEY", "CA")
     }
+
+
+# ---------------------------------------------------------------------------- deployment shapes
+
+SHAPES_DIR = DEPLOY / "k8s-shapes"
+# Shape -> the kustomization that deploys it, and the shape (replica counts as it sets them).
+SHAPES = {
+    "single": (SHAPES_DIR / "single", DeploymentConfig()),
+    "replicas": (K8S, DeploymentConfig(shape="replicas", replicas=2)),
+    "disaggregated": (SHAPES_DIR / "disaggregated", DeploymentConfig(shape="disaggregated", prefill=1, decode=1)),
+}
+
+
+def inference_groups(objects: list[dict], fake_model: Path, tmp_path: Path) -> dict[str, tuple[dict, object]]:
+    """Each inference StatefulSet with the config its pods run (its ConfigMap and env)."""
+    config_maps = by_kind(objects, "ConfigMap")
+    groups = {}
+    for name, workload in by_kind(objects, "StatefulSet").items():
+        container = pod_spec(workload)["containers"][0]
+        if not container["image"].startswith("primerl-inference"):
+            continue
+        toml = tmp_path / f"{name}.toml"
+        toml.write_text(mounted_config(workload, config_maps, "inference"))
+        env = {e["name"]: e["value"] for e in container["env"] if e["name"].startswith("PRIMERL_INFERENCE_")}
+        env.pop("PRIMERL_INFERENCE_REPLICA__ID")  # $(POD_NAME)
+        groups[name] = (workload, load_service_config("inference", toml, fake_model, env=env))
+    return groups
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_each_deployment_shape_gives_the_replicas_router_and_pool_of_that_shape(
+    shape: str, fake_model: Path, tmp_path: Path
+) -> None:
+    directory, deployment = SHAPES[shape]
+    objects = load_kustomization(directory)
+    assert reference_errors(objects) == []
+    groups = inference_groups(objects, fake_model, tmp_path)
+    replicas = sorted(
+        (config.replica.role, config.kv_cache_pool.enabled)
+        for workload, config in groups.values()
+        for _ in range(workload["spec"]["replicas"])
+    )
+    assert replicas == sorted((r.role, r.kv_pool) for r in deployment.layout())
+    services = by_kind(objects, "Service")
+    for name, (workload, config) in groups.items():
+        if config.kv_cache_pool.enabled:
+            assert config.kv_cache_pool.metadata_address == f"kvstore:{PORTS['kvstore']}"
+        # Each pod registers itself with the router in its group's role, at its headless Service's name.
+        sidecar = next(c for c in pod_spec(workload)["containers"] if c["name"] == "register")
+        args = parse_args(sidecar["args"])
+        assert args.role == config.replica.role
+        assert args.replica == [("$(POD_NAME)", f"$(POD_NAME).{workload['spec']['serviceName']}:{PORTS['inference']}")]
+        selected = [w for w in groups.values() if services[workload["spec"]["serviceName"]]["spec"]["selector"].items()
+                    <= w[0]["spec"]["template"]["metadata"]["labels"].items()]  # fmt: skip
+        assert [w[0]["metadata"]["name"] for w in selected] == [name]  # one group per headless Service
+    router = by_kind(objects, "Deployment")["router"]
+    toml = tmp_path / "router.toml"
+    toml.write_text(mounted_config(router, by_kind(objects, "ConfigMap"), "router"))
+    env = {
+        e["name"]: e["value"]
+        for e in pod_spec(router)["containers"][0]["env"]
+        if e["name"].startswith("PRIMERL_ROUTER_")
+    }
+    assert load_service_config("router", toml, env=env).routing.disaggregate == deployment.disaggregate
+    kvstore_toml = tmp_path / "kvstore.toml"
+    kvstore_toml.write_text(
+        mounted_config(by_kind(objects, "Deployment")["kvstore"], by_kind(objects, "ConfigMap"), "kvstore")
+    )
+    assert load_service_config("kvstore", kvstore_toml).node.advertise_address == f"kvstore:{PORTS['kvstore']}"
+    need_kubernetes_validate()
+    assert schema_errors(objects) == []
+
+
+def test_the_prefill_group_is_the_inference_statefulset_but_for_its_name_role_and_pool() -> None:
+    """inference-prefill.yaml is a copy of inference.yaml: nothing else may differ."""
+    base = {(o["kind"], o["metadata"]["name"]): o for o in load_kustomization(K8S)}
+    shaped = {(o["kind"], o["metadata"]["name"]): o for o in load_kustomization(SHAPES["disaggregated"][0])}
+    extra_env = ("PRIMERL_INFERENCE_REPLICA__ROLE", "PRIMERL_INFERENCE_KV_CACHE_POOL__ENABLED",
+                 "PRIMERL_INFERENCE_KV_CACHE_POOL__METADATA_ADDRESS")  # fmt: skip
+
+    def as_base(value: object) -> object:
+        if isinstance(value, dict):
+            items = {k: as_base(v) for k, v in value.items() if k != "primerl.io/role"}
+            if "env" in items:
+                items["env"] = [e for e in items["env"] if e["name"] not in extra_env]
+            return items
+        if isinstance(value, list):
+            return [as_base(v) for v in value if v != "--role=prefill"]
+        return value.replace("inference-prefill", "inference") if isinstance(value, str) else value
+
+    for kind in ("StatefulSet", "Service"):
+        prefill, inference = as_base(shaped[kind, "inference-prefill"]), base[kind, "inference"]
+        if kind == "StatefulSet":  # the replica count is the shape's
+            prefill["spec"]["replicas"] = inference["spec"]["replicas"]
+        assert prefill == inference, kind
+
+
+@pytest.mark.parametrize("shape", ["single", "disaggregated"])
+def test_kubectl_kustomize_builds_each_shape_the_same(shape: str) -> None:
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is not installed")
+    directory = SHAPES[shape][0]
+    built = subprocess.run(
+        [kubectl, "kustomize", str(directory)], capture_output=True, text=True, timeout=60, check=True
+    )
+    objects = [doc for doc in yaml.safe_load_all(built.stdout) if doc]
+    ours = load_kustomization(directory)
+
+    def keyed(objs: list[dict]) -> dict[tuple[str, str], dict]:
+        return {(o["kind"], re.sub(r"-[a-z0-9]{10}$", "", o["metadata"]["name"])): o for o in objs}
+
+    theirs, mine = keyed(objects), keyed(ours)
+    assert set(theirs) == set(mine)
+    for key in mine:
+        if key[0] in WORKLOAD_KINDS:
+            # Same replicas, labels, env and args (ConfigMap names carry kustomize's hash there).
+            assert theirs[key]["spec"]["replicas"] == mine[key]["spec"]["replicas"], key
+            assert theirs[key]["spec"]["selector"] == mine[key]["spec"]["selector"], key
+            for a, b in zip(containers_of(theirs[key]), containers_of(mine[key]), strict=True):
+                env_a, env_b = (sorted(c.get("env", []), key=lambda e: e["name"]) for c in (a, b))
+                assert (env_a, a.get("args"), a["image"]) == (env_b, b.get("args"), b["image"]), key
+            assert theirs[key]["metadata"].get("namespace") == mine[key]["metadata"].get("namespace"), key
