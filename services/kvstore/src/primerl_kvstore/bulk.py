@@ -20,6 +20,9 @@ Protocol, on a connection that carries any number of requests (integers little-e
       ok get  per key: header_len u32 | BlockHeader (found, num_bytes) | data
       error   len u32 | google.rpc.Status (code, message naming the field); the
               server then closes the connection
+
+A connection past node.bulk_max_connections gets an error answer (RESOURCE_EXHAUSTED) before
+any request: under mTLS once the handshake is done, so the client reads it as it reads any answer.
 """
 
 from __future__ import annotations
