@@ -421,4 +421,3 @@ class OrchestratorConfig(ServiceConfig):
                 "sampling": evaluation.sampling.over(SamplingDefaults()).model_dump(),
             }
         return EnvironmentConfig.model_validate(fields)
-
