@@ -76,10 +76,16 @@ def fake_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return model
 
 
-def load_service_config(service: str, path: Path, model: Path | None = None, env: dict[str, str] | None = None):
-    """The config `primerl-<service> -c path` would run with (the model folder replaced by `model`)."""
+def load_service_config(
+    service: str,
+    path: Path,
+    model: Path | None = None,
+    env: dict[str, str] | None = None,
+    argv: list[str] | None = None,
+):
+    """The config `primerl-<service> -c path [argv]` would run with (the model folder replaced by `model`)."""
     config_class = getattr(importlib.import_module(f"primerl_{service}.config"), CONFIG_CLASSES[service])
-    argv = ["-c", str(path)]
+    argv = ["-c", str(path), *(argv or [])]
     if model is not None and service in MODEL_FLAG:
         argv += [MODEL_FLAG[service], str(model)]
     with mock.patch.dict(os.environ, env or {}):

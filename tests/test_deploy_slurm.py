@@ -1,6 +1,8 @@
 """deploy/slurm, checked offline: `bash -n`, shellcheck, the dry-run plan for a fake
 allocation (the rendered configs load with the services' config classes), and a run with
-a fake srun and fake services: start-up, arguments, teardown order on SIGTERM, exit status."""
+a fake srun and fake services: start-up, arguments, teardown order on SIGTERM, exit status;
+each deployment shape (PRIMERL_SLURM_SHAPE) plans the replicas, roles, pool and router of that
+shape as the launcher lays it out."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from primerl_launcher.deployment import DeploymentConfig
 from primerl_launcher.register_replicas import parse_args
 
 from . import deploy_helpers
@@ -267,3 +270,67 @@ def test_sbatch_fails_when_a_service_dies(fake_slurm: dict[str, str]) -> None:
     assert result.returncode == 3, result.stdout + result.stderr
     assert "router exited" in result.stdout
     assert any(line.startswith("term primerl-orchestrator head") for line in events(env))
+
+
+# ---------------------------------------------------------------------------- deployment shapes
+
+# Shape -> (inference nodes, the shape the dry run below deploys: 2 GPUs a node).
+SHAPES = {
+    "single": (1, DeploymentConfig()),
+    "replicas": (2, DeploymentConfig(shape="replicas", replicas=4)),
+    "disaggregated": (2, DeploymentConfig(shape="disaggregated", prefill=2, decode=2)),
+}
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_sbatch_plans_each_deployment_shape(shape: str, tmp_path: Path, fake_model: Path) -> None:
+    num_inference_nodes, deployment = SHAPES[shape]
+    nodes = ["head", "trainer", *(f"gpu{i}" for i in range(num_inference_nodes))]
+    run_dir = tmp_path / "run"
+    env = {
+        "SLURM_JOB_NODELIST": ",".join(nodes),
+        "PRIMERL_SLURM_MODEL": str(fake_model),
+        "PRIMERL_SLURM_RUN_DIR": str(run_dir),
+        "PRIMERL_SLURM_REPO": str(REPO),
+        "PRIMERL_SLURM_GPUS_PER_NODE": "2",
+        "PRIMERL_SLURM_SHAPE": shape,
+    }
+    result = run_sbatch(env, "--dry-run")
+    assert result.returncode == 0, result.stderr
+    plan, commands = result.stdout.split("\n\n")
+    rows = [line.split(None, 3) for line in plan.splitlines()[1:] if line.split()[1] == "inference"]
+    # Every replica of the plan runs what its group's srun starts: the config, then its role and pool.
+    sruns = [line.split(" primerl-inference ", 1) for line in commands.splitlines() if " primerl-inference " in line]
+    configs = {}
+    for srun, args in sruns:
+        config = load_service_config("inference", Path(args.split()[1]), fake_model, argv=args.split()[2:])
+        hosts = srun.split("--nodelist=")[1].split()[0].split(",")
+        per_node = int(srun.split("--ntasks-per-node=")[1].split()[0])
+        for host in hosts:
+            for gpu in range(per_node):
+                configs[host, 50053 + 10 * gpu] = config
+    assert sorted(configs) == sorted((row[0], int(row[2])) for row in rows)
+    replicas = sorted((c.replica.role, c.kv_cache_pool.enabled) for c in configs.values())
+    assert replicas == sorted((r.role, r.kv_pool) for r in deployment.layout())
+    for config in configs.values():
+        if config.kv_cache_pool.enabled:
+            assert config.kv_cache_pool.metadata_address == "head:50056"
+    kvstore = load_service_config("kvstore", run_dir / "config" / "kvstore.toml")
+    assert kvstore.node.advertise_address == "head:50056"
+    # The router lists each replica with its role, and splits requests exactly when disaggregated.
+    [router_command] = [line for line in commands.splitlines() if "primerl-router" in line]
+    router_args = router_command.split("primerl-router ", 1)[1].split()
+    router = load_service_config("router", Path(router_args[1]), argv=router_args[2:])
+    assert router.routing.disaggregate == deployment.disaggregate
+    listed = {(r.address, r.role) for r in router.replicas}
+    assert listed == {(f"{host}:{port}", c.replica.role) for (host, port), c in configs.items()}
+
+
+def test_sbatch_refuses_a_shape_its_allocation_cannot_hold(tmp_path: Path, fake_model: Path) -> None:
+    env = {"PRIMERL_SLURM_MODEL": str(fake_model), "PRIMERL_SLURM_RUN_DIR": str(tmp_path)}
+    result = run_sbatch({**env, "SLURM_JOB_NODELIST": "n[1-3]", "PRIMERL_SLURM_SHAPE": "disaggregated"}, "--dry-run")
+    assert result.returncode == 2 and "need at least 1 prefill and 1 decode node" in result.stderr
+    result = run_sbatch({**env, "SLURM_JOB_NODELIST": "n[1-4]", "PRIMERL_SLURM_SHAPE": "single"}, "--dry-run")
+    assert result.returncode == 2 and "single runs one replica" in result.stderr
+    result = run_sbatch({**env, "SLURM_JOB_NODELIST": "n[1-3]", "PRIMERL_SLURM_SHAPE": "mesh"}, "--dry-run")
+    assert result.returncode == 2 and "PRIMERL_SLURM_SHAPE=mesh" in result.stderr
