@@ -1,7 +1,8 @@
 """deploy/systemd, checked offline: `systemd-analyze verify` on every unit (over a
 temporary root in which the install prefix holds the console scripts), and what each
 unit promises (drain time, hardening, its config file, which loads with its service's
-config class)."""
+config class); each deployment shape (etc/, or a folder of shapes/ laid over it) lists the
+replicas, roles, pool and router of that shape as the launcher lays it out."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from primerl_launcher.deployment import DeploymentConfig
 from primerl_launcher.register_replicas import parse_args
 
 from . import deploy_helpers
@@ -179,3 +181,46 @@ def test_systemd_target_and_user() -> None:
     target = unit_entries(SYSTEMD / "primerl.target")
     assert target["WantedBy"] == ["multi-user.target"]
     assert "u primerl - " in (SYSTEMD / "primerl.sysusers.conf").read_text()
+
+
+# ---------------------------------------------------------------------------- deployment shapes
+
+# Shape -> the folder laid over etc/ (None: etc/ alone) and the shape it deploys.
+SHAPES = {
+    "single": (SYSTEMD / "shapes/single", DeploymentConfig()),
+    "replicas": (None, DeploymentConfig(shape="replicas", replicas=2)),
+    "disaggregated": (SYSTEMD / "shapes/disaggregated", DeploymentConfig(shape="disaggregated", prefill=1, decode=1)),
+}
+
+
+def installed_etc(overlay: Path | None) -> dict[str, Path]:
+    """/etc/primerl as the README installs it: etc/, then the shape's folder over it."""
+    files = {path.name: path for path in (SYSTEMD / "etc").iterdir()}
+    if overlay is not None:
+        files |= {path.name: path for path in overlay.iterdir()}
+    return files
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_each_deployment_shape_gives_the_replicas_router_and_pool_of_that_shape(shape: str, fake_model: Path) -> None:
+    overlay, deployment = SHAPES[shape]
+    etc = installed_etc(overlay)
+    router = load_service_config("router", etc["router.toml"])
+    # The instances the router lists are the ones enabled (one inference@N.env each).
+    instances = {}
+    for replica in router.replicas:
+        env_files = [p for n, p in etc.items() if n.startswith("inference@") and n.endswith(".env")]
+        [path] = [p for p in env_files if env_file(p)["PRIMERL_INFERENCE_REPLICA__ID"] == replica.replica_id]
+        config = load_service_config("inference", etc["inference.toml"], fake_model, env_file(path))
+        assert replica.address == f"localhost:{config.server.port}" and replica.role == config.replica.role
+        if config.kv_cache_pool.enabled:
+            kvstore = load_service_config("kvstore", etc["kvstore.toml"])
+            assert config.kv_cache_pool.metadata_address == f"localhost:{kvstore.server.port}"
+        instances[replica.replica_id] = config
+    replicas = sorted((c.replica.role, c.kv_cache_pool.enabled) for c in instances.values())
+    assert replicas == sorted((r.role, r.kv_pool) for r in deployment.layout())
+    assert router.routing.disaggregate == deployment.disaggregate
+    register = env_file(etc["register-replicas.env"])
+    assert sorted(register["REPLICAS"].split()) == sorted(
+        f"--replica={r.replica_id}={r.address}" for r in router.replicas
+    )
