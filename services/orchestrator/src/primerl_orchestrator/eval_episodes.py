@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from primerl.common.v1 import generation_pb2
@@ -56,7 +56,7 @@ class EvalPlay:
     forced_sampling: generation_pb2.SamplingParams
     max_concurrent: int
     # Admission: True while an eval group may start.
-    may_start: collections.abc.Callable[[], bool]
+    may_start: Callable[[], bool]
 
 
 @dataclass(eq=False)
@@ -116,7 +116,7 @@ class EvalEpisode:
 class EvalEpisodes:
     """The evaluation episodes of process-played environments, by id and by environment."""
 
-    def __init__(self, dispatcher: Dispatcher, *, clock: collections.abc.Callable[[], float]) -> None:
+    def __init__(self, dispatcher: Dispatcher, *, clock: Callable[[], float]) -> None:
         # Its state changes wake the episode waiters; its close ends them.
         self._dispatcher = dispatcher
         self._clock = clock
