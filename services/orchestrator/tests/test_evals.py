@@ -17,7 +17,7 @@ from transformers import AutoTokenizer
 
 from primerl.common.v1 import generation_pb2
 from primerl.router.v1 import router_pb2, router_pb2_grpc
-from primerl_common.errors import ServiceError
+from primerl_common.errors import FailedPrecondition, ServiceError
 from primerl_common.testing import bare_server
 from primerl_launcher.tiny_model import save_tokenizer
 from primerl_orchestrator.config import EnvironmentConfig, OrchestratorConfig
@@ -335,6 +335,9 @@ async def test_an_evaluation_of_a_process_environment_is_played_through_the_api_
         again = [await asyncio.wait_for(run.next_episode("kv"), timeout=5) for _ in range(4)]
         assert {e.episode_id for e in again}.isdisjoint(e.episode_id for e in episodes)
         assert [e.attempt for e in again] == [2] * 4
+        # A late call on a dropped one is told so (the process's player takes that as the end).
+        with pytest.raises(FailedPrecondition, match="is over"):
+            run.finish_episode(episodes[0].episode_id, reward=1.0, metrics={}, discard=False)
         for episode, reward in zip(again, [1.0, 0.0, 0.0, 0.0], strict=True):
             await _play(run, episode.episode_id, reward)
         result = await asyncio.wait_for(evaluating, timeout=5)

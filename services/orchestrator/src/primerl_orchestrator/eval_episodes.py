@@ -30,6 +30,8 @@ from primerl_orchestrator.scheduler import Dispatcher
 __all__ = ["MAX_ATTEMPTS", "EvalEpisode", "EvalEpisodes", "EvalPlay", "SampleRecord"]
 
 MAX_ATTEMPTS = 3
+# Ended episodes remembered, so that a late call on one is told what became of it.
+_MAX_RETIRED = 10_000
 
 
 @dataclass
@@ -124,9 +126,18 @@ class EvalEpisodes:
         self._pending: dict[str, collections.deque[EvalEpisode]] = collections.defaultdict(collections.deque)
         self._live: dict[str, EvalEpisode] = {}
         self._in_flight: collections.Counter[str] = collections.Counter()
+        self._retired: collections.OrderedDict[str, EpisodeState] = collections.OrderedDict()
 
     def get(self, episode_id: str) -> EvalEpisode | None:
-        return self._live.get(episode_id)
+        """The live evaluation episode `episode_id`; None when it is none (a training one);
+        FAILED_PRECONDITION for one that ended (its evaluation was scored or given up)."""
+        episode = self._live.get(episode_id)
+        if episode is None and (state := self._retired.get(episode_id)) is not None:
+            reason = "EPISODE_DROPPED" if state == EpisodeState.DROPPED else "EPISODE_FINISHED"
+            raise FailedPrecondition(
+                f"evaluation episode {episode_id} is over ({state.value})", reason=reason, subject=episode_id
+            )
+        return episode
 
     def has_queued(self, environment: str) -> bool:
         return bool(self._pending[environment] or self._queued[environment])
@@ -239,6 +250,9 @@ class EvalEpisodes:
     def _end(self, episode: EvalEpisode, *, state: EpisodeState = EpisodeState.DROPPED) -> None:
         if self._live.pop(episode.episode_id, None) is None:
             return
+        self._retired[episode.episode_id] = state
+        while len(self._retired) > _MAX_RETIRED:
+            self._retired.popitem(last=False)
         if episode.state == EpisodeState.RUNNING:
             self._in_flight[episode.play.evaluation] -= 1
         elif episode.state == EpisodeState.PENDING and episode in self._pending[episode.environment]:
