@@ -13,18 +13,31 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from primerl_common import security
 from primerl_common.malloc import MALLOC_ENV
 from primerl_common.processes import ServiceDied, ServiceProcess
+from primerl_launcher.certs import run_certificates
 from primerl_launcher.run import service_command, write_configs
 from primerl_launcher.service_group import ServiceGroup
 from primerl_launcher.spec import LaunchConfigError, LaunchFile, ServiceSpec
-from primerl_launcher.wiring import address_of, get_path, set_default, set_model, wire
+from primerl_launcher.wiring import (
+    OPERATOR,
+    address_of,
+    get_path,
+    identities,
+    served_hosts,
+    set_default,
+    set_model,
+    set_tls,
+    wire,
+)
 
 __all__ = ["evaluate_checkpoint", "format_results"]
 
 EXIT_FAILED = 1
 # What serves a checkpoint: the rest of the launch file is not started.
 _SERVING = ("inference", "router", "kvstore")
+_EVALUATOR = "orchestrator-eval"
 
 
 def _eval_services(launch: LaunchFile) -> tuple[dict[str, ServiceSpec], ServiceSpec]:
@@ -56,7 +69,12 @@ async def evaluate_checkpoint(
     checkpoint, run_dir, output = _paths(checkpoint, run_dir, output)
     services, orchestrator = _eval_services(launch)
     settings = launch.launcher
-    wire(services, run_dir=run_dir, model=checkpoint, host=settings.host)
+    tls = None
+    if settings.tls == "mtls":  # as primerl up: certificates in the run directory, called as the operator
+        holders = {**identities(services), _EVALUATOR: ["orchestrator"]}
+        tls = run_certificates(run_dir / "certs", holders, hosts=served_hosts(services, settings.host))
+        security.setup_process_tls(tls[OPERATOR], export=False)
+    wire(services, run_dir=run_dir, model=checkpoint, host=settings.host, tls=tls)
     set_model(services, checkpoint, force=True)
     # Replicas start serving the checkpoint's weights as version 0. Nothing is tracked or written
     # but the results.
@@ -67,8 +85,11 @@ async def evaluate_checkpoint(
     # It serves the orchestrator's API to the environment processes it runs (verifiers evals),
     # on a free port, in the wired services' TLS mode.
     set_default(table, "server.host", settings.host)
-    set_default(table, "tls.mode", get_path(services["router"].table, "tls.mode") or "plaintext")
-    evaluator = ServiceSpec("orchestrator-eval", "orchestrator", table, "[orchestrator]")
+    evaluator = ServiceSpec(_EVALUATOR, "orchestrator", table, "[orchestrator]")
+    if tls is None:
+        set_default(table, "tls.mode", get_path(services["router"].table, "tls.mode") or "plaintext")
+    else:
+        set_tls(evaluator, tls)
     paths = write_configs([*services.values(), evaluator], run_dir / "config")
     env = {**MALLOC_ENV, **os.environ, **settings.env}
     group = ServiceGroup(log_tail_lines=settings.log_tail_lines)

@@ -22,6 +22,7 @@ __all__ = [
     "served_hosts",
     "set_default",
     "set_model",
+    "set_tls",
     "wire",
 ]
 
@@ -93,7 +94,7 @@ def served_hosts(services: Mapping[str, ServiceSpec], host: str) -> list[str]:
     return sorted(name for name in hosts if name not in _UNSPECIFIED_HOSTS)
 
 
-def _set_tls(spec: ServiceSpec, tls: Mapping[str, TlsConfig] | None) -> None:
+def set_tls(spec: ServiceSpec, tls: Mapping[str, TlsConfig] | None) -> None:
     """The service's tls section, where the launch file leaves it: plaintext (a local run,
     which the services accept on loopback hosts only), or its certificate from `tls`."""
     if tls is None:
@@ -123,7 +124,7 @@ def wire(
     tables (in place)."""
     assign_ports(services, host=host)
     for spec in services.values():
-        _set_tls(spec, tls)
+        set_tls(spec, tls)
     if model is not None:
         set_model(services, model)
     replicas = [spec for spec in services.values() if spec.service == "inference"]
