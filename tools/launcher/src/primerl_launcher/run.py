@@ -192,6 +192,8 @@ class Launcher:
         model = await asyncio.to_thread(prepare_model, settings)
         if model is not None:
             print(f"model: {model}")
+        if launch.deployment is not None:
+            print(f"inference: {launch.deployment.describe()}")
         if launch.added:
             print("not in the run file, added on their defaults: " + ", ".join(launch.added))
         tls = await self._identities(services)
