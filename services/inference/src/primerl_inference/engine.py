@@ -102,8 +102,13 @@ class InferenceEngine:
             is_paused=lambda: self._paused,
             liveness=self.liveness,
             set_serving=self._serving_changed,
+            on_new_version=self._restart_unstarted,
         )
         self._draining = False
+        # Requests in the engine (engine request ids) and the policy version their salt names;
+        # those started again because an update landed before their first token.
+        self._salted_versions: dict[str, int] = {}
+        self._restarting: set[str] = set()
         # Router replay (R3): None when the model has no experts or capture is off or
         # unavailable; requests for routing are then refused.
         self._routed_experts = routed_experts
@@ -262,7 +267,10 @@ class InferenceEngine:
         # Unique per call, whatever the client chose: the version lookup below goes by it.
         engine_request_id = f"{request.request_id}-{next(self._request_numbers)}"
         routed_experts_claimed = False
+        self._salted_versions[engine_request_id] = version
         with contextlib.ExitStack() as stack:
+            stack.callback(self._salted_versions.pop, engine_request_id, None)
+            stack.callback(self._restarting.discard, engine_request_id)
             lora = stack.enter_context(self._adapters.in_use(request.lora_adapter)) if request.lora_adapter else None
             outputs = self._llm.generate(prompt, params, engine_request_id, lora_request=lora)
             chunks = stream_chunks(
@@ -274,6 +282,10 @@ class InferenceEngine:
                 async with contextlib.aclosing(chunks):
                     with self.liveness.translated():
                         async for chunk in chunks:
+                            if engine_request_id in self._restarting:
+                                if chunk.finished:
+                                    raise PolicyVersionChanged(version, self.policy_version)
+                                continue  # tokens sampled before the update, on their way out
                             if chunk.finish_reason == "abort":
                                 self._check_in_service()
                             if chunk.finished and request.return_routed_experts:
@@ -287,6 +299,33 @@ class InferenceEngine:
                     task = asyncio.ensure_future(self._routed_experts.discard(engine_request_id))
                     self._background_tasks.add(task)
                     task.add_done_callback(self._background_tasks.discard)
+
+    async def _restart_unstarted(self, new_version: int) -> None:
+        """Aborts, to be started again under the new version's salt, the requests salted with
+        an older version that have no token yet (while scheduling is paused for the update):
+        they would otherwise run to their end before `generate` saw their first token's version.
+        A request not yet in the engine, or whose first token is on its way, is left to that check."""
+        unstarted = [
+            request_id
+            for request_id, version in self._salted_versions.items()
+            if version < new_version and self._has_no_token(request_id)
+        ]
+        if not unstarted:
+            return
+        self._restarting.update(unstarted)
+        logger.info("%d requests admitted before policy version %d start again under it", len(unstarted), new_version)
+        try:
+            await self._llm.abort(unstarted)
+        except Exception:  # they then run on until their first token's version is seen
+            logger.warning("could not abort the requests to start again", exc_info=True)
+
+    def _has_no_token(self, engine_request_id: str) -> bool:
+        """True for a request in the engine that has sampled no token the frontend has seen
+        (vLLM internals: OutputProcessor.external_req_ids, RequestState.weight_version_starts)."""
+        output_processor = self._llm.output_processor
+        internal_ids = output_processor.external_req_ids.get(engine_request_id, ())
+        states = [output_processor.request_states.get(i) for i in internal_ids]
+        return bool(states) and all(state is not None and not state.weight_version_starts for state in states)
 
     def _check_in_service(self) -> None:
         self.liveness.check()

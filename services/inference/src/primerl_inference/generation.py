@@ -141,14 +141,15 @@ class GenerationChunk:
 
 
 class PolicyVersionChanged(Exception):
-    """A request's first token was sampled at another policy version than the one its cache
-    salt names: a weight update landed between its admission and its first token, so its
-    prefix may have been looked up (and reused) under the older version's salt."""
+    """A weight update landed between a request's admission and its first token, so its
+    prefix may be looked up (and reused) under the older version's salt: it starts again."""
 
-    def __init__(self, salted_version: int, sampled_version: int) -> None:
-        super().__init__(f"salted with policy version {salted_version}, first token sampled at {sampled_version}")
+    def __init__(self, salted_version: int, new_version: int) -> None:
+        super().__init__(
+            f"salted with policy version {salted_version}; version {new_version} came before its first token"
+        )
         self.salted_version = salted_version
-        self.sampled_version = sampled_version
+        self.new_version = new_version
 
 
 class StreamBatcher:

@@ -85,7 +85,8 @@ class WeightUpdater:
     A swap holds `control_lock`, the engine's lock over what changes its state (pause,
     resume, adapters), and leaves scheduling paused when `is_paused()` says the engine's
     caller paused it. `set_serving` is told when the replica goes out of service (a load
-    that failed after writing) and back."""
+    that failed after writing) and back; `on_new_version`, with each new version once it is
+    stamped, before scheduling resumes."""
 
     def __init__(
         self,
@@ -98,10 +99,12 @@ class WeightUpdater:
         is_paused: Callable[[], bool],
         liveness: EngineLiveness,
         set_serving: Callable[[bool], Awaitable[None]],
+        on_new_version: Callable[[int], Awaitable[None]] | None = None,
     ) -> None:
         self._llm = llm
         self._liveness = liveness
         self._set_serving = set_serving
+        self._on_new_version = on_new_version
         # Why the model holds no whole policy version, while it does not.
         self._out_of_service: str | None = None
         self._weight_tables = weight_tables
@@ -269,6 +272,8 @@ class WeightUpdater:
             await self._llm.update_weight_version(str(update.policy_version))
             self._policy_version = update.policy_version
             metrics.policy_version.set(update.policy_version)
+            if self._on_new_version is not None:
+                await self._on_new_version(update.policy_version)
             if self._out_of_service is not None:
                 self._out_of_service = None
                 logger.info("policy version %d is whole: back in service", update.policy_version)
