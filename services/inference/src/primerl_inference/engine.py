@@ -36,7 +36,6 @@ from vllm.v1.engine.async_llm import AsyncLLM
 
 from primerl.common.v1 import tensor_pb2
 from primerl_common.errors import FailedPrecondition, InvalidArgument, Unavailable
-from primerl_common.kvpool.keys import served_cache_salt
 from primerl_inference.adapters import AdapterRegistry, AdapterSpec, receive_adapter_tensors
 from primerl_inference.capabilities import (
     CAPABILITY_KV_TRANSFER,
@@ -54,6 +53,7 @@ from primerl_inference.load import EngineStats, LoadReport
 from primerl_inference.routed_experts import RoutedExpertsUnavailableError
 from primerl_inference.routed_experts.client import RoutedExpertsClient
 from primerl_inference.streaming import sampling_params, stream_chunks
+from primerl_inference.version_salts import VersionSalts
 from primerl_inference.weight_updates import WeightUpdater, load_weight_tables
 from primerl_inference.weights import WeightTable, default_staging_dir
 
@@ -89,6 +89,7 @@ class InferenceEngine:
         self._request_numbers = itertools.count()
         # Serializes what changes the engine's state: weight swaps, pause, resume, adapters.
         self._control_lock = asyncio.Lock()
+        self._salts = VersionSalts(llm)
         self._paused = False
         self.liveness = EngineLiveness(llm)
         # Told when the replica goes out of service and back (server.py sets it to its health).
@@ -102,13 +103,9 @@ class InferenceEngine:
             is_paused=lambda: self._paused,
             liveness=self.liveness,
             set_serving=self._serving_changed,
-            on_new_version=self._restart_unstarted,
+            on_new_version=self._salts.restart_unstarted,
         )
         self._draining = False
-        # Requests in the engine (engine request ids) and the policy version their salt names;
-        # those started again because an update landed before their first token.
-        self._salted_versions: dict[str, int] = {}
-        self._restarting: set[str] = set()
         # Router replay (R3): None when the model has no experts or capture is off or
         # unavailable; requests for routing are then refused.
         self._routed_experts = routed_experts
@@ -233,11 +230,9 @@ class InferenceEngine:
         """Streams the completion of `request` in chunks as its stream policy asks; the last
         chunk has `finished` set. Closing the iterator early aborts the request in the engine.
 
-        KV is reused only within one policy version: the request's cache salt is the version
-        the replica serves when it is admitted, before the caller's salt (kvpool.keys), and a
-        request whose first token comes out at another version (an update landed before it
-        was scheduled, so its prefix was looked up under the older salt) is started again,
-        its tokens dropped, under the new version's salt."""
+        KV is reused only within one policy version (version_salts.py): the request is salted
+        with the version served when it is admitted, and started again under the new one's
+        salt, its tokens dropped, when an update lands before its first token."""
         self._admit(request)
         if request.kv_transfer == "prefill":
             # The prompt's KV goes to the pool as it is computed; stop at the first token.
@@ -262,15 +257,12 @@ class InferenceEngine:
         self, request: GenerateRequest, params: SamplingParams, version: int
     ) -> AsyncIterator[GenerationChunk]:
         """One attempt of `request`, salted with policy version `version`."""
-        salt = served_cache_salt(version, request.cache_salt)
-        prompt = tokens_input(list(request.prompt_token_ids), cache_salt=salt)
         # Unique per call, whatever the client chose: the version lookup below goes by it.
         engine_request_id = f"{request.request_id}-{next(self._request_numbers)}"
         routed_experts_claimed = False
-        self._salted_versions[engine_request_id] = version
         with contextlib.ExitStack() as stack:
-            stack.callback(self._salted_versions.pop, engine_request_id, None)
-            stack.callback(self._restarting.discard, engine_request_id)
+            salt = stack.enter_context(self._salts.attempt(engine_request_id, version, request.cache_salt))
+            prompt = tokens_input(list(request.prompt_token_ids), cache_salt=salt)
             lora = stack.enter_context(self._adapters.in_use(request.lora_adapter)) if request.lora_adapter else None
             outputs = self._llm.generate(prompt, params, engine_request_id, lora_request=lora)
             chunks = stream_chunks(
@@ -282,7 +274,7 @@ class InferenceEngine:
                 async with contextlib.aclosing(chunks):
                     with self.liveness.translated():
                         async for chunk in chunks:
-                            if engine_request_id in self._restarting:
+                            if self._salts.restarting(engine_request_id):
                                 if chunk.finished:
                                     raise PolicyVersionChanged(version, self.policy_version)
                                 continue  # tokens sampled before the update, on their way out
@@ -299,33 +291,6 @@ class InferenceEngine:
                     task = asyncio.ensure_future(self._routed_experts.discard(engine_request_id))
                     self._background_tasks.add(task)
                     task.add_done_callback(self._background_tasks.discard)
-
-    async def _restart_unstarted(self, new_version: int) -> None:
-        """Aborts, to be started again under the new version's salt, the requests salted with
-        an older version that have no token yet (while scheduling is paused for the update):
-        they would otherwise run to their end before `generate` saw their first token's version.
-        A request not yet in the engine, or whose first token is on its way, is left to that check."""
-        unstarted = [
-            request_id
-            for request_id, version in self._salted_versions.items()
-            if version < new_version and self._has_no_token(request_id)
-        ]
-        if not unstarted:
-            return
-        self._restarting.update(unstarted)
-        logger.info("%d requests admitted before policy version %d start again under it", len(unstarted), new_version)
-        try:
-            await self._llm.abort(unstarted)
-        except Exception:  # they then run on until their first token's version is seen
-            logger.warning("could not abort the requests to start again", exc_info=True)
-
-    def _has_no_token(self, engine_request_id: str) -> bool:
-        """True for a request in the engine that has sampled no token the frontend has seen
-        (vLLM internals: OutputProcessor.external_req_ids, RequestState.weight_version_starts)."""
-        output_processor = self._llm.output_processor
-        internal_ids = output_processor.external_req_ids.get(engine_request_id, ())
-        states = [output_processor.request_states.get(i) for i in internal_ids]
-        return bool(states) and all(state is not None and not state.weight_version_starts for state in states)
 
     def _check_in_service(self) -> None:
         self.liveness.check()
