@@ -1,6 +1,7 @@
 """The real services the end-to-end tests drive, started once per session (conftest.py):
-primerl-inference (vLLM on CPU, a tiny Qwen3-MoE) behind primerl-router, primerl-trainer
-replaying the routed experts and checkpointing on a graceful stop, and
+primerl-inference (vLLM on CPU, a tiny Qwen3-MoE) behind primerl-router, on the pooled KV
+cache of primerl-kvstore (it saves the prefix blocks it computes and loads those the pool has),
+primerl-trainer replaying the routed experts and checkpointing on a graceful stop, and
 primerl-weight-broadcaster pushing each version the trainer publishes to the replica (which
 the router follows). Each service can be restarted on its own config and port.
 
@@ -27,6 +28,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
+from primerl.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
 from primerl.orchestrator.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 from primerl.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from primerl_common.client import make_channel
@@ -132,7 +134,7 @@ def guessing_model(root: pathlib.Path) -> pathlib.Path:
 @dataclass
 class Stack:
     model: pathlib.Path
-    # By service name: inference, weight_broadcaster, router, trainer.
+    # By service name: kvstore, inference, weight_broadcaster, router, trainer.
     processes: dict[str, ServiceProcess]
     # Where the output of each stopped process is kept (<name>-<n>.log).
     log_dir: pathlib.Path
@@ -152,6 +154,10 @@ class Stack:
     @property
     def inference(self) -> str:
         return self.processes["inference"].address
+
+    @property
+    def kvstore(self) -> str:
+        return self.processes["kvstore"].address
 
     @property
     def trainer_process(self) -> ServiceProcess:
@@ -196,8 +202,10 @@ async def restart(
 @asynccontextmanager
 async def running_stack(root: pathlib.Path) -> AsyncIterator[Stack]:
     model = guessing_model(CACHE)
-    ports = {name: free_port() for name in ("inference", "weight_broadcaster", "router", "trainer")}
-    inference, broadcaster = (f"127.0.0.1:{ports[name]}" for name in ("inference", "weight_broadcaster"))
+    ports = {name: free_port() for name in ("kvstore", "inference", "weight_broadcaster", "router", "trainer")}
+    kvstore, inference, broadcaster = (
+        f"127.0.0.1:{ports[name]}" for name in ("kvstore", "inference", "weight_broadcaster")
+    )
     router_config = root / "router.toml"
     router_config.write_text(
         f'[[replicas]]\nreplica_id = "{REPLICA_ID}"\naddress = "{inference}"\n'
@@ -209,6 +217,8 @@ async def running_stack(root: pathlib.Path) -> AsyncIterator[Stack]:
         f'[push]\nprobe_interval_s = 0.5\n[[replicas]]\nreplica_id = "{REPLICA_ID}"\naddress = "{inference}"\n'
     )
     args = {
+        # Metadata and storage in one process, blocks in DRAM.
+        "kvstore": service_args("primerl-kvstore", ports["kvstore"]),
         "inference": service_args(
             "primerl-inference",
             ports["inference"],
@@ -218,6 +228,9 @@ async def running_stack(root: pathlib.Path) -> AsyncIterator[Stack]:
             f"--engine.max_model_len={MAX_MODEL_LEN}",
             "--engine.max_num_seqs=16",
             f"--replica.id={REPLICA_ID}",
+            "--kv_cache_pool.enabled=true",
+            f"--kv_cache_pool.metadata_address={kvstore}",
+            "--kv_cache_pool.timeout_s=5",  # a restarting kvstore costs a turn seconds, not a minute
         ),
         "weight_broadcaster": service_args(
             "primerl-weight-broadcaster", ports["weight_broadcaster"], "-c", str(broadcaster_config)
@@ -307,6 +320,16 @@ async def wait_for_status(
             return status
         assert loop.time() < give_up_at, f"gave up waiting; last status:\n{status}"
         await asyncio.sleep(0.2)
+
+
+# ---------------------------------------------------------------------------- the kvstore
+
+
+async def kvstore_blocks(stack: Stack) -> int:
+    """KV blocks the pool holds now (the replica saves the whole blocks of what it computes)."""
+    async with make_channel(stack.kvstore) as channel:
+        stats = await kvstore_pb2_grpc.KvStoreServiceStub(channel).GetStats(kvstore_pb2.GetStatsRequest())
+    return stats.num_blocks
 
 
 # ---------------------------------------------------------------------------- the trainer

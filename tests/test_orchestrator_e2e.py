@@ -1,5 +1,5 @@
-"""The orchestrator with the real services it drives (stack.py): an external environment's
-episodes reach the trainer as aligned samples, a killed orchestrator resumes from its
+"""The orchestrator with the real services it drives (stack.py, the replica on the KV pool): an
+external environment's episodes reach the trainer as aligned samples, a killed orchestrator resumes from its
 checkpoint, rollouts too far off-policy are dropped, bad inputs are refused. Every test reads
 the trainer's next expected step first, so the tests share one stack in any order.
 """
@@ -33,6 +33,7 @@ from primerl_common.tensors import tensor_from_proto
 from .stack import (
     EXAMPLE,
     MAX_MODEL_LEN,
+    kvstore_blocks,
     orchestrator,
     orchestrator_config,
     trained_steps,
@@ -128,6 +129,7 @@ async def test_example_environment_episode_reaches_the_trainer_as_one_aligned_sa
             )
             assert await asyncio.wait_for(example.wait(), 120) == 0
             await appears(batch_path, timeout_s=60)
+            pooled_blocks = await kvstore_blocks(stack)  # the version that sampled them still served
             transcript = [json.loads(line) for line in transcript_path.read_text().splitlines()]
             samples = samples_of(batch_path)
             multi_turn = [entry for entry in transcript if len(entry["turns"]) >= 2]
@@ -146,8 +148,10 @@ async def test_example_environment_episode_reaches_the_trainer_as_one_aligned_sa
     assert len(samples) == sum(entry["num_samples"] for entry in transcript) == trained.metrics["num_samples"]
     assert sum(int(s["loss_mask"].sum()) for s in samples) == trained.metrics["num_loss_tokens"]
     # The trainer's own logprobs of the tokens match inference's (same weights, float32,
-    # the experts inference chose replayed): the batch is aligned token by token.
+    # the experts inference chose replayed): the batch is aligned token by token, the replica
+    # on the KV pool.
     assert trained.metrics["mismatch_kl"] < 1e-4
+    assert pooled_blocks > 0, "the replica saved no KV block to the pool"
 
     [line] = (tmp_path / "metrics.jsonl").read_text().splitlines()
     record = json.loads(line)

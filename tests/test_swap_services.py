@@ -3,7 +3,8 @@
 While the orchestrator plays its built-in environments through the stack (stack.py), each
 service is stopped with SIGTERM (graceful: it drains) and started again on the same config
 and port: the router as another package version of itself (its next patch version, installed aside and put
-first on its PYTHONPATH), the inference replica (back on its initial weights), the weight
+first on its PYTHONPATH), the kvstore (its pool of KV blocks lost: the replica's lookups miss
+until it saves them again), the inference replica (back on its initial weights), the weight
 broadcaster (losing every version it held in RAM), the trainer (resuming from the checkpoint
 it saved on the way out). The orchestrator crashes instead (SIGKILL) and resumes from its
 checkpoint. Then:
@@ -11,7 +12,8 @@ checkpoint. Then:
 - the trainer trained each step first..last exactly once (WatchSteps of every trainer process),
 - the orchestrator's metrics file has each step once, and no model turn failed,
 - the replica, the broadcaster and the router agree that the replica serves the last version,
-- the router serving is the new version (GetServiceInfo): the contracts hold across versions.
+- the router serving is the new version (GetServiceInfo): the contracts hold across versions,
+- the replica saves its KV blocks to the restarted kvstore.
 """
 
 from __future__ import annotations
@@ -37,7 +39,16 @@ from primerl_common.client import call_with_retry, make_channel
 from primerl_common.processes import ServiceProcess
 from primerl_common.testing import eventually
 
-from .stack import REPLICA_ID, REPO, Stack, orchestrator_config, orchestrator_process, restart, trainer_next_step
+from .stack import (
+    REPLICA_ID,
+    REPO,
+    Stack,
+    kvstore_blocks,
+    orchestrator_config,
+    orchestrator_process,
+    restart,
+    trainer_next_step,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -147,6 +158,14 @@ async def test_each_service_restarted_mid_run_and_every_step_is_trained_once(sta
         )
         assert router_version == NEW_ROUTER_VERSION
         await trained.wait_for(max(trained.steps) + 1, timeout_s=120)
+
+        # The KV pool, emptied: the replica's pool calls fail or miss meanwhile, and its turns go on.
+        await stack.restart("kvstore")
+        await trained.wait_for(max(trained.steps) + 1, timeout_s=120)
+        # The replica fills the new one with the blocks of the prompts it computes.
+        await eventually(
+            lambda: kvstore_blocks(stack), timeout_s=60, interval_s=0.5, what="blocks in the restarted kvstore"
+        )
 
         # The only replica: it comes back on its initial weights (version 0) and must get the
         # latest version before the router gives it the turns that need it.
