@@ -2,9 +2,10 @@
 
 Replicas salt each request with the policy version they serve it at, and the pool keeps a
 version's blocks in that version's namespace (kvpool.keys; the inference service's engine and
-KV connector). A namespace of version v is removed once the router reports every replica on a
-newer version and every turn in flight was sent after the router said so: a turn sent before
-may still run on a replica the router no longer lists (draining, deregistered) at v. This
+KV connector). A namespace of version v is removed once every replica the router reports a
+version of is on a newer one and every turn in flight was sent after the router said so: a turn
+sent before may still run on a replica the router no longer lists (draining, deregistered) at v.
+Removal never makes a block wrong, only missing: a namespace holds one version's KV. This
 orchestrator is the one owner of removal: it knows its turns in flight, and it asks the router
 (ListReplicas) for the versions replicas serve. Versions never go back, so a removed
 namespace is not asked for again; if a replica restarted on an old version did fill it again,
@@ -116,12 +117,14 @@ class KvNamespaceSweeper:
         return removed
 
     async def _oldest_served_version(self) -> int | None:
-        """The oldest version a listed replica serves; None while one has not reported any."""
+        """The oldest version a listed replica reports; None while none reports one. A replica
+        whose version the router does not know (not reported yet, its stream lost, dead) is
+        left out: a namespace holds one version's KV whoever fills it, so removing one that
+        such a replica still uses costs it misses, never a wrong block, and it is removed again
+        once that replica is past it."""
         reply = await self._router.ListReplicas(router_pb2.ListReplicasRequest(), timeout=_TIMEOUT_S)
-        if not reply.replicas or any(not replica.HasField("load") for replica in reply.replicas):
-            return None
-        versions = [replica.load.policy_version for replica in reply.replicas]
-        return None if min(versions) < 0 else min(versions)
+        versions = [r.load.policy_version for r in reply.replicas if r.HasField("load") and r.load.policy_version >= 0]
+        return min(versions, default=None)
 
     def _removable_below(self) -> int | None:
         """Versions below this are used by no replica and no turn in flight: the oldest
