@@ -271,7 +271,7 @@ class Evaluator:
                 episode_id=episode_id,
                 prompt_token_ids=prompt,
                 sampling=sampling_params(runtime.config.sampling, None, room=room),
-                cache_salt=str(policy_version),
+                cache_salt="",  # replicas salt with the version they serve the turn at
                 min_policy_version=policy_version if self._versions_served else 0,
                 return_routed_experts=False,
             )

@@ -482,7 +482,7 @@ class Run:
             episode_id=episode.episode_id,
             prompt_token_ids=prompt,
             sampling=params,
-            cache_salt=str(play.policy_version),
+            cache_salt="",  # replicas salt with the version they serve the turn at
             min_policy_version=play.policy_version if self._versions_served else 0,
             return_routed_experts=False,
         )
