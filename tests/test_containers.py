@@ -5,7 +5,10 @@ the tiny MoE, one container per service. The outcome is read from the services' 
 on the ports compose publishes on 127.0.0.1: the orchestrator finished max_steps, the
 trainer trained and published every step once, the replica serves the last policy version
 and the router sees it; the orchestrator's metrics file has one line per step. Then every
-container, the two one-shot ones included, has exited 0 after `compose stop`.
+container, the one-shot `model` included, has exited 0 after `compose stop`.
+
+Every channel is mutual TLS, as deployed: the certificates are made with `primerl-certs`
+into deploy/certs (kept when there already), and the test calls the services as `operator`.
 
 Needs a Docker engine and compose (`docker compose`, or Debian's docker-compose 1.29):
 deploy/docker/ensure_docker.sh installs and starts them and makes the base image.
@@ -20,6 +23,7 @@ import os
 import pathlib
 import shutil
 import subprocess
+import sys
 import tarfile
 import time
 import uuid
@@ -48,7 +52,10 @@ PORTS = {
     "weight-broadcaster": 50055,
     "kvstore": 50056,
 }
-ONE_SHOT = ("model", "register-replica")
+ONE_SHOT = ("model",)
+# Long-running containers with a health probe and no published port.
+UNPUBLISHED = ("register-replica",)
+CERTS = REPO / "deploy" / "certs"
 RUN_TIMEOUT_S = 1200.0
 T = TypeVar("T")
 
@@ -128,6 +135,24 @@ class Compose:
         return {c["Config"]["Labels"]["com.docker.compose.service"]: c for c in inspected}
 
 
+def operator_channel(address: str) -> grpc.Channel:
+    """A channel to `address` showing the operator's certificate from deploy/certs."""
+    credentials = grpc.ssl_channel_credentials(
+        root_certificates=(CERTS / "ca.pem").read_bytes(),
+        private_key=(CERTS / "operator-key.pem").read_bytes(),
+        certificate_chain=(CERTS / "operator.pem").read_bytes(),
+    )
+    return grpc.secure_channel(address, credentials)
+
+
+@pytest.fixture(scope="module")
+def certificates() -> None:
+    """deploy/certs as the compose file's comment makes it (a user's own are kept)."""
+    if not (CERTS / "operator.pem").exists():
+        primerl_certs = pathlib.Path(sys.executable).parent / "primerl-certs"
+        subprocess.run([str(primerl_certs), str(CERTS), "--readable-keys"], check=True, timeout=120)
+
+
 @pytest.fixture(scope="module")
 def images(tmp_path_factory: pytest.TempPathFactory) -> None:
     """The six service images and primerl-tools, built as a user builds them (only what
@@ -146,7 +171,7 @@ def images(tmp_path_factory: pytest.TempPathFactory) -> None:
 
 
 @pytest.fixture(scope="module")
-def demo(images: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Compose]:
+def demo(images: None, certificates: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Compose]:
     command = _compose_command()
     if command is None:
         _missing("no compose: neither `docker compose` nor `docker-compose` (ensure_docker.sh installs one)")
@@ -185,10 +210,11 @@ def test_rl_run_in_containers_trains_every_step_and_stops_cleanly(demo: Compose)
             if service not in ONE_SHOT
         }
         assert "unhealthy" not in health.values(), health
-        return True if set(health) == set(PORTS) and set(health.values()) == {"healthy"} else None
+        expected = {*PORTS, *UNPUBLISHED}
+        return True if set(health) == expected and set(health.values()) == {"healthy"} else None
 
     wait_until(all_healthy, timeout_s=300, what="every service to report healthy", interval_s=2.0)
-    with grpc.insecure_channel(demo.address("orchestrator")) as channel:
+    with operator_channel(demo.address("orchestrator")) as channel:
         orchestrator = orchestrator_pb2_grpc.OrchestratorServiceStub(channel)
 
         def finished() -> orchestrator_pb2.GetRunStatusResponse | None:
@@ -203,7 +229,7 @@ def test_rl_run_in_containers_trains_every_step_and_stops_cleanly(demo: Compose)
     assert status.step == max_steps and not status.error
     assert status.policy_version >= max_steps - 1
 
-    with grpc.insecure_channel(demo.address("trainer")) as channel:
+    with operator_channel(demo.address("trainer")) as channel:
         trainer = trainer_pb2_grpc.TrainerServiceStub(channel)
         steps = []
         for response in trainer.WatchSteps(trainer_pb2.WatchStepsRequest(after_step=-1), timeout=60):
@@ -219,7 +245,7 @@ def test_rl_run_in_containers_trains_every_step_and_stops_cleanly(demo: Compose)
     assert trainer_status.published_policy_version == max_steps, trainer_status.last_publish_error
 
     # The weight broadcaster pushed every version to the replica: it serves the last one.
-    with grpc.insecure_channel(demo.address("inference")) as channel:
+    with operator_channel(demo.address("inference")) as channel:
         inference = inference_pb2_grpc.InferenceServiceStub(channel)
 
         def serves_last_version() -> int | None:
@@ -232,7 +258,7 @@ def test_rl_run_in_containers_trains_every_step_and_stops_cleanly(demo: Compose)
 
     # The router routed the rollouts to it and follows its version. (Its error count may
     # hold requests the orchestrator cancelled once the run needed no more rollouts.)
-    with grpc.insecure_channel(demo.address("router")) as channel:
+    with operator_channel(demo.address("router")) as channel:
         router = router_pb2_grpc.RouterServiceStub(channel)
 
         def follows_last_version() -> router_pb2.ReplicaInfo | None:
@@ -243,10 +269,10 @@ def test_rl_run_in_containers_trains_every_step_and_stops_cleanly(demo: Compose)
     assert replica.replica_id == "inference-0" and replica.num_requests_total > 0
     assert replica.health == router_pb2.REPLICA_HEALTH_HEALTHY
 
-    # SIGTERM to every service: each drains and exits 0; the one-shots exited 0 earlier.
+    # SIGTERM to every service: each drains and exits 0; the one-shot exited 0 earlier.
     demo.run("stop", "--timeout", "30", timeout_s=300)
     containers = demo.containers()
-    assert set(containers) == {*PORTS, *ONE_SHOT}
+    assert set(containers) == {*PORTS, *UNPUBLISHED, *ONE_SHOT}
     for service, container in containers.items():
         state = container["State"]
         assert not state["Running"], service
