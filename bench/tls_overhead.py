@@ -53,6 +53,7 @@ HERE = pathlib.Path(__file__).resolve()
 SINK_PUSH = "/bench.Sink/Push"
 MiB = 1 << 20
 MODES = ("plaintext", "mtls")
+PUSH_STREAMS = 1
 
 
 def make_certs(directory: pathlib.Path) -> None:
@@ -169,35 +170,51 @@ def cpu_s(sink: psutil.Process) -> float:
     return own.user + own.system + theirs.user + theirs.system
 
 
+def striped_channel(address: str, mode: str, certs: pathlib.Path, stripe: int) -> grpc.aio.Channel:
+    """A channel with a TCP connection of its own: a local subchannel pool (and a distinct
+    argument) so that gRPC does not share one connection between the stripes."""
+    options = [*channel_options(64 * MiB), ("grpc.use_local_subchannel_pool", 1), ("primerl.stripe", stripe)]
+    return security.secure_aio_channel(address, options=options, tls=tls_for(mode, certs, "trainer"))
+
+
 async def push_throughput(
     ports: dict[str, int], sinks: dict[str, psutil.Process], certs: pathlib.Path, args: argparse.Namespace
-) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
-    """GiB/s of each push round to each mode's sink, and its CPU seconds per GiB (both ends)."""
+) -> tuple[dict[tuple[str, int], list[float]], dict[tuple[str, int], list[float]]]:
+    """GiB/s of each push round to each mode's sink over K parallel connections (K in
+    args.streams; the messages dealt round-robin to the K streams), and its CPU seconds per GiB
+    (both ends)."""
     payload = os.urandom(args.message_mib * MiB)
     num_messages = args.push_mib // args.message_mib
-    rates: dict[str, list[float]] = {mode: [] for mode in ports}
-    cpu_per_gib: dict[str, list[float]] = {mode: [] for mode in ports}
+    keys = [(mode, k) for k in args.streams for mode in ports]
+    rates: dict[tuple[str, int], list[float]] = {key: [] for key in keys}
+    cpu_per_gib: dict[tuple[str, int], list[float]] = {key: [] for key in keys}
     channels = {
-        mode: security.secure_aio_channel(
-            f"127.0.0.1:{port}", options=channel_options(64 * MiB), tls=tls_for(mode, certs, "trainer")
-        )
-        for mode, port in ports.items()
+        (mode, k): [striped_channel(f"127.0.0.1:{ports[mode]}", mode, certs, stripe) for stripe in range(k)]
+        for mode, k in keys
     }
-    push = {mode: channel.stream_unary(SINK_PUSH, _registered_method=True) for mode, channel in channels.items()}
+    for key, stripes in channels.items():  # connect (and handshake) before timing
+        for channel in stripes:
+            await asyncio.wait_for(channel.channel_ready(), 60)
 
-    async def messages():
-        for _ in range(num_messages):
+    async def messages(stripe: int, k: int):
+        for _ in range(stripe, num_messages, k):
             yield payload
 
     for _ in range(args.rounds):
-        for mode in ports:
+        for mode, k in keys:
             cpu_before, began = cpu_s(sinks[mode]), time.perf_counter()
-            await push[mode](messages())
+            await asyncio.gather(
+                *(
+                    channel.stream_unary(SINK_PUSH, _registered_method=True)(messages(stripe, k))
+                    for stripe, channel in enumerate(channels[(mode, k)])
+                )
+            )
             gib = num_messages * len(payload) / (1 << 30)
-            rates[mode].append(gib / (time.perf_counter() - began))
-            cpu_per_gib[mode].append((cpu_s(sinks[mode]) - cpu_before) / gib)
-    for channel in channels.values():
-        await channel.close()
+            rates[(mode, k)].append(gib / (time.perf_counter() - began))
+            cpu_per_gib[(mode, k)].append((cpu_s(sinks[mode]) - cpu_before) / gib)
+    for stripes in channels.values():
+        for channel in stripes:
+            await channel.close()
     return rates, cpu_per_gib
 
 
@@ -229,25 +246,36 @@ async def bench(args: argparse.Namespace) -> None:
                 f"router: {args.calls} sequential Generate calls per mode ({args.tokens} tokens in messages of "
                 f"{args.every_n}, prompt {args.prompt_len}), in {args.slices} alternating slices"
             )
-            latencies = await router_latency(routers, certs, args)
+            latencies = await router_latency(routers, certs, args) if args.calls else {}
             print(f"{'mode':>10} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8}")
             for mode, values in latencies.items():
                 print(
                     f"{mode:>10} {percentile_ms(values, 0.5):>8.3f} {percentile_ms(values, 0.9):>8.3f} "
                     f"{percentile_ms(values, 0.99):>8.3f}"
                 )
-            print(f"push: {args.rounds} rounds per mode of {args.push_mib} MiB in {args.message_mib} MiB messages")
+            print(
+                f"push: {args.rounds} rounds per mode and K of {args.push_mib} MiB in {args.message_mib} MiB "
+                f"messages over K parallel connections, K in {args.streams}"
+            )
             rates, cpu_per_gib = await push_throughput(sinks, sink_processes, certs, args)
-            for mode, values in rates.items():
-                print(
-                    f"{mode:>10} GiB/s "
-                    + " ".join(f"{v:.2f}" for v in values)
-                    + "   CPU s/GiB (both ends) "
-                    + " ".join(f"{v:.2f}" for v in cpu_per_gib[mode])
-                )
     print(f"load average after: {os.getloadavg()[0]:.2f}")
-    added_p50 = percentile_ms(latencies["mtls"], 0.5) - percentile_ms(latencies["plaintext"], 0.5)
-    ratio = statistics.median(rates["mtls"]) / statistics.median(rates["plaintext"])
+    print(f"{'mode':>10} {'K':>2} {'GiB/s (median)':>15} {'CPU s/GiB':>10}   rounds GiB/s | CPU s/GiB both ends")
+    for (mode, k), values in sorted(rates.items(), key=lambda item: (item[0][1], item[0][0])):
+        print(
+            f"{mode:>10} {k:>2} {statistics.median(values):>15.2f} {statistics.median(cpu_per_gib[(mode, k)]):>10.2f}"
+            f"   {' '.join(f'{v:.2f}' for v in values)} | {' '.join(f'{v:.2f}' for v in cpu_per_gib[(mode, k)])}"
+        )
+    baseline = statistics.median(rates[("plaintext", 1)]) if ("plaintext", 1) in rates else None
+    for k in args.streams:
+        mtls = statistics.median(rates[("mtls", k)])
+        against_one = f"   mtls K={k} / plaintext K=1 = {mtls / baseline:.3f}" if baseline else ""
+        print(f"ratio K={k}: mtls / plaintext = {mtls / statistics.median(rates[('plaintext', k)]):.3f}{against_one}")
+    added_p50 = (
+        percentile_ms(latencies["mtls"], 0.5) - percentile_ms(latencies["plaintext"], 0.5) if latencies else float("nan")
+    )
+    k = args.push_streams
+    ratio = statistics.median(rates[("mtls", k)]) / statistics.median(rates[("plaintext", k)])
+    print(f"push path's K = {k}")
     print(f"RESULT tls_added_p50_ms={added_p50:.3f} tls_push_ratio={ratio:.3f}")
 
 
@@ -266,15 +294,24 @@ def main() -> None:
     parser.add_argument("--every-n", type=int, default=8, help="tokens per message")
     parser.add_argument("--push-mib", type=int, default=1024, help="MiB per push round")
     parser.add_argument("--message-mib", type=int, default=4)
-    parser.add_argument("--rounds", type=int, default=3, help="push rounds per mode")
+    parser.add_argument("--rounds", type=int, default=3, help="push rounds per mode and K")
+    parser.add_argument(
+        "--streams", type=lambda text: [int(k) for k in text.split(",")], default=[1, 2, 4],
+        help="numbers K of parallel push connections, comma-separated",
+    )
+    parser.add_argument(
+        "--push-streams", type=int, default=PUSH_STREAMS, help="the K of the RESULT ratio (the push path's default)"
+    )
     args = parser.parse_args()
     if args.serve_replica or args.serve_sink:
         tls = tls_for(args.mode, args.certs, args.holder)
         serve = serve_replica(args.serve_replica, tls) if args.serve_replica else serve_sink(args.serve_sink, tls)
         asyncio.run(serve)
         return
-    if args.calls < args.slices or args.push_mib < args.message_mib:
-        parser.error("--calls must be at least --slices and --push-mib at least --message-mib")
+    if (args.calls and args.calls < args.slices) or args.push_mib < args.message_mib:
+        parser.error("--calls must be 0 or at least --slices and --push-mib at least --message-mib")
+    if args.push_streams not in args.streams or min(args.streams) < 1:
+        parser.error("--streams must hold --push-streams, each at least 1")
     reexec_with_malloc_env()
     asyncio.run(bench(args))
 
