@@ -192,7 +192,7 @@ async def push_throughput(
         (mode, k): [striped_channel(f"127.0.0.1:{ports[mode]}", mode, certs, stripe) for stripe in range(k)]
         for mode, k in keys
     }
-    for key, stripes in channels.items():  # connect (and handshake) before timing
+    for stripes in channels.values():  # connect (and handshake) before timing
         for channel in stripes:
             await asyncio.wait_for(channel.channel_ready(), 60)
 
@@ -271,7 +271,9 @@ async def bench(args: argparse.Namespace) -> None:
         against_one = f"   mtls K={k} / plaintext K=1 = {mtls / baseline:.3f}" if baseline else ""
         print(f"ratio K={k}: mtls / plaintext = {mtls / statistics.median(rates[('plaintext', k)]):.3f}{against_one}")
     added_p50 = (
-        percentile_ms(latencies["mtls"], 0.5) - percentile_ms(latencies["plaintext"], 0.5) if latencies else float("nan")
+        percentile_ms(latencies["mtls"], 0.5) - percentile_ms(latencies["plaintext"], 0.5)
+        if latencies
+        else float("nan")
     )
     k = args.push_streams
     ratio = statistics.median(rates[("mtls", k)]) / statistics.median(rates[("plaintext", k)])
@@ -296,7 +298,9 @@ def main() -> None:
     parser.add_argument("--message-mib", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=3, help="push rounds per mode and K")
     parser.add_argument(
-        "--streams", type=lambda text: [int(k) for k in text.split(",")], default=[1, 2, 4],
+        "--streams",
+        type=lambda text: [int(k) for k in text.split(",")],
+        default=[1, 2, 4],
         help="numbers K of parallel push connections, comma-separated",
     )
     parser.add_argument(

@@ -25,11 +25,13 @@ async def running_broadcaster(
     replicas: list[dict[str, object]] | None = None,
     shared_fs: dict[str, object] | None = None,
     store: dict[str, object] | None = None,
+    publish_limits: dict[str, object] | None = None,
     **push: float,
 ) -> AsyncIterator[weight_broadcaster_pb2_grpc.WeightBroadcasterServiceStub]:
     config = WeightBroadcasterConfig(
         server={"host": "127.0.0.1", "port": 0},
         push={**FAST_PUSH, **push},
+        publish=publish_limits or {},
         replicas=replicas or [],
         shared_fs=shared_fs or {},
         store=store or {},

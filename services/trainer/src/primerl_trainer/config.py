@@ -100,6 +100,14 @@ class PublishConfig(Section):
         "too only when it asks (kind full only)",
     )
     chunk_bytes: int = Field(default=4 * 1024 * 1024, gt=0)
+    streams: int = Field(
+        default=4,
+        ge=1,
+        le=64,
+        description="parallel streams (each its own connection) one grpc publish is striped over, so that TLS "
+        "runs on several cores; the broadcaster stores the version once all arrived (1: a single stream, "
+        "for broadcasters without striping)",
+    )
     initial_backoff_s: float = Field(default=1.0, gt=0, description="first retry delay after a failed publish")
     max_backoff_s: float = Field(default=60.0, gt=0)
     check_interval_s: float = Field(

@@ -207,7 +207,10 @@ class TrainingLoop:
         publisher = None
         if address is not None:
             publisher = WeightPublisher(
-                address, timeout_s=config.publish.timeout_s, max_message_bytes=config.server.max_message_bytes
+                address,
+                timeout_s=config.publish.timeout_s,
+                max_message_bytes=config.server.max_message_bytes,
+                streams=config.publish.streams,
             )
         self._executor = StepExecutor(runtime, publisher)
         self._cond = threading.Condition()

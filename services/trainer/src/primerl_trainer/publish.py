@@ -1,7 +1,10 @@
 """The weight broadcaster client: one PublishWeights stream per policy version.
 
 `publish_requests` makes the stream (PublishBegin, then the tensors as TensorChunk messages);
-`WeightPublisher.send` streams it. The tensors are produced while the stream is sent, one at a
+`WeightPublisher.send` streams it, striped over `streams` streams on connections of their own
+when more than one (each tensor on the stream with the least queued, the version stored by the
+broadcaster only when every stripe arrived: primerl_common.stripes), so that TLS encryption
+runs on several cores at once. The tensors are produced while the stream is sent, one at a
 time, by collectives every rank takes part in (export.py), so `send` always consumes the whole
 stream, also after the call failed: the other ranks are waiting in those collectives.
 
@@ -17,6 +20,7 @@ import asyncio
 import logging
 import queue
 import threading
+import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
@@ -31,6 +35,7 @@ from primerl_common import security
 from primerl_common.client import make_channel
 from primerl_common.errors import error_details
 from primerl_common.server import channel_options
+from primerl_common.stripes import stripe_channel_options
 from primerl_common.tensors import DEFAULT_CHUNK_BYTES, dtype_from_proto, dtype_to_proto, iter_tensor_chunks
 from primerl_common.weights.collective import GroupCache, GroupSpec, TensorSpec, send_tensors
 from primerl_trainer.export import PublishKind
@@ -153,13 +158,25 @@ def _publish_error(exc: grpc.RpcError, what: str) -> PublishError:
 
 
 class WeightPublisher:
-    """Sends publish streams to one weight broadcaster (blocking; call from the training thread)."""
+    """Sends publish streams to one weight broadcaster (blocking; call from the training thread),
+    each over `streams` parallel streams (1: one stream, as brokers without striping take)."""
 
-    def __init__(self, address: str, *, timeout_s: float, max_message_bytes: int = 64 * 1024 * 1024) -> None:
+    def __init__(
+        self, address: str, *, timeout_s: float, max_message_bytes: int = 64 * 1024 * 1024, streams: int = 1
+    ) -> None:
+        if streams < 1:
+            raise ValueError("streams must be at least 1")
         self.address = address
         self._timeout_s = timeout_s
-        self._channel = security.secure_channel(address, options=channel_options(max_message_bytes))
-        self._stub = weight_broadcaster_pb2_grpc.WeightBroadcasterServiceStub(self._channel)
+        self._channels = [
+            security.secure_channel(
+                address,
+                options=[*channel_options(max_message_bytes), *(stripe_channel_options(index) if streams > 1 else [])],
+            )
+            for index in range(streams)
+        ]
+        self._stubs = [weight_broadcaster_pb2_grpc.WeightBroadcasterServiceStub(channel) for channel in self._channels]
+        self._stub = self._stubs[0]
         # The collective group of the latest generation (send_collective).
         self._groups = GroupCache()
         # The latest version send_collective broadcast (or tried to): publishing it again sends its data.
@@ -168,43 +185,57 @@ class WeightPublisher:
     def send(
         self, requests: Iterable[weight_broadcaster_pb2.PublishWeightsRequest]
     ) -> weight_broadcaster_pb2.PublishWeightsResponse:
-        """Stream `requests` to PublishWeights; raises PublishError. `requests` is consumed to
-        its end whatever happens to the call."""
-        buffer: queue.Queue[object] = queue.Queue(maxsize=_QUEUED_CHUNKS)
+        """Stream `requests` (`begin` first) to PublishWeights, striped over the publisher's
+        streams; raises PublishError. `requests` is consumed to its end whatever happens."""
+        requests = iter(requests)
+        first = next(requests, None)
+        if first is None or not first.HasField("begin"):
+            raise ValueError("a publish stream starts with `begin`")
+        begins = [first]
+        if len(self._stubs) > 1:
+            session, begins = uuid.uuid4().hex, []
+            for index in range(len(self._stubs)):
+                begin = weight_broadcaster_pb2.PublishWeightsRequest()
+                begin.CopyFrom(first)
+                begin.begin.stripe_session, begin.begin.num_stripes = session, len(self._stubs)
+                begin.begin.stripe_index = index
+                begins.append(begin)
+        buffers: list[queue.Queue[object]] = [queue.Queue(maxsize=_QUEUED_CHUNKS) for _ in begins]
         abandoned = threading.Event()
+        calls = [
+            stub.PublishWeights.future(
+                _outgoing(begin, buffer, abandoned), timeout=self._timeout_s, wait_for_ready=False
+            )
+            for stub, begin, buffer in zip(self._stubs, begins, buffers, strict=True)
+        ]
 
-        def outgoing() -> Iterator[weight_broadcaster_pb2.PublishWeightsRequest]:
-            while not abandoned.is_set():
-                try:
-                    item = buffer.get(timeout=0.1)
-                except queue.Empty:
-                    continue
-                if item is _END:
-                    return
-                yield item  # type: ignore[misc]
+        def failed() -> bool:  # a stripe's call ends early only when it failed (stripes.py)
+            return any(call.done() for call in calls)
 
-        call = self._stub.PublishWeights.future(outgoing(), timeout=self._timeout_s, wait_for_ready=False)
         try:
+            target = 0
             for request in requests:
-                while not call.done():
-                    try:
-                        buffer.put(request, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-            while not call.done():
+                if len(buffers) > 1 and request.chunk.HasField("header"):
+                    target = min(range(len(buffers)), key=lambda index: buffers[index].qsize())
+                _put(buffers[target], request, failed)
+            for buffer in buffers:
+                _put(buffer, _END, failed)
+            errors: list[grpc.RpcError] = []
+            responses = []
+            for call in calls:
                 try:
-                    buffer.put(_END, timeout=0.1)
-                    break
-                except queue.Full:
-                    continue
-            try:
-                return call.result()
-            except grpc.RpcError as exc:
-                raise _publish_error(exc, f"PublishWeights to {self.address}") from None
+                    responses.append(call.result())
+                except grpc.RpcError as exc:
+                    errors.append(exc)
+            if errors:
+                # The stripe that failed says why; the others only that another one failed.
+                errors.sort(key=lambda exc: exc.code() == grpc.StatusCode.ABORTED)  # type: ignore[attr-defined]
+                raise _publish_error(errors[0], f"PublishWeights to {self.address}") from None
+            return responses[0]
         finally:
             abandoned.set()
-            call.cancel()
+            for call in calls:
+                call.cancel()
 
     def send_collective(
         self,
@@ -310,7 +341,33 @@ class WeightPublisher:
 
     def close(self) -> None:
         self._groups.drop()
-        self._channel.close()
+        for channel in self._channels:
+            channel.close()
+
+
+def _outgoing(
+    begin: weight_broadcaster_pb2.PublishWeightsRequest, buffer: queue.Queue[object], abandoned: threading.Event
+) -> Iterator[weight_broadcaster_pb2.PublishWeightsRequest]:
+    """`begin`, then what `buffer` brings until _END (read on gRPC's sending thread)."""
+    yield begin
+    while not abandoned.is_set():
+        try:
+            item = buffer.get(timeout=0.1)
+        except queue.Empty:
+            continue
+        if item is _END:
+            return
+        yield item  # type: ignore[misc]
+
+
+def _put(buffer: queue.Queue[object], item: object, failed: Callable[[], bool]) -> None:
+    """Puts `item` once there is room, unless the publish failed meanwhile (then drops it)."""
+    while not failed():
+        try:
+            buffer.put(item, timeout=0.1)
+            return
+        except queue.Full:
+            continue
 
 
 class BroadcasterWatch:

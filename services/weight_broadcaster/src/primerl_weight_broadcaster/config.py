@@ -38,6 +38,15 @@ class PublishLimitsConfig(Section):
         description="publishes received at once (each holds a whole version in memory until stored); "
         "another one is refused RESOURCE_EXHAUSTED with a retry hint",
     )
+    max_stripes: int = Field(
+        default=16, ge=1, le=256, description="streams one striped publish may be split over (begin.num_stripes)"
+    )
+    stripe_join_timeout_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="a striped publish whose streams have not all begun this long after its first fails, nothing "
+        "stored",
+    )
 
 
 class ReplicaConfig(Section):

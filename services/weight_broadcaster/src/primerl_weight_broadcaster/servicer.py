@@ -16,6 +16,7 @@ from primerl_common.admission import ConcurrencyLimit, caller_key, check_limit
 from primerl_common.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from primerl_common.observability import policy_version_var
 from primerl_common.server import ServiceDefinition
+from primerl_common.stripes import StripeSession, StripeSessions, check_stripe_fields
 from primerl_common.tensors import TensorAssembler
 from primerl_weight_broadcaster.collective import check_tensor_list
 from primerl_weight_broadcaster.config import PublishLimitsConfig
@@ -26,7 +27,15 @@ __all__ = ["CAPABILITIES", "WeightBroadcasterServicer"]
 
 logger = logging.getLogger(__name__)
 
-CAPABILITIES = ("publish.full", "format.hf", "format.kernel", "format.kernel_fp8", "transport.grpc", "delta")
+CAPABILITIES = (
+    "publish.full",
+    "publish.striped",
+    "format.hf",
+    "format.kernel",
+    "format.kernel_fp8",
+    "transport.grpc",
+    "delta",
+)
 CAPABILITY_SHARED_FS = "transport.shared_fs"  # listed when shared_fs.folder is configured
 CAPABILITY_NCCL = "transport.nccl"  # listed when collective.backend is configured
 _FORMATS = {
@@ -56,6 +65,10 @@ class WeightBroadcasterServicer(weight_broadcaster_pb2_grpc.WeightBroadcasterSer
             per_caller_limit=self._limits.max_concurrent,
             config_field="publish.max_concurrent",
             per_caller_config_field="publish.max_concurrent",
+        )
+        # Striped publishes being received (each holds one `_receiving` place).
+        self._stripes: StripeSessions[dict[str, torch.Tensor], pb2.PublishWeightsResponse] = StripeSessions(
+            join_timeout_s=self._limits.stripe_join_timeout_s
         )
         # One publish at a time: versions are checked and stored in order.
         self._publishing = asyncio.Lock()
@@ -88,15 +101,52 @@ class WeightBroadcasterServicer(weight_broadcaster_pb2_grpc.WeightBroadcasterSer
         if begin.kind not in (pb2.PUBLISH_KIND_UNSPECIFIED, pb2.PUBLISH_KIND_FULL):
             raise InvalidArgument("only PUBLISH_KIND_FULL is supported", field="begin.kind")
         _check_announced(begin, self._limits)
+        striped = check_stripe_fields(
+            begin.stripe_session,
+            begin.num_stripes,
+            begin.stripe_index,
+            max_stripes=self._limits.max_stripes,
+            config_field="publish.max_stripes",
+        )
         # Refuse a stale version before receiving its bytes (checked again when storing).
         self._check_version(begin.policy_version, data=True)
+        if striped:
+            return await self._receive_stripe(requests, begin, caller_key(context))
         with self._receiving.hold(caller_key(context)):
-            return await self._receive_and_store(requests, begin)
+            tensors = await _receive(requests, _Budget(begin, self._limits))
+            return await self._store_version(begin, _joined([tensors], begin))
 
-    async def _receive_and_store(
-        self, requests: AsyncIterator[pb2.PublishWeightsRequest], begin: pb2.PublishBegin
+    async def _receive_stripe(
+        self, requests: AsyncIterator[pb2.PublishWeightsRequest], begin: pb2.PublishBegin, caller: str
     ) -> pb2.PublishWeightsResponse:
-        tensors = await _receive(requests, begin, self._limits)
+        """One stream of a striped publish: stored with the others, all or nothing (stripes.py)."""
+        if not begin.num_tensors:
+            raise InvalidArgument("a striped publish must announce its tensors", field="begin.num_tensors")
+
+        def new_state(session: StripeSession) -> _Budget:
+            self._receiving.acquire(caller)  # one place per publish, whatever its stripes
+            session.add_done_callback(lambda: self._receiving.release(caller))
+            return _Budget(begin, self._limits)
+
+        key = pb2.PublishBegin()
+        key.CopyFrom(begin)
+        key.stripe_index = 0
+        session = self._stripes.join(
+            begin.stripe_session,
+            num_stripes=begin.num_stripes,
+            stripe_index=begin.stripe_index,
+            key=key.SerializeToString(deterministic=True),
+            new_state=new_state,
+        )
+
+        async def commit(parts: list[dict[str, torch.Tensor]]) -> pb2.PublishWeightsResponse:
+            return await self._store_version(begin, _joined(parts, begin))
+
+        return await session.run(begin.stripe_index, _receive(requests, session.state), commit)
+
+    async def _store_version(
+        self, begin: pb2.PublishBegin, tensors: dict[str, torch.Tensor]
+    ) -> pb2.PublishWeightsResponse:
         async with self._publishing:
             self._check_version(begin.policy_version, data=True)
             # Off the event loop: comparing with the latest version, and spilling, take a while.
@@ -278,15 +328,20 @@ def _check_announced(begin: pb2.PublishBegin, limits: PublishLimitsConfig) -> No
 
 class _Budget:
     """What a publish may still bring: what `begin` announced, else the configured caps. Each
-    tensor is counted from its header, before its bytes are allocated."""
+    tensor is counted from its header, before its bytes are allocated (over all the streams of
+    a striped publish)."""
 
     def __init__(self, begin: pb2.PublishBegin, limits: PublishLimitsConfig) -> None:
         self._begin = begin
         self._limits = limits
         self.num_tensors = 0
         self.num_bytes = 0
+        self._names: set[str] = set()
 
     def start(self, header: tensor_pb2.TensorHeader) -> None:
+        if header.name in self._names:
+            raise InvalidArgument(f"tensor {header.name!r} sent twice", field="chunk.header.name")
+        self._names.add(header.name)
         self.num_tensors += 1
         self.num_bytes += header.num_bytes
         begin, limits = self._begin, self._limits
@@ -314,12 +369,9 @@ class _Budget:
         )
 
 
-async def _receive(
-    requests: AsyncIterator[pb2.PublishWeightsRequest], begin: pb2.PublishBegin, limits: PublishLimitsConfig
-) -> dict[str, torch.Tensor]:
-    """The tensors of a publish stream, checked against the counts `begin` announced."""
+async def _receive(requests: AsyncIterator[pb2.PublishWeightsRequest], budget: _Budget) -> dict[str, torch.Tensor]:
+    """The tensors of a publish stream, each counted in `budget` from its header."""
     assembler = TensorAssembler()
-    budget = _Budget(begin, limits)
     tensors: dict[str, torch.Tensor] = {}
     try:
         async for request in requests:
@@ -329,12 +381,17 @@ async def _receive(
                 budget.start(request.chunk.header)
             if (item := assembler.feed(request.chunk)) is not None:
                 name, tensor = item
-                if name in tensors:
-                    raise InvalidArgument(f"tensor {name!r} sent twice", field="chunk.header.name")
                 tensors[name] = tensor
         assembler.finish()
     except ValueError as exc:
         raise InvalidArgument(str(exc), field="chunk") from None
+    return tensors
+
+
+def _joined(parts: list[dict[str, torch.Tensor]], begin: pb2.PublishBegin) -> dict[str, torch.Tensor]:
+    """The tensors of a publish's streams (one, or its stripes), checked against the counts
+    `begin` announced."""
+    tensors = {name: tensor for part in parts for name, tensor in part.items()}
     num_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
     if begin.num_tensors and len(tensors) != begin.num_tensors:
         raise InvalidArgument(f"{len(tensors)} tensors arrived, begin announced {begin.num_tensors}", field="begin")
