@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -41,6 +41,7 @@ def make_channel(
     max_message_bytes: int = 64 * 1024 * 1024,
     max_attempts: int = 5,
     tls: TlsConfig | None = None,
+    extra_options: Sequence[tuple[str, Any]] = (),
 ) -> grpc.aio.Channel:
     """A grpc.aio channel to `host:port` with trace propagation, showing `tls` (default: the
     process's identity, see primerl_common.security; plaintext where that says plaintext)."""
@@ -48,6 +49,7 @@ def make_channel(
         *channel_options(max_message_bytes),
         ("grpc.enable_retries", 1 if max_attempts > 1 else 0),
         ("grpc.service_config", _retry_service_config(max(max_attempts, 2))),
+        *extra_options,
     ]
     return security.secure_aio_channel(
         address, options=options, interceptors=observability.client_interceptors(), tls=tls

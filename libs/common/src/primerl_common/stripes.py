@@ -129,16 +129,21 @@ class StripeSession(Generic[T, R]):
             self._receiving.pop(stripe_index, None)
         if self.failed:
             raise self._aborted()
-        if len(self._results) < self.num_stripes:
-            return await asyncio.shield(self._outcome)
-        try:
-            outcome = await commit([self._results[index] for index in range(self.num_stripes)])
-        except BaseException as exc:
-            if not self._outcome.done():
-                self._outcome.set_exception(exc)
-            raise
-        self._outcome.set_result(outcome)
-        return outcome
+        if len(self._results) == self.num_stripes:
+            # Its own task: the commit (a swap) runs to its end even if this stripe's client goes away.
+            committing = asyncio.ensure_future(commit([self._results[index] for index in range(self.num_stripes)]))
+            committing.add_done_callback(self._committed)
+        return await asyncio.shield(self._outcome)
+
+    def _committed(self, committing: asyncio.Future[R]) -> None:
+        if self._outcome.done():
+            return
+        if committing.cancelled():
+            self._outcome.set_exception(asyncio.CancelledError())
+        elif (exc := committing.exception()) is not None:
+            self._outcome.set_exception(exc)
+        else:
+            self._outcome.set_result(committing.result())
 
 
 def _cancelling() -> bool:

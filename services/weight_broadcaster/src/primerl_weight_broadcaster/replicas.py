@@ -2,7 +2,8 @@
 
 One asyncio task per replica: it probes the replica (GetServiceInfo for its instance id and
 capabilities, GetLoad for the version it serves), pushes the latest version over
-inference.v1 UpdateWeights when the replica is behind, and retries a failed push with
+inference.v1 UpdateWeights when the replica is behind (striped over `push.streams` streams on
+connections of their own where the replica takes striped updates), and retries a failed push with
 exponential backoff; a replica that does not answer at all (restarting) is probed again every
 probe interval, and its version is unknown meanwhile. Replicas never wait on each other. A
 replica that restarts comes back on its checkpoint's version; the periodic probe sees it behind
@@ -20,14 +21,17 @@ import contextlib
 import dataclasses
 import logging
 import time
+import uuid
 from collections.abc import Callable
 
 import grpc
+import torch
 
 from primerl.common.v1 import tensor_pb2
 from primerl.inference.v1 import inference_pb2, inference_pb2_grpc
 from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2 as pb2
 from primerl_common.client import make_channel
+from primerl_common.stripes import stripe_channel_options
 from primerl_weight_broadcaster.collective import CollectiveHost, replica_update
 from primerl_weight_broadcaster.formats import format_name
 from primerl_weight_broadcaster.shared_fs import SharedFolders
@@ -43,6 +47,7 @@ logger = logging.getLogger(__name__)
 CAPABILITY_REPLICA_DELTA = "weights.delta"
 CAPABILITY_REPLICA_FORMAT = "weights.format.{}"
 CAPABILITY_REPLICA_SHARED_FS = "weights.shared_fs"
+CAPABILITY_REPLICA_STRIPED = "weights.striped"
 
 
 class UnsupportedByReplica(Exception):
@@ -56,6 +61,7 @@ class PushSettings:
     probe_interval_s: float = 2.0
     probe_timeout_s: float = 5.0
     push_timeout_s: float = 600.0
+    streams: int = 4
 
 
 @dataclasses.dataclass
@@ -117,6 +123,11 @@ class _Worker:
         self._channel = make_channel(replica.address, max_attempts=1)
         self._stub = inference_pb2_grpc.InferenceServiceStub(self._channel)
         self._update_weights = update_weights_call(self._channel)
+        # One channel (a connection of its own) per stripe of a striped push.
+        self._stripe_channels = [
+            make_channel(replica.address, max_attempts=1, extra_options=stripe_channel_options(index))
+            for index in range(self._settings.streams if self._settings.streams > 1 else 0)
+        ]
         self.wake = asyncio.Event()
         # The `begin` that makes the replica join the next version's collective group.
         self.collective: inference_pb2.WeightUpdateBegin | None = None
@@ -127,6 +138,8 @@ class _Worker:
         with contextlib.suppress(asyncio.CancelledError):
             await self.task
         await self._channel.close()
+        for channel in self._stripe_channels:
+            await channel.close()
 
     async def _sleep(self, seconds: float) -> None:
         with contextlib.suppress(TimeoutError):
@@ -242,8 +255,12 @@ class _Worker:
             begin.num_tensors = len(tensors)
             begin.num_bytes = sum(t.numel() * t.element_size() for _, t in tensors)
             # The replicas pushed the same tensors at once share their serialization.
-            requests = self._replicas.serializer.update((latest.policy_version, latest.format, base), begin, tensors)
-            await self._update_weights(requests, timeout=self._settings.push_timeout_s)
+            key = (latest.policy_version, latest.format, base)
+            if self._stripe_channels and CAPABILITY_REPLICA_STRIPED in replica.capabilities and len(tensors) > 1:
+                await self._push_striped(begin, key, tensors)
+            else:
+                requests = self._replicas.serializer.update(key, begin, tensors)
+                await self._update_weights(requests, timeout=self._settings.push_timeout_s)
         logger.info(
             "replica %s: pushed policy version %d (%d tensors, %.1f MiB, %s, %s%s)",
             replica.replica_id,
@@ -255,6 +272,28 @@ class _Worker:
             f", folder {begin.shared_fs_path}" if shared_fs else "",
         )
         self._pushed(begin, started, sent=True)
+
+    async def _push_striped(
+        self, begin: inference_pb2.WeightUpdateBegin, key: tuple[object, ...], tensors: list[tuple[str, torch.Tensor]]
+    ) -> None:
+        """`tensors` split over the stripe channels, one UpdateWeights stream each, all joined by the
+        replica into one update (applied when all arrived, or not at all)."""
+        parts = split_stripes(tensors, len(self._stripe_channels))
+        session = uuid.uuid4().hex
+        calls = []
+        for index, (channel, part) in enumerate(zip(self._stripe_channels, parts, strict=False)):
+            stripe_begin = inference_pb2.WeightUpdateBegin()
+            stripe_begin.CopyFrom(begin)
+            stripe_begin.stripe_session, stripe_begin.num_stripes = session, len(parts)
+            stripe_begin.stripe_index = index
+            requests = self._replicas.serializer.update((*key, len(parts), index), stripe_begin, part)
+            calls.append(update_weights_call(channel)(requests, timeout=self._settings.push_timeout_s))
+        outcomes = await asyncio.gather(*calls, return_exceptions=True)
+        errors = [outcome for outcome in outcomes if isinstance(outcome, BaseException)]
+        if errors:
+            # The stripe that failed says why; the others only that another one failed (ABORTED).
+            errors.sort(key=lambda exc: isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.ABORTED)
+            raise errors[0]
 
     async def _push_collective(self, begin: inference_pb2.WeightUpdateBegin) -> None:
         """Makes the replica join a collective group and receive the version from the trainer."""
@@ -300,6 +339,23 @@ class _Worker:
         for key, value in changes.items():
             setattr(self.replica, key, value)
         self._replicas.changed(self.replica)
+
+
+def split_stripes(tensors: list[tuple[str, torch.Tensor]], num_stripes: int) -> list[list[tuple[str, torch.Tensor]]]:
+    """`tensors` dealt to at most `num_stripes` stripes of about equal bytes (largest first,
+    each to the lightest stripe), in their order within each stripe; the same split for the
+    same tensors, so that the replicas pushed at once share each stripe's serialization."""
+    num_stripes = min(num_stripes, len(tensors))
+    loads = [0] * num_stripes
+    owner = [0] * len(tensors)
+    for position in sorted(range(len(tensors)), key=lambda i: -tensors[i][1].numel() * tensors[i][1].element_size()):
+        lightest = min(range(num_stripes), key=loads.__getitem__)
+        owner[position] = lightest
+        loads[lightest] += tensors[position][1].numel() * tensors[position][1].element_size()
+    return [
+        [tensor for position, tensor in enumerate(tensors) if owner[position] == stripe]
+        for stripe in range(num_stripes)
+    ]
 
 
 class ReplicaSet:
