@@ -38,7 +38,7 @@ from primerl_common.security.certificates import tls_of
 pytestmark = pytest.mark.slow
 
 CACHE = pathlib.Path(os.environ.get("PRIMERL_TEST_CACHE", pathlib.Path(tempfile.gettempdir()) / "primerl-test-cache"))
-MAX_STEPS = 8
+MAX_STEPS = 10  # the engine kill comes before the last two steps, which need a serving replica
 # Once the trainer has finished this step, this service is killed (after the one before is back).
 KILLS = [(1, "kvstore"), (2, "router"), (3, "weight_broadcaster"), (4, "orchestrator"), (5, "trainer"),
          (6, "inference-0")]  # fmt: skip
