@@ -57,6 +57,18 @@ def test_disaggregated_is_prefill_and_decode_replicas_the_pool_and_a_splitting_r
     assert parsed.deployment.describe() == "disaggregated (2 prefill + 1 decode, KV pool on)"
 
 
+def test_the_orchestrator_removes_old_kv_namespaces_where_the_pool_is_on(tmp_path):
+    pooled = parse_launch_file(
+        launch({"shape": "disaggregated", "prefill": 1, "decode": 1}, router={}, orchestrator={}, trainer={})
+    )
+    wire(pooled.services, run_dir=tmp_path, model=None, host="127.0.0.1")
+    peers = pooled.services["orchestrator"].table["peers"]
+    assert peers["kv_cache_pool"] == address_of(pooled.services["kvstore"]) and peers["kv_cache_pool_model"] == ""
+    unpooled = parse_launch_file(launch({"shape": "replicas"}, orchestrator={}, trainer={}))
+    wire(unpooled.services, run_dir=tmp_path, model=None, host="127.0.0.1")
+    assert "kv_cache_pool" not in unpooled.services["orchestrator"].table["peers"]
+
+
 def test_without_the_section_inference_replicas_gives_the_shape():
     parsed = parse_launch_file({"launcher": {"inference_replicas": 2}, "inference": {}})
     assert parsed.deployment.shape == "replicas" and list(parsed.services) == ["inference-0", "inference-1"]

@@ -152,6 +152,13 @@ def wire(
             for peer in ("router", "trainer", "weight_broadcaster"):
                 if peer in services:
                     set_default(spec.table, f"peers.{peer}", addresses[peer])
+            pooled = [r for r in replicas if get_path(r.table, "kv_cache_pool.enabled")]
+            if pooled and "kvstore" in services:
+                # The orchestrator removes a policy version's KV namespace once nothing can use it.
+                set_default(spec.table, "peers.kv_cache_pool", addresses["kvstore"])
+                models = {get_path(r.table, "kv_cache_pool.model") or "" for r in pooled}
+                if len(models) == 1:
+                    set_default(spec.table, "peers.kv_cache_pool_model", models.pop())
             set_default(spec.table, "output.metrics_jsonl", str(run_dir / "orchestrator" / "metrics.jsonl"))
             set_default(spec.table, "output.samples_dir", str(run_dir / "orchestrator" / "samples"))
             set_default(spec.table, "tracking.config_dir", str(run_dir / "config"))
