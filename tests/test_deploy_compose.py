@@ -147,3 +147,21 @@ def test_each_deployment_shape_gives_the_replicas_router_and_pool_of_that_shape(
     assert kvstore.node.advertise_address == f"kvstore:{PORTS['kvstore']}"
     published = [port for spec in services.values() for port in spec.get("ports", [])]
     assert len({p.split(":")[-2] for p in published}) == len(published)  # no host port twice
+
+
+def _bytes(size: str) -> int:
+    number, unit = int(size[:-1]), size[-1].lower()
+    return number << {"k": 10, "m": 20, "g": 30}[unit]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_every_compose_service_has_resource_limits_that_fit_the_demo(shape: str) -> None:
+    """Memory, CPU and process limits on every container of every shape; the inference replicas
+    get a few GiB (vLLM on CPU, its KV cache up to 4 GiB and the 1 GB /dev/shm), and no container
+    asks for more CPUs than the 2-core machines the container test runs on (Docker refuses it)."""
+    services = merged_services(SHAPES[shape][0])
+    for name, spec in services.items():
+        assert {"mem_limit", "cpus", "pids_limit"} <= set(spec), name
+        assert _bytes(spec["mem_limit"]) >= 256 << 20 and 0 < spec["cpus"] <= 2 and spec["pids_limit"] >= 128, name
+        if spec["image"].startswith(("primerl-inference:", "primerl-trainer:")):
+            assert _bytes(spec["mem_limit"]) >= 6 << 30 and spec["pids_limit"] >= 2048, name
