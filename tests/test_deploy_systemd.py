@@ -224,3 +224,21 @@ def test_each_deployment_shape_gives_the_replicas_router_and_pool_of_that_shape(
     assert sorted(register["REPLICAS"].split()) == sorted(
         f"--replica={r.replica_id}={r.address}" for r in router.replicas
     )
+
+
+def _bytes(size: str) -> int:
+    return int(size[:-1]) << {"K": 10, "M": 20, "G": 30, "T": 40}[size[-1]]
+
+
+@pytest.mark.parametrize("unit", [u for u in UNITS if u.endswith(".service")])
+def test_systemd_unit_bounds_its_memory_tasks_and_files(unit: str) -> None:
+    """Every service unit: MemoryHigh below MemoryMax (throttled before it is killed), a TasksMax
+    and a LimitNOFILE, each given once."""
+    entries = unit_entries(SYSTEMD / unit)
+    for key in ("MemoryHigh", "MemoryMax", "TasksMax", "LimitNOFILE"):
+        assert len(entries.get(key, [])) == 1, (unit, key)
+    [high], [most] = entries["MemoryHigh"], entries["MemoryMax"]
+    assert 0 < _bytes(high) < _bytes(most), unit
+    assert int(entries["TasksMax"][0]) >= 128 and int(entries["LimitNOFILE"][0]) >= 1024, unit
+    if unit.startswith(("primerl-inference", "primerl-trainer")):  # vLLM and torch: many threads
+        assert _bytes(most) >= 32 << 30 and int(entries["TasksMax"][0]) >= 4096, unit
