@@ -12,7 +12,9 @@ import pytest_asyncio
 import torch
 
 from primerl.common.v1 import tensor_pb2
+from primerl.inference.v1 import inference_pb2, inference_pb2_grpc
 from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2 as pb2
+from primerl_common.client import make_channel
 from primerl_common.processes import ServiceProcess, free_port
 from primerl_common.testing import eventually
 from primerl_launcher.tiny_model import make_tiny_model
@@ -165,3 +167,23 @@ async def test_a_replica_that_cannot_load_its_format_fails_alone(replicas, tmp_p
         assert status["good"].state == CURRENT and status["good"].policy_version == version
         assert status["fp8"].state == FAILED and status["fp8"].policy_version < version
         assert "no capability weights.format.kernel_fp8" in status["fp8"].last_error
+
+
+async def test_striped_pushes_end_in_the_logprobs_of_single_stream_ones(replicas, tmp_path: pathlib.Path):
+    """push.streams 4 (a push over 4 connections, joined by the replica) and 1 (one stream) give
+    the same weights bit for bit; both replicas take striped updates."""
+    model, a, b = replicas
+    tensors = perturbed(model, tmp_path / "striped", seed=7)
+    async with make_channel(a.address) as channel:
+        info = await inference_pb2_grpc.InferenceServiceStub(channel).GetServiceInfo(
+            inference_pb2.GetServiceInfoRequest()
+        )
+    assert "weights.striped" in info.info.capabilities
+    async with running_broadcaster(streams=4) as striped, running_broadcaster(streams=1) as single:
+        await striped.RegisterReplica(register("striped", a))
+        await single.RegisterReplica(register("single", b))
+        version = next(_versions)
+        await asyncio.gather(publish(striped, version, tensors), publish(single, version, tensors))
+        await asyncio.gather(wait_for(striped, version, 1, timeout_s=120), wait_for(single, version, 1, timeout_s=120))
+        assert (await statuses(striped))["striped"].num_tensors_last_push == len(tensors)
+        assert await logprobs(a) == await logprobs(b)
