@@ -19,9 +19,6 @@ import os
 import pathlib
 import signal
 import subprocess
-import sys
-import tempfile
-import time
 
 import grpc
 import psutil
@@ -35,9 +32,10 @@ from primerl_common.config import TlsConfig
 from primerl_common.processes import free_port
 from primerl_common.security.certificates import tls_of
 
+from . import live_runs
+
 pytestmark = pytest.mark.slow
 
-CACHE = pathlib.Path(os.environ.get("PRIMERL_TEST_CACHE", pathlib.Path(tempfile.gettempdir()) / "primerl-test-cache"))
 MAX_STEPS = 10  # the engine kill comes before the last two steps, which need a serving replica
 # Once the trainer has finished this step, this service is killed (after the one before is back).
 KILLS = [(1, "kvstore"), (2, "router"), (3, "weight_broadcaster"), (4, "orchestrator"), (5, "trainer"),
@@ -46,67 +44,29 @@ KILLS = [(1, "kvstore"), (2, "router"), (3, "weight_broadcaster"), (4, "orchestr
 ENGINE_KILL_STEP = 7
 STEP_TIMEOUT_S = 150
 
-LAUNCH_FILE = """
-[launcher]
-model = "tiny-dense"
-cache_dir = "{cache}"
-poll_interval_s = 0.5
-start_timeout_s = 240
-check_config = false   # tested with cheap services in tools/launcher/tests
+
+def launch_file(run_dir: pathlib.Path, *, kvstore_port: int) -> str:
+    return f"""
+{live_runs.launcher_section("tiny-dense")}check_config = false   # tested with cheap services in tools/launcher/tests
 tls = "mtls"
 max_restarts = 2       # inference-0: its service, then its engine
 restart_backoff_s = 0.5
 
-[orchestrator.model]
-max_model_len = 256
-[orchestrator.peers]
-poll_interval_s = 0.2
-[orchestrator.run]
-max_steps = {max_steps}
-batch_size = 8
-max_async_level = 1
+{live_runs.orchestrator_head(max_model_len=256, max_steps=MAX_STEPS, batch_size=8)}max_async_level = 1
 max_off_policy_steps = 1
 max_concurrent_episodes = 8
-[orchestrator.advantage]
-filter_zero_advantage = false
-[orchestrator.output]
-batches_dir = "{batches}"
-[[orchestrator.environments]]
-name = "reverse_text"
-kind = "reverse_text"
-group_size = 4
-[orchestrator.environments.sampling]
-max_tokens = 12
-
-[trainer]
-device = "cpu"
-seq_len = 1024
-[trainer.model]
-dtype = "float32"
-compute_dtype = "float32"
-[trainer.optimizer]
-lr = 1e-4
-[trainer.checkpoint]
+{live_runs.NO_ZERO_ADVANTAGE_FILTER}[orchestrator.output]
+batches_dir = "{run_dir / "batches"}"
+{live_runs.reverse_text_environment(group_size=4, max_tokens=12)}
+{live_runs.trainer_section(seq_len=1024)}[trainer.checkpoint]
 interval = 1           # a restarted trainer resumes from the step it had finished
 
-[inference.engine]
-dtype = "float32"
-enforce_eager = true
-max_model_len = 256
-max_num_seqs = 16
-kv_cache_gib = 0.25
-[inference.kv_cache_pool]
+{live_runs.inference_engine(max_model_len=256, max_num_seqs=16, kv_cache_gib=0.25)}[inference.kv_cache_pool]
 enabled = true
 metadata_address = "127.0.0.1:{kvstore_port}"
 timeout_s = 5.0
 
-[router.health]
-interval_s = 0.5
-[router.routing]
-no_replica_wait_s = 120.0
-[weight_broadcaster.push]
-probe_interval_s = 0.5
-[kvstore.server]
+{live_runs.router_and_broadcaster(no_replica_wait_s=120.0)}[kvstore.server]
 port = {kvstore_port}
 """
 
@@ -123,14 +83,9 @@ class Run:
         return json.loads((self.run_dir / "services.json").read_text())
 
     async def until(self, predicate, *, what: str, timeout_s: float = STEP_TIMEOUT_S):
-        give_up_at = time.monotonic() + timeout_s
-        while not (value := await predicate()):
-            assert self.launcher.poll() is None, (
-                f"the launcher exited while waiting for {what}:\n{self.out.read_text()}"
-            )
-            assert time.monotonic() < give_up_at, f"gave up waiting for {what}:\n{self.out.read_text()}"
-            await asyncio.sleep(0.2)
-        return value
+        return await live_runs.until_while_running(
+            predicate, launcher=self.launcher, out=self.out, timeout_s=timeout_s, what=what
+        )
 
 
 async def follow_steps(address: str, tls: TlsConfig, finished: dict[int, set[tuple[int, int]]]) -> None:
@@ -242,26 +197,11 @@ def loss_token_versions(path: pathlib.Path) -> list[set[int]]:
 
 def test_each_service_killed_once_is_restarted_and_the_run_trains_every_step_once(tmp_path):
     run_dir, out, config = tmp_path / "run", tmp_path / "launcher.out", tmp_path / "launch.toml"
-    config.write_text(
-        LAUNCH_FILE.format(
-            cache=CACHE / "launcher", max_steps=MAX_STEPS, batches=run_dir / "batches", kvstore_port=free_port()
-        )
-    )
+    config.write_text(launch_file(run_dir, kvstore_port=free_port()))
     # Not the tests' plaintext default (conftest's PRIMERL_<SERVICE>_TLS__MODE): the run file's mTLS.
-    env = {name: value for name, value in os.environ.items() if not name.endswith("_TLS__MODE")}
-    with out.open("w") as log:
-        launcher = subprocess.Popen(
-            [sys.executable, "-m", "primerl_launcher", "up", "-c", str(config), "--run-dir", str(run_dir)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=env,
-        )
-    try:
+    with live_runs.primerl_up(config, run_dir, out, env=live_runs.environ_without(suffix="_TLS__MODE")) as launcher:
         finished = asyncio.run(kill_each_once(Run(launcher, run_dir, out)))
         assert launcher.wait(10) == 0, out.read_text()
-    finally:
-        launcher.kill()
     printed = out.read_text()
 
     assert "mutual TLS: development CA and certificates in" in printed, printed
@@ -279,8 +219,7 @@ def test_each_service_killed_once_is_restarted_and_the_run_trains_every_step_onc
     assert "the vLLM engine process died" in (run_dir / "logs" / "inference-0.log").read_text()
     assert summary["restarts"] == {**dict.fromkeys(names, 1), "inference-0": 2}
     assert summary["replica_policy_versions"] == {"inference-0": MAX_STEPS}
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == list(range(1, MAX_STEPS + 1))
+    assert [r["step"] for r in live_runs.read_records(run_dir)] == list(range(1, MAX_STEPS + 1))
 
     # Trained once each: one finish time per step over all the trainer's processes.
     assert {step: len(times) for step, times in finished.items()} == dict.fromkeys(range(1, MAX_STEPS + 1), 1)

@@ -11,12 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import pathlib
 import subprocess
-import sys
-import tempfile
-import time
 
 import grpc
 import pytest
@@ -30,87 +26,51 @@ from primerl.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from primerl_common.client import make_channel
 from primerl_common.errors import error_details
 
+from . import live_runs
+
 pytestmark = pytest.mark.slow
 
-CACHE = pathlib.Path(os.environ.get("PRIMERL_TEST_CACHE", pathlib.Path(tempfile.gettempdir()) / "primerl-test-cache"))
 # Enough that the test acts while the run is still going, even when steps take a second.
 MAX_STEPS = 8
 MAX_OFF_POLICY_STEPS = 1
 REPLICAS = ("inference-0", "inference-1")
 
-LAUNCH_FILE = f"""
-[launcher]
-model = "tiny-dense"
-inference_replicas = {len(REPLICAS)}
-cache_dir = "{CACHE / "launcher"}"
-poll_interval_s = 0.5
-start_timeout_s = 240
-# The services' own validation (--check-config) is tested with cheap services in
+
+def launch_file() -> str:
+    launcher = live_runs.launcher_section("tiny-dense", inference_replicas=len(REPLICAS))
+    reverse_text = live_runs.reverse_text_environment(group_size=4, max_tokens=12)
+    router_load = "[router.load]\nreport_interval_ms = 100\n"
+    return f"""
+{launcher}# The services' own validation (--check-config) is tested with cheap services in
 # tools/launcher/tests/test_launcher.py; here it would import torch and transformers twice more.
 check_config = false
 
-[orchestrator.model]
-max_model_len = 256
-[orchestrator.peers]
-poll_interval_s = 0.2
-[orchestrator.run]
-max_steps = {MAX_STEPS}
-batch_size = 8
-max_async_level = 1
+{live_runs.orchestrator_head(max_model_len=256, max_steps=MAX_STEPS, batch_size=8)}max_async_level = 1
 max_off_policy_steps = {MAX_OFF_POLICY_STEPS}
 # Two reverse_text groups (one batch) and the test's own episodes: a new group starts for the
 # next step, not for one only the last batches could take.
 max_concurrent_episodes = 10
-[orchestrator.advantage]
-filter_zero_advantage = false
-[[orchestrator.environments]]
-name = "reverse_text"
-kind = "reverse_text"
-group_size = 4
-[orchestrator.environments.sampling]
-max_tokens = 12
-[[orchestrator.environments]]
+{live_runs.NO_ZERO_ADVANTAGE_FILTER}{reverse_text}[[orchestrator.environments]]
 name = "held"
 group_size = 1
 [orchestrator.environments.sampling]
 max_tokens = 4
 
-[trainer]
-device = "cpu"
-seq_len = 1024
-[trainer.model]
-dtype = "float32"
-compute_dtype = "float32"
-[trainer.optimizer]
-lr = 1e-4
-
-[inference.engine]
-dtype = "float32"
-enforce_eager = true
-max_model_len = 256
-max_num_seqs = 16
-kv_cache_gib = 1
-
-[router.health]
-interval_s = 0.5
-[router.load]
-report_interval_ms = 100
-[router.routing]
-no_replica_wait_s = 60.0
-[weight_broadcaster.push]
-probe_interval_s = 0.5
-[kvstore]
+{live_runs.trainer_section(seq_len=1024)}
+{live_runs.inference_engine(max_model_len=256, max_num_seqs=16, kv_cache_gib=1)}
+{live_runs.router_and_broadcaster(no_replica_wait_s=60.0, router_load=router_load)}[kvstore]
 """
 
 
 def services_of(launcher: subprocess.Popen[str], run_dir: pathlib.Path, out: pathlib.Path) -> dict:
     """What the launcher started, once every service is SERVING (services.json)."""
-    deadline = time.monotonic() + 300
-    while not (run_dir / "services.json").is_file():
-        assert launcher.poll() is None, out.read_text()
-        assert time.monotonic() < deadline, f"the services did not come up:\n{out.read_text()}"
-        time.sleep(0.1)
-    return json.loads((run_dir / "services.json").read_text())
+
+    async def services() -> dict | None:
+        return live_runs.read_services(run_dir)
+
+    return asyncio.run(
+        live_runs.until_while_running(services, launcher=launcher, out=out, timeout_s=300, what="the services")
+    )
 
 
 async def until(predicate, *, timeout_s: float, what: str):
@@ -201,21 +161,12 @@ async def _all_at_least(versions, minimum: int) -> dict[str, int] | None:
 
 def test_primerl_up_runs_rl_through_all_six_services(tmp_path):
     config, run_dir, out = tmp_path / "launch.toml", tmp_path / "run", tmp_path / "launcher.out"
-    config.write_text(LAUNCH_FILE)
-    with out.open("w") as log:
-        launcher = subprocess.Popen(
-            [sys.executable, "-m", "primerl_launcher", "up", "-c", str(config), "--run-dir", str(run_dir)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-    try:
+    config.write_text(launch_file())
+    with live_runs.primerl_up(config, run_dir, out) as launcher:
         services = services_of(launcher, run_dir, out)
         assert set(services) == {"orchestrator", "trainer", "router", "weight_broadcaster", "kvstore", *REPLICAS}
         seen = asyncio.run(drive(services))
         assert launcher.wait(240) == 0, out.read_text()
-    finally:
-        launcher.kill()
     printed = out.read_text()
 
     assert all(v > seen["held_version"] for v in seen["updated_versions"].values())
@@ -224,7 +175,7 @@ def test_primerl_up_runs_rl_through_all_six_services(tmp_path):
     assert seen["trainer_step"] >= 1 and seen["published"] >= 1
     assert seen["dropped"] == (grpc.StatusCode.FAILED_PRECONDITION, ["EPISODE_DROPPED"])
 
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = live_runs.read_records(run_dir)
     assert [r["step"] for r in records] == list(range(1, MAX_STEPS + 1))
     for record in records:
         assert record["trainer"]["num_samples"] >= 1  # every step trained on a batch

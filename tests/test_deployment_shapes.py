@@ -12,19 +12,15 @@ long system prompt so that they span several whole KV blocks, the unit the pool 
 
 from __future__ import annotations
 
-import json
-import os
 import pathlib
-import subprocess
-import sys
-import tempfile
 
 import pytest
 from safetensors.torch import load_file
 
+from . import live_runs
+
 pytestmark = pytest.mark.slow
 
-CACHE = pathlib.Path(os.environ.get("PRIMERL_TEST_CACHE", pathlib.Path(tempfile.gettempdir()) / "primerl-test-cache"))
 MAX_STEPS = 2
 MAX_MISMATCH_KL = 1e-3
 # ~300 tokens with the byte-level tokenizer: the prompt spans whole KV blocks.
@@ -35,87 +31,33 @@ SHAPES = {
     "disaggregated": 'shape = "disaggregated"\nprefill = 1\ndecode = 1',
 }
 
-LAUNCH_FILE = """
-[launcher]
-model = "tiny-moe"
-cache_dir = "{cache}"
-poll_interval_s = 0.5
-start_timeout_s = 240
-check_config = false   # tested with cheap services in tools/launcher/tests
+
+def launch_file(shape: str, batches: pathlib.Path) -> str:
+    return f"""
+{live_runs.launcher_section("tiny-moe")}check_config = false   # tested with cheap services in tools/launcher/tests
 
 [inference.deployment]
-{deployment}
+{SHAPES[shape]}
 
-[inference.engine]
-dtype = "float32"
-enforce_eager = true
-max_model_len = 512
-max_num_seqs = 8
-kv_cache_gib = 0.25
-
-[orchestrator.model]
-max_model_len = 512
-[orchestrator.peers]
-poll_interval_s = 0.2
-[orchestrator.run]
-max_steps = {max_steps}
-batch_size = 4
-max_async_level = 1
+{live_runs.inference_engine(max_model_len=512, max_num_seqs=8, kv_cache_gib=0.25)}
+{live_runs.orchestrator_head(max_model_len=512, max_steps=MAX_STEPS, batch_size=4)}max_async_level = 1
 max_off_policy_steps = 1
-[orchestrator.advantage]
-filter_zero_advantage = false
-[orchestrator.output]
+{live_runs.NO_ZERO_ADVANTAGE_FILTER}[orchestrator.output]
 batches_dir = "{batches}"
-[[orchestrator.environments]]
-name = "reverse_text"
-kind = "reverse_text"
-group_size = 2
-[orchestrator.environments.sampling]
-max_tokens = 6
-[orchestrator.environments.options]
-system_prompt = "{system_prompt}"
+{live_runs.reverse_text_environment(group_size=2, max_tokens=6)}[orchestrator.environments.options]
+system_prompt = "{SYSTEM_PROMPT}"
 max_length = 6
 
-[trainer]
-device = "cpu"
-seq_len = 2048
-router_replay = true
-[trainer.model]
-dtype = "float32"
-compute_dtype = "float32"
-
-[router.health]
-interval_s = 0.5
-[router.routing]
-no_replica_wait_s = 120.0
-[weight_broadcaster.push]
-probe_interval_s = 0.5
-"""
+{live_runs.trainer_section(seq_len=2048, router_replay=True, optimizer=False)}
+{live_runs.router_and_broadcaster(no_replica_wait_s=120.0)}"""
 
 
 def run_up(tmp_path: pathlib.Path, shape: str) -> tuple[str, list[dict]]:
     config, run_dir, out = tmp_path / "launch.toml", tmp_path / "run", tmp_path / "launcher.out"
-    config.write_text(
-        LAUNCH_FILE.format(
-            cache=CACHE / "launcher",
-            deployment=SHAPES[shape],
-            max_steps=MAX_STEPS,
-            batches=tmp_path / "batches",
-            system_prompt=SYSTEM_PROMPT,
-        )
-    )
-    with out.open("w") as log:
-        launcher = subprocess.Popen(
-            [sys.executable, "-m", "primerl_launcher", "up", "-c", str(config), "--run-dir", str(run_dir)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-    try:
+    config.write_text(launch_file(shape, tmp_path / "batches"))
+    with live_runs.primerl_up(config, run_dir, out) as launcher:
         assert launcher.wait(600) == 0, out.read_text()
-    finally:
-        launcher.kill()
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = live_runs.read_records(run_dir)
     return out.read_text(), records
 
 

@@ -11,14 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import pathlib
 import re
 import signal
 import subprocess
 import sys
-import tempfile
-import time
 from dataclasses import dataclass
 
 import psutil
@@ -28,34 +25,20 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from primerl.orchestrator.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 from primerl_common.client import make_channel
 
+from . import live_runs
+
 pytestmark = pytest.mark.slow
 
-CACHE = pathlib.Path(os.environ.get("PRIMERL_TEST_CACHE", pathlib.Path(tempfile.gettempdir()) / "primerl-test-cache"))
 EXAMPLES = "primerl_orchestrator.environments.verifiers_examples"
 MAX_STEPS = 4
 
 
 def launch_file(logs: pathlib.Path) -> str:
     return f"""
-[launcher]
-model = "tiny-dense"
-inference_replicas = 1
-cache_dir = "{CACHE / "launcher"}"
-poll_interval_s = 0.5
-start_timeout_s = 240
-check_config = false
+{live_runs.launcher_section("tiny-dense", inference_replicas=1)}check_config = false
 
-[orchestrator.model]
-max_model_len = 1024
-[orchestrator.peers]
-poll_interval_s = 0.2
-[orchestrator.run]
-max_steps = {MAX_STEPS}
-batch_size = 4
-max_concurrent_episodes = 8
-[orchestrator.advantage]
-filter_zero_advantage = false
-[[orchestrator.environments]]
+{live_runs.orchestrator_head(max_model_len=1024, max_steps=MAX_STEPS, batch_size=4)}max_concurrent_episodes = 8
+{live_runs.NO_ZERO_ADVANTAGE_FILTER}[[orchestrator.environments]]
 name = "spell"
 kind = "verifiers"
 group_size = 2
@@ -103,29 +86,9 @@ project = "primerl-ci"
 [orchestrator.tracking.tensorboard]
 enabled = true
 
-[trainer]
-device = "cpu"
-seq_len = 2048
-[trainer.model]
-dtype = "float32"
-compute_dtype = "float32"
-[trainer.optimizer]
-lr = 1e-4
-
-[inference.engine]
-dtype = "float32"
-enforce_eager = true
-max_model_len = 1024
-max_num_seqs = 16
-kv_cache_gib = 1
-
-[router.health]
-interval_s = 0.5
-[router.routing]
-no_replica_wait_s = 60.0
-[weight_broadcaster.push]
-probe_interval_s = 0.5
-"""
+{live_runs.trainer_section(seq_len=2048)}
+{live_runs.inference_engine(max_model_len=1024, max_num_seqs=16, kv_cache_gib=1)}
+{live_runs.router_and_broadcaster(no_replica_wait_s=60.0)}"""
 
 
 @dataclass(frozen=True)
@@ -157,15 +120,6 @@ def environment_process(launcher: subprocess.Popen[str], name: str) -> psutil.Pr
     return None
 
 
-async def wait_until(check, *, launcher, out: pathlib.Path, timeout_s: float, what: str):
-    give_up_at = time.monotonic() + timeout_s
-    while not (value := await check()):
-        assert launcher.poll() is None, f"the launcher exited while waiting until {what}:\n{text(out)}"
-        assert time.monotonic() < give_up_at, f"gave up waiting until {what}:\n{text(out)}"
-        await asyncio.sleep(0.2)
-    return value
-
-
 async def kill_spell_mid_run(launcher, run_dir: pathlib.Path, logs: pathlib.Path, out: pathlib.Path) -> dict:
     """Once a step is done: pauses the run, kills the spell environment's process, resumes once
     it is back; returns what it saw."""
@@ -173,12 +127,11 @@ async def kill_spell_mid_run(launcher, run_dir: pathlib.Path, logs: pathlib.Path
     metrics = run_dir / "orchestrator" / "metrics.jsonl"
 
     async def services() -> dict | None:
-        path = run_dir / "services.json"
-        return json.loads(path.read_text()) if path.is_file() else None
+        return live_runs.read_services(run_dir)
 
-    address = (await wait_until(services, launcher=launcher, out=out, timeout_s=300, what="services up"))[
-        "orchestrator"
-    ]["address"]
+    address = (
+        await live_runs.until_while_running(services, launcher=launcher, out=out, timeout_s=300, what="services up")
+    )["orchestrator"]["address"]
     async with make_channel(address) as channel:
         stub = orchestrator_pb2_grpc.OrchestratorServiceStub(channel)
 
@@ -189,7 +142,9 @@ async def kill_spell_mid_run(launcher, run_dir: pathlib.Path, logs: pathlib.Path
         async def first_step() -> bool:
             return bool(text(metrics).strip()) and await spell_finished() > 0
 
-        await wait_until(first_step, launcher=launcher, out=out, timeout_s=240, what="step 1 and spell episodes")
+        await live_runs.until_while_running(
+            first_step, launcher=launcher, out=out, timeout_s=240, what="step 1 and spell episodes"
+        )
         await stub.PauseRun(orchestrator_pb2.PauseRunRequest())
         victim = environment_process(launcher, "spell")
         assert victim is not None
@@ -199,7 +154,9 @@ async def kill_spell_mid_run(launcher, run_dir: pathlib.Path, logs: pathlib.Path
         async def back() -> bool:
             return loaded(logs / "spell.log") == 2
 
-        await wait_until(back, launcher=launcher, out=out, timeout_s=120, what="spell's process restarted")
+        await live_runs.until_while_running(
+            back, launcher=launcher, out=out, timeout_s=120, what="spell's process restarted"
+        )
         restarted = environment_process(launcher, "spell")
         seen["restarted"] = restarted.pid if restarted is not None else None
         seen["finished_before"] = await spell_finished()
@@ -209,7 +166,9 @@ async def kill_spell_mid_run(launcher, run_dir: pathlib.Path, logs: pathlib.Path
         async def played_again() -> bool:
             return await spell_finished() > seen["finished_before"]
 
-        await wait_until(played_again, launcher=launcher, out=out, timeout_s=240, what="spell played again")
+        await live_runs.until_while_running(
+            played_again, launcher=launcher, out=out, timeout_s=240, what="spell played again"
+        )
     return seen
 
 
@@ -221,15 +180,11 @@ def primerl(*args: str, out: pathlib.Path, timeout_s: float) -> str:
             stderr=subprocess.STDOUT,
             text=True,
             timeout=timeout_s,
-            env=_env(),
+            env=live_runs.environ_without("WANDB_MODE"),
         ).returncode
     printed = out.read_text()
     assert code == 0, printed
     return printed
-
-
-def _env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k != "WANDB_MODE"}
 
 
 @pytest.fixture(scope="module")
@@ -237,24 +192,14 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
     root = tmp_path_factory.mktemp("ecosystem")
     config, run_dir, out = root / "launch.toml", root / "run", root / "up.out"
     config.write_text(launch_file(root))
-    with out.open("w") as log:
-        launcher = subprocess.Popen(
-            [sys.executable, "-m", "primerl_launcher", "up", "-c", str(config), "--run-dir", str(run_dir)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=_env(),
-        )
-    try:
+    with live_runs.primerl_up(config, run_dir, out, env=live_runs.environ_without("WANDB_MODE")) as launcher:
         seen = asyncio.run(kill_spell_mid_run(launcher, run_dir, root, out))
         assert launcher.wait(240) == 0, out.read_text()
-    finally:
-        launcher.kill()
     return Run(root, config, run_dir, out.read_text(), seen)
 
 
 def records(run: Run) -> list[dict]:
-    return [json.loads(line) for line in (run.run_dir / "metrics.jsonl").read_text().splitlines()]
+    return live_runs.read_records(run.run_dir)
 
 
 def test_verifiers_environments_train_with_their_rubrics_and_survive_a_killed_process(run):
