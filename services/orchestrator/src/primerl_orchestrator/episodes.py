@@ -13,12 +13,13 @@ import collections
 import enum
 import uuid
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from primerl_common.errors import FailedPrecondition, NotFound
 from primerl_orchestrator.environments import Task
 from primerl_orchestrator.samples import EpisodeTokens, Sample
 
-__all__ = ["Episode", "EpisodeBook", "EpisodeState", "Group", "Rollout"]
+__all__ = ["Episode", "EpisodeBook", "EpisodeState", "Group", "Rollout", "TurnChecks", "take_pending"]
 
 
 class EpisodeState(enum.Enum):
@@ -33,8 +34,63 @@ class EpisodeState(enum.Enum):
         return self in (EpisodeState.FINISHED, EpisodeState.DISCARDED, EpisodeState.DROPPED)
 
 
+class TurnChecks:
+    """The checks an API call makes before a turn or the end of an episode, training or
+    evaluation; the episode says when it has ended (check_not_ended)."""
+
+    episode_id: str
+    state: EpisodeState
+    turn_in_progress: bool
+    num_turns: int
+
+    def check_not_ended(self) -> None:
+        raise NotImplementedError
+
+    def check_can_play(self) -> None:
+        """Raises unless a model turn may run now."""
+        self.check_not_ended()
+        if self.turn_in_progress:
+            raise FailedPrecondition(
+                f"episode {self.episode_id} has a turn running; turns of one episode run one at a time",
+                reason="TURN_IN_PROGRESS",
+                subject=self.episode_id,
+            )
+
+    def check_can_finish(self, *, discard: bool) -> None:
+        """Raises unless the episode may end now: with a reward once it has generated a turn
+        (a reward with no token scores nothing), discarded at any time."""
+        self.check_not_ended()
+        if self.turn_in_progress:
+            raise FailedPrecondition(
+                f"episode {self.episode_id} has a turn running; finish it after the turn returns",
+                reason="TURN_IN_PROGRESS",
+                subject=self.episode_id,
+            )
+        if not discard and self.num_turns == 0:
+            raise FailedPrecondition(
+                f"episode {self.episode_id} has generated no turn, so a reward would score nothing: "
+                "call Generate first, or FinishEpisode with discard to abandon it",
+                reason="NO_TURN_GENERATED",
+                subject=self.episode_id,
+            )
+
+
+_E = TypeVar("_E", bound=TurnChecks)
+
+
+def take_pending(pending: collections.deque[_E]) -> _E | None:
+    """The first episode of `pending` still PENDING, now RUNNING; those that ended while they
+    waited leave the queue with it. None once `pending` is empty."""
+    while pending:
+        episode = pending.popleft()
+        if episode.state == EpisodeState.PENDING:
+            episode.state = EpisodeState.RUNNING
+            return episode
+    return None
+
+
 @dataclass(eq=False)
-class Episode:
+class Episode(TurnChecks):
     episode_id: str
     group: Group
     index_in_group: int
@@ -70,34 +126,6 @@ class Episode:
         """Version of its oldest sampled token; before the first turn, the version it started at."""
         oldest = self.tokens.oldest_version
         return self.start_version if oldest is None else oldest
-
-    def check_can_play(self) -> None:
-        """Raises unless a model turn may run now."""
-        self.check_not_ended()
-        if self.turn_in_progress:
-            raise FailedPrecondition(
-                f"episode {self.episode_id} has a turn running; turns of one episode run one at a time",
-                reason="TURN_IN_PROGRESS",
-                subject=self.episode_id,
-            )
-
-    def check_can_finish(self, *, discard: bool) -> None:
-        """Raises unless the episode may end now: with a reward once it has generated a turn
-        (a reward with no token scores nothing), discarded at any time."""
-        self.check_not_ended()
-        if self.turn_in_progress:
-            raise FailedPrecondition(
-                f"episode {self.episode_id} has a turn running; finish it after the turn returns",
-                reason="TURN_IN_PROGRESS",
-                subject=self.episode_id,
-            )
-        if not discard and self.num_turns == 0:
-            raise FailedPrecondition(
-                f"episode {self.episode_id} has generated no turn, so a reward would score nothing: "
-                "call Generate first, or FinishEpisode with discard to abandon it",
-                reason="NO_TURN_GENERATED",
-                subject=self.episode_id,
-            )
 
 
 @dataclass(eq=False)

@@ -24,7 +24,7 @@ from primerl.common.v1 import generation_pb2
 from primerl_common.errors import FailedPrecondition
 from primerl_orchestrator.config import SamplingDefaults
 from primerl_orchestrator.environments import Task
-from primerl_orchestrator.episodes import EpisodeState
+from primerl_orchestrator.episodes import EpisodeState, TurnChecks, take_pending
 from primerl_orchestrator.scheduler import Dispatcher
 
 __all__ = ["MAX_ATTEMPTS", "EvalEpisode", "EvalEpisodes", "EvalPlay", "SampleRecord"]
@@ -62,7 +62,7 @@ class EvalPlay:
 
 
 @dataclass(eq=False)
-class EvalEpisode:
+class EvalEpisode(TurnChecks):
     episode_id: str
     group_id: str
     play: EvalPlay
@@ -89,26 +89,7 @@ class EvalEpisode:
     def start_version(self) -> int:
         return self.play.policy_version
 
-    def check_can_play(self) -> None:
-        self._check_not_ended()
-        if self.turn_in_progress:
-            raise FailedPrecondition(
-                f"episode {self.episode_id} has a turn running; turns of one episode run one at a time",
-                reason="TURN_IN_PROGRESS",
-                subject=self.episode_id,
-            )
-
-    def check_can_finish(self, *, discard: bool) -> None:
-        self.check_can_play()
-        if not discard and self.num_turns == 0:
-            raise FailedPrecondition(
-                f"episode {self.episode_id} has generated no turn, so a reward would score nothing: "
-                "call Generate first, or FinishEpisode with discard to abandon it",
-                reason="NO_TURN_GENERATED",
-                subject=self.episode_id,
-            )
-
-    def _check_not_ended(self) -> None:
+    def check_not_ended(self) -> None:
         if self.state.ended:
             raise FailedPrecondition(
                 f"evaluation episode {self.episode_id} is over", reason="EPISODE_FINISHED", subject=self.episode_id
@@ -174,12 +155,9 @@ class EvalEpisodes:
         raises the dispatcher's error once the run is over)."""
         while True:
             pending = self._pending[environment]
-            while pending:
-                episode = pending.popleft()
-                if episode.state == EpisodeState.PENDING:
-                    episode.state = EpisodeState.RUNNING
-                    episode.created_at = self._clock()
-                    return episode
+            if (episode := take_pending(pending)) is not None:
+                episode.created_at = self._clock()
+                return episode
             if self._dispatcher.closed_error is not None:
                 raise self._dispatcher.closed_error
             queued = self._queued[environment]

@@ -22,7 +22,7 @@ import collections
 from collections.abc import Callable, Sequence
 
 from primerl_common.errors import ServiceError
-from primerl_orchestrator.episodes import Episode, EpisodeState, Group
+from primerl_orchestrator.episodes import Episode, EpisodeState, Group, take_pending
 from primerl_orchestrator.staleness import may_start, target_step
 
 __all__ = ["Dispatcher"]
@@ -109,11 +109,8 @@ class Dispatcher:
         try:
             while True:
                 pending = self._pending[environment]
-                while pending:
-                    episode = pending.popleft()
-                    if episode.state == EpisodeState.PENDING:
-                        episode.state = EpisodeState.RUNNING
-                        return episode
+                if (episode := take_pending(pending)) is not None:
+                    return episode
                 self._raise_if_closed()
                 if self._may_start(environment, group_size):
                     pending.extend(self._start(environment, make_group).episodes)
