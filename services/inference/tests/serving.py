@@ -248,8 +248,8 @@ async def update_weights(
     return await stub.UpdateWeights(update_stream(tensors, version))
 
 
-async def status_of(call: Any) -> grpc.StatusCode:
-    """The status code a call (awaitable, or a response stream) fails with."""
+async def refusal(call: Any) -> grpc.aio.AioRpcError:
+    """The error a call (awaitable, or a response stream) fails with."""
     try:
         if hasattr(call, "__aiter__"):
             async for _ in call:
@@ -257,5 +257,10 @@ async def status_of(call: Any) -> grpc.StatusCode:
         else:
             await call
     except grpc.aio.AioRpcError as error:
-        return error.code()
+        return error
     raise AssertionError("the call succeeded")
+
+
+async def status_of(call: Any) -> grpc.StatusCode:
+    """The status code a call (awaitable, or a response stream) fails with."""
+    return (await refusal(call)).code()

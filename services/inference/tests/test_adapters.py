@@ -16,14 +16,9 @@ from primerl.inference.v1 import inference_pb2
 from primerl_common.errors import field_violations
 from primerl_common.tensors import iter_tensor_chunks
 
-from .serving import checkpoint, final_output, perturbed_model, running_service, status_of, tiny_model, update_weights
+from .serving import checkpoint, final_output, perturbed_model, running_service, status_of, update_weights
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
-
-
-@pytest.fixture(scope="module")
-def model_dir(model_root: pathlib.Path) -> pathlib.Path:
-    return tiny_model(model_root, "dense")
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")

@@ -14,7 +14,6 @@ import time
 import grpc
 import psutil
 import pytest
-import pytest_asyncio
 import torch
 import torch.distributed as dist
 from google.rpc import error_details_pb2
@@ -37,10 +36,9 @@ from .serving import (
     kernel_format,
     perturbed_model,
     policy_version,
-    running_service,
+    refusal,
     sample,
     status_of,
-    tiny_model,
     update_stream,
     update_weights,
 )
@@ -51,37 +49,19 @@ PROMPTS = [list(range(40, 72)), [(5 * i) % 200 + 30 for i in range(24)]]
 SERVICE = "primerl.inference.v1.InferenceService"
 
 
-@pytest.fixture(scope="module")
-def model_dir(model_root: pathlib.Path) -> pathlib.Path:
-    return tiny_model(model_root, "dense")
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def served(model_dir: pathlib.Path):
-    async with running_service(model=model_dir) as served:
-        yield served
-
-
 async def logprobs(served: Served) -> list[list[float]]:
     return await sample(served.stub, PROMPTS, num_tokens=4, seed=3)
+
+
+async def version_and_logprobs(served: Served) -> tuple[int, list[list[float]]]:
+    """The policy version served now and PROMPTS' logprobs under it: what a refused update
+    must leave as it was."""
+    return await policy_version(served.stub), await logprobs(served)
 
 
 async def health(channel: grpc.aio.Channel) -> int:
     reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=SERVICE), timeout=5)
     return reply.status
-
-
-async def refusal(call) -> grpc.aio.AioRpcError:  # type: ignore[no-untyped-def]
-    """The error a call (awaitable or response stream) fails with."""
-    try:
-        if hasattr(call, "__aiter__"):
-            async for _ in call:
-                pass
-        else:
-            await call
-    except grpc.aio.AioRpcError as error:
-        return error
-    raise AssertionError("the call succeeded")
 
 
 def long_generation() -> inference_pb2.GenerateRequest:
@@ -97,8 +77,7 @@ async def test_weights_holding_nan_or_inf_are_refused_naming_the_tensor(
     served: Served, model_dir: pathlib.Path, tmp_path: pathlib.Path
 ) -> None:
     stub = served.stub
-    version = await policy_version(stub)
-    before = await logprobs(served)
+    version, before = await version_and_logprobs(served)
     original = checkpoint(model_dir)
     name = "model.layers.1.mlp.down_proj.weight"
     with_nan = {**original, name: original[name].clone()}
@@ -174,8 +153,7 @@ async def test_a_load_failing_before_it_writes_leaves_the_weights_bit_for_bit(
     served: Served, model_dir: pathlib.Path, tmp_path: pathlib.Path
 ) -> None:
     stub = served.stub
-    version = await policy_version(stub)
-    before = await logprobs(served)
+    version, before = await version_and_logprobs(served)
     perturbed = perturbed_model(model_dir, tmp_path / "perturbed", seed=1)
     await served.engine.llm.collective_rpc("primerl_fail_next_load", args=(0,))
 
@@ -192,8 +170,7 @@ async def test_a_load_failing_half_way_takes_the_replica_out_of_service_until_a_
     served: Served, model_dir: pathlib.Path, tmp_path: pathlib.Path
 ) -> None:
     stub = served.stub
-    version = await policy_version(stub)
-    before = await logprobs(served)
+    version, before = await version_and_logprobs(served)
     original = checkpoint(model_dir)
     perturbed = perturbed_model(model_dir, tmp_path / "perturbed", seed=1)
     in_flight = stub.Generate(long_generation())
@@ -232,8 +209,7 @@ async def test_a_trickling_update_stream_ends_on_its_idle_deadline_and_changes_n
     # The running service's own admission settings, which its interceptor reads at each call.
     monkeypatch.setattr(served.service.config.admission, "stream_idle_timeout_s", 1.0)
     stub = served.stub
-    version = await policy_version(stub)
-    before = await logprobs(served)
+    version, before = await version_and_logprobs(served)
     original = checkpoint(model_dir)
     name, tensor = max(original.items(), key=lambda item: item[1].numel())
     half = tensor.numel() * tensor.element_size() // 2

@@ -9,7 +9,6 @@ import shutil
 
 import grpc
 import pytest
-import pytest_asyncio
 import torch
 from prometheus_client import REGISTRY
 from transformers import AutoModelForCausalLM
@@ -30,9 +29,7 @@ from .serving import (
     generate,
     perturbed_model,
     policy_version,
-    running_service,
     status_of,
-    tiny_model,
     update_stream,
     update_weights,
 )
@@ -40,18 +37,6 @@ from .serving import (
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
 PROMPT = list(range(32, 72))  # 40 ASCII characters
-
-
-@pytest.fixture(scope="module")
-def model_dir(model_root: pathlib.Path) -> pathlib.Path:
-    return tiny_model(model_root, "dense")
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def served(model_dir: pathlib.Path):
-    # engine.dtype unset: the engine serves the checkpoint's float32 (asserted by test_service_info_...).
-    async with running_service(model=model_dir) as served:
-        yield served
 
 
 @pytest.fixture(scope="module")
