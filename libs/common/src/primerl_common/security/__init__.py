@@ -10,78 +10,10 @@
 - The process identity (`setup_process_tls`) is what every channel the process opens shows.
 """
 
-from primerl_common.security._credentials import (
-    ENV_PREFIX,
-    channel_credentials,
-    process_tls,
-    secure_aio_channel,
-    secure_channel,
-    server_credentials,
-    setup_process_tls,
-    ssl_client_context,
-    ssl_server_context,
-)
-from primerl_common.security._identity import (
-    LOCAL,
-    TRUST_DOMAIN,
-    Caller,
-    CallerResolver,
-    PermissionDenied,
-    TokenEntry,
-    Unauthenticated,
-    caller_of,
-    certificate_identity,
-    identity_uri,
-    load_tokens,
-)
-from primerl_common.security._permissions import (
-    ANY,
-    ENVIRONMENT,
-    INFERENCE,
-    KVSTORE,
-    OPEN_METHODS,
-    OPERATOR,
-    ORCHESTRATOR,
-    ROUTER,
-    TENANT,
-    TRAINER,
-    WEIGHT_BROADCASTER,
-    AuthorizationInterceptor,
-    method_roles,
-)
+from primerl_common.security import _credentials, _identity, _permissions
+from primerl_common.security._credentials import *  # noqa: F403
+from primerl_common.security._identity import *  # noqa: F403
+from primerl_common.security._permissions import *  # noqa: F403
 
-__all__ = [
-    "ANY",
-    "ENVIRONMENT",
-    "ENV_PREFIX",
-    "INFERENCE",
-    "KVSTORE",
-    "LOCAL",
-    "OPEN_METHODS",
-    "OPERATOR",
-    "ORCHESTRATOR",
-    "ROUTER",
-    "TENANT",
-    "TRAINER",
-    "TRUST_DOMAIN",
-    "WEIGHT_BROADCASTER",
-    "AuthorizationInterceptor",
-    "Caller",
-    "CallerResolver",
-    "PermissionDenied",
-    "TokenEntry",
-    "Unauthenticated",
-    "caller_of",
-    "certificate_identity",
-    "channel_credentials",
-    "identity_uri",
-    "load_tokens",
-    "method_roles",
-    "process_tls",
-    "secure_aio_channel",
-    "secure_channel",
-    "server_credentials",
-    "setup_process_tls",
-    "ssl_client_context",
-    "ssl_server_context",
-]
+# Each module lists what it exports (its __all__); the package exports them all.
+__all__ = [*_credentials.__all__, *_identity.__all__, *_permissions.__all__]
