@@ -13,19 +13,14 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from primerl_common import security
 from primerl_common.malloc import MALLOC_ENV
-from primerl_common.processes import ServiceDied, ServiceProcess
-from primerl_launcher.certs import run_certificates
-from primerl_launcher.run import service_command, write_configs
+from primerl_common.processes import ServiceDied
+from primerl_launcher.run import add_service_processes, operator_certificates, write_configs
 from primerl_launcher.service_group import ServiceGroup
 from primerl_launcher.spec import LaunchConfigError, LaunchFile, ServiceSpec
 from primerl_launcher.wiring import (
-    OPERATOR,
     address_of,
     get_path,
-    identities,
-    served_hosts,
     set_default,
     set_model,
     set_tls,
@@ -71,9 +66,7 @@ async def evaluate_checkpoint(
     settings = launch.launcher
     tls = None
     if settings.tls == "mtls":  # as primerl up: certificates in the run directory, called as the operator
-        holders = {**identities(services), _EVALUATOR: ["orchestrator"]}
-        tls = run_certificates(run_dir / "certs", holders, hosts=served_hosts(services, settings.host))
-        security.setup_process_tls(tls[OPERATOR], export=False)
+        tls = operator_certificates(run_dir, services, settings.host, extra_holders={_EVALUATOR: ["orchestrator"]})
     wire(services, run_dir=run_dir, model=checkpoint, host=settings.host, tls=tls)
     set_model(services, checkpoint, force=True)
     # Replicas start serving the checkpoint's weights as version 0. Nothing is tracked or written
@@ -93,16 +86,7 @@ async def evaluate_checkpoint(
     paths = write_configs([*services.values(), evaluator], run_dir / "config")
     env = {**MALLOC_ENV, **os.environ, **settings.env}
     group = ServiceGroup(log_tail_lines=settings.log_tail_lines)
-    for name, spec in services.items():
-        group.add(
-            ServiceProcess(
-                service_command(spec, paths[name]),
-                name=name,
-                log_path=run_dir / "logs" / f"{name}.log",
-                address=address_of(spec),
-                env=env,
-            )
-        )
+    add_service_processes(group, services, paths, logs=run_dir / "logs", env=env)
     print(f"checkpoint: {checkpoint}\nstarting {', '.join(services)} (logs in {run_dir / 'logs'})")
     try:
         await group.start(list(services), timeout_s=settings.start_timeout_s)

@@ -112,6 +112,43 @@ def service_command(spec: ServiceSpec, config: pathlib.Path) -> list[str]:
     return [sys.executable, "-m", spec.module, "-c", str(config)]
 
 
+def add_service_processes(
+    group: ServiceGroup,
+    services: Mapping[str, ServiceSpec],
+    paths: Mapping[str, pathlib.Path],
+    *,
+    logs: pathlib.Path,
+    env: dict[str, str],
+) -> None:
+    """One process per service, on its config file `paths[name]`, logging to <logs>/<name>.log."""
+    for name, spec in services.items():
+        group.add(
+            ServiceProcess(
+                service_command(spec, paths[name]),
+                name=name,
+                log_path=logs / f"{name}.log",
+                address=address_of(spec),
+                env=env,
+            )
+        )
+
+
+def operator_certificates(
+    run_dir: pathlib.Path,
+    services: Mapping[str, ServiceSpec],
+    host: str,
+    *,
+    extra_holders: Mapping[str, list[str]] | None = None,
+) -> dict[str, TlsConfig]:
+    """A development CA and the run's certificates in <run_dir>/certs (each service's, and
+    `extra_holders`'); this process's own channels shown as the operator."""
+    holders = {**identities(services), **(extra_holders or {})}
+    tls = run_certificates(run_dir / "certs", holders, hosts=served_hosts(services, host))
+    # Not exported: the services it starts show their own certificates, never the operator's.
+    security.setup_process_tls(tls[OPERATOR], export=False)
+    return tls
+
+
 async def validate_configs(
     specs: Sequence[ServiceSpec], paths: Mapping[str, pathlib.Path], env: dict[str, str]
 ) -> dict[str, dict[str, Any]]:
@@ -271,26 +308,14 @@ class Launcher:
         if settings.tls == "plaintext":
             print('plaintext gRPC on loopback, no identities (the local demo; [launcher] tls = "mtls" for mutual TLS)')
             return None
-        directory = self.run_dir / "certs"
-        tls = await asyncio.to_thread(
-            run_certificates, directory, identities(services), hosts=served_hosts(services, settings.host)
+        tls = await asyncio.to_thread(operator_certificates, self.run_dir, services, settings.host)
+        print(
+            f"mutual TLS: development CA and certificates in {self.run_dir / 'certs'}; the launcher calls as {OPERATOR}"
         )
-        # Not exported: the services it starts show their own certificates, never the operator's.
-        security.setup_process_tls(tls[OPERATOR], export=False)
-        print(f"mutual TLS: development CA and certificates in {directory}; the launcher calls as {OPERATOR}")
         return tls
 
     async def _start(self, services: Mapping[str, ServiceSpec], paths: Mapping[str, pathlib.Path]) -> None:
-        for name, spec in services.items():
-            self.group.add(
-                ServiceProcess(
-                    service_command(spec, paths[name]),
-                    name=name,
-                    log_path=self.run_dir / "logs" / f"{name}.log",
-                    address=address_of(spec),
-                    env=self.env,
-                )
-            )
+        add_service_processes(self.group, services, paths, logs=self.run_dir / "logs", env=self.env)
         # All at once: each service waits for its peers (the orchestrator dispatches nothing before
         # the broadcaster reports a replica serving the first version).
         print("starting " + ", ".join(services) + f" (logs in {self.run_dir / 'logs'})")
