@@ -80,6 +80,19 @@ class InitialVersion(VersionSource):
         await asyncio.Event().wait()
 
 
+def rollout(index: int) -> Rollout:
+    """The `index`th one-rollout batch: one sample of two loss tokens."""
+    sample = Sample([1, 2, 3], [False, True, True], [0.0, -0.1, -0.2], [0, 0, 0], [1.0, 1.0, 1.0])
+    return Rollout(f"episode-{index}", "env", f"group-{index}", 1.0, 0.5, [sample])
+
+
+async def pushed(trainer: RestartingTrainer, count: int) -> None:
+    """Waits until the loop (a task) has pushed `count` batches."""
+    async with asyncio.timeout(10):
+        while len(trainer.pushes) < count:  # noqa: ASYNC110 (the loop is a task here)
+            await asyncio.sleep(0.01)
+
+
 @pytest.fixture
 def config(tmp_path) -> OrchestratorConfig:
     (tmp_path / "model").mkdir()
@@ -102,34 +115,27 @@ async def test_batches_a_restarted_trainer_lost_are_collected_again(config):
     async def next_batch(step: int) -> list[Rollout]:
         cut.append(step)
         next_batch_wanted.set()
-        sample = Sample([1, 2, 3], [False, True, True], [0.0, -0.1, -0.2], [0, 0, 0], [1.0, 1.0, 1.0])
-        return [Rollout(f"episode-{len(cut)}", "env", f"group-{len(cut)}", 1.0, 0.5, [sample])]
+        return [rollout(len(cut))]
 
     run.next_batch = next_batch  # type: ignore[method-assign]
     loop = asyncio.create_task(BatchLoop(config, run, trainer, InitialVersion()).run())
     try:
-
-        async def pushed(count: int) -> None:
-            async with asyncio.timeout(10):
-                while len(trainer.pushes) < count:  # noqa: ASYNC110 (the loop is a task here)
-                    await asyncio.sleep(0.01)
-
         trainer.allow(2)
-        await pushed(2)
+        await pushed(trainer, 2)
         trainer.train()  # steps 1 and 2
         trainer.allow(1)
-        await pushed(3)
+        await pushed(trainer, 3)
         trainer.restart()  # step 3 was queued, not trained: lost
         trainer.allow(2)
-        await pushed(5)  # step 4 refused (the trainer expects 3), then that batch as step 3
+        await pushed(trainer, 5)  # step 4 refused (the trainer expects 3), then that batch as step 3
         trainer.train()
         trainer.allow(1)
-        await pushed(6)  # step 4, the last
+        await pushed(trainer, 6)  # step 4, the last
         trainer.restart()  # lost after the last push: the run must not finish
         await asyncio.sleep(0.2)
         assert run.state == RunState.RUNNING
         trainer.allow(1)
-        await pushed(7)  # step 4 again
+        await pushed(trainer, 7)  # step 4 again
         trainer.train()
         await asyncio.wait_for(loop, 10)
     finally:
@@ -152,26 +158,19 @@ async def test_a_batch_lost_while_the_next_step_waits_for_its_policy_is_collecte
         while trainer.completed < step - 1:  # noqa: ASYNC110 (stands for the dispatcher's wait)
             await asyncio.sleep(0.01)
         cut.append(step)
-        sample = Sample([1, 2, 3], [False, True, True], [0.0, -0.1, -0.2], [0, 0, 0], [1.0, 1.0, 1.0])
-        return [Rollout(f"episode-{len(cut)}", "env", f"group-{len(cut)}", 1.0, 0.5, [sample])]
+        return [rollout(len(cut))]
 
     run.next_batch = next_batch  # type: ignore[method-assign]
     loop = asyncio.create_task(BatchLoop(config, run, trainer, InitialVersion()).run())
     try:
-
-        async def pushed(count: int) -> None:
-            async with asyncio.timeout(10):
-                while len(trainer.pushes) < count:  # noqa: ASYNC110 (the loop is a task here)
-                    await asyncio.sleep(0.01)
-
         trainer.allow(10)
-        await pushed(1)
+        await pushed(trainer, 1)
         trainer.train()  # step 1
-        await pushed(2)
+        await pushed(trainer, 2)
         trainer.restart()  # step 2 was queued, not trained: lost while step 3 waits for policy 2
-        await pushed(3)  # step 2 again
+        await pushed(trainer, 3)  # step 2 again
         for count in (3, 4, 5):
-            await pushed(count)
+            await pushed(trainer, count)
             trainer.train()
         await asyncio.wait_for(loop, 10)
     finally:
