@@ -8,25 +8,17 @@ import uuid
 
 import grpc
 import pytest
-import pytest_asyncio
 import torch
 
 from primerl.common.v1 import tensor_pb2
 from primerl.inference.v1 import inference_pb2
 from primerl_common.tensors import iter_tensor_chunks
 
-from .serving import checkpoint, perturbed_model, policy_version, running_service, sample, tiny_model, update_stream
+from .serving import checkpoint, perturbed_model, policy_version, sample, update_stream
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
 PROMPTS = [list(range(40, 72)), [(3 * i) % 200 + 30 for i in range(24)]]
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def served(model_root: pathlib.Path):
-    model_dir = tiny_model(model_root, "dense")
-    async with running_service(model=model_dir) as served:
-        yield model_dir, served.stub
 
 
 async def logprobs(stub) -> list[list[float]]:
@@ -79,8 +71,10 @@ async def striped_update(stub, tensors: dict[str, torch.Tensor], num_stripes: in
     return await asyncio.gather(*calls, return_exceptions=True)
 
 
-async def test_a_striped_update_ends_in_the_logprobs_of_a_single_stream(served, tmp_path: pathlib.Path) -> None:
-    model_dir, stub = served
+async def test_a_striped_update_ends_in_the_logprobs_of_a_single_stream(
+    model_dir: pathlib.Path, served, tmp_path: pathlib.Path
+) -> None:
+    stub = served.stub
     original = checkpoint(model_dir)
     perturbed = perturbed_model(model_dir, tmp_path / "perturbed", seed=4)
     info = (await stub.GetServiceInfo(inference_pb2.GetServiceInfoRequest())).info
@@ -100,8 +94,10 @@ async def test_a_striped_update_ends_in_the_logprobs_of_a_single_stream(served, 
     assert single != before and await logprobs(stub) == single
 
 
-async def test_a_stripe_failing_part_way_leaves_the_previous_version_serving(served, tmp_path: pathlib.Path) -> None:
-    model_dir, stub = served
+async def test_a_stripe_failing_part_way_leaves_the_previous_version_serving(
+    model_dir: pathlib.Path, served, tmp_path: pathlib.Path
+) -> None:
+    stub = served.stub
     perturbed = perturbed_model(model_dir, tmp_path / "perturbed", seed=5)
     version, before = await policy_version(stub), await logprobs(stub)
 
