@@ -22,12 +22,22 @@ import grpc
 
 from primerl_common.errors import InvalidArgument, ServiceError
 
-__all__ = ["StripeAborted", "StripeSession", "StripeSessions", "check_stripe_fields", "stripe_channel_options"]
+__all__ = [
+    "PUBLISH_STRIPED",
+    "StripeAborted",
+    "StripeSession",
+    "StripeSessions",
+    "check_stripe_fields",
+    "stripe_channel_options",
+]
 
 T = TypeVar("T")
 R = TypeVar("R")
 
 MAX_SESSION_ID_LEN = 128
+# What a weight broadcaster lists in its capabilities when it joins striped publishes: a
+# publisher stripes only to one that does (an older broadcaster takes one stream).
+PUBLISH_STRIPED = "publish.striped"
 # Ids of failed sessions remembered, so that a stripe arriving late fails at once.
 _FAILED_KEPT = 256
 

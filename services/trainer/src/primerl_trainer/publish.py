@@ -35,7 +35,7 @@ from primerl_common import security
 from primerl_common.client import make_channel
 from primerl_common.errors import error_details
 from primerl_common.server import channel_options
-from primerl_common.stripes import stripe_channel_options
+from primerl_common.stripes import PUBLISH_STRIPED, stripe_channel_options
 from primerl_common.tensors import DEFAULT_CHUNK_BYTES, dtype_from_proto, dtype_to_proto, iter_tensor_chunks
 from primerl_common.weights.collective import GroupCache, GroupSpec, TensorSpec, send_tensors
 from primerl_trainer.export import PublishKind
@@ -181,6 +181,26 @@ class WeightPublisher:
         self._groups = GroupCache()
         # The latest version send_collective broadcast (or tried to): publishing it again sends its data.
         self._broadcast_version: int | None = None
+        # Whether the broadcaster joins striped publishes; asked again after a failed publish (a
+        # restarted broadcaster may be another build).
+        self._broadcaster_stripes: bool | None = None
+
+    def _stripes(self) -> int:
+        """How many streams the next publish takes: the publisher's, where the broadcaster lists
+        `publish.striped`, else one (a broadcaster built before striping)."""
+        if len(self._stubs) == 1:
+            return 1
+        if self._broadcaster_stripes is None:
+            try:
+                info = self._stub.GetServiceInfo(
+                    weight_broadcaster_pb2.GetServiceInfoRequest(), timeout=self._timeout_s
+                ).info
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.UNIMPLEMENTED:  # type: ignore[attr-defined]
+                    raise _publish_error(exc, f"GetServiceInfo of {self.address}") from None
+                info = None
+            self._broadcaster_stripes = info is not None and PUBLISH_STRIPED in info.capabilities
+        return len(self._stubs) if self._broadcaster_stripes else 1
 
     def send(
         self, requests: Iterable[weight_broadcaster_pb2.PublishWeightsRequest]
@@ -192,12 +212,13 @@ class WeightPublisher:
         if first is None or not first.HasField("begin"):
             raise ValueError("a publish stream starts with `begin`")
         begins = [first]
-        if len(self._stubs) > 1:
+        stripes = self._stripes()
+        if stripes > 1:
             session, begins = uuid.uuid4().hex, []
-            for index in range(len(self._stubs)):
+            for index in range(stripes):
                 begin = weight_broadcaster_pb2.PublishWeightsRequest()
                 begin.CopyFrom(first)
-                begin.begin.stripe_session, begin.begin.num_stripes = session, len(self._stubs)
+                begin.begin.stripe_session, begin.begin.num_stripes = session, stripes
                 begin.begin.stripe_index = index
                 begins.append(begin)
         buffers: list[queue.Queue[object]] = [queue.Queue(maxsize=_QUEUED_CHUNKS) for _ in begins]
@@ -206,7 +227,7 @@ class WeightPublisher:
             stub.PublishWeights.future(
                 _outgoing(begin, buffer, abandoned), timeout=self._timeout_s, wait_for_ready=False
             )
-            for stub, begin, buffer in zip(self._stubs, begins, buffers, strict=True)
+            for stub, begin, buffer in zip(self._stubs[: len(begins)], begins, buffers, strict=True)
         ]
 
         def failed() -> bool:  # a stripe's call ends early only when it failed (stripes.py)
@@ -228,6 +249,7 @@ class WeightPublisher:
                 except grpc.RpcError as exc:
                     errors.append(exc)
             if errors:
+                self._broadcaster_stripes = None
                 # The stripe that failed says why; the others only that another one failed.
                 errors.sort(key=lambda exc: exc.code() == grpc.StatusCode.ABORTED)  # type: ignore[attr-defined]
                 raise _publish_error(errors[0], f"PublishWeights to {self.address}") from None

@@ -16,7 +16,7 @@ from primerl_common.admission import ConcurrencyLimit, caller_key, check_limit
 from primerl_common.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from primerl_common.observability import policy_version_var
 from primerl_common.server import ServiceDefinition
-from primerl_common.stripes import StripeSession, StripeSessions, check_stripe_fields
+from primerl_common.stripes import PUBLISH_STRIPED, StripeSession, StripeSessions, check_stripe_fields
 from primerl_common.tensors import TensorAssembler
 from primerl_weight_broadcaster.collective import check_tensor_list
 from primerl_weight_broadcaster.config import PublishLimitsConfig
@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 
 CAPABILITIES = (
     "publish.full",
-    "publish.striped",
+    PUBLISH_STRIPED,
     "format.hf",
     "format.kernel",
     "format.kernel_fp8",
