@@ -193,11 +193,13 @@ class WeightPublisher:
         if self._broadcaster_stripes is None:
             try:
                 info = self._stub.GetServiceInfo(
-                    weight_broadcaster_pb2.GetServiceInfoRequest(), timeout=self._timeout_s
+                    weight_broadcaster_pb2.GetServiceInfoRequest(), timeout=min(self._timeout_s, 10.0)
                 ).info
             except grpc.RpcError as exc:
                 if exc.code() != grpc.StatusCode.UNIMPLEMENTED:  # type: ignore[attr-defined]
-                    raise _publish_error(exc, f"GetServiceInfo of {self.address}") from None
+                    # Not reachable now: one stream, whose call says why (and consumes `requests`,
+                    # which other ranks' gathers may wait on); asked again at the next publish.
+                    return 1
                 info = None
             self._broadcaster_stripes = info is not None and PUBLISH_STRIPED in info.capabilities
         return len(self._stubs) if self._broadcaster_stripes else 1
