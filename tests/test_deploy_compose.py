@@ -145,6 +145,19 @@ def test_each_deployment_shape_gives_the_replicas_router_and_pool_of_that_shape(
     assert all(register["depends_on"][name] == {"condition": "service_healthy"} for name in replicas)
     kvstore = load_service_config("kvstore", COMPOSE / "kvstore.toml")
     assert kvstore.node.advertise_address == f"kvstore:{PORTS['kvstore']}"
+    # Where the replicas pool KV, the orchestrator is given the kvstore (as `primerl up` does): it
+    # removes the namespace of each old policy version; elsewhere it is not.
+    orchestrator_spec = services["orchestrator"]
+    [orchestrator_file] = [v.split(":")[0] for v in orchestrator_spec["volumes"] if "/orchestrator.toml" in v]
+    env = {k: str(v) for k, v in orchestrator_spec["environment"].items() if k.startswith("PRIMERL_ORCHESTRATOR_")}
+    peers = load_service_config("orchestrator", DEPLOY / orchestrator_file, fake_model, env=env).peers
+    pooled = [c for c in configs.values() if c.kv_cache_pool.enabled]
+    if pooled:
+        assert peers.kv_cache_pool == f"kvstore:{PORTS['kvstore']}"
+        assert peers.kv_cache_pool_model in {"", *(c.kv_cache_pool.model for c in pooled)}
+        assert orchestrator_spec["depends_on"]["kvstore"] == {"condition": "service_healthy"}
+    else:
+        assert peers.kv_cache_pool is None
     published = [port for spec in services.values() for port in spec.get("ports", [])]
     assert len({p.split(":")[-2] for p in published}) == len(published)  # no host port twice
 

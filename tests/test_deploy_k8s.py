@@ -450,6 +450,23 @@ def test_each_deployment_shape_gives_the_replicas_router_and_pool_of_that_shape(
         mounted_config(by_kind(objects, "Deployment")["kvstore"], by_kind(objects, "ConfigMap"), "kvstore")
     )
     assert load_service_config("kvstore", kvstore_toml).node.advertise_address == f"kvstore:{PORTS['kvstore']}"
+    # Where the replicas pool KV, the orchestrator is given the kvstore (as `primerl up` does): it
+    # removes the namespace of each old policy version; elsewhere it is not.
+    orchestrator = by_kind(objects, "Deployment")["orchestrator"]
+    toml = tmp_path / "orchestrator.toml"
+    toml.write_text(mounted_config(orchestrator, by_kind(objects, "ConfigMap"), "orchestrator"))
+    env = {
+        e["name"]: e["value"]
+        for e in pod_spec(orchestrator)["containers"][0]["env"]
+        if e["name"].startswith("PRIMERL_ORCHESTRATOR_")
+    }
+    peers = load_service_config("orchestrator", toml, fake_model, env=env).peers
+    pooled = [config for _, config in groups.values() if config.kv_cache_pool.enabled]
+    if pooled:
+        assert peers.kv_cache_pool == f"kvstore:{PORTS['kvstore']}"
+        assert peers.kv_cache_pool_model in {"", *(config.kv_cache_pool.model for config in pooled)}
+    else:
+        assert peers.kv_cache_pool is None
     need_kubernetes_validate()
     assert schema_errors(objects) == []
 

@@ -324,6 +324,17 @@ def test_sbatch_plans_each_deployment_shape(shape: str, tmp_path: Path, fake_mod
     assert router.routing.disaggregate == deployment.disaggregate
     listed = {(r.address, r.role) for r in router.replicas}
     assert listed == {(f"{host}:{port}", c.replica.role) for (host, port), c in configs.items()}
+    # Where the replicas pool KV, the orchestrator is given the kvstore (as `primerl up` does): it
+    # removes the namespace of each old policy version; elsewhere it is not.
+    [orchestrator_command] = [line for line in commands.splitlines() if "primerl-orchestrator" in line]
+    orchestrator_args = orchestrator_command.split("primerl-orchestrator ", 1)[1].split()
+    peers = load_service_config("orchestrator", Path(orchestrator_args[1]), argv=orchestrator_args[2:]).peers
+    pooled = [c for c in configs.values() if c.kv_cache_pool.enabled]
+    if pooled:
+        assert peers.kv_cache_pool == "head:50056"
+        assert peers.kv_cache_pool_model in {"", *(c.kv_cache_pool.model for c in pooled)}
+    else:
+        assert peers.kv_cache_pool is None
 
 
 def test_sbatch_refuses_a_shape_its_allocation_cannot_hold(tmp_path: Path, fake_model: Path) -> None:

@@ -224,6 +224,19 @@ def test_each_deployment_shape_gives_the_replicas_router_and_pool_of_that_shape(
     assert sorted(register["REPLICAS"].split()) == sorted(
         f"--replica={r.replica_id}={r.address}" for r in router.replicas
     )
+    # Where the replicas pool KV, the orchestrator is given the kvstore (as `primerl up` does): it
+    # removes the namespace of each old policy version; elsewhere it is not. Its unit reads the
+    # optional /etc/primerl/orchestrator.env.
+    assert "-/etc/primerl/orchestrator.env" in unit_entries(SYSTEMD / SERVICE_UNITS["orchestrator"])["EnvironmentFile"]
+    env = env_file(etc["orchestrator.env"]) if "orchestrator.env" in etc else {}
+    peers = load_service_config("orchestrator", etc["orchestrator.toml"], fake_model, env).peers
+    pooled = [c for c in instances.values() if c.kv_cache_pool.enabled]
+    if pooled:
+        kvstore = load_service_config("kvstore", etc["kvstore.toml"])
+        assert peers.kv_cache_pool == f"localhost:{kvstore.server.port}"
+        assert peers.kv_cache_pool_model in {"", *(c.kv_cache_pool.model for c in pooled)}
+    else:
+        assert peers.kv_cache_pool is None
 
 
 def _bytes(size: str) -> int:
