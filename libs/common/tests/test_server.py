@@ -1,9 +1,13 @@
 import asyncio
+import contextlib
 import pathlib
+import socket
 import subprocess
 import sys
+import urllib.request
 
 import grpc
+import psutil
 import pytest
 from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -13,7 +17,7 @@ from prometheus_client import REGISTRY
 from primerl.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from primerl_common.client import make_channel
 from primerl_common.errors import error_details, field_violations
-from primerl_common.processes import ServiceProcess, free_port
+from primerl_common.processes import ServiceProcess, free_port, free_ports
 from primerl_common.server import channel_options, server_options
 from primerl_common.testing import in_process_service
 
@@ -181,3 +185,43 @@ def test_check_config_does_not_import_a_build_given_by_name(capsys):
     argv = ["--check-config", "--server.host=127.0.0.1"]  # plaintext (ProbeConfig's tls) on loopback only
     assert run_main(ProbeConfig, "no_such_module:build", version="0", argv=argv) == 0
     assert "configuration is valid" in capsys.readouterr().out
+
+
+def _listening(pid: int, port: int) -> set[str]:
+    """The addresses a process listens on at `port` (TCP)."""
+    connections = psutil.Process(pid).net_connections(kind="tcp")
+    return {c.laddr.ip for c in connections if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
+
+
+async def test_the_metrics_endpoint_listens_on_its_configured_address_only():
+    """observability.metrics_host is the one address the Prometheus endpoint binds; unset, it is
+    server.host's. (All of 127.0.0.0/8 is this host's, but a socket bound to one of its
+    addresses refuses connections to another.)"""
+    named, unset, named_metrics, unset_metrics = free_ports(4)
+
+    def probe(host: str, port: int, metrics_port: int, metrics_host: str | None = None) -> list[str]:
+        args = [sys.executable, str(HERE / "servers.py"), "--observability.log_json", "false"]
+        args += ["--server.host", host, "--server.port", str(port), "--observability.metrics_port", str(metrics_port)]
+        return args + (["--observability.metrics_host", metrics_host] if metrics_host else [])
+
+    processes = [
+        # metrics on an address other than the server's; metrics_host unset: server.host's
+        ServiceProcess(probe("127.0.0.1", named, named_metrics, "127.0.0.2"), port=named),
+        ServiceProcess(probe("127.0.0.3", unset, unset_metrics), address=f"127.0.0.3:{unset}"),
+    ]
+    async with contextlib.AsyncExitStack() as stack:
+        for process in processes:
+            await stack.enter_async_context(process)
+        expected = {named_metrics: "127.0.0.2", unset_metrics: "127.0.0.3"}
+        for process, (port, host) in zip(processes, expected.items(), strict=True):
+            assert _listening(process.pid, port) == {host}, process.output()
+            body = await asyncio.to_thread(lambda h=host, p=port: _get(f"http://{h}:{p}/metrics"))
+            assert b"process_" in body or b"python_info" in body
+            for elsewhere in {"127.0.0.1", "127.0.0.2", "127.0.0.3"} - {host}:
+                with pytest.raises(OSError):
+                    await asyncio.to_thread(socket.create_connection, (elsewhere, port), 2)
+
+
+def _get(url: str) -> bytes:
+    with urllib.request.urlopen(url, timeout=5) as response:
+        return response.read()

@@ -76,6 +76,12 @@ class ObservabilityConfig(Section):
     trace_exporter: Literal["none", "console", "otlp"] = "none"
     otlp_endpoint: str | None = None
     metrics_port: int | None = Field(default=None, ge=0, le=65535, description="Prometheus port; unset: off")
+    metrics_host: str | None = Field(
+        default=None,
+        min_length=1,
+        description="address the Prometheus endpoint binds (e.g. 127.0.0.1 for a scraper on the host); "
+        "unset: server.host",
+    )
 
 
 class TlsConfig(Section):

@@ -369,6 +369,7 @@ def prepare(
         trace_exporter=obs.trace_exporter,
         otlp_endpoint=obs.otlp_endpoint,
         metrics_port=obs.metrics_port if serve_metrics else None,
+        metrics_host=obs.metrics_host or config.server.host,
     )
     return config
 

@@ -44,8 +44,10 @@ def server_metrics(registry: CollectorRegistry) -> ServerMetrics:
         return _metrics_by_registry[registry]
 
 
-def start_metrics_server(port: int, host: str = "0.0.0.0", *, registry: CollectorRegistry = REGISTRY) -> int:
-    """Serve Prometheus metrics over HTTP from a daemon thread; return the bound port (port 0 picks one).
+def start_metrics_server(port: int, host: str = "127.0.0.1", *, registry: CollectorRegistry = REGISTRY) -> int:
+    """Serve Prometheus metrics over HTTP on `host` (the address bound: loopback unless a service's
+    config names another, observability.metrics_host) from a daemon thread; return the bound port
+    (port 0 picks one).
 
     Calling again with the same host, port and registry returns the running server's port.
     """

@@ -32,9 +32,11 @@ def setup_observability(
     trace_exporter: str = "none",
     otlp_endpoint: str | None = None,
     metrics_port: int | None = None,
+    metrics_host: str = "127.0.0.1",
 ) -> ObservabilityHandles:
-    """Logging, tracing and (when metrics_port is not None) the metrics endpoint, in that order."""
+    """Logging, tracing and (when metrics_port is not None) the metrics endpoint on
+    `metrics_host`, in that order."""
     setup_logging(service=service, version=version, level=log_level, json=log_json)
     provider = setup_tracing(service=service, version=version, exporter=trace_exporter, otlp_endpoint=otlp_endpoint)
-    port = start_metrics_server(metrics_port) if metrics_port is not None else None
+    port = start_metrics_server(metrics_port, metrics_host) if metrics_port is not None else None
     return ObservabilityHandles(tracer_provider=provider, metrics_port=port)
