@@ -337,14 +337,21 @@ async def test_kvstore(certs, monkeypatch):
             await client.put(target.address, [(key, b"\x07" * 64)])
         monkeypatch.setattr(_credentials, "_process", None)
 
+        # A replica leases the block to read it: ReleaseLeases by an intruder would free it for
+        # eviction under the reader (the lease count is part of the state that must not change).
+        pool = kvstore_pb2_grpc.KvStoreServiceStub(target.channel(HOLDERS["inference"]))
+        (leased,) = (
+            await pool.LocateBlocks(kvstore_pb2.LocateBlocksRequest(keys=[key.to_proto()], lease_ms=60_000))
+        ).locations
+        assert leased.found and leased.lease_id
+
         async def stats():
-            return sorted(
-                (ns.model, ns.namespace, ns.num_blocks)
-                for ns in (await stub.GetStats(kvstore_pb2.GetStatsRequest())).namespaces
-            )
+            reply = await stub.GetStats(kvstore_pb2.GetStatsRequest())
+            namespaces = sorted((ns.model, ns.namespace, ns.num_blocks) for ns in reply.namespaces)
+            return namespaces, reply.num_leased_blocks
 
         before = await stats()
-        assert before == [("tiny", "v1", 1)]
+        assert before == ([("tiny", "v1", 1)], 1)
         node = kvstore_pb2.NodeInfo(node_id="evil", address=f"127.0.0.1:{free_port()}")
         forged = [
             kvstore_pb2.PutBlocksRequest(
@@ -383,15 +390,32 @@ async def test_kvstore(certs, monkeypatch):
                 {"inference", "kvstore"},
                 unary(Stub, "LocateBlocks", kvstore_pb2.LocateBlocksRequest(keys=[key.to_proto()])),
             ),
+            (
+                "BatchExists",
+                {"inference", "kvstore"},
+                unary(Stub, "BatchExists", kvstore_pb2.BatchExistsRequest(keys=[key.to_proto()])),
+            ),
+            (
+                "ReleaseLeases",
+                {"inference", "kvstore"},
+                unary(Stub, "ReleaseLeases", kvstore_pb2.ReleaseLeasesRequest(lease_ids=[leased.lease_id])),
+            ),
         ]:
             await attack(target, f"/primerl.kvstore.v1.KvStoreService/{rpc}", allowed, invoke)
+        assert await stats() == before
+        # The callers these two are for get through.
+        exists = await pool.BatchExists(kvstore_pb2.BatchExistsRequest(keys=[key.to_proto()]))
+        assert list(exists.exists) == [True]
+        released = await pool.ReleaseLeases(kvstore_pb2.ReleaseLeasesRequest(lease_ids=[leased.lease_id]))
+        assert released.num_released == 1
+        before = ([("tiny", "v1", 1)], 0)
         assert await stats() == before
         await attack_bulk_channel(
             certs, (await stub.GetStats(kvstore_pb2.GetStatsRequest())).nodes[0].bulk_address, key
         )
         assert await stats() == before
         await stub.RemoveNamespace(kvstore_pb2.RemoveNamespaceRequest(model="tiny", namespace="v1"))
-        assert await stats() == []
+        assert await stats() == ([], 0)
 
 
 async def attack_bulk_channel(certs: pathlib.Path, bulk_address: str, key: BlockKey) -> None:
