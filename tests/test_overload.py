@@ -31,7 +31,7 @@ from primerl_common.errors import error_details
 from primerl_common.kvpool.bulk import OP_PUT, STATUS_ERROR
 from primerl_common.processes import free_port
 from primerl_common.tensors import tensor_to_proto
-from primerl_common.testing import bare_server, eventually, in_process_service
+from primerl_common.testing import bare_server, eventually, in_process_service, rss_bytes
 from primerl_kvstore.config import KvstoreConfig
 from primerl_kvstore.server import build as build_kvstore
 from primerl_launcher.tiny_model import make_tiny_model, save_tokenizer
@@ -46,14 +46,6 @@ from primerl_weight_broadcaster.server import build as build_broadcaster
 
 MiB = 1024 * 1024
 QUIET = {"log_json": False, "log_level": "ERROR"}
-
-
-def rss_bytes() -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS in /proc/self/status")
 
 
 def reason(error: grpc.aio.AioRpcError) -> str:

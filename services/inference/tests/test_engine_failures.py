@@ -1,8 +1,10 @@
-"""What the service does when the engine fails: weights holding NaN or Inf are refused before
-anything is loaded (streamed, in a shared folder, over a collective group); a load that fails
-inside the engine after its checks leaves the replica serving the previous weights bit for bit
-(nothing written yet) or out of service until a whole version is in (part written); and a dead
-engine makes a dead service (a real process whose engine process is killed)."""
+"""What the service does when the engine fails or is overloaded: weights holding NaN or Inf are
+refused before anything is loaded (streamed, in a shared folder, over a collective group); a load
+that fails inside the engine after its checks leaves the replica serving the previous weights bit
+for bit (nothing written yet) or out of service until a whole version is in (part written); a
+trickling update stream and 10x the admitted Generate calls are refused within a stated bound on
+the growth of the replica's RSS (it is served in this process), and the next call is served; and
+a dead engine makes a dead service (a real process whose engine process is killed)."""
 
 import asyncio
 import itertools
@@ -21,11 +23,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from primerl.common.v1 import generation_pb2, tensor_pb2
 from primerl.inference.v1 import inference_pb2, inference_pb2_grpc
+from primerl_common.admission import RETRY_AFTER_METADATA
 from primerl_common.client import make_channel
 from primerl_common.errors import error_details
 from primerl_common.processes import ServiceProcess, free_port
 from primerl_common.tensors import dtype_to_proto, iter_tensor_chunks
-from primerl_common.testing import eventually
+from primerl_common.testing import eventually, rss_bytes
 from primerl_common.weights.collective import GroupSpec, TensorSpec, connect, send_tensors
 from primerl_common.weights.manifest import write_weights
 
@@ -47,6 +50,7 @@ pytestmark = pytest.mark.asyncio(loop_scope="session")
 
 PROMPTS = [list(range(40, 72)), [(5 * i) % 200 + 30 for i in range(24)]]
 SERVICE = "primerl.inference.v1.InferenceService"
+MiB = 1024 * 1024
 
 
 async def logprobs(served: Served) -> list[list[float]]:
@@ -205,7 +209,8 @@ async def test_a_trickling_update_stream_ends_on_its_idle_deadline_and_changes_n
 ) -> None:
     """`begin` and the first chunk of a two-chunk tensor, then nothing: the service's admission
     idle deadline (1 s here) ends the call DEADLINE_EXCEEDED (STREAM_IDLE); the update is
-    abandoned whole (version, logprobs as before, not updating) and frees the update lock."""
+    abandoned whole (version, logprobs as before, not updating) and frees the update lock. The
+    replica holds at most that chunk (256 KiB) meanwhile: its RSS grows by less than 32 MiB."""
     # The running service's own admission settings, which its interceptor reads at each call.
     monkeypatch.setattr(served.service.config.admission, "stream_idle_timeout_s", 1.0)
     stub = served.stub
@@ -224,11 +229,14 @@ async def test_a_trickling_update_stream_ends_on_its_idle_deadline_and_changes_n
         stalled.set()
         await asyncio.sleep(60)  # never sends the rest
 
+    rss_before = rss_bytes()
     started = time.monotonic()
     error = await refusal(stub.UpdateWeights(trickle()))
     took_s = time.monotonic() - started
+    grown = rss_bytes() - rss_before
 
     assert stalled.is_set()
+    assert grown < 32 * MiB, f"RSS grew {grown / MiB:.0f} MiB"
     assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED, error
     assert "admission.stream_idle_timeout_s" in error.details()
     assert [d.reason for d in error_details(error) if isinstance(d, error_details_pb2.ErrorInfo)] == ["STREAM_IDLE"]
@@ -239,6 +247,53 @@ async def test_a_trickling_update_stream_ends_on_its_idle_deadline_and_changes_n
     # The update lock was freed: a whole update goes through at once.
     reply = await update_weights(stub, original, version + 1)
     assert reply.policy_version == version + 1 == await policy_version(stub)
+
+
+async def test_ten_times_the_admitted_generate_calls_are_refused_at_once_and_the_next_is_served(
+    served: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With admission.max_concurrent_streams at 2 and two generations running, 20 more Generate
+    calls are each refused RESOURCE_EXHAUSTED with a retry hint, at once (nothing reaches the
+    engine), the replica's RSS growing by less than 32 MiB; once the two end, the next is served."""
+    allowed = 2
+    assert served.service.admission is not None
+    streams = served.service.admission.streams
+    monkeypatch.setattr(streams, "limit", allowed)  # read at each call
+    stub = served.stub
+    running = [stub.Generate(long_generation()) for _ in range(allowed)]
+    try:
+        for call in running:
+            await call.read()  # generating in the engine
+        num_requests = served.engine.llm.get_num_unfinished_requests()
+        before = rss_bytes()
+        started = time.monotonic()
+        calls = (refusal(generate(stub, long_generation().input)) for _ in range(10 * allowed))
+        errors = await asyncio.gather(*calls)
+        took_s = time.monotonic() - started
+        grown = rss_bytes() - before
+        num_requests_after = served.engine.llm.get_num_unfinished_requests()
+    finally:
+        for call in running:
+            call.cancel()
+    await eventually(lambda: streams.num_held == 0, timeout_s=10, what="the cancelled generations ended")
+    served_next = await generate(stub, sample_input(max_tokens=4))
+
+    for error in errors:
+        assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, error
+        assert f"admission.max_concurrent_streams = {allowed}" in error.details()
+        assert int(dict(error.trailing_metadata())[RETRY_AFTER_METADATA]) > 0
+        assert any(isinstance(d, error_details_pb2.RetryInfo) for d in error_details(error))
+    assert took_s < 5, took_s
+    assert num_requests_after == num_requests == allowed  # none of the refused reached the engine
+    assert grown < 32 * MiB, f"RSS grew {grown / MiB:.0f} MiB"
+    assert served_next[-1].finished and sum(len(output.token_ids) for output in served_next) == 4
+
+
+def sample_input(*, max_tokens: int) -> generation_pb2.GenerationInput:
+    return generation_pb2.GenerationInput(
+        prompt_token_ids=PROMPTS[1],
+        sampling=generation_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=1),
+    )
 
 
 async def test_a_dead_engine_is_a_dead_service(model_dir: pathlib.Path) -> None:

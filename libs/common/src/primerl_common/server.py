@@ -222,6 +222,9 @@ class GrpcService:
         self._stopped = asyncio.Event()
         self._stopping: asyncio.Task[None] | None = None
         self.port = 0
+        # The admission limits in force once started (their counts; tests lower a limit of a
+        # running service through it).
+        self.admission: AdmissionInterceptor | None = None
 
     async def start(self) -> int:
         server_config = self.config.server
@@ -233,10 +236,11 @@ class GrpcService:
         authorization = security.AuthorizationInterceptor(
             resolver, self.definition.permissions, service=self.definition.name
         )
+        self.admission = AdmissionInterceptor(self.config.admission)
         interceptor = _SharedInterceptors(
             observability.server_interceptors(),
             authorization,
-            AdmissionInterceptor(self.config.admission),
+            self.admission,
             ErrorInterceptor(),
             unobserved=self.definition.unobserved_methods,
         )

@@ -1,6 +1,6 @@
 """Helpers for tests that run real services: services served in this process on port 0, bare
-servers for stand-ins of a peer, and waiting on a condition. (Service processes and free
-ports: primerl_common.processes.)"""
+servers for stand-ins of a peer, waiting on a condition, and this process's RSS (overload tests
+bound its growth). (Service processes and free ports: primerl_common.processes.)"""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from primerl_common.client import make_channel
 from primerl_common.config import ServiceConfig, TlsConfig
 from primerl_common.server import GrpcService, ServiceDefinition, server_options
 
-__all__ = ["InProcessService", "bare_server", "eventually", "in_process_service"]
+__all__ = ["InProcessService", "bare_server", "eventually", "in_process_service", "rss_bytes"]
 
 
 @dataclasses.dataclass
@@ -88,3 +88,13 @@ async def eventually(
         if loop.time() >= give_up_at:
             raise AssertionError(f"gave up after {timeout_s:g} s waiting until {what}")
         await asyncio.sleep(interval_s)
+
+
+def rss_bytes() -> int:
+    """This process's resident set size now (VmRSS): the memory of the services a test serves in
+    it, whose growth under overload the overload tests bound."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS in /proc/self/status")
