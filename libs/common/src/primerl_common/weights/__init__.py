@@ -1,4 +1,6 @@
 """Weight transport shared by the trainer, the weight broadcaster and inference replicas:
-`manifest` (a version's weights as a published folder of safetensors files), `collective`
-(a version broadcast over a process group) and `engine_modules` (which engine module a
-tensor name loads into, so a delta carries whole modules)."""
+`manifest` (a version's weights as a published folder of safetensors files),
+`shared_memory` (such a folder in shared memory of one host, and how a writer tells that a
+reader shares it), `collective` (a version broadcast over a process group) and
+`engine_modules` (which engine module a tensor name loads into, so a delta carries whole
+modules)."""

@@ -31,7 +31,9 @@ e.g. "WEIGHT_FORMAT_KERNEL_FP8"), `delta`, `base_policy_version`, `files` (name,
 sha256), `tensors` (name, file, dtype as a torch name without "torch.", shape, offset,
 num_bytes) and, when the writer gave any, `metadata` (a JSON object of the writer's own, which
 readers may ignore): `offset` is the absolute byte offset of the tensor's data in its file, so
-a reader may map the bytes without parsing the safetensors header.
+a reader may map the bytes without parsing the safetensors header. Folders in shared memory
+(shared_memory.py) hold raw data files instead, and no checksums (`sha256` empty): read them
+with verify_checksums=False.
 
 A delta folder (delta=True) holds the changed tensors only, but whole engine modules: see
 `WeightUpdateBegin.delta` in protos/primerl/inference/v1/inference.proto.

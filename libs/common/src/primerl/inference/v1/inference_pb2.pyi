@@ -44,7 +44,7 @@ class GenerateResponse(_message.Message):
     def __init__(self, output: _Optional[_Union[_generation_pb2.GenerationOutput, _Mapping]] = ...) -> None: ...
 
 class WeightUpdateBegin(_message.Message):
-    __slots__ = ("policy_version", "format", "num_tensors", "num_bytes", "delta", "base_policy_version", "shared_fs_path", "collective", "collective_tensors", "stripe_session", "num_stripes", "stripe_index")
+    __slots__ = ("policy_version", "format", "num_tensors", "num_bytes", "delta", "base_policy_version", "shared_fs_path", "collective", "collective_tensors", "stripe_session", "num_stripes", "stripe_index", "shm_path")
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     FORMAT_FIELD_NUMBER: _ClassVar[int]
     NUM_TENSORS_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +57,7 @@ class WeightUpdateBegin(_message.Message):
     STRIPE_SESSION_FIELD_NUMBER: _ClassVar[int]
     NUM_STRIPES_FIELD_NUMBER: _ClassVar[int]
     STRIPE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    SHM_PATH_FIELD_NUMBER: _ClassVar[int]
     policy_version: int
     format: _tensor_pb2.WeightFormat
     num_tensors: int
@@ -69,7 +70,8 @@ class WeightUpdateBegin(_message.Message):
     stripe_session: str
     num_stripes: int
     stripe_index: int
-    def __init__(self, policy_version: _Optional[int] = ..., format: _Optional[_Union[_tensor_pb2.WeightFormat, str]] = ..., num_tensors: _Optional[int] = ..., num_bytes: _Optional[int] = ..., delta: _Optional[bool] = ..., base_policy_version: _Optional[int] = ..., shared_fs_path: _Optional[str] = ..., collective: _Optional[_Union[CollectiveGroup, _Mapping]] = ..., collective_tensors: _Optional[_Iterable[_Union[_tensor_pb2.TensorHeader, _Mapping]]] = ..., stripe_session: _Optional[str] = ..., num_stripes: _Optional[int] = ..., stripe_index: _Optional[int] = ...) -> None: ...
+    shm_path: str
+    def __init__(self, policy_version: _Optional[int] = ..., format: _Optional[_Union[_tensor_pb2.WeightFormat, str]] = ..., num_tensors: _Optional[int] = ..., num_bytes: _Optional[int] = ..., delta: _Optional[bool] = ..., base_policy_version: _Optional[int] = ..., shared_fs_path: _Optional[str] = ..., collective: _Optional[_Union[CollectiveGroup, _Mapping]] = ..., collective_tensors: _Optional[_Iterable[_Union[_tensor_pb2.TensorHeader, _Mapping]]] = ..., stripe_session: _Optional[str] = ..., num_stripes: _Optional[int] = ..., stripe_index: _Optional[int] = ..., shm_path: _Optional[str] = ...) -> None: ...
 
 class CollectiveGroup(_message.Message):
     __slots__ = ("store_address", "group_name", "rank", "world_size", "backend", "timeout_ms", "bucket_bytes")

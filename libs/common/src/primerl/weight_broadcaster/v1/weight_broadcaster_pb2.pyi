@@ -25,6 +25,8 @@ class Transport(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TRANSPORT_GRPC: _ClassVar[Transport]
     TRANSPORT_SHARED_FS: _ClassVar[Transport]
     TRANSPORT_NCCL: _ClassVar[Transport]
+    TRANSPORT_SHM: _ClassVar[Transport]
+    TRANSPORT_AUTO: _ClassVar[Transport]
 
 class ReplicaState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -40,6 +42,8 @@ TRANSPORT_UNSPECIFIED: Transport
 TRANSPORT_GRPC: Transport
 TRANSPORT_SHARED_FS: Transport
 TRANSPORT_NCCL: Transport
+TRANSPORT_SHM: Transport
+TRANSPORT_AUTO: Transport
 REPLICA_STATE_UNSPECIFIED: ReplicaState
 REPLICA_STATE_CURRENT: ReplicaState
 REPLICA_STATE_UPDATING: ReplicaState
@@ -159,7 +163,7 @@ class DeregisterReplicaResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class ReplicaStatus(_message.Message):
-    __slots__ = ("replica_id", "address", "state", "policy_version", "target_policy_version", "last_error", "num_consecutive_failures", "next_retry_at", "last_push_s", "num_bytes_sent_total", "format", "transport", "delta", "num_tensors_last_push", "num_bytes_last_push", "last_push_delta")
+    __slots__ = ("replica_id", "address", "state", "policy_version", "target_policy_version", "last_error", "num_consecutive_failures", "next_retry_at", "last_push_s", "num_bytes_sent_total", "format", "transport", "delta", "num_tensors_last_push", "num_bytes_last_push", "last_push_delta", "last_push_transport", "transport_reason")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -176,6 +180,8 @@ class ReplicaStatus(_message.Message):
     NUM_TENSORS_LAST_PUSH_FIELD_NUMBER: _ClassVar[int]
     NUM_BYTES_LAST_PUSH_FIELD_NUMBER: _ClassVar[int]
     LAST_PUSH_DELTA_FIELD_NUMBER: _ClassVar[int]
+    LAST_PUSH_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_REASON_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     address: str
     state: ReplicaState
@@ -192,7 +198,9 @@ class ReplicaStatus(_message.Message):
     num_tensors_last_push: int
     num_bytes_last_push: int
     last_push_delta: bool
-    def __init__(self, replica_id: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[_Union[ReplicaState, str]] = ..., policy_version: _Optional[int] = ..., target_policy_version: _Optional[int] = ..., last_error: _Optional[str] = ..., num_consecutive_failures: _Optional[int] = ..., next_retry_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., last_push_s: _Optional[float] = ..., num_bytes_sent_total: _Optional[int] = ..., format: _Optional[_Union[_tensor_pb2.WeightFormat, str]] = ..., transport: _Optional[_Union[Transport, str]] = ..., delta: _Optional[bool] = ..., num_tensors_last_push: _Optional[int] = ..., num_bytes_last_push: _Optional[int] = ..., last_push_delta: _Optional[bool] = ...) -> None: ...
+    last_push_transport: Transport
+    transport_reason: str
+    def __init__(self, replica_id: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[_Union[ReplicaState, str]] = ..., policy_version: _Optional[int] = ..., target_policy_version: _Optional[int] = ..., last_error: _Optional[str] = ..., num_consecutive_failures: _Optional[int] = ..., next_retry_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., last_push_s: _Optional[float] = ..., num_bytes_sent_total: _Optional[int] = ..., format: _Optional[_Union[_tensor_pb2.WeightFormat, str]] = ..., transport: _Optional[_Union[Transport, str]] = ..., delta: _Optional[bool] = ..., num_tensors_last_push: _Optional[int] = ..., num_bytes_last_push: _Optional[int] = ..., last_push_delta: _Optional[bool] = ..., last_push_transport: _Optional[_Union[Transport, str]] = ..., transport_reason: _Optional[str] = ...) -> None: ...
 
 class GetStatusRequest(_message.Message):
     __slots__ = ()
