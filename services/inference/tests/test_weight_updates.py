@@ -3,13 +3,15 @@ the dense one in bfloat16 (dense float32 is checked in test_servicer.py, on its 
 an update the service computes what an engine started on those weights computes, and
 restoring the original weights restores the original logprobs. On CPU this covers the two
 layouts vLLM's own reload leaves stale (see worker_extension.py): prepacked MoE experts, and
-the GEMM handle of lm_head, tied to the embedding. Kernel-format weights, delta updates and
-folders on a shared filesystem end in exactly the logprobs of full HF updates of the same
-weights.
+the GEMM handle of lm_head, tied to the embedding. Kernel-format weights, delta updates,
+folders on a shared filesystem and in shared memory end in exactly the logprobs of full HF
+updates of the same weights.
 
 On the same engines: routed experts are returned for MoE models and refused for dense ones."""
 
 import pathlib
+import shutil
+import tempfile
 
 import grpc
 import numpy as np
@@ -20,6 +22,7 @@ from primerl.common.v1 import generation_pb2, tensor_pb2
 from primerl.inference.v1 import inference_pb2
 from primerl_common.tensors import tensor_from_proto
 from primerl_common.weights.manifest import write_weights
+from primerl_common.weights.shared_memory import write_raw_weights
 from primerl_launcher.tiny_model import FAMILIES
 
 from .serving import (
@@ -72,15 +75,20 @@ async def test_kernel_format_deltas_and_shared_folders_end_in_the_weights_of_ful
     folders = tmp_path_factory.mktemp("shared")
     prompts = [list(range(40, 72)), [(7 * i) % 200 + 30 for i in range(24)]]
 
-    async def update(tensors: dict, *, shared: bool = False, **begin) -> list[list[float]]:
+    shm_root = pathlib.Path(tempfile.mkdtemp(prefix="primerl-test-", dir="/dev/shm"))
+
+    async def update(tensors: dict, *, shared: bool = False, shm: bool = False, **begin) -> list[list[float]]:
         version = await policy_version(stub) + 1
-        path = None
+        path = shm_path = None
+        fields = {"delta": begin.get("delta", False), "base_policy_version": begin.get("base_policy_version", 0)}
+        weight_format = begin.get("weight_format", tensor_pb2.WEIGHT_FORMAT_HF)
         if shared:
             path = folders / f"v{version}"
-            fields = {"delta": begin.get("delta", False), "base_policy_version": begin.get("base_policy_version", 0)}
-            weight_format = begin.get("weight_format", tensor_pb2.WEIGHT_FORMAT_HF)
             write_weights(path, tensors.items(), policy_version=version, weight_format=weight_format, **fields)
-        await stub.UpdateWeights(update_stream(tensors, version, shared_fs_path=path, **begin))
+        if shm:  # as the weight broadcaster places a version in shared memory: fused parts back to back
+            shm_path = shm_root / f"v{version}"
+            write_raw_weights(shm_path, tensors.items(), policy_version=version, weight_format=weight_format, **fields)
+        await stub.UpdateWeights(update_stream(tensors, version, shared_fs_path=path, shm_path=shm_path, **begin))
         return await sample(stub, prompts, num_tokens=4, seed=5)
 
     before = await sample(stub, prompts, num_tokens=4, seed=5)
@@ -98,6 +106,11 @@ async def test_kernel_format_deltas_and_shared_folders_end_in_the_weights_of_ful
         base_policy_version=base + 1,
         shared=True,
     )
+    try:
+        hf_from_shm = await update(perturbed, shm=True)
+        kernel_from_shm = await update(kernel_format(original), weight_format=kernel, shm=True)
+    finally:
+        shutil.rmtree(shm_root)
 
     assert full_hf != before  # the updates take effect
     assert restored_by_kernel == before
@@ -105,6 +118,8 @@ async def test_kernel_format_deltas_and_shared_folders_end_in_the_weights_of_ful
     assert partial_hf not in (before, full_hf)
     assert delta_hf == partial_hf
     assert kernel_delta_back == before
+    assert hf_from_shm == full_hf
+    assert kernel_from_shm == before
 
 
 async def test_routed_experts_come_with_moe_models_only(model) -> None:

@@ -15,6 +15,7 @@ __all__ = [
     "CAPABILITY_WEIGHTS_HF",
     "CAPABILITY_WEIGHTS_KERNEL",
     "CAPABILITY_WEIGHTS_SHARED_FS",
+    "CAPABILITY_WEIGHTS_SHM",
     "CAPABILITY_WEIGHTS_STRIPED",
     "missing_capability",
 ]
@@ -27,6 +28,9 @@ CAPABILITY_WEIGHTS_HF = "weights.format.hf"
 CAPABILITY_WEIGHTS_KERNEL = "weights.format.kernel"
 CAPABILITY_WEIGHTS_DELTA = "weights.delta"
 CAPABILITY_WEIGHTS_SHARED_FS = "weights.shared_fs"
+# Loads an update from a folder in shared memory of this host (begin.shm_path); listed with
+# the attributes that tell a writer whether it shares that memory (primerl_common.weights.shared_memory).
+CAPABILITY_WEIGHTS_SHM = "weights.shm"
 # Takes an update striped over several UpdateWeights streams (begin.stripe_session).
 CAPABILITY_WEIGHTS_STRIPED = "weights.striped"
 # Joins collective groups of this backend to receive updates (gloo everywhere, NCCL on GPUs).

@@ -89,19 +89,31 @@ class ReplicaConfig(Section):
     initial_policy_version: int = Field(default=0, ge=0, description="policy version of the weights in engine.model")
 
 
+def _default_shm_folder() -> pathlib.Path | None:
+    shm = pathlib.Path("/dev/shm")
+    return shm if shm.is_dir() else None
+
+
 class WeightsConfig(Section):
     staging_dir: pathlib.Path | None = Field(
         default=None,
         description="where an incoming weight update is staged for the engine process to map; "
         "empty: /dev/shm when present (memory, no disk writes), else the temp folder",
     )
+    shm_folder: pathlib.Path | None = Field(
+        default_factory=_default_shm_folder,
+        description="the host's shared-memory folder (tmpfs): a weight broadcaster on this host that sees the same "
+        "one (GetServiceInfo attributes host.boot_id, weights.shm_id, weights.shm_folder) places each version in it "
+        "once and this replica loads from there (capability weights.shm); default /dev/shm when present; empty: "
+        "updates come over gRPC",
+    )
 
-    @field_validator("staging_dir")
+    @field_validator("staging_dir", "shm_folder")
     @classmethod
-    def _staging_dir_exists(cls, staging_dir: pathlib.Path | None) -> pathlib.Path | None:
-        if staging_dir is not None and not staging_dir.is_dir():
-            raise ValueError(f"{staging_dir} is not a folder")
-        return staging_dir
+    def _is_a_folder(cls, folder: pathlib.Path | None) -> pathlib.Path | None:
+        if folder is not None and not folder.is_dir():
+            raise ValueError(f"{folder} is not a folder")
+        return folder if folder is None else folder.absolute()
 
 
 class LoadReportConfig(Section):

@@ -98,6 +98,7 @@ class InferenceEngine:
             llm,
             weight_tables,
             staging_dir=config.weights.staging_dir or default_staging_dir(),
+            shm_folder=config.weights.shm_folder,
             policy_version=config.replica.initial_policy_version,
             control_lock=self._control_lock,
             is_paused=lambda: self._paused,
@@ -222,6 +223,7 @@ class InferenceEngine:
             "vllm_version": vllm.__version__,
             "replica_id": self.replica_id,
             "role": self._config.replica.role,
+            **self.weight_updater.attributes,
         }
 
     # ------------------------------------------------------------------ generation

@@ -326,6 +326,7 @@ def weight_update_from_proto(begin: inference_pb2.WeightUpdateBegin) -> WeightUp
         delta=begin.delta,
         base_policy_version=begin.base_policy_version,
         shared_fs_path=begin.shared_fs_path,
+        shm_path=begin.shm_path,
         stripe_session=begin.stripe_session,
         num_stripes=begin.num_stripes,
         stripe_index=begin.stripe_index,

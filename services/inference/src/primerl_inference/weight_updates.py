@@ -1,7 +1,9 @@
 """Weight updates of a running engine, and the policy version it serves.
 
-An update arrives as a tensor stream, a folder on a shared filesystem or over a collective
-group (collective_receiver.py). Every tensor is checked before the model is touched
+An update arrives as a tensor stream, a folder on a shared filesystem, a folder in this
+host's shared memory (written by a weight broadcaster on the same host, which tells from this
+replica's attributes that it shares that memory) or over a collective group
+(collective_receiver.py). Every tensor is checked before the model is touched
 (weights.py), then the swap pauses scheduling (running requests stay), loads the tensors in
 place in the engine process (worker_extension.py), stamps the new version and resumes. A
 refused update leaves weights and version as they were; weights holding NaN or Inf are
@@ -47,6 +49,7 @@ from primerl.common.v1 import tensor_pb2
 from primerl_common.errors import FailedPrecondition, InvalidArgument, ServiceError, Unavailable
 from primerl_common.stripes import StripeSession, StripeSessions, check_stripe_fields
 from primerl_common.tensors import TensorChunkView
+from primerl_common.weights.shared_memory import shm_attributes
 from primerl_inference import metrics
 from primerl_inference.capabilities import (
     CAPABILITY_WEIGHTS_COLLECTIVE,
@@ -54,6 +57,7 @@ from primerl_inference.capabilities import (
     CAPABILITY_WEIGHTS_HF,
     CAPABILITY_WEIGHTS_KERNEL,
     CAPABILITY_WEIGHTS_SHARED_FS,
+    CAPABILITY_WEIGHTS_SHM,
     CAPABILITY_WEIGHTS_STRIPED,
     missing_capability,
 )
@@ -67,6 +71,7 @@ from primerl_inference.weights import (
     WeightUpdateResult,
     join_stripes,
     stage_shared_folder,
+    stage_shm_folder,
 )
 
 __all__ = ["WeightUpdater", "load_weight_tables"]
@@ -107,6 +112,7 @@ class WeightUpdater:
         weight_tables: dict[str, WeightTable],
         *,
         staging_dir: pathlib.Path,
+        shm_folder: pathlib.Path | None = None,
         policy_version: int,
         control_lock: asyncio.Lock,
         is_paused: Callable[[], bool],
@@ -122,6 +128,7 @@ class WeightUpdater:
         self._out_of_service: str | None = None
         self._weight_tables = weight_tables
         self._staging_dir = staging_dir
+        self._shm_folder = shm_folder
         self._control_lock = control_lock
         self._is_paused = is_paused
         self._receiving = asyncio.Lock()
@@ -157,7 +164,14 @@ class WeightUpdater:
             CAPABILITY_WEIGHTS_STRIPED,
             CAPABILITY_WEIGHTS_COLLECTIVE.format("gloo"),
             *([CAPABILITY_WEIGHTS_COLLECTIVE.format("nccl")] if current_platform.is_cuda() else []),
+            *([CAPABILITY_WEIGHTS_SHM] if self._shm_folder is not None else []),
         ]
+
+    @property
+    def attributes(self) -> dict[str, str]:
+        """What a writer on this host compares with its own to tell that this replica reads its
+        shared memory (primerl_common.weights.shared_memory); none without a shared-memory folder."""
+        return {} if self._shm_folder is None else shm_attributes(self._shm_folder)
 
     async def update(
         self,
@@ -185,9 +199,24 @@ class WeightUpdater:
             max_stripes=MAX_STRIPES,
             config_field="the replica's limit",
         ):
-            if collective is not None or update.shared_fs_path:
+            if collective is not None or update.shared_fs_path or update.shm_path:
                 raise InvalidArgument("a striped update carries its tensors in its streams", field="begin.num_stripes")
             return await self._update_stripe(update, chunks, started)
+        sources = [
+            name
+            for name, given in (
+                ("shared_fs_path", update.shared_fs_path),
+                ("shm_path", update.shm_path),
+                ("collective", collective is not None),
+            )
+            if given
+        ]
+        if len(sources) > 1:
+            raise InvalidArgument(
+                f"{' and '.join(sources)} name two sources of one update", field=f"begin.{sources[1]}"
+            )
+        if update.shm_path and self._shm_folder is None:
+            raise missing_capability(CAPABILITY_WEIGHTS_SHM, "loading an update from shared memory")
         if self._receiving.locked():
             raise FailedPrecondition("another weight update is being received", reason="UPDATE_IN_PROGRESS")
         table = self._weight_tables[update.format]
@@ -208,6 +237,12 @@ class WeightUpdater:
                     raise InvalidArgument("no chunks may follow a begin with shared_fs_path", field="chunk")
                 staged = await asyncio.to_thread(stage_shared_folder, table, update)
                 pause_s = await self._swap_checked(staged, update, "begin.shared_fs_path")
+            elif update.shm_path:
+                assert self._shm_folder is not None  # checked above
+                async for _ in chunks:
+                    raise InvalidArgument("no chunks may follow a begin with shm_path", field="chunk")
+                staged = await asyncio.to_thread(stage_shm_folder, table, update, self._shm_folder)
+                pause_s = await self._swap_checked(staged, update, "begin.shm_path")
             else:
                 with WeightStaging(table, self._staging_dir, update) as staging:
                     async for chunk in chunks:

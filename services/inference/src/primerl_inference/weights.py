@@ -7,10 +7,12 @@ experts `w13_weight`/`w2_weight`) from the engine's own parameters.
 
 An update arrives as a tensor stream (`WeightStaging`: each tensor is checked as its header
 arrives, before a byte of the model is touched, and the accepted ones go into one staging
-file, in /dev/shm by default: memory, not disk), or as a folder on a shared filesystem
+file, in /dev/shm by default: memory, not disk), as a folder on a shared filesystem
 (`stage_shared_folder`: its manifest is checked the same way, see
-primerl_common.weights.manifest). Either way the result is a `StagedWeights`, an index of
-validated tensors in files that the engine process maps and loads from (see
+primerl_common.weights.manifest), or as a folder in this host's shared memory
+(`stage_shm_folder`: the same, but no checksums to read, see
+primerl_common.weights.shared_memory). Either way the result is a `StagedWeights`, an index
+of validated tensors in files that the engine process maps and loads from (see
 worker_extension.py). An update that fails any check is refused as a whole.
 
 A delta update carries only some tensors, but always whole engine modules: the engine
@@ -33,10 +35,10 @@ import torch
 from safetensors import safe_open
 
 from primerl.common.v1 import tensor_pb2
-from primerl_common.errors import InvalidArgument
+from primerl_common.errors import FailedPrecondition, InvalidArgument
 from primerl_common.tensors import FileTensorAssembler, TensorChunkView, dtype_to_proto
 from primerl_common.weights.engine_modules import engine_module
-from primerl_common.weights.manifest import ManifestError, read_manifest
+from primerl_common.weights.manifest import ManifestError, WeightManifest, read_manifest
 
 __all__ = [
     "StagedTensor",
@@ -49,6 +51,7 @@ __all__ = [
     "default_staging_dir",
     "join_stripes",
     "stage_shared_folder",
+    "stage_shm_folder",
 ]
 
 # Each tensor starts at a multiple of this in the staging file, so that it can be viewed in
@@ -88,6 +91,8 @@ class WeightUpdate:
     base_policy_version: int = 0
     # A published folder (primerl_common.weights.manifest) to load from; no chunks follow.
     shared_fs_path: str = ""
+    # The same in this host's shared memory (primerl_common.weights.shared_memory).
+    shm_path: str = ""
     # A striped update: this stream is stripe `stripe_index` of `num_stripes` (weight_updates.py).
     stripe_session: str = ""
     num_stripes: int = 0
@@ -329,6 +334,35 @@ def stage_shared_folder(table: WeightTable, update: WeightUpdate) -> StagedWeigh
         manifest = read_manifest(folder)
     except ManifestError as exc:
         raise InvalidArgument(str(exc), field=field) from None
+    return _staged_folder(table, update, folder, manifest, field)
+
+
+def stage_shm_folder(table: WeightTable, update: WeightUpdate, shm_folder: pathlib.Path) -> StagedWeights:
+    """Checks a folder in this host's shared memory against `update`, as `stage_shared_folder`
+    does but for checksums (it holds none: primerl_common.weights.shared_memory). The folder
+    must lie in `shm_folder`; one this replica cannot read (not the writer's shared memory
+    after all) is refused FAILED_PRECONDITION, reason SHM_UNREADABLE."""
+    field = "begin.shm_path"
+    folder = pathlib.Path(update.shm_path)
+    if not folder.is_absolute() or ".." in folder.parts or not folder.is_relative_to(shm_folder):
+        raise InvalidArgument(f"{update.shm_path!r} is not an absolute path in {shm_folder}", field=field)
+    if not folder.is_dir():
+        raise FailedPrecondition(
+            f"{folder} cannot be read here: this replica does not share the writer's shared memory",
+            subject=field,
+            reason="SHM_UNREADABLE",
+        )
+    try:
+        manifest = read_manifest(folder, verify_checksums=False)
+    except ManifestError as exc:
+        raise InvalidArgument(str(exc), field=field) from None
+    return _staged_folder(table, update, folder, manifest, field)
+
+
+def _staged_folder(
+    table: WeightTable, update: WeightUpdate, folder: pathlib.Path, manifest: WeightManifest, field: str
+) -> StagedWeights:
+    """A folder's checked manifest, checked against `update` and the table, as an index."""
     announced = {
         "policy_version": (manifest.policy_version, update.policy_version),
         "format": (tensor_pb2.WeightFormat.Name(manifest.weight_format), f"WEIGHT_FORMAT_{update.format.upper()}"),

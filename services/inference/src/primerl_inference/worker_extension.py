@@ -27,6 +27,7 @@ from vllm.platforms import current_platform
 
 from primerl_common.weights.collective import CollectiveReceiver, GroupSpec, TensorSpec
 from primerl_common.weights.engine_modules import engine_module
+from primerl_inference.cpu_linears import split_linear_loads
 from primerl_inference.routed_experts.worker import RoutedExpertsWorkerExtension
 
 __all__ = ["WorkerExtension"]
@@ -137,27 +138,42 @@ class WorkerExtension(RoutedExpertsWorkerExtension):
             return {"refused": non_finite}
         fail_after, self._primerl_fail_after = getattr(self, "_primerl_fail_after", None), None
         model = self.model_runner.get_model()
-        touched = [_base_layer(module) for module in _engine_submodules(model, modules, [n for n, _ in weights])]
+        # CPU linear layers load straight from the update's bytes (cpu_linears.py); the rest
+        # through vLLM's layerwise reload.
+        linears, rest = split_linear_loads(model, weights)
+        repacked = {load.module_name for load in linears}
+        rest_modules = [module for module in modules if module not in repacked]
+        touched = [_base_layer(module) for module in _engine_submodules(model, rest_modules, [n for n, _ in rest])]
+        num_linears_written = 0
+        scratch = self.__dict__.setdefault("_primerl_linear_scratch", {})
         with set_current_vllm_config(self.vllm_config), torch.no_grad(), _one_thread():
             try:
                 for module in touched:
                     initialize_layerwise_reload(module)
+                for load in linears:
+                    # A failure injected after k tensors counts these first (primerl_fail_next_load).
+                    if fail_after is not None and fail_after < len(load.parts):
+                        list(_failing_after(load.parts, fail_after))
+                    fail_after = None if fail_after is None else fail_after - len(load.parts)
+                    load.apply(scratch)
+                    num_linears_written += 1
                 if weight_format == "hf":
-                    direct, others = _split_direct_loads(model, weights)
+                    direct, others = _split_direct_loads(model, rest)
                     for name, tensor in direct:
                         _load_kernel_tensor(model, name, tensor)
                     model.load_weights(_failing_after(others, fail_after))
                 else:
-                    for name, tensor in _failing_after(weights, fail_after):
+                    for name, tensor in _failing_after(rest, fail_after):
                         _load_kernel_tensor(model, name, tensor)
                 for module in touched:
                     finalize_layerwise_reload(module, self.model_runner.model_config)
                 if current_platform.is_cpu():
-                    _repack_cpu_experts(model, touched, [n for n, _ in weights])
+                    _repack_cpu_experts(model, touched, [n for n, _ in rest])
                     _refresh_tied_cpu_gemms(model)
             except Exception as exc:
                 logger.exception("loading weights failed after their checks")
-                return {"failed": f"{type(exc).__name__}: {exc}", "num_layers_written": _abandon_reload(touched)}
+                num_written = num_linears_written + _abandon_reload(touched)
+                return {"failed": f"{type(exc).__name__}: {exc}", "num_layers_written": num_written}
         # What vLLM's own reload does next: state derived from the old weights goes.
         self.model_runner.reset_lora_state()
         self.model_runner.reset_encoder_cache()
