@@ -1,15 +1,20 @@
 """Pushes through the broadcaster to two real inference replicas (started once for the module):
 kernel format, delta updates and the shared-filesystem transport end in exactly the logprobs
 of full HF pushes; configured and late replicas, the WatchReplicas stream, and a replica that
-cannot load its format failing alone."""
+cannot load its format failing alone. The same-host transport: replicas on this host are
+pushed through shared memory without asking and serve what a gRPC push serves; one that does
+not share the broadcaster's memory gets gRPC; a shared-memory push that fails is made over
+gRPC and lands whole."""
 
 import asyncio
 import itertools
 import pathlib
+import uuid
 
 import pytest
 import pytest_asyncio
 import torch
+from prometheus_client import REGISTRY
 
 from primerl.common.v1 import tensor_pb2
 from primerl.inference.v1 import inference_pb2, inference_pb2_grpc
@@ -19,6 +24,7 @@ from primerl_common.processes import ServiceProcess, free_port
 from primerl_common.testing import eventually
 from primerl_launcher.tiny_model import make_tiny_model
 from primerl_weight_broadcaster.formats import convert
+from primerl_weight_broadcaster.shm import SharedMemory
 from services.weight_broadcaster.tests.helpers import publish, running_broadcaster, wait_for
 
 from .replicas import START_TIMEOUT_S, TOLERANCE, logprobs, max_difference, perturbed, replica
@@ -27,6 +33,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
 HF, KERNEL, FP8 = tensor_pb2.WEIGHT_FORMAT_HF, tensor_pb2.WEIGHT_FORMAT_KERNEL, tensor_pb2.WEIGHT_FORMAT_KERNEL_FP8
 CURRENT, FAILED = pb2.REPLICA_STATE_CURRENT, pb2.REPLICA_STATE_FAILED
+GRPC, SHM = pb2.TRANSPORT_GRPC, pb2.TRANSPORT_SHM
 # Replicas outlive each test's broadcaster: every publish of the module takes the next version.
 _versions = itertools.count(1)
 
@@ -60,8 +67,8 @@ async def test_kernel_format_and_deltas_end_in_the_weights_of_full_hf_pushes(rep
     first = perturbed(model, tmp_path / "first", seed=1)
     second = changed(first, "model.layers.1.self_attn.q_proj.weight", "model.layers.0.mlp.down_proj.weight")
     async with running_broadcaster() as stub:
-        await stub.RegisterReplica(register("hf", a))
-        await stub.RegisterReplica(register("kernel", b, format=KERNEL, delta=True))
+        await stub.RegisterReplica(register("hf", a, transport=GRPC))
+        await stub.RegisterReplica(register("kernel", b, format=KERNEL, delta=True, transport=GRPC))
 
         version = next(_versions)
         await publish(stub, version, first)
@@ -180,10 +187,137 @@ async def test_striped_pushes_end_in_the_logprobs_of_single_stream_ones(replicas
         )
     assert "weights.striped" in info.info.capabilities
     async with running_broadcaster(streams=4) as striped, running_broadcaster(streams=1) as single:
-        await striped.RegisterReplica(register("striped", a))
-        await single.RegisterReplica(register("single", b))
+        await striped.RegisterReplica(register("striped", a, transport=GRPC))
+        await single.RegisterReplica(register("single", b, transport=GRPC))
         version = next(_versions)
         await asyncio.gather(publish(striped, version, tensors), publish(single, version, tensors))
         await asyncio.gather(wait_for(striped, version, 1, timeout_s=120), wait_for(single, version, 1, timeout_s=120))
         assert (await statuses(striped))["striped"].num_tensors_last_push == len(tensors)
         assert await logprobs(a) == await logprobs(b)
+
+
+def _version_folders(folder: pathlib.Path) -> list[str] | None:
+    """The version folders in a broadcaster's shared-memory folder; None when it is gone."""
+    return sorted(p.name for p in folder.iterdir() if p.name.startswith("v")) if folder.exists() else None
+
+
+def _pushes(replica_id: str, transport: str) -> float:
+    labels = {"replica_id": replica_id, "transport": transport}
+    return REGISTRY.get_sample_value("primerl_weight_broadcaster_pushes_total", labels) or 0.0
+
+
+async def test_replicas_on_this_host_load_from_shared_memory_what_a_grpc_push_gives(replicas, tmp_path: pathlib.Path):
+    """Registered without a transport (auto), a replica on the broadcaster's host gets each
+    version through shared memory; one registered for gRPC gets it streamed; both serve the
+    same weights bit for bit, kernel-format deltas included."""
+    model, a, b = replicas
+    first = perturbed(model, tmp_path / "first", seed=8)
+    second = changed(first, "model.layers.0.self_attn.k_proj.weight")
+    async with running_broadcaster() as stub:
+        info = (await stub.GetServiceInfo(pb2.GetServiceInfoRequest())).info
+        assert {"transport.auto", "transport.shm"} <= set(info.capabilities)
+        shm_folder = pathlib.Path(info.attributes["shm.folder"])
+        await stub.RegisterReplica(register("auto", a))
+        await stub.RegisterReplica(register("grpc", b, transport=GRPC))
+        for tensors in (first, second):
+            version = next(_versions)
+            await publish(stub, version, tensors)
+            await wait_for(stub, version, 2, timeout_s=120)
+            status = await statuses(stub)
+            assert status["auto"].transport == pb2.TRANSPORT_AUTO and status["auto"].last_push_transport == SHM
+            assert status["auto"].transport_reason == "same host and shared memory (/dev/shm)"
+            assert status["grpc"].last_push_transport == GRPC and status["grpc"].transport_reason == ""
+            assert status["auto"].num_bytes_last_push == status["grpc"].num_bytes_last_push
+            assert await logprobs(a) == await logprobs(b)
+            # Placed once, received straight into the broadcaster's folder (under /dev/shm).
+            assert shm_folder.parent == pathlib.Path("/dev/shm")
+            assert _version_folders(shm_folder) == [f"v{version:010d}-hf"]
+        assert _pushes("auto", "shm") >= 2 and _pushes("grpc", "grpc") >= 2
+
+        # A kernel-format replica with deltas: the changed module alone, linked from the full version.
+        await stub.RegisterReplica(register("auto", a, format=KERNEL, delta=True))
+        await stub.RegisterReplica(register("grpc", b, format=KERNEL, delta=True, transport=GRPC))
+        for tensors in (first, second):
+            version = next(_versions)
+            await publish(stub, version, tensors)
+            await wait_for(stub, version, 2, timeout_s=120)
+        status = await statuses(stub)
+        assert status["auto"].last_push_transport == SHM and status["auto"].last_push_delta
+        assert status["auto"].num_tensors_last_push == status["grpc"].num_tensors_last_push == 1  # qkv_proj
+        assert await logprobs(a) == await logprobs(b)
+    assert _version_folders(shm_folder) is None  # removed with the broadcaster
+
+
+async def test_a_replica_that_does_not_share_the_broadcasters_memory_gets_grpc(replicas, tmp_path: pathlib.Path):
+    """The broadcaster's shared memory is another folder than the replicas' (as a container with
+    a /dev/shm of its own would have): auto falls back to gRPC, saying why."""
+    model, a, _ = replicas
+    tensors = perturbed(model, tmp_path / "weights", seed=9)
+    own_shm = tmp_path / "own-shm"
+    own_shm.mkdir()
+    async with running_broadcaster(shm={"folder": own_shm}) as stub:
+        await stub.RegisterReplica(register("auto", a))
+        version = next(_versions)
+        await publish(stub, version, tensors)
+        await wait_for(stub, version, 1, timeout_s=120)
+        status = (await statuses(stub))["auto"]
+        assert status.last_push_transport == GRPC
+        assert status.transport_reason.startswith(f"same host, but its shared-memory folder is not {own_shm}")
+        (own,) = own_shm.glob("primerl-weight-broadcaster-*")
+        assert _version_folders(own) == []  # nothing placed there
+
+
+async def test_a_failed_shared_memory_push_is_made_over_grpc_and_lands_whole(
+    replicas, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+):
+    """A shared-memory push that fails is made again over gRPC at once: the version lands whole
+    (the same weights as a replica pushed over gRPC alone). A replica that could not read the
+    folder gets gRPC from then on; a failure on the broadcaster's side costs that version only."""
+    model, a, b = replicas
+    first = perturbed(model, tmp_path / "first", seed=10)
+    second = changed(first, "model.layers.1.mlp.up_proj.weight")
+    route = SharedMemory.route
+
+    def elsewhere(self: SharedMemory, attributes: dict[str, str]):
+        # The replica would look for the version in a folder it does not have.
+        folder, why = route(self, attributes)
+        return (None, why) if folder is None else (folder.parent / f"missing-{uuid.uuid4().hex}", why)
+
+    async with running_broadcaster() as stub:
+        await stub.RegisterReplica(register("grpc", b, transport=GRPC))
+        await stub.RegisterReplica(register("auto", a))
+        with monkeypatch.context() as patched:
+            patched.setattr(SharedMemory, "route", elsewhere)
+            version = next(_versions)
+            await publish(stub, version, first)
+            await wait_for(stub, version, 2, timeout_s=120)
+        status = (await statuses(stub))["auto"]
+        assert status.state == CURRENT and status.last_push_transport == GRPC
+        assert "cannot be read here" in status.transport_reason and status.transport_reason.endswith("from now on")
+        assert await logprobs(a) == await logprobs(b)
+        version = next(_versions)
+        await publish(stub, version, second)  # this process of the replica: gRPC from now on
+        await wait_for(stub, version, 2, timeout_s=120)
+        assert (await statuses(stub))["auto"].last_push_transport == GRPC
+        assert await logprobs(a) == await logprobs(b)
+
+    async with running_broadcaster() as stub:  # a broadcaster that failed to place one version
+        await stub.RegisterReplica(register("auto", a))
+        with monkeypatch.context() as patched:
+            patched.setattr(SharedMemory, "_write", _no_room)
+            patched.setattr(SharedMemory, "receiver", lambda self, num_bytes: None)
+            version = next(_versions)
+            await publish(stub, version, first)
+            await wait_for(stub, version, 1, timeout_s=120)
+        status = (await statuses(stub))["auto"]
+        assert status.last_push_transport == GRPC and "No space left on device" in status.transport_reason
+        assert status.transport_reason.endswith("gRPC")  # for that version only
+        version = next(_versions)
+        await publish(stub, version, second)
+        await wait_for(stub, version, 1, timeout_s=120)
+        assert (await statuses(stub))["auto"].last_push_transport == SHM
+        assert await logprobs(a) == await logprobs(b)  # b: second, over gRPC, above
+
+
+def _no_room(self: SharedMemory, name: str, version, base) -> None:
+    raise OSError(28, "No space left on device")

@@ -24,6 +24,7 @@ FAST_PUSH = {"probe_interval_s": 0.2, "retry_initial_s": 0.1, "retry_max_s": 0.5
 async def running_broadcaster(
     replicas: list[dict[str, object]] | None = None,
     shared_fs: dict[str, object] | None = None,
+    shm: dict[str, object] | None = None,
     store: dict[str, object] | None = None,
     publish_limits: dict[str, object] | None = None,
     **push: float,
@@ -34,6 +35,7 @@ async def running_broadcaster(
         publish=publish_limits or {},
         replicas=replicas or [],
         shared_fs=shared_fs or {},
+        shm=shm or {},
         store=store or {},
     )
     async with in_process_service(await build(config), config) as served:

@@ -15,6 +15,7 @@ from primerl_common.weights.shared_memory import (
     ATTRIBUTE_BOOT_ID,
     ATTRIBUTE_SHM_FOLDER,
     ATTRIBUTE_SHM_ID,
+    all_finite,
     boot_id,
     link_weights,
     shm_attributes,
@@ -79,6 +80,13 @@ def test_a_linked_folder_shares_the_files_and_lists_part_of_them(tmp_path: pathl
     assert name == "norm.weight" and torch.equal(tensor, tensors["norm.weight"])
     with pytest.raises(FileExistsError):
         link_weights(tmp_path / "v4", {}, [], policy_version=4, weight_format=HF)
+
+
+def test_all_finite_looks_at_floats_of_16_bits_or_more():
+    assert all_finite(_tensors().values())
+    assert not all_finite([torch.ones(3), torch.tensor([0.0, float("inf")])])
+    assert not all_finite([torch.tensor([float("nan")], dtype=torch.bfloat16)])
+    assert all_finite([torch.tensor([float("nan")]).to(torch.float8_e4m3fn), torch.tensor([1, 2])])
 
 
 def test_a_folder_identity_names_the_boot_and_the_filesystem_object(tmp_path: pathlib.Path):

@@ -66,9 +66,11 @@ class ReplicaConfig(Section):
     format: Literal["hf", "kernel", "kernel_fp8"] = Field(
         default="hf", description="weights it loads: HF names, vLLM kernel layout, or kernel layout in block FP8"
     )
-    transport: Literal["grpc", "shared_fs", "nccl"] = Field(
-        default="grpc",
-        description="UpdateWeights stream, a folder of shared_fs.folder named in the stream, or a collective "
+    transport: Literal["auto", "grpc", "shared_fs", "nccl"] = Field(
+        default="auto",
+        description="auto: the broadcaster picks per push: shared memory (shm.folder) when the replica is on this "
+        "host and reads that memory, else nccl where collective.backend is set and the replica can join, else "
+        "grpc; or one of: UpdateWeights stream, a folder of shared_fs.folder named in the stream, a collective "
         "group with the trainer (needs collective.backend and format hf)",
     )
 
@@ -118,6 +120,37 @@ class SharedFsConfig(Section):
         return folder.resolve()
 
 
+def _default_shm_folder() -> pathlib.Path | None:
+    shm = pathlib.Path("/dev/shm")
+    return shm if shm.is_dir() and os.access(shm, os.W_OK | os.X_OK) else None
+
+
+class ShmConfig(Section):
+    """The same-host transport: each version placed once in shared memory, which replicas on this
+    host load from (transport auto picks it for them)."""
+
+    folder: pathlib.Path | None = Field(
+        default_factory=_default_shm_folder,
+        description="shared-memory filesystem (tmpfs) the broadcaster keeps a folder of its own in (removed when it "
+        "stops; one a broadcaster that died left is removed by the next one); replicas that advertise the same "
+        "one load from it; default /dev/shm when present; empty: no same-host transport",
+    )
+    keep_versions: int = Field(
+        default=1, ge=1, description="versions whose folders are kept (older ones deleted once no push needs them)"
+    )
+
+    @field_validator("folder")
+    @classmethod
+    def _writable_folder(cls, folder: pathlib.Path | None) -> pathlib.Path | None:
+        if folder is None:
+            return None
+        if not folder.is_dir():
+            raise ValueError(f"{folder} is not a folder")
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise ValueError(f"{folder} is not writable")
+        return folder.absolute()
+
+
 class CollectiveConfig(Section):
     """The nccl transport: the trainer broadcasts each version to the replicas in a collective group
     that the broadcaster forms (it hosts the group's TCPStore)."""
@@ -153,6 +186,7 @@ class WeightBroadcasterConfig(ServiceConfig):
     publish: PublishLimitsConfig = PublishLimitsConfig()
     store: StoreConfig = StoreConfig()
     shared_fs: SharedFsConfig = SharedFsConfig()
+    shm: ShmConfig = ShmConfig()
     collective: CollectiveConfig = CollectiveConfig()
     replicas: list[ReplicaConfig] = Field(
         default=[], description="replicas registered at start (others register with RegisterReplica)"

@@ -12,6 +12,14 @@ replica that restarts comes back on its checkpoint's version; the periodic probe
 A TRANSPORT_NCCL replica's task also makes it join the collective group a version is broadcast
 in (collective.py), when the trainer announces one; if that fails, the replica is pushed over
 gRPC like any other once the broadcaster holds data newer than what it serves.
+
+A TRANSPORT_AUTO replica (the default) takes, at each push, the transport `_Worker.route`
+picks from what its last probe said: shared memory (shm.py) when it lists "weights.shm" and
+advertises this host's boot id and this shared memory, else the collective group where the
+broadcaster has one and the replica can join it, else gRPC. A push over shared memory that
+fails is made again at once over gRPC as a full update (all or nothing either way: a replica
+applies an update whole or not at all); a replica that could not read the folder gets gRPC
+until it restarts. The pick, and why, is in the replica's status and in metrics.py.
 """
 
 from __future__ import annotations
@@ -26,19 +34,30 @@ from collections.abc import Callable
 
 import grpc
 import torch
+from google.rpc import error_details_pb2
 
 from primerl.common.v1 import tensor_pb2
 from primerl.inference.v1 import inference_pb2, inference_pb2_grpc
 from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2 as pb2
 from primerl_common.client import make_channel
+from primerl_common.errors import error_details, field_violations
 from primerl_common.stripes import stripe_channel_options
+from primerl_weight_broadcaster import metrics
 from primerl_weight_broadcaster.collective import CollectiveHost, replica_update
 from primerl_weight_broadcaster.formats import format_name
 from primerl_weight_broadcaster.shared_fs import SharedFolders
+from primerl_weight_broadcaster.shm import SharedMemory, ShmReceiver
 from primerl_weight_broadcaster.store import PublishedVersion, WeightStore
 from primerl_weight_broadcaster.wire import SharedSerializer, update_weights_call
 
-__all__ = ["CAPABILITY_REPLICA_DELTA", "PushSettings", "Replica", "ReplicaSet", "UnsupportedByReplica"]
+__all__ = [
+    "CAPABILITY_REPLICA_DELTA",
+    "PushSettings",
+    "Replica",
+    "ReplicaSet",
+    "UnsupportedByReplica",
+    "pick_transport",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +66,10 @@ logger = logging.getLogger(__name__)
 CAPABILITY_REPLICA_DELTA = "weights.delta"
 CAPABILITY_REPLICA_FORMAT = "weights.format.{}"
 CAPABILITY_REPLICA_SHARED_FS = "weights.shared_fs"
+CAPABILITY_REPLICA_SHM = "weights.shm"
 CAPABILITY_REPLICA_STRIPED = "weights.striped"
+# A replica's refusals of a shared-memory update that say it cannot take one at all.
+_CANNOT_READ_SHM = {"SHM_UNREADABLE", "CAPABILITY_MISSING"}
 
 
 class UnsupportedByReplica(Exception):
@@ -89,6 +111,12 @@ class Replica:
     pushed: tuple[str, int] | None = None
     # Whether its last probe was answered (a TRANSPORT_NCCL replica joins groups only then).
     reachable: bool = False
+    # Its GetServiceInfo attributes (host and shared-memory identity, shm.py).
+    attributes: dict[str, str] = dataclasses.field(default_factory=dict)
+    # Why this process of the replica gets no shared-memory pushes (it could not load one).
+    shm_failed: str = ""
+    last_push_transport: int = pb2.TRANSPORT_UNSPECIFIED
+    transport_reason: str = ""
 
     def to_proto(self) -> pb2.ReplicaStatus:
         status = pb2.ReplicaStatus(
@@ -107,6 +135,8 @@ class Replica:
             num_tensors_last_push=self.num_tensors_last_push,
             num_bytes_last_push=self.num_bytes_last_push,
             last_push_delta=self.last_push_delta,
+            last_push_transport=self.last_push_transport,
+            transport_reason=self.transport_reason,
         )
         if self.next_retry_at:
             status.next_retry_at.FromNanoseconds(int(self.next_retry_at * 1e9))
@@ -213,12 +243,25 @@ class _Worker:
                 logger.info("replica %s restarted (instance %s)", replica.replica_id, info.instance_id)
             replica.instance_id = info.instance_id
             replica.capabilities = frozenset(info.capabilities)
+            replica.attributes = dict(info.attributes)
+            replica.shm_failed = ""
+            transport, reason = self.route()
+            if replica.transport == pb2.TRANSPORT_AUTO:
+                logger.info(
+                    "replica %s: transport %s (%s)", replica.replica_id, metrics.transport_name(transport), reason
+                )
+                self._set(transport_reason=reason)
         if load.policy_version != replica.policy_version:
             self._set(policy_version=load.policy_version)
 
+    def route(self) -> tuple[int, str]:
+        """The transport the next push takes, and why (`pick_transport`)."""
+        return pick_transport(self.replica, self._replicas.shm, self._replicas.collective)
+
     async def _push(self, latest: PublishedVersion) -> None:
         replica = self.replica
-        shared_fs = replica.transport == pb2.TRANSPORT_SHARED_FS
+        transport, reason = self.route()
+        shared_fs = transport == pb2.TRANSPORT_SHARED_FS
         name = format_name(replica.format)
         for capability, what in (
             (CAPABILITY_REPLICA_FORMAT.format(name), f"load {name} weights"),
@@ -226,7 +269,9 @@ class _Worker:
         ):
             if capability not in replica.capabilities:
                 raise UnsupportedByReplica(f"the replica cannot {what} (no capability {capability})")
-        self._set(state=pb2.REPLICA_STATE_UPDATING, target_policy_version=latest.policy_version)
+        self._set(
+            state=pb2.REPLICA_STATE_UPDATING, target_policy_version=latest.policy_version, transport_reason=reason
+        )
         latest = await self._replicas.store.in_format(latest, replica.format)
         delta = (
             replica.delta
@@ -250,28 +295,86 @@ class _Worker:
                 await self._stub.UpdateWeights(
                     iter([inference_pb2.UpdateWeightsRequest(begin=begin)]), timeout=self._settings.push_timeout_s
                 )
+        elif transport == pb2.TRANSPORT_SHM:
+            try:
+                await self._push_shm(latest, begin, base)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                transport, reason = pb2.TRANSPORT_GRPC, self._shm_failed(exc)
+                self._set(transport_reason=reason)
+                # Full: after a load that failed half way, the replica holds no version to build on.
+                begin = inference_pb2.WeightUpdateBegin(policy_version=latest.policy_version, format=replica.format)
+                delta, base = False, None
+                await self._push_grpc(latest, begin, base)
         else:
-            tensors = latest.tensors_since(base)
-            begin.num_tensors = len(tensors)
-            begin.num_bytes = sum(t.numel() * t.element_size() for _, t in tensors)
-            # The replicas pushed the same tensors at once share their serialization.
-            key = (latest.policy_version, latest.format, base)
-            if self._stripe_channels and CAPABILITY_REPLICA_STRIPED in replica.capabilities and len(tensors) > 1:
-                await self._push_striped(begin, key, tensors)
-            else:
-                requests = self._replicas.serializer.update(key, begin, tensors)
-                await self._update_weights(requests, timeout=self._settings.push_timeout_s)
+            await self._push_grpc(latest, begin, base)
+        folder = begin.shared_fs_path or begin.shm_path
         logger.info(
-            "replica %s: pushed policy version %d (%d tensors, %.1f MiB, %s, %s%s)",
+            "replica %s: pushed policy version %d (%d tensors, %.1f MiB, %s, %s, %s%s)",
             replica.replica_id,
             latest.policy_version,
             begin.num_tensors,
             begin.num_bytes / 2**20,
             format_name(replica.format),
             f"delta from {base}" if delta else "full",
-            f", folder {begin.shared_fs_path}" if shared_fs else "",
+            metrics.transport_name(transport),
+            f", folder {folder}" if folder else "",
         )
-        self._pushed(begin, started, sent=True)
+        self._pushed(begin, started, sent=transport != pb2.TRANSPORT_SHM, transport=transport)
+
+    async def _push_grpc(
+        self, latest: PublishedVersion, begin: inference_pb2.WeightUpdateBegin, base: int | None
+    ) -> None:
+        """The tensors streamed over UpdateWeights (striped where the replica takes it)."""
+        tensors = latest.tensors_since(base)
+        begin.num_tensors = len(tensors)
+        begin.num_bytes = sum(t.numel() * t.element_size() for _, t in tensors)
+        # The replicas pushed the same tensors at once share their serialization.
+        key = (latest.policy_version, latest.format, base)
+        if self._stripe_channels and CAPABILITY_REPLICA_STRIPED in self.replica.capabilities and len(tensors) > 1:
+            await self._push_striped(begin, key, tensors)
+        else:
+            requests = self._replicas.serializer.update(key, begin, tensors)
+            await self._update_weights(requests, timeout=self._settings.push_timeout_s)
+
+    async def _push_shm(
+        self, latest: PublishedVersion, begin: inference_pb2.WeightUpdateBegin, base: int | None
+    ) -> None:
+        """The version's folder in shared memory (written once, however many replicas load it),
+        named as the replica sees it; only `begin` goes over gRPC."""
+        shm = self._replicas.shm
+        assert shm is not None  # route checks it
+        folder, why = shm.route(self.replica.attributes)
+        if folder is None:
+            raise UnsupportedByReplica(why)
+        async with shm.use(latest, base) as (path, manifest):
+            begin.shm_path = str(folder / path.name)
+            begin.num_tensors, begin.num_bytes = manifest.num_tensors, manifest.num_bytes
+            await self._stub.UpdateWeights(
+                iter([inference_pb2.UpdateWeightsRequest(begin=begin)]), timeout=self._settings.push_timeout_s
+            )
+
+    def _shm_failed(self, exc: Exception) -> str:
+        """Logs a failed push over shared memory; why the replica gets gRPC instead (from now on,
+        if it cannot load from shared memory at all)."""
+        replica = self.replica
+        if isinstance(exc, grpc.aio.AioRpcError):
+            message = f"{exc.code().name}: {exc.details()}"
+            reasons = {d.reason for d in error_details(exc) if isinstance(d, error_details_pb2.ErrorInfo)}
+            cannot_read = bool(reasons & _CANNOT_READ_SHM) or "begin.shm_path" in field_violations(exc)
+        else:
+            message, cannot_read = str(exc) or repr(exc), False
+        metrics.shm_fallback(replica.replica_id)
+        if cannot_read:
+            replica.shm_failed = f"it could not load from shared memory ({message})"
+        logger.warning(
+            "replica %s: the push over shared memory failed (%s): pushing over gRPC%s",
+            replica.replica_id,
+            message,
+            " from now on (until it restarts)" if cannot_read else "",
+        )
+        return f"the shared-memory push failed ({message}): gRPC" + (" from now on" if cannot_read else "")
 
     async def _push_striped(
         self, begin: inference_pb2.WeightUpdateBegin, key: tuple[object, ...], tensors: list[tuple[str, torch.Tensor]]
@@ -314,12 +417,15 @@ class _Worker:
             begin.collective.rank,
             begin.collective.world_size,
         )
-        self._pushed(begin, started, sent=False)
+        self._pushed(begin, started, sent=False, transport=pb2.TRANSPORT_NCCL)
 
-    def _pushed(self, begin: inference_pb2.WeightUpdateBegin, started: float, *, sent: bool) -> None:
-        """The replica serves `begin`'s version now; `sent`: the broadcaster sent its bytes."""
+    def _pushed(self, begin: inference_pb2.WeightUpdateBegin, started: float, *, sent: bool, transport: int) -> None:
+        """The replica serves `begin`'s version now, which came over `transport`; `sent`: the
+        broadcaster sent its bytes."""
         replica = self.replica
+        metrics.pushed(replica.replica_id, transport)
         self._set(
+            last_push_transport=transport,
             state=pb2.REPLICA_STATE_CURRENT,
             policy_version=begin.policy_version,
             last_error="",
@@ -339,6 +445,34 @@ class _Worker:
         for key, value in changes.items():
             setattr(self.replica, key, value)
         self._replicas.changed(self.replica)
+
+
+def pick_transport(replica: Replica, shm: SharedMemory | None, collective: CollectiveHost | None) -> tuple[int, str]:
+    """The transport a push to `replica` takes: the registered one, unless TRANSPORT_AUTO, for
+    which one is picked from what the replica's last probe said (its capabilities and
+    attributes), and why: shared memory when it shares the broadcaster's (`shm.route`), else
+    the collective group where there is one it can join, else gRPC."""
+    if replica.transport != pb2.TRANSPORT_AUTO:
+        return replica.transport, ""
+    reasons = []
+    if shm is None:
+        reasons.append("the broadcaster has no shm.folder")
+    elif CAPABILITY_REPLICA_SHM not in replica.capabilities:
+        reasons.append(f"no capability {CAPABILITY_REPLICA_SHM}")
+    elif replica.shm_failed:
+        reasons.append(replica.shm_failed)
+    else:
+        folder, why = shm.route(replica.attributes)
+        if folder is not None:
+            return pb2.TRANSPORT_SHM, why
+        reasons.append(why)
+    if (
+        collective is not None
+        and replica.format == tensor_pb2.WEIGHT_FORMAT_HF
+        and collective.capability in replica.capabilities
+    ):
+        return pb2.TRANSPORT_NCCL, "; ".join([*reasons, "a collective group"])
+    return pb2.TRANSPORT_GRPC, "; ".join(reasons)
 
 
 def split_stripes(tensors: list[tuple[str, torch.Tensor]], num_stripes: int) -> list[list[tuple[str, torch.Tensor]]]:
@@ -367,11 +501,13 @@ class ReplicaSet:
         settings: PushSettings,
         shared: SharedFolders | None = None,
         collective: CollectiveHost | None = None,
+        shm: SharedMemory | None = None,
     ) -> None:
         self.store = store
         self.settings = settings
         self.shared = shared
         self.collective = collective
+        self.shm = shm
         self.serializer = SharedSerializer()
         self._workers: dict[str, _Worker] = {}
         # Set and replaced on every publish and replica change (WaitForVersion waits on it).
@@ -384,6 +520,13 @@ class ReplicaSet:
 
     def replicas(self) -> list[Replica]:
         return [worker.replica for worker in self._workers.values()]
+
+    def shm_receiver(self, begin: pb2.PublishBegin) -> ShmReceiver | None:
+        """Where a publish stream is received: shared memory while some replica takes it (and
+        the version fits there), else None (RAM)."""
+        if self.shm is None or not any(worker.route()[0] == pb2.TRANSPORT_SHM for worker in self._workers.values()):
+            return None
+        return self.shm.receiver(begin.num_bytes)
 
     @property
     def latest_policy_version(self) -> int:
@@ -399,7 +542,7 @@ class ReplicaSet:
         members = [
             worker
             for worker in self._workers.values()
-            if worker.replica.transport == pb2.TRANSPORT_NCCL
+            if worker.route()[0] == pb2.TRANSPORT_NCCL
             and worker.replica.reachable
             and host.capability in worker.replica.capabilities
         ]
@@ -436,6 +579,7 @@ class ReplicaSet:
         if worker is None:
             return False
         await worker.close()
+        metrics.forget_replica(replica_id)
         self._emit(pb2.WatchReplicasResponse(replica=worker.replica.to_proto(), removed=True))
         self._notify()
         return True

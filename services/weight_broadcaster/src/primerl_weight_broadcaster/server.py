@@ -1,11 +1,13 @@
 """Builds the weight broadcaster's ServiceDefinition from its config."""
 
 import asyncio
+import logging
 
 from primerl.common.v1 import tensor_pb2
 from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2, weight_broadcaster_pb2_grpc
 from primerl_common import security
 from primerl_common.server import ServiceDefinition
+from primerl_common.weights.shared_memory import ATTRIBUTE_BOOT_ID, boot_id
 from primerl_weight_broadcaster import __version__
 from primerl_weight_broadcaster.collective import CollectiveHost, CollectiveSettings
 from primerl_weight_broadcaster.config import WeightBroadcasterConfig
@@ -14,9 +16,11 @@ from primerl_weight_broadcaster.servicer import (
     CAPABILITIES,
     CAPABILITY_NCCL,
     CAPABILITY_SHARED_FS,
+    CAPABILITY_SHM,
     WeightBroadcasterServicer,
 )
 from primerl_weight_broadcaster.shared_fs import SharedFolders
+from primerl_weight_broadcaster.shm import SharedMemory
 from primerl_weight_broadcaster.spill import SpillFolder
 from primerl_weight_broadcaster.store import WeightStore
 
@@ -32,6 +36,8 @@ ROLES = {
     "WatchReplicas": security.ANY,
 }
 
+logger = logging.getLogger(__name__)
+
 
 async def build(config: WeightBroadcasterConfig) -> ServiceDefinition:
     spill = None if config.store.spill_folder is None else SpillFolder(config.store.spill_folder)
@@ -42,7 +48,13 @@ async def build(config: WeightBroadcasterConfig) -> ServiceDefinition:
     collective = None
     if config.collective.backend is not None:
         collective = CollectiveHost(CollectiveSettings(**config.collective.model_dump()))
-    replicas = ReplicaSet(store, PushSettings(**config.push.model_dump()), shared, collective)
+    shm = None
+    if config.shm.folder is not None:
+        try:
+            shm = SharedMemory(config.shm.folder, keep_versions=config.shm.keep_versions)
+        except OSError as exc:  # a read-only or full tmpfs: replicas get gRPC
+            logger.warning("no same-host transport: cannot make a folder in %s (%s)", config.shm.folder, exc)
+    replicas = ReplicaSet(store, PushSettings(**config.push.model_dump()), shared, collective, shm)
 
     async def register_configured() -> None:
         for replica in config.replicas:
@@ -56,6 +68,10 @@ async def build(config: WeightBroadcasterConfig) -> ServiceDefinition:
                 )
             )
 
+    async def close_shm() -> None:
+        assert shm is not None
+        await asyncio.to_thread(shm.close)
+
     async def prune_shared_folder() -> None:  # leftovers of an earlier process
         if shared is not None:
             await asyncio.to_thread(shared.prune)
@@ -68,9 +84,11 @@ async def build(config: WeightBroadcasterConfig) -> ServiceDefinition:
             *CAPABILITIES,
             *([CAPABILITY_SHARED_FS] if shared else []),
             *([CAPABILITY_NCCL] if collective else []),
+            *([CAPABILITY_SHM] if shm else []),
         ),
+        attributes={ATTRIBUTE_BOOT_ID: boot_id(), **({"shm.folder": str(shm.root)} if shm else {})},
         on_start=[prune_shared_folder, register_configured],
-        on_stop=[replicas.close],
+        on_stop=[replicas.close, *([close_shm] if shm else [])],
     )
     servicer = WeightBroadcasterServicer(definition, store, replicas, config.publish)
     definition.on_drain = [servicer.drain]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import AsyncIterable, AsyncIterator
 
@@ -21,9 +22,10 @@ from primerl_common.tensors import TensorAssembler
 from primerl_weight_broadcaster.collective import check_tensor_list
 from primerl_weight_broadcaster.config import PublishLimitsConfig
 from primerl_weight_broadcaster.replicas import Replica, ReplicaSet
-from primerl_weight_broadcaster.store import WeightStore
+from primerl_weight_broadcaster.shm import ShmReceiver
+from primerl_weight_broadcaster.store import ShmPlacement, WeightStore
 
-__all__ = ["CAPABILITIES", "WeightBroadcasterServicer"]
+__all__ = ["CAPABILITIES", "CAPABILITY_NCCL", "CAPABILITY_SHARED_FS", "CAPABILITY_SHM", "WeightBroadcasterServicer"]
 
 logger = logging.getLogger(__name__)
 
@@ -34,9 +36,11 @@ CAPABILITIES = (
     "format.kernel",
     "format.kernel_fp8",
     "transport.grpc",
+    "transport.auto",
     "delta",
 )
 CAPABILITY_SHARED_FS = "transport.shared_fs"  # listed when shared_fs.folder is configured
+CAPABILITY_SHM = "transport.shm"  # listed when shm.folder is configured (and usable)
 CAPABILITY_NCCL = "transport.nccl"  # listed when collective.backend is configured
 _FORMATS = {
     tensor_pb2.WEIGHT_FORMAT_UNSPECIFIED: tensor_pb2.WEIGHT_FORMAT_HF,
@@ -67,7 +71,7 @@ class WeightBroadcasterServicer(weight_broadcaster_pb2_grpc.WeightBroadcasterSer
             per_caller_config_field="publish.max_concurrent",
         )
         # Striped publishes being received (each holds one `_receiving` place).
-        self._stripes: StripeSessions[dict[str, torch.Tensor], pb2.PublishWeightsResponse] = StripeSessions(
+        self._stripes: StripeSessions[_Received, pb2.PublishWeightsResponse] = StripeSessions(
             join_timeout_s=self._limits.stripe_join_timeout_s
         )
         # One publish at a time: versions are checked and stored in order.
@@ -113,8 +117,8 @@ class WeightBroadcasterServicer(weight_broadcaster_pb2_grpc.WeightBroadcasterSer
         if striped:
             return await self._receive_stripe(requests, begin, caller_key(context))
         with self._receiving.hold(caller_key(context)):
-            tensors = await _receive(requests, _Budget(begin, self._limits))
-            return await self._store_version(begin, _joined([tensors], begin))
+            received = await _receive(requests, _Budget(begin, self._limits), self._replicas.shm_receiver(begin))
+            return await self._store_version(begin, _joined([received], begin))
 
     async def _receive_stripe(
         self, requests: AsyncIterator[pb2.PublishWeightsRequest], begin: pb2.PublishBegin, caller: str
@@ -139,19 +143,21 @@ class WeightBroadcasterServicer(weight_broadcaster_pb2_grpc.WeightBroadcasterSer
             new_state=new_state,
         )
 
-        async def commit(parts: list[dict[str, torch.Tensor]]) -> pb2.PublishWeightsResponse:
+        async def commit(parts: list[_Received]) -> pb2.PublishWeightsResponse:
             return await self._store_version(begin, _joined(parts, begin))
 
-        return await session.run(begin.stripe_index, _receive(requests, session.state), commit)
+        receive = _receive(requests, session.state, self._replicas.shm_receiver(begin))
+        return await session.run(begin.stripe_index, receive, commit)
 
-    async def _store_version(
-        self, begin: pb2.PublishBegin, tensors: dict[str, torch.Tensor]
-    ) -> pb2.PublishWeightsResponse:
+    async def _store_version(self, begin: pb2.PublishBegin, received: _Received) -> pb2.PublishWeightsResponse:
+        tensors = received.tensors
         async with self._publishing:
             self._check_version(begin.policy_version, data=True)
             # Off the event loop: comparing with the latest version, and spilling, take a while.
             published = self._store.make_latest(
-                await asyncio.to_thread(self._store.prepare, begin.policy_version, tensors, begin.model_type)
+                await asyncio.to_thread(
+                    self._store.prepare, begin.policy_version, tensors, begin.model_type, received.placement
+                )
             )
             self._replicas.published()  # pushes start from the received tensors, not waiting for the disk
             # Spilled before the reply and the next publish: a version the trainer saw stored is on
@@ -231,8 +237,15 @@ class WeightBroadcasterServicer(weight_broadcaster_pb2_grpc.WeightBroadcasterSer
         )
 
     def _transport(self, transport: int, weight_format: int) -> int:
-        if transport in (pb2.TRANSPORT_UNSPECIFIED, pb2.TRANSPORT_GRPC):
+        if transport in (pb2.TRANSPORT_UNSPECIFIED, pb2.TRANSPORT_AUTO):
+            return pb2.TRANSPORT_AUTO
+        if transport == pb2.TRANSPORT_GRPC:
             return pb2.TRANSPORT_GRPC
+        if transport == pb2.TRANSPORT_SHM:
+            raise InvalidArgument(
+                "TRANSPORT_SHM is picked by the broadcaster for replicas on its host: register TRANSPORT_AUTO",
+                field="transport",
+            )
         if transport == pb2.TRANSPORT_SHARED_FS:
             if not self._replicas.shared_fs_enabled:
                 raise InvalidArgument(
@@ -253,7 +266,7 @@ class WeightBroadcasterServicer(weight_broadcaster_pb2_grpc.WeightBroadcasterSer
             return transport
         name = pb2.Transport.Name(transport) if transport in pb2.Transport.values() else str(transport)
         raise InvalidArgument(
-            f"{name} is not supported; supported: TRANSPORT_GRPC, TRANSPORT_SHARED_FS, TRANSPORT_NCCL",
+            f"{name} is not supported; supported: TRANSPORT_AUTO, TRANSPORT_GRPC, TRANSPORT_SHARED_FS, TRANSPORT_NCCL",
             field="transport",
         )
 
@@ -369,9 +382,20 @@ class _Budget:
         )
 
 
-async def _receive(requests: AsyncIterator[pb2.PublishWeightsRequest], budget: _Budget) -> dict[str, torch.Tensor]:
-    """The tensors of a publish stream, each counted in `budget` from its header."""
-    assembler = TensorAssembler()
+@dataclasses.dataclass(frozen=True)
+class _Received:
+    """A publish stream's tensors, and where they lie in shared memory when received there."""
+
+    tensors: dict[str, torch.Tensor]
+    placement: ShmPlacement | None = None
+
+
+async def _receive(
+    requests: AsyncIterator[pb2.PublishWeightsRequest], budget: _Budget, shm: ShmReceiver | None = None
+) -> _Received:
+    """The tensors of a publish stream, each counted in `budget` from its header; written
+    straight into shared memory with `shm` (shm.py), else held in RAM."""
+    assembler = TensorAssembler() if shm is None else shm.assembler
     tensors: dict[str, torch.Tensor] = {}
     try:
         async for request in requests:
@@ -383,15 +407,24 @@ async def _receive(requests: AsyncIterator[pb2.PublishWeightsRequest], budget: _
                 name, tensor = item
                 tensors[name] = tensor
         assembler.finish()
+        if shm is None:
+            return _Received(tensors)
+        return _Received(*shm.finish(tensors))
     except ValueError as exc:
         raise InvalidArgument(str(exc), field="chunk") from None
-    return tensors
+    except OSError as exc:  # shared memory full after all (another process took it meanwhile)
+        raise Unavailable(f"receiving into shared memory failed: {exc}", retry_after_s=1.0) from None
+    finally:
+        if shm is not None:
+            shm.close()
 
 
-def _joined(parts: list[dict[str, torch.Tensor]], begin: pb2.PublishBegin) -> dict[str, torch.Tensor]:
+def _joined(parts: list[_Received], begin: pb2.PublishBegin) -> _Received:
     """The tensors of a publish's streams (one, or its stripes), checked against the counts
     `begin` announced."""
-    tensors = {name: tensor for part in parts for name, tensor in part.items()}
+    tensors = {name: tensor for part in parts for name, tensor in part.tensors.items()}
+    placements = [part.placement for part in parts]
+    placement = ShmPlacement.joined(placements) if all(placements) else None  # type: ignore[arg-type]
     num_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
     if begin.num_tensors and len(tensors) != begin.num_tensors:
         raise InvalidArgument(f"{len(tensors)} tensors arrived, begin announced {begin.num_tensors}", field="begin")
@@ -399,4 +432,4 @@ def _joined(parts: list[dict[str, torch.Tensor]], begin: pb2.PublishBegin) -> di
         raise InvalidArgument(f"{num_bytes} bytes arrived, begin announced {begin.num_bytes}", field="begin")
     if not tensors:
         raise FailedPrecondition("a publish must carry at least one tensor", subject="chunk")
-    return tensors
+    return _Received(tensors, placement)

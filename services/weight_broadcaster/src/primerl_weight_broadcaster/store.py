@@ -12,20 +12,59 @@ replicas must be restarted together (and the spill folder emptied).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
+import pathlib
+import weakref
 
 import torch
 
 from primerl.common.v1 import tensor_pb2
 from primerl_common.errors import FailedPrecondition, InvalidArgument
 from primerl_common.weights.engine_modules import engine_module
+from primerl_common.weights.manifest import ManifestTensor
 from primerl_weight_broadcaster.formats import convert
 from primerl_weight_broadcaster.spill import SpilledVersion, SpillFolder
 
-__all__ = ["PublishedVersion", "WeightStore"]
+__all__ = ["PublishedVersion", "ShmFile", "ShmPlacement", "WeightStore"]
 
 logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ShmFile:
+    """A raw data file in shared memory that a publish was received into (shm.py); its name is
+    removed once nothing holds this (version folders that link the file keep its bytes)."""
+
+    path: pathlib.Path
+
+    def __post_init__(self) -> None:
+        weakref.finalize(self, _unlink, self.path)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShmPlacement:
+    """Where a version's tensors lie in shared memory: its data files (by name) and each
+    tensor's place in them (`ManifestTensor.file` names its file)."""
+
+    files: dict[str, ShmFile]
+    tensors: dict[str, ManifestTensor]
+    # No tensor holds NaN or Inf (checked as they were received: replicas take this word for it).
+    finite: bool = False
+
+    @classmethod
+    def joined(cls, parts: list[ShmPlacement]) -> ShmPlacement:
+        return cls(
+            {name: f for part in parts for name, f in part.files.items()},
+            {name: t for part in parts for name, t in part.tensors.items()},
+            all(part.finite for part in parts),
+        )
+
+
+def _unlink(path: pathlib.Path) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +85,8 @@ class PublishedVersion:
     format: int = tensor_pb2.WEIGHT_FORMAT_HF
     # The HF config model_type the publisher named ("": Qwen3 / Qwen3-MoE): the kernel layout.
     model_type: str = ""
+    # Where the tensors were received in shared memory (shm.py), when they were.
+    placement: ShmPlacement | None = None
 
     def tensors_since(self, base_policy_version: int | None) -> list[tuple[str, torch.Tensor]]:
         """Tensors to send a replica serving `base_policy_version` (None or unknown base: all)."""
@@ -70,6 +111,7 @@ def _version(
     first_policy_version: int,
     weight_format: int = tensor_pb2.WEIGHT_FORMAT_HF,
     model_type: str = "",
+    placement: ShmPlacement | None = None,
 ) -> PublishedVersion:
     return PublishedVersion(
         policy_version=policy_version,
@@ -80,6 +122,7 @@ def _version(
         num_bytes=sum(t.numel() * t.element_size() for t in tensors.values()),
         format=weight_format,
         model_type=model_type,
+        placement=placement,
     )
 
 
@@ -153,10 +196,16 @@ class WeightStore:
         self.hold_spilled(version, self.spill(version))
         return self.latest
 
-    def prepare(self, policy_version: int, tensors: dict[str, torch.Tensor], model_type: str = "") -> PublishedVersion:
-        """The version `tensors` (of a `model_type` model) make on top of the latest (it compares
-        them: blocking, so run off the event loop, one at a time, and `make_latest` it before the
-        next)."""
+    def prepare(
+        self,
+        policy_version: int,
+        tensors: dict[str, torch.Tensor],
+        model_type: str = "",
+        placement: ShmPlacement | None = None,
+    ) -> PublishedVersion:
+        """The version `tensors` (of a `model_type` model; views of shared memory where
+        `placement` says) make on top of the latest (it compares them: blocking, so run off the
+        event loop, one at a time, and `make_latest` it before the next)."""
         self.check_version(policy_version)
         previous = self.latest
         if previous is None:
@@ -175,7 +224,7 @@ class WeightStore:
             if set(previous.tensors) - set(tensors):
                 # A tensor disappeared: a delta cannot express that, so older bases get everything.
                 first = policy_version
-        return _version(policy_version, tensors, last_changed, first, model_type=model_type)
+        return _version(policy_version, tensors, last_changed, first, model_type=model_type, placement=placement)
 
     def make_latest(self, version: PublishedVersion) -> PublishedVersion:
         """Stores a version `prepare` returned (on the event loop: pushes read `latest`)."""

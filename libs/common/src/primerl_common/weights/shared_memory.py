@@ -29,6 +29,10 @@ API
         A folder made of data files that already exist on the same filesystem (hard links),
         listing `tensors` of them: a version received straight into shared memory, or a delta
         made of part of a full folder, without copying a byte.
+    all_finite(tensors) -> bool
+        Whether no floating-point tensor of 16 bits or more holds NaN or Inf. A writer that
+        checked it says so in the manifest's metadata (METADATA_FINITE: true), and a reader on
+        the same host may take its word instead of reading every byte again.
 """
 
 from __future__ import annotations
@@ -50,6 +54,8 @@ __all__ = [
     "ATTRIBUTE_BOOT_ID",
     "ATTRIBUTE_SHM_FOLDER",
     "ATTRIBUTE_SHM_ID",
+    "METADATA_FINITE",
+    "all_finite",
     "boot_id",
     "link_weights",
     "shm_attributes",
@@ -60,6 +66,8 @@ __all__ = [
 ATTRIBUTE_BOOT_ID = "host.boot_id"
 ATTRIBUTE_SHM_FOLDER = "weights.shm_folder"
 ATTRIBUTE_SHM_ID = "weights.shm_id"
+# Manifest metadata: the writer found no NaN or Inf in the folder's tensors (all_finite).
+METADATA_FINITE = "all_finite"
 # Each tensor starts at a multiple of this in a data file, so that it can be viewed in place as any dtype.
 ALIGNMENT = 64
 _DATA_FILE = "data-00000.bin"
@@ -85,6 +93,18 @@ def shm_id(folder: str | os.PathLike[str]) -> str:
 
 def shm_attributes(folder: str | os.PathLike[str]) -> dict[str, str]:
     return {ATTRIBUTE_BOOT_ID: boot_id(), ATTRIBUTE_SHM_ID: shm_id(folder), ATTRIBUTE_SHM_FOLDER: str(folder)}
+
+
+def all_finite(tensors: Iterable[torch.Tensor]) -> bool:
+    """No NaN or Inf in any floating-point tensor of 16 bits or more (8-bit floats are not
+    checked, as an inference replica does not check them): min and max in one pass each."""
+    for tensor in tensors:
+        if not tensor.is_floating_point() or tensor.element_size() < 2 or tensor.numel() == 0:
+            continue
+        low, high = torch.aminmax(tensor)
+        if not (torch.isfinite(low) and torch.isfinite(high)):
+            return False
+    return True
 
 
 def write_raw_weights(
