@@ -405,6 +405,11 @@ async def test_malformed_updates_are_refused_and_change_nothing(
     short = [(n, t) for n, t in good.items() if n != name]
     write_raw_weights(short_shm_folder, short, policy_version=version + 1, weight_format=tensor_pb2.WEIGHT_FORMAT_HF)
     unreadable = shm_root / "not-written"
+    nan = {**good, name: torch.full_like(tensor, float("nan"))}
+    nan_shm_folder = shm_root / "nan"  # its writer says nothing of NaN: the replica checks
+    write_raw_weights(
+        nan_shm_folder, nan.items(), policy_version=version + 1, weight_format=tensor_pb2.WEIGHT_FORMAT_HF
+    )
     cases = {
         "no begin": (iter(chunks[1:]), invalid),
         "empty stream": (iter([]), invalid),
@@ -430,6 +435,7 @@ async def test_malformed_updates_are_refused_and_change_nothing(
             invalid,
         ),
         "shm folder of another version": (update_stream(good, version + 2, shm_path=shm_folder), invalid),
+        "shm folder holding NaN": (update_stream(nan, version + 1, shm_path=nan_shm_folder), invalid),
         "shm folder with a tensor short": (
             update_stream({n: t for n, t in good.items() if n != name}, version + 1, shm_path=short_shm_folder),
             invalid,

@@ -368,7 +368,10 @@ class WeightUpdater:
         paused_at = time.monotonic()
         try:
             await self._llm.pause_generation(mode="keep", clear_cache=False)
-            method, args = load or ("primerl_load_weights", (update.format, list(staged.modules), staged.index()))
+            method, args = load or (
+                "primerl_load_weights",
+                (update.format, list(staged.modules), staged.index(), staged.finite_checked),
+            )
             try:
                 # One outcome per worker (worker_extension.WorkerExtension.primerl_load_weights).
                 outcomes = await self._llm.collective_rpc(method, args=args)

@@ -39,6 +39,7 @@ from primerl_common.errors import FailedPrecondition, InvalidArgument
 from primerl_common.tensors import FileTensorAssembler, TensorChunkView, dtype_to_proto
 from primerl_common.weights.engine_modules import engine_module
 from primerl_common.weights.manifest import ManifestError, WeightManifest, read_manifest
+from primerl_common.weights.shared_memory import METADATA_FINITE
 
 __all__ = [
     "StagedTensor",
@@ -213,6 +214,9 @@ class StagedWeights:
 
     tensors: tuple[StagedTensor, ...]
     modules: tuple[str, ...]
+    # The writer of a folder in this host's shared memory found no NaN or Inf in it: the
+    # engine does not read every byte again to check (primerl_common.weights.shared_memory).
+    finite_checked: bool = False
 
     @property
     def num_bytes(self) -> int:
@@ -356,7 +360,8 @@ def stage_shm_folder(table: WeightTable, update: WeightUpdate, shm_folder: pathl
         manifest = read_manifest(folder, verify_checksums=False)
     except ManifestError as exc:
         raise InvalidArgument(str(exc), field=field) from None
-    return _staged_folder(table, update, folder, manifest, field)
+    staged = _staged_folder(table, update, folder, manifest, field)
+    return dataclasses.replace(staged, finite_checked=manifest.metadata.get(METADATA_FINITE) is True)
 
 
 def _staged_folder(

@@ -80,7 +80,11 @@ class WorkerExtension(RoutedExpertsWorkerExtension):
         return rows
 
     def primerl_load_weights(
-        self, weight_format: str, modules: Sequence[str], index: Sequence[Sequence[Any]]
+        self,
+        weight_format: str,
+        modules: Sequence[str],
+        index: Sequence[Sequence[Any]],
+        finite_checked: bool = False,
     ) -> dict[str, Any]:
         """Loads validated tensors (`weights.StagedWeights.index()` rows) into the model in
         place: a full update or a delta that carries whole modules. `modules` are the modules
@@ -97,8 +101,10 @@ class WorkerExtension(RoutedExpertsWorkerExtension):
         Returns a dict (vLLM's RPC carries plain data): {"num_tensors": n} once loaded;
         {"refused": why} for weights holding NaN or Inf, found before anything is touched;
         {"failed": error, "num_layers_written": k} for a load that failed after that, the
-        layers not yet written put back as they were (`k` == 0: the model is unchanged)."""
-        return self._primerl_load(weight_format, modules, _map_staged_tensors(index))
+        layers not yet written put back as they were (`k` == 0: the model is unchanged).
+        `finite_checked`: the writer of the files (a weight broadcaster on this host) checked
+        them for NaN and Inf already."""
+        return self._primerl_load(weight_format, modules, _map_staged_tensors(index), check_finite=not finite_checked)
 
     def primerl_fail_next_load(self, after_num_tensors: int) -> None:
         """For tests: the next load fails with an error after `after_num_tensors` tensors went
@@ -124,7 +130,12 @@ class WorkerExtension(RoutedExpertsWorkerExtension):
         return self._primerl_load(weight_format, modules, self._primerl_collective.take())
 
     def _primerl_load(
-        self, weight_format: str, modules: Sequence[str], weights: list[tuple[str, torch.Tensor]]
+        self,
+        weight_format: str,
+        modules: Sequence[str],
+        weights: list[tuple[str, torch.Tensor]],
+        *,
+        check_finite: bool = True,
     ) -> dict[str, Any]:
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload.layerwise import (
@@ -132,10 +143,11 @@ class WorkerExtension(RoutedExpertsWorkerExtension):
             initialize_layerwise_reload,
         )
 
-        with _one_thread():
-            non_finite = _first_non_finite(weights)
-        if non_finite is not None:
-            return {"refused": non_finite}
+        if check_finite:
+            with _one_thread():
+                non_finite = _first_non_finite(weights)
+            if non_finite is not None:
+                return {"refused": non_finite}
         fail_after, self._primerl_fail_after = getattr(self, "_primerl_fail_after", None), None
         model = self.model_runner.get_model()
         # CPU linear layers load straight from the update's bytes (cpu_linears.py); the rest
