@@ -40,11 +40,15 @@ Then where primerl's CPU time goes per step, all measured: CPU seconds per servi
 the processes they start, such as vLLM's engine core) and per thread name, from /proc over the
 RL window; what the services report (each service's Prometheus endpoint, scraped at both ends
 of the window, and the trainer's per-step metrics in metrics.jsonl): the trainer's train step
-(forward, backward and optimizer), publish and checkpoint times, the inference replica's weight
-updates and generated tokens, and each gRPC method's handling time.
+(forward, backward and optimizer, which it reports as one time), publish and checkpoint times,
+the inference replica's weight updates and generated tokens, the router's forwarded calls (and
+its CPU per call), and each gRPC method's handling time.
 
-    .venv/bin/python bench/rl_vs_trl.py                  # 80 steps (about 25-40 min on 2 cores)
-    .venv/bin/python bench/rl_vs_trl.py --steps 3 --trl-venv .cache/rl_vs_trl/venv
+    .venv/bin/python bench/rl_vs_trl.py --output bench/results/rl_vs_trl-$(date +%F).txt
+    .venv/bin/python bench/rl_vs_trl.py --steps 3 --warm-model runs/<earlier run>/primerl/warm_start/model
+
+80 steps take ~35 min on an idle 2-core machine (the warm start and primerl ~10, TRL HF generate
+~8, TRL vLLM colocate ~15), plus a few minutes the first time to make the TRL venv.
 
 Last line: RESULT primerl_vs_trl_hf=<primerl completions/s over TRL HF-generate's>
 primerl_gain=<a> trl_gain=<b> (TRL HF-generate's gain; nan where a row failed).
