@@ -35,6 +35,7 @@ async def test_a_version_is_written_once_as_a_manifest_folder_and_older_folders_
         assert manifest.delta and manifest.base_policy_version == 3
         assert [t.name for t in manifest.tensors] == ["b.weight"]
         assert manifest.weight_format == tensor_pb2.WEIGHT_FORMAT_HF
+    await folders.pruned()  # after the last push in flight
     assert _names(tmp_path) == [
         "notes",
         "v0000000004-hf",

@@ -113,6 +113,7 @@ async def test_a_publish_received_into_shared_memory_is_linked_into_its_folders(
         # Only the newest version's folders are kept; the first publish's file goes with it.
         del views, placement, version
         gc.collect()
+        await shm.pruned()
         assert not receiver.path.exists()
         assert sorted(p.name for p in shm.root.iterdir() if not p.name.startswith(".")) == [
             "v0000000002-hf-delta0000000001",

@@ -70,6 +70,7 @@ async def build(config: WeightBroadcasterConfig) -> ServiceDefinition:
 
     async def close_shm() -> None:
         assert shm is not None
+        await shm.pruned()
         await asyncio.to_thread(shm.close)
 
     async def prune_shared_folder() -> None:  # leftovers of an earlier process

@@ -38,6 +38,9 @@ class SharedFolders:
         # Folder name -> its write (shared by every replica that needs it) and number of pushes naming it.
         self._writes: dict[str, asyncio.Future[WeightManifest]] = {}
         self._uses: collections.Counter[str] = collections.Counter()
+        # The latest pruning, which runs once no push is in flight (deleting a version frees its
+        # pages, CPU that the replicas loading the next one would otherwise compete with).
+        self._pruning: asyncio.Future[None] | None = None
 
     @contextlib.asynccontextmanager
     async def use(
@@ -61,7 +64,21 @@ class SharedFolders:
             self._uses[name] -= 1
             if not self._uses[name]:
                 del self._uses[name]
+            if not self._uses:
+                self._pruning = asyncio.ensure_future(self._prune_after(self._pruning))
+
+    async def pruned(self) -> None:
+        """Returns once the pruning started by the last push to end is done."""
+        if self._pruning is not None:
+            await asyncio.shield(self._pruning)
+
+    async def _prune_after(self, previous: asyncio.Future[None] | None) -> None:
+        if previous is not None:
+            await asyncio.wait([previous])
+        try:
             await asyncio.to_thread(self.prune)
+        except OSError as exc:  # the folder went (the broadcaster stops)
+            logger.warning("pruning %s failed: %s", self.root, exc)
 
     def _write(self, name: str, version: PublishedVersion, base_policy_version: int | None) -> WeightManifest:
         path = self.root / name
