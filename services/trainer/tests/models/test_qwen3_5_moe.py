@@ -156,7 +156,10 @@ def test_auto_picks_the_own_implementation(text_checkpoint: pathlib.Path, multim
 
 
 def test_logits_and_routing_equal_transformers_on_a_batch(checkpoint: pathlib.Path) -> None:
-    hf_parity.assert_batch_matches(load_model(checkpoint, impl="custom"), reference(checkpoint))
+    # The DeltaNet's chunked form rounds otherwise than transformers' (1.2e-5 seen on a CI machine).
+    hf_parity.assert_batch_matches(
+        load_model(checkpoint, impl="custom"), reference(checkpoint), tolerance=LOGIT_TOLERANCE
+    )
 
 
 @pytest.mark.parametrize("chunk_size", [64, 16])
@@ -198,7 +201,10 @@ def test_one_step_gradients_equal_transformers(text_checkpoint: pathlib.Path) ->
     """Packed rows against transformers running each sample alone (its packed rows would leak the
     DeltaNet state)."""
     own, hf = load_model(text_checkpoint, impl="custom"), reference(text_checkpoint)
-    hf_parity.assert_packed_gradients_match_samples_alone(own, hf, Qwen3_5MoeStateDictAdapter, [9, 30, 7])
+    # As the logits: 3 of 3,072 embedding gradients 2.1e-5 apart on a CI machine.
+    hf_parity.assert_packed_gradients_match_samples_alone(
+        own, hf, Qwen3_5MoeStateDictAdapter, [9, 30, 7], atol=LOGIT_TOLERANCE
+    )
 
 
 def test_hf_to_own_to_hf_is_bit_exact(text_checkpoint: pathlib.Path) -> None:
