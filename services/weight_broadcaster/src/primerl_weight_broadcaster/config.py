@@ -98,6 +98,18 @@ class StoreConfig(Section):
         return folder.resolve()
 
 
+def _check_writable_folder(folder: pathlib.Path | None) -> pathlib.Path | None:
+    """`folder` when it is an existing folder this process may create files in; a ValueError naming it
+    otherwise."""
+    if folder is None:
+        return None
+    if not folder.is_dir():
+        raise ValueError(f"{folder} is not a folder")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ValueError(f"{folder} is not writable")
+    return folder
+
+
 class SharedFsConfig(Section):
     """The shared-filesystem transport: versions written once into a folder that replicas read."""
 
@@ -111,13 +123,7 @@ class SharedFsConfig(Section):
     @field_validator("folder")
     @classmethod
     def _writable_folder(cls, folder: pathlib.Path | None) -> pathlib.Path | None:
-        if folder is None:
-            return None
-        if not folder.is_dir():
-            raise ValueError(f"{folder} is not a folder")
-        if not os.access(folder, os.W_OK | os.X_OK):
-            raise ValueError(f"{folder} is not writable")
-        return folder.resolve()
+        return None if _check_writable_folder(folder) is None else folder.resolve()
 
 
 def _default_shm_folder() -> pathlib.Path | None:
@@ -142,13 +148,8 @@ class ShmConfig(Section):
     @field_validator("folder")
     @classmethod
     def _writable_folder(cls, folder: pathlib.Path | None) -> pathlib.Path | None:
-        if folder is None:
-            return None
-        if not folder.is_dir():
-            raise ValueError(f"{folder} is not a folder")
-        if not os.access(folder, os.W_OK | os.X_OK):
-            raise ValueError(f"{folder} is not writable")
-        return folder.absolute()
+        # absolute, not resolved: replicas compare the path they were given (/dev/shm may be a link)
+        return None if _check_writable_folder(folder) is None else folder.absolute()
 
 
 class CollectiveConfig(Section):
