@@ -26,6 +26,7 @@ import shutil
 import subprocess
 import sys
 import tomllib
+from collections.abc import Callable
 
 import grpc
 import pytest
@@ -86,9 +87,11 @@ class TrainedSteps:
     """Every step each trainer process reports through WatchSteps, followed across restarts:
     (instance id, step) once each."""
 
-    def __init__(self, stack: Stack, *, after_step: int) -> None:
+    def __init__(self, stack: Stack, *, after_step: int, orchestrator: Callable[[], ServiceProcess]) -> None:
         self._stack = stack
         self._after_step = after_step
+        # The orchestrator process now (it is restarted): its log goes into a failure's message.
+        self._orchestrator = orchestrator
         self.seen: list[tuple[str, int]] = []
         self._changed = asyncio.Event()
 
@@ -117,7 +120,11 @@ class TrainedSteps:
                     self._changed.clear()
                     await self._changed.wait()
         except TimeoutError:
-            raise AssertionError(f"step {step} not trained within {timeout_s:.0f}s; trained: {self.seen}") from None
+            processes = {"orchestrator": self._orchestrator(), "trainer": self._stack.processes["trainer"]}
+            logs = "\n".join(f"--- {name}, last lines:\n{p.log_tail(40)}" for name, p in processes.items())
+            raise AssertionError(
+                f"step {step} not trained within {timeout_s:.0f}s; trained: {self.seen}\n{logs}"
+            ) from None
 
 
 async def service_version(address: str, stub_class: type, request: object) -> str:
@@ -144,9 +151,10 @@ async def test_each_service_restarted_mid_run_and_every_step_is_trained_once(sta
     )
     config.write_text(config.read_text() + "[advantage]\nfilter_zero_advantage = false\n")
     installing = asyncio.create_task(asyncio.to_thread(install_router, NEW_ROUTER_VERSION, tmp_path))
-    trained = TrainedSteps(stack, after_step=first - 1)
+    orchestrator = orchestrator_process(config)
+    trained = TrainedSteps(stack, after_step=first - 1, orchestrator=lambda: orchestrator)
     following = asyncio.create_task(trained.follow())
-    orchestrator = await orchestrator_process(config).start()
+    await orchestrator.start()
     try:
         await trained.wait_for(first, timeout_s=120)
 

@@ -12,7 +12,14 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from primerl_common.server import KEEPALIVE, Keepalive, channel_options, server_options
+from primerl_common.processes import free_port
+from primerl_common.server import (
+    KEEPALIVE,
+    MAX_RECONNECT_BACKOFF_MS,
+    Keepalive,
+    channel_options,
+    server_options,
+)
 
 SCALED = Keepalive(time_ms=KEEPALIVE.time_ms // 30, timeout_ms=KEEPALIVE.timeout_ms // 30)
 IDLE_S = 5 * SCALED.time_ms / 1000
@@ -59,3 +66,37 @@ async def test_an_idle_connection_past_the_keepalive_time_is_not_sent_goaway(qui
             watcher.cancel()
         await channel.close()
         await server.stop(None)
+
+
+@pytest.mark.slow
+async def test_a_server_back_after_a_long_absence_is_reached_within_the_reconnect_cap():
+    """A client calling a server that is down for 20 s, then up: with gRPC's own backoff its
+    channel would next try about 26 s in (attempts 1, 1.6, 2.6, 4.1, 6.6, 10.5 s apart), and
+    every call until then fails without trying; channel_options caps the wait between tries."""
+    port = free_port()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=channel_options(1 << 20))
+    stub = health_pb2_grpc.HealthStub(channel)
+    server = None
+    try:
+        loop = asyncio.get_running_loop()
+        back_at = loop.time() + 20
+        while loop.time() < back_at:
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.Check(health_pb2.HealthCheckRequest(), timeout=5)
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+            await asyncio.sleep(0.5)
+        server = grpc.aio.server(options=server_options(1 << 20))
+        health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        while True:
+            try:
+                await stub.Check(health_pb2.HealthCheckRequest(), timeout=5)
+                break
+            except grpc.aio.AioRpcError:
+                await asyncio.sleep(0.1)
+        assert loop.time() - back_at < MAX_RECONNECT_BACKOFF_MS / 1000 + 3
+    finally:
+        await channel.close()
+        if server is not None:
+            await server.stop(None)

@@ -63,9 +63,9 @@ ROLES = {
 # Codes that mean "not reachable (yet)": --once retries them until --timeout-s.
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 ONCE_RETRY_S = 1.0
-# gRPC backs off reconnecting up to 2 min by default; a peer that comes back
-# (restarted, having forgotten the replicas) should be found within seconds.
-_CHANNEL_OPTIONS = [*channel_options(4 * 1024 * 1024), ("grpc.max_reconnect_backoff_ms", 2000)]
+# A peer that comes back (restarted, having forgotten the replicas) is found within seconds:
+# channel_options caps gRPC's reconnect backoff.
+_CHANNEL_OPTIONS = channel_options(4 * 1024 * 1024)
 
 
 def parse_replica(text: str) -> tuple[str, str]:
