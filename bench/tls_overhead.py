@@ -49,6 +49,7 @@ from primerl_common.malloc import MALLOC_ENV, reexec_with_malloc_env
 from primerl_common.processes import ServiceProcess, free_port
 from primerl_common.security.certificates import Holder, make_authority, make_certificate, tls_of
 from primerl_common.server import channel_options, server_options
+from primerl_common.stripes import DEFAULT_STREAMS
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from router_overhead import INFERENCE_SERVICE, ROUTER_GENERATE, InstantReplica, request_bytes
@@ -57,9 +58,8 @@ HERE = pathlib.Path(__file__).resolve()
 SINK_PUSH = "/bench.Sink/Push"
 MiB = 1 << 20
 MODES = ("plaintext", "mtls")
-# The default of the trainer's publish.streams and the broadcaster's push.streams (not imported:
-# the bench runs where only primerl_common and primerl_router are installed).
-PUSH_STREAMS = 4
+# The default of the trainer's publish.streams and the broadcaster's push.streams.
+PUSH_STREAMS = DEFAULT_STREAMS
 
 
 def make_certs(directory: pathlib.Path) -> None:

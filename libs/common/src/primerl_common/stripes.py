@@ -38,6 +38,9 @@ MAX_SESSION_ID_LEN = 128
 # What a weight broadcaster lists in its capabilities when it joins striped publishes: a
 # publisher stripes only to one that does (an older broadcaster takes one stream).
 PUBLISH_STRIPED = "publish.striped"
+# Streams one striped transfer uses by default (the trainer's publish.streams, the broadcaster's
+# push.streams): enough for TLS to run on several cores.
+DEFAULT_STREAMS = 4
 # Ids of failed sessions remembered, so that a stripe arriving late fails at once.
 _FAILED_KEPT = 256
 

@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from primerl_common.config import Section, ServerConfig, ServiceConfig, service_settings
+from primerl_common.stripes import DEFAULT_STREAMS
 from primerl_trainer.config_types import (
     AttentionBackend,
     DeviceType,
@@ -101,7 +102,7 @@ class PublishConfig(Section):
     )
     chunk_bytes: int = Field(default=4 * 1024 * 1024, gt=0)
     streams: int = Field(
-        default=4,
+        default=DEFAULT_STREAMS,
         ge=1,
         le=64,
         description="parallel streams (each its own connection) one grpc publish is striped over, so that TLS "

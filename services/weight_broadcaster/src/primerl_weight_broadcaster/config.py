@@ -10,6 +10,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from primerl_common.config import Section, ServerConfig, ServiceConfig, service_settings
+from primerl_common.stripes import DEFAULT_STREAMS
 
 
 class PushConfig(Section):
@@ -23,7 +24,7 @@ class PushConfig(Section):
     probe_timeout_s: float = Field(default=5.0, gt=0, description="deadline of a replica's GetLoad/GetServiceInfo")
     push_timeout_s: float = Field(default=600.0, gt=0, description="deadline of one UpdateWeights stream")
     streams: int = Field(
-        default=4,
+        default=DEFAULT_STREAMS,
         ge=1,
         le=64,
         description="parallel UpdateWeights streams (each its own connection) a gRPC push is striped over, so that "

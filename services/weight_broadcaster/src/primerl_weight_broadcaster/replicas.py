@@ -41,7 +41,7 @@ from primerl.inference.v1 import inference_pb2, inference_pb2_grpc
 from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2 as pb2
 from primerl_common.client import make_channel
 from primerl_common.errors import error_details, field_violations
-from primerl_common.stripes import stripe_channel_options
+from primerl_common.stripes import DEFAULT_STREAMS, stripe_channel_options
 from primerl_weight_broadcaster import metrics
 from primerl_weight_broadcaster.collective import CollectiveHost, replica_update
 from primerl_weight_broadcaster.formats import format_name
@@ -83,7 +83,7 @@ class PushSettings:
     probe_interval_s: float = 2.0
     probe_timeout_s: float = 5.0
     push_timeout_s: float = 600.0
-    streams: int = 4
+    streams: int = DEFAULT_STREAMS
 
 
 @dataclasses.dataclass
