@@ -99,16 +99,12 @@ class StoreConfig(Section):
         return folder.resolve()
 
 
-def _check_writable_folder(folder: pathlib.Path | None) -> pathlib.Path | None:
-    """`folder` when it is an existing folder this process may create files in; a ValueError naming it
-    otherwise."""
-    if folder is None:
-        return None
+def _check_writable_folder(folder: pathlib.Path) -> None:
+    """A ValueError naming `folder` unless it is an existing folder this process may create files in."""
     if not folder.is_dir():
         raise ValueError(f"{folder} is not a folder")
     if not os.access(folder, os.W_OK | os.X_OK):
         raise ValueError(f"{folder} is not writable")
-    return folder
 
 
 class SharedFsConfig(Section):
@@ -124,7 +120,10 @@ class SharedFsConfig(Section):
     @field_validator("folder")
     @classmethod
     def _writable_folder(cls, folder: pathlib.Path | None) -> pathlib.Path | None:
-        return None if _check_writable_folder(folder) is None else folder.resolve()
+        if folder is None:
+            return None
+        _check_writable_folder(folder)
+        return folder.resolve()
 
 
 def _default_shm_folder() -> pathlib.Path | None:
@@ -149,8 +148,11 @@ class ShmConfig(Section):
     @field_validator("folder")
     @classmethod
     def _writable_folder(cls, folder: pathlib.Path | None) -> pathlib.Path | None:
+        if folder is None:
+            return None
+        _check_writable_folder(folder)
         # absolute, not resolved: replicas compare the path they were given (/dev/shm may be a link)
-        return None if _check_writable_folder(folder) is None else folder.absolute()
+        return folder.absolute()
 
 
 class CollectiveConfig(Section):
