@@ -13,13 +13,8 @@ import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from primerl_common.processes import free_port
-from primerl_common.server import (
-    KEEPALIVE,
-    MAX_RECONNECT_BACKOFF_MS,
-    Keepalive,
-    channel_options,
-    server_options,
-)
+from primerl_common.security import MAX_RECONNECT_BACKOFF_MS, secure_aio_channel
+from primerl_common.server import KEEPALIVE, Keepalive, channel_options, server_options
 
 SCALED = Keepalive(time_ms=KEEPALIVE.time_ms // 30, timeout_ms=KEEPALIVE.timeout_ms // 30)
 IDLE_S = 5 * SCALED.time_ms / 1000
@@ -72,9 +67,11 @@ async def test_an_idle_connection_past_the_keepalive_time_is_not_sent_goaway(qui
 async def test_a_server_back_after_a_long_absence_is_reached_within_the_reconnect_cap():
     """A client calling a server that is down for 20 s, then up: with gRPC's own backoff its
     channel would next try about 26 s in (attempts 1, 1.6, 2.6, 4.1, 6.6, 10.5 s apart), and
-    every call until then fails without trying; channel_options caps the wait between tries."""
+    every call until then fails without trying. Every channel primerl opens caps the wait between
+    tries, one opened without options too (client.wait_for_serving's: the launcher waiting for a
+    restarted service)."""
     port = free_port()
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=channel_options(1 << 20))
+    channel = secure_aio_channel(f"127.0.0.1:{port}")
     stub = health_pb2_grpc.HealthStub(channel)
     server = None
     try:

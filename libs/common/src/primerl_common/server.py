@@ -84,18 +84,14 @@ def _transport_options(max_message_bytes: int, keepalive: Keepalive) -> list[tup
     ]
 
 
-# gRPC waits longer and longer between attempts to reach a server that is down (x1.6 each,
-# up to 120 s by default), and calls made meanwhile fail at once without trying: a service
-# restarted after a minute away would be reached only some tens of seconds after it is back.
-# Services here are restarted on their own, so their clients try again at least this often.
-MAX_RECONNECT_BACKOFF_MS = 2_000
 
 
 def channel_options(max_message_bytes: int, *, keepalive: Keepalive = KEEPALIVE) -> list[tuple[str, Any]]:
-    """Options of every channel to a primerl server (see server_options)."""
+    """Options of every channel to a primerl server (see server_options), the reconnect cap
+    (security.MAX_RECONNECT_BACKOFF_MS) among them."""
     return [
         *_transport_options(max_message_bytes, keepalive),
-        ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS),
+        ("grpc.max_reconnect_backoff_ms", security.MAX_RECONNECT_BACKOFF_MS),
     ]
 
 

@@ -24,6 +24,7 @@ from primerl_common.config import TlsConfig
 
 __all__ = [
     "ENV_PREFIX",
+    "MAX_RECONNECT_BACKOFF_MS",
     "channel_credentials",
     "process_tls",
     "secure_aio_channel",
@@ -105,6 +106,22 @@ def _resolve(tls: TlsConfig | None) -> TlsConfig | None:
     return tls if tls is not None and tls.mode == "mtls" else None
 
 
+# gRPC waits longer and longer between attempts to reach a server that is down (x1.6 each,
+# up to 120 s by default), and calls made meanwhile fail at once without trying: a service
+# restarted after a minute away would be reached only some tens of seconds after it is back.
+# Services here are restarted on their own, so every channel tries again at least this often.
+MAX_RECONNECT_BACKOFF_MS = 2_000
+_RECONNECT_OPTION = "grpc.max_reconnect_backoff_ms"
+
+
+def _with_reconnect_cap(options: Sequence[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    """`options`, with the reconnect cap unless they set one."""
+    options = list(options)
+    if all(name != _RECONNECT_OPTION for name, _ in options):
+        options.append((_RECONNECT_OPTION, MAX_RECONNECT_BACKOFF_MS))
+    return options
+
+
 def secure_aio_channel(
     address: str,
     *,
@@ -113,23 +130,22 @@ def secure_aio_channel(
     tls: TlsConfig | None = None,
 ) -> grpc.aio.Channel:
     """A grpc.aio channel with `tls` (default: the process's identity): mutual TLS, or
-    plaintext where the identity says plaintext or there is none."""
-    resolved = _resolve(tls)
+    plaintext where the identity says plaintext or there is none. Its reconnect backoff is
+    capped (MAX_RECONNECT_BACKOFF_MS) unless `options` set it."""
+    resolved, options = _resolve(tls), _with_reconnect_cap(options)
     if resolved is None:
-        return grpc.aio.insecure_channel(address, options=list(options), interceptors=interceptors)
-    return grpc.aio.secure_channel(
-        address, channel_credentials(resolved), options=list(options), interceptors=interceptors
-    )
+        return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
+    return grpc.aio.secure_channel(address, channel_credentials(resolved), options=options, interceptors=interceptors)
 
 
 def secure_channel(
     address: str, *, options: Sequence[tuple[str, Any]] = (), tls: TlsConfig | None = None
 ) -> grpc.Channel:
     """A blocking grpc channel, as secure_aio_channel."""
-    resolved = _resolve(tls)
+    resolved, options = _resolve(tls), _with_reconnect_cap(options)
     if resolved is None:
-        return grpc.insecure_channel(address, options=list(options))
-    return grpc.secure_channel(address, channel_credentials(resolved), options=list(options))
+        return grpc.insecure_channel(address, options=options)
+    return grpc.secure_channel(address, channel_credentials(resolved), options=options)
 
 
 def ssl_server_context(tls: TlsConfig) -> ssl.SSLContext:
