@@ -84,8 +84,6 @@ def _transport_options(max_message_bytes: int, keepalive: Keepalive) -> list[tup
     ]
 
 
-
-
 def channel_options(max_message_bytes: int, *, keepalive: Keepalive = KEEPALIVE) -> list[tuple[str, Any]]:
     """Options of every channel to a primerl server (see server_options), the reconnect cap
     (security.MAX_RECONNECT_BACKOFF_MS) among them."""
