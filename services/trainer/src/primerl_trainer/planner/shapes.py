@@ -3,11 +3,11 @@ Face config.json (Qwen3, Qwen3-MoE, GLM-4.5 MoE, DeepSeek-V3 / Kimi-K2 and GLM-5
 named built-ins.
 
 Multi-head latent attention (MLA: DeepSeek-V3, Kimi-K2, GLM-5) is counted exactly for parameters
-(its low-rank q and kv projections). The trainer has no MLA implementation yet, so for FLOPs and
-activations it is taken as the attention the training form computes: `num_heads` heads of
-query/key dim qk_nope + qk_rope and value dim v_head_dim, K and V per head; context parallel is
-taken to gather the compressed latent (kv_lora_rank + qk_rope_head_dim per token), as an MLA
-implementation would.
+(its low-rank q and kv projections). For FLOPs and activations it is taken as the attention the
+training form computes (the trainer's models/common/mla.py expands the latent per head):
+`num_heads` heads of query/key dim qk_nope + qk_rope and value dim v_head_dim, K and V per head;
+context parallel is taken to gather the compressed latent (kv_lora_rank + qk_rope_head_dim per
+token), though the trainer's GLM-5 refuses context parallel today.
 GLM-5's DeepSeek sparse attention (DSA) indexer is counted in the parameters; its sparsity is not
 modelled (attention is costed as dense causal, an over-estimate at long context).
 """
@@ -196,7 +196,7 @@ def shape_from_hf_config(config: dict[str, Any], name: str = "model") -> ModelSh
             qk_rope_head_dim=rope,
             index_heads=config.get("index_n_heads", 0),
             index_head_dim=config.get("index_head_dim", 0),
-            note="MLA costed as per-head attention of the same dims (the trainer has no MLA yet)",
+            note="MLA costed as the per-head attention its training form computes",
         )
     head_dim = config.get("head_dim") or dim // heads
     model_type = config.get("model_type", "")

@@ -6,10 +6,15 @@ predecessor + 1 (the rule transformers uses too). The mask is built once per for
 the position ids and handed to every layer.
 
 Backends:
-- "sdpa": F.scaled_dot_product_attention. Without position ids every row is one causal
-  sequence (`is_causal`, flash kernels on GPU). With position ids a boolean block-diagonal
-  causal mask [B, 1, T, T] keeps samples apart: right on every device, but O(T^2) memory
-  and no flash kernel, so meant for CPU and tests.
+- "sdpa": F.scaled_dot_product_attention, meant for CPUs and tests. Without position ids
+  every row is one causal sequence (`is_causal`, flash kernels). On the CPU packed rows are
+  attended one sample (document) at a time, O(sum of squared sample lengths): the samples of
+  the whole batch in groups of similar lengths, each group one causal call over its samples
+  padded at the end to one length (`DocumentBatches`; padding at the end is invisible to a
+  sample's own queries under a causal mask); their bounds are read to the host once per
+  forward, when the mask is built (rows of one sample each are causal rows). Elsewhere a
+  boolean block-diagonal causal mask [B, 1, T, T] keeps samples apart: right on every device,
+  one shape for compiled blocks, but O(T^2) memory and no flash kernel.
 - "flex": flex_attention with a document BlockMask, which skips the blocks outside a sample.
   The GPU path for packed training; compiled there (eager flex is a slow reference).
 
@@ -19,26 +24,28 @@ rank's tokens, the keys and values those of the whole row, gathered over the cp 
 every layer, and the mask is the same rule by row index: query i (row index q_pos[i]) sees
 key j when j <= q_pos[i] and both lie in one sample. With a layout, "sdpa" on a row that is one
 sample needs no mask at all (causal per contiguous chunk of queries, lower right: on GPUs
-cuDNN's kernels, as plain causal attention, through distributed/cp_attention.py), and "flex"
-builds its BlockMask from per-block bounds, never an O(T^2) mask.
+cuDNN's kernels, as plain causal attention, through distributed/cp_attention.py), a packed
+row on one rank goes per document on the CPU as above, and otherwise takes a dense mask
+[1, 1, t, T]; "flex" builds its BlockMask from per-block bounds, never an O(T^2) mask.
 
 Two variants for families that need them (GPT-OSS, and any with sliding-window layers):
 - Sliding window: a layer with window w lets query i see key j only when also i - j < w (w keys
   counting itself, transformers' rule). The mask is built with the windows the model's layers
   use (`sliding_windows`), and each layer names its own (`attention(..., sliding_window=w)`).
   Row index distance is position distance within a sample, so packed rows and context parallel
-  keep the rule. "sdpa" then always carries a dense mask (no is_causal / cuDNN chunk path).
+  keep the rule. "sdpa" then carries a dense mask (no is_causal / cuDNN chunk path); per document,
+  one [P, P] mask for a group whose padded length P is longer than the window.
 - Attention sinks: a learned logit per head that joins the softmax's denominator and adds no
   value (`attention(..., sinks=s)`). "flex" takes the log-sum-exp with the output and rescales
   by sigmoid(lse - s) (its backward takes the lse's gradient: exact and fused on GPUs); "sdpa"
-  runs an explicit masked softmax with the sink column (O(T^2), the correct path for CPUs and
-  tests).
+  runs an explicit masked softmax with the sink column (O(T^2), or per group of documents on the
+  CPU; the correct path for CPUs and tests).
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -56,16 +63,50 @@ if TYPE_CHECKING:
 _compiled_flex_attention = None
 # flex_attention's tile (queries and keys per block).
 _FLEX_BLOCK = 128
+# How documents are grouped for "sdpa" (`_document_groups`), in query-key pairs: the overhead of
+# one group (its gathers and attention call) and of one query row. Chosen by timing the forward
+# and backward of 2,048-token rows of samples of 20-60, 30-120 and 5-300 tokens on a 2-core CPU
+# (4 heads of 64, and 16 of 128), against groups of equal lengths only (2-3x slower there) and
+# one group padded to the longest (up to 2x slower).
+_GROUP_COST = 16384
+_QUERY_COST = 64
+
+
+@dataclass(frozen=True)
+class DocumentBatches:
+    """The documents (samples) of a packed batch as "sdpa" attends them: in groups, each one
+    causal attention call over its documents padded at the end to one length P, by repeating
+    their last token (a document's queries never see a later key, so the padding changes none
+    of their outputs; the pad queries' outputs are dropped, and so no gradient flows from them).
+
+    `token_index`: per group [n, P] int64, the flat index (row * T + t) of each document's tokens.
+    `output_index`: [B * T] int64, where each token's output lies in the groups' outputs
+    [n * P, ...] concatenated in order. `allowed`: per group, [P, P] bool (a sliding window
+    shorter than P), or None for plain causal."""
+
+    token_index: tuple[torch.Tensor, ...]
+    output_index: torch.Tensor
+    allowed: tuple[torch.Tensor | None, ...]
+
+    def with_window(self, window: int | None) -> DocumentBatches:
+        """The same groups, masked with a sliding window of `window` keys (None: none)."""
+        allowed = []
+        for index in self.token_index:
+            padded_len = index.shape[1]
+            in_window = window is None or window >= padded_len
+            allowed.append(None if in_window else _causal_mask(padded_len, window, device=index.device))
+        return replace(self, allowed=tuple(allowed))
 
 
 @dataclass(frozen=True)
 class AttentionMask:
-    """Per-forward mask for one backend: `dense` for "sdpa" (None: causal rows), `block` for
+    """Per-forward mask for one backend: for "sdpa" `documents` (packed rows on the CPU, one cp
+    rank) or `dense` (other packed rows, sliding windows), neither for causal rows; `block` for
     "flex".
 
     Context parallel: keys and values are gathered over the process group named
-    `cp_group_name` (`cp_size` ranks, this one `cp_rank`) into row order. "sdpa" with neither
-    `dense` nor a group: causal over each row; with a group and no `dense`: the local queries
+    `cp_group_name` (`cp_size` ranks, this one `cp_rank`) into row order. "sdpa" with none of
+    `documents`, `dense` and a group: causal over each row; with a group and no `dense`: the local queries
     are two equal chunks, rank r's chunks r and 2cp-1-r of the row, each causal (lower right)
     over the keys up to its end.
 
@@ -78,6 +119,7 @@ class AttentionMask:
     cp_size: int = 1
     cp_rank: int = 0
     windowed: Mapping[int, AttentionMask] = field(default_factory=dict)
+    documents: DocumentBatches | None = None
 
     def with_window(self, sliding_window: int | None) -> AttentionMask:
         """This mask, or its variant with `sliding_window` (None: the full causal one)."""
@@ -117,7 +159,19 @@ def build_attention_mask(
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise ValueError(f"sliding_window must be a positive number of keys, got {window!r}")
 
+    # "sdpa" on the CPU attends packed rows per document, except a row split over cp ranks.
+    documents = None
+    if backend == "sdpa" and torch.device(device).type == "cpu":
+        if layout is not None and layout.cp_size == 1:
+            documents = _document_batches(layout.document_ids[None], device=device)
+        elif layout is None and position_ids is not None:
+            documents = _document_batches(document_ids(position_ids), device=device)
+            if documents is None:
+                position_ids = None  # every row is one sample: causal rows
+
     def build(window: int | None) -> AttentionMask:
+        if documents is not None:
+            return AttentionMask(backend, documents=documents.with_window(window))
         if layout is not None:
             return _row_layout_mask(layout, backend=backend, cp_group=cp_group, device=device, window=window)
         return _batch_mask(
@@ -125,14 +179,72 @@ def build_attention_mask(
         )
 
     windowed = {window: build(window) for window in sorted(set(sliding_windows))}
-    mask = build(None)
-    return AttentionMask(
-        mask.backend, mask.dense, mask.block, mask.cp_group_name, mask.cp_size, mask.cp_rank, windowed=windowed
-    )
+    return replace(build(None), windowed=windowed)
 
 
 def _in_window(q_idx: torch.Tensor, kv_idx: torch.Tensor, window: int | None) -> torch.Tensor | bool:
     return True if window is None else q_idx - kv_idx < window
+
+
+def _causal_mask(seq_len: int, window: int | None, *, device: torch.device) -> torch.Tensor:
+    """[seq_len, seq_len] bool: query i sees key j <= i (and i - j < window)."""
+    rows = torch.arange(seq_len, device=device)
+    return (rows[:, None] >= rows) & _in_window(rows[:, None], rows, window)
+
+
+def _document_batches(docs: torch.Tensor, *, device: torch.device) -> DocumentBatches | None:
+    """The groups of the documents of rows with document ids `docs` [B, T] (non-decreasing along
+    each row), on `device`; None when every row is one document."""
+    num_rows, row_len = docs.shape
+    # The forward's one host sync: the bounds become Python ints here, once for every layer.
+    docs = docs.cpu()
+    starts = torch.ones_like(docs, dtype=torch.bool)
+    starts[:, 1:] = docs[:, 1:] != docs[:, :-1]
+    starts = starts.flatten().nonzero().flatten()
+    if starts.numel() == num_rows:
+        return None
+    lengths = torch.diff(starts, append=starts.new_full((1,), num_rows * row_len))
+    token_index, output_index, offset = [], torch.empty(num_rows * row_len, dtype=torch.long), 0
+    for padded_len, members in _document_groups(lengths.tolist()):
+        group_starts, group_lengths = starts[members], lengths[members]
+        steps = torch.arange(padded_len)
+        index = group_starts[:, None] + torch.minimum(steps, group_lengths[:, None] - 1)
+        real = steps < group_lengths[:, None]
+        output_index[index[real]] = offset + torch.arange(index.numel()).view(index.shape)[real]
+        token_index.append(index.to(device))
+        offset += index.numel()
+    return DocumentBatches(tuple(token_index), output_index.to(device), (None,) * len(token_index))
+
+
+def _document_groups(lengths: list[int]) -> list[tuple[int, list[int]]]:
+    """Documents of these lengths in groups of similar lengths: (padded length, document
+    indices) per group, the cheapest split by the cost model of `_GROUP_COST` and `_QUERY_COST`
+    (n documents padded to P cost n * P * (P + _QUERY_COST), plus _GROUP_COST a group): a group
+    is a run of the distinct lengths in order, found exactly by dynamic programming."""
+    distinct = sorted(set(lengths), reverse=True)
+    counts = [0] * len(distinct)
+    rank = {length: i for i, length in enumerate(distinct)}
+    for length in lengths:
+        counts[rank[length]] += 1
+    # best[j]: the cheapest cost of the first j distinct lengths; cut[j]: where its last group starts.
+    best, cut = [0.0] + [float("inf")] * len(distinct), [0] * (len(distinct) + 1)
+    for end in range(1, len(distinct) + 1):
+        num_docs = 0
+        for start in range(end - 1, -1, -1):
+            num_docs += counts[start]
+            padded = distinct[start]
+            cost = best[start] + _GROUP_COST + num_docs * padded * (padded + _QUERY_COST)
+            if cost < best[end]:
+                best[end], cut[end] = cost, start
+    runs, end = [], len(distinct)
+    while end > 0:
+        runs.insert(0, (cut[end], end))
+        end = cut[end]
+    group_of_rank = [group for group, (start, end) in enumerate(runs) for _ in range(start, end)]
+    members: list[list[int]] = [[] for _ in runs]
+    for doc, length in enumerate(lengths):
+        members[group_of_rank[rank[length]]].append(doc)
+    return [(distinct[start], docs) for (start, _), docs in zip(runs, members, strict=True)]
 
 
 def _batch_mask(
@@ -147,8 +259,7 @@ def _batch_mask(
     if backend == "sdpa":
         if position_ids is None and window is None:
             return AttentionMask(backend)
-        rows = torch.arange(seq_len, device=device)
-        allowed = (rows[:, None] >= rows) & _in_window(rows[:, None], rows, window)
+        allowed = _causal_mask(seq_len, window, device=device)
         if position_ids is None:
             return AttentionMask(backend, dense=allowed[None, None])
         docs = document_ids(position_ids)
@@ -267,6 +378,8 @@ def attention(
     mask = mask.with_window(sliding_window)
     if sinks is not None and tuple(sinks.shape) != (q.shape[2],):
         raise ValueError(f"sinks must hold one logit per query head ({q.shape[2]}), got shape {list(sinks.shape)}")
+    if mask.documents is not None:
+        return _document_attention(q, k, v, mask.documents, sinks)
     if mask.cp_group_name is not None:
         kv = gather_sequence(torch.cat((k, v), dim=-1)[0], mask.cp_group_name, mask.cp_size)[None]
         k, v = kv.chunk(2, dim=-1)
@@ -282,24 +395,46 @@ def attention(
             dtype = torch.promote_types(q.dtype, torch.float32)
             scale = torch.sigmoid(aux.lse.to(dtype) - sinks.to(dtype)[None, :, None])
             out = (out.to(dtype) * scale[..., None]).to(q.dtype)
-    elif sinks is not None:
-        out = _attention_with_sinks(q, k, v, _explicit_mask(mask, q.shape[2], k.shape[2], q.device), sinks)
     elif mask.dense is not None or mask.cp_size == 1:
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask.dense, is_causal=mask.dense is None, enable_gqa=True
-        )
+        out = _masked_attention(q, k, v, mask.dense, sinks)
+    elif sinks is not None:
+        out = _attention_with_sinks(q, k, v, _causal_chunks_mask(mask, q.shape[2], k.shape[2], q.device), sinks)
     else:
         out = _causal_chunks_attention(q, k, v, cp_size=mask.cp_size, cp_rank=mask.cp_rank)
     return out.transpose(1, 2)
 
 
-def _explicit_mask(mask: AttentionMask, num_queries: int, num_keys: int, device: torch.device) -> torch.Tensor:
-    """The boolean mask [.., num_queries, num_keys] an "sdpa" mask stands for."""
-    if mask.dense is not None:
-        return mask.dense
-    if mask.cp_size == 1:
-        return torch.ones(num_queries, num_keys, dtype=torch.bool, device=device).tril(num_keys - num_queries)
-    # This rank's chunks r and 2cp-1-r of a one-sample row, each causal up to its own end.
+def _document_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: DocumentBatches, sinks: torch.Tensor | None
+) -> torch.Tensor:
+    """`attention` of q [B, T, Hq, D], k and v [B, T, Hkv, D] one group of documents at a time."""
+    batch_size, seq_len = q.shape[:2]
+    q, k, v = q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1)
+    outs = []
+    for index, allowed in zip(documents.token_index, documents.allowed, strict=True):
+        group_q, group_k, group_v = (x.index_select(0, index.flatten()).unflatten(0, index.shape) for x in (q, k, v))
+        out = _masked_attention(
+            group_q.transpose(1, 2), group_k.transpose(1, 2), group_v.transpose(1, 2), allowed, sinks
+        )
+        outs.append(out.transpose(1, 2).flatten(0, 1))
+    return torch.cat(outs).index_select(0, documents.output_index).unflatten(0, (batch_size, seq_len))
+
+
+def _masked_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None, sinks: torch.Tensor | None
+) -> torch.Tensor:
+    """q [B, Hq, T, D], k and v [B, Hkv, S, D], allowed [.., T, S] bool or None for causal (upper
+    left, as `is_causal`), sinks [Hq] or None."""
+    if sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, is_causal=allowed is None, enable_gqa=True)
+    if allowed is None:
+        allowed = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+    return _attention_with_sinks(q, k, v, allowed, sinks)
+
+
+def _causal_chunks_mask(mask: AttentionMask, num_queries: int, num_keys: int, device: torch.device) -> torch.Tensor:
+    """The boolean mask [num_queries, num_keys] of this rank's chunks r and 2cp-1-r of a
+    one-sample row under context parallel, each causal up to its own end."""
     chunk_len = num_queries // 2
     rows = torch.arange(num_queries, device=device)
     chunk_starts = torch.where(
