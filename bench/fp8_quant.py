@@ -12,7 +12,7 @@ import argparse
 import torch
 import triton.testing
 
-from primerl_weight_broadcaster.fp8 import quantize_blockwise, quantize_blockwise_reference, scale_shape
+from primerl_common.weights.fp8 import quantize_blockwise, quantize_blockwise_reference, scale_shape
 
 SHAPES = [(8192, 8192), (16384, 16384), (7168, 18432), (18432, 7168), (4096, 14336)]
 

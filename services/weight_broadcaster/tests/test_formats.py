@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from primerl.common.v1 import tensor_pb2
+from primerl_common.weights.fp8 import BLOCK, dequantize_blockwise
 from primerl_weight_broadcaster.formats import convert
-from primerl_weight_broadcaster.fp8 import BLOCK, dequantize_blockwise
 from primerl_weight_broadcaster.store import WeightStore
 
 HF, KERNEL, FP8 = tensor_pb2.WEIGHT_FORMAT_HF, tensor_pb2.WEIGHT_FORMAT_KERNEL, tensor_pb2.WEIGHT_FORMAT_KERNEL_FP8

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from primerl_weight_broadcaster.fp8 import (
+from primerl_common.weights.fp8 import (
     BLOCK,
     FP8_MAX,
     dequantize_blockwise,

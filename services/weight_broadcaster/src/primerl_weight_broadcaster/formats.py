@@ -26,7 +26,7 @@ from collections import defaultdict
 import torch
 
 from primerl.common.v1 import tensor_pb2
-from primerl_weight_broadcaster.fp8 import quantize_blockwise
+from primerl_common.weights.fp8 import quantize_blockwise
 from primerl_weight_broadcaster.kernel_layouts import ExpertStacking, KernelLayout, layout_of
 
 __all__ = ["FORMAT_NAMES", "ConvertedWeights", "convert", "format_name"]

@@ -1,0 +1,157 @@
+"""kernels.fp8_linear on a Hopper GPU: the "scaled_mm" backend (cuBLAS's block-scaled FP8
+products) against the "emulated" one (the same quantized operands multiplied in float32),
+forward and backward with bf16 inputs, dense and grouped; the Triton 1x128 quantizer against
+its PyTorch reference, bit for bit; and the time of fp8_linear against bf16 F.linear for an
+8192x4096x4096 product (printed). From the repository root, where the project is installed:
+
+    python3 -m pytest -q services/trainer/tests/gpu_fp8_linear.py
+
+Where it is not (the repository's conftests import the trainer's and launcher's packages and
+their wheels), the file needs torch, Triton and pytest only: put libs/common/src and
+services/trainer/src on PYTHONPATH with a dist-info folder for primerl-common and
+primerl-trainer (as gpu_context_parallel.use_checkout makes) and add `--noconftest`.
+Skipped without CUDA; the FP8 cases need compute capability 9.x.
+"""
+
+import statistics
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from primerl_common.weights.fp8 import (
+    quantize_blockwise,
+    quantize_blockwise_reference,
+    quantize_rows_1x128,
+    quantize_rows_1x128_reference,
+)
+from primerl_trainer.kernels.fp8_linear import check_fp8_device, fp8_grouped_linear, fp8_linear
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+def hopper() -> None:
+    try:
+        check_fp8_device("cuda")
+    except ValueError as error:
+        pytest.skip(str(error))
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((actual.float() - expected.float()).norm() / expected.float().norm()).item()
+
+
+@pytest.mark.parametrize("shape", [(4096, 4096), (1000, 3000), (129, 7), (77, 256)])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_triton_rows_quantizer_equals_reference_bit_for_bit(shape, transposed):
+    torch.manual_seed(0)
+    x = torch.randn(shape, device="cuda", dtype=torch.bfloat16) * 3
+    x = x.t() if transposed else x
+    quantized, scales = quantize_rows_1x128(x)
+    ref_q, ref_s = quantize_rows_1x128_reference(x)
+    assert torch.equal(scales, ref_s)
+    assert torch.equal(quantized.view(torch.uint8), ref_q.view(torch.uint8))
+
+
+@pytest.mark.parametrize("shape", [(4096, 1536), (1000, 3000)])
+def test_triton_block_quantizer_reads_a_transposed_weight_bit_for_bit(shape):
+    torch.manual_seed(0)
+    weight_t = torch.randn(shape, device="cuda", dtype=torch.bfloat16).t()
+    quantized, scale_inv = quantize_blockwise(weight_t)
+    ref_q, ref_s = quantize_blockwise_reference(weight_t.contiguous())
+    assert quantized.is_contiguous() and torch.equal(scale_inv, ref_s)
+    assert torch.equal(quantized.view(torch.uint8), ref_q.view(torch.uint8))
+
+
+def run(x, weight, grad_y, backend):
+    x, weight = x.clone().requires_grad_(), weight.clone().requires_grad_()
+    y = fp8_linear(x, weight, backend=backend)
+    y.backward(grad_y)
+    return y, x.grad, weight.grad
+
+
+# (tokens, in, out): whole blocks; k-block counts that are not multiples of 4 (the padded
+# 128x128 scales); token counts that are not multiples of 16 (padded rows); features that are
+# not multiples of 128 (partial blocks, GPT-OSS's 2880).
+SHAPES = [(256, 512, 768), (200, 1280, 384), (77, 384, 640), (300, 2880, 320)]
+
+
+@pytest.mark.parametrize("tokens,in_features,out_features", SHAPES)
+@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32])
+def test_scaled_mm_equals_emulated_forward_and_backward(tokens, in_features, out_features, weight_dtype):
+    hopper()
+    torch.manual_seed(tokens)
+    x = torch.randn(tokens, in_features, device="cuda", dtype=torch.bfloat16)
+    weight = (torch.randn(out_features, in_features, device="cuda") * 0.05).to(weight_dtype)
+    grad_y = torch.randn(tokens, out_features, device="cuda", dtype=torch.bfloat16)
+    fast = run(x, weight, grad_y, "scaled_mm")
+    emulated = run(x, weight, grad_y, "emulated")
+    for name, actual, expected in zip(("y", "grad_x", "grad_w"), fast, emulated, strict=True):
+        assert actual.dtype == expected.dtype and actual.shape == expected.shape, name
+        # Both round the same float32 products to the output dtype; the accumulation order differs.
+        assert relative_error(actual, expected) < 5e-3, name
+    exact = x.float() @ weight.float().t()
+    assert relative_error(fast[0], exact) < 5e-2
+
+
+def test_grouped_scaled_mm_equals_emulated():
+    hopper()
+    torch.manual_seed(0)
+    sizes = [100, 0, 300, 17]
+    x = torch.randn(sum(sizes), 512, device="cuda", dtype=torch.bfloat16)
+    weights = torch.randn(len(sizes), 256, 512, device="cuda", dtype=torch.bfloat16) * 0.05
+    offsets = torch.tensor(sizes, device="cuda").cumsum(0).to(torch.int32)
+    grad_y = torch.randn(sum(sizes), 256, device="cuda", dtype=torch.bfloat16)
+    results = {}
+    for backend in ("scaled_mm", "emulated"):
+        x_b, w_b = x.clone().requires_grad_(), weights.clone().requires_grad_()
+        y = fp8_grouped_linear(x_b, w_b, offsets, backend=backend)
+        y.backward(grad_y)
+        results[backend] = (y, x_b.grad, w_b.grad)
+    for actual, expected in zip(results["scaled_mm"], results["emulated"], strict=True):
+        assert relative_error(actual, expected) < 5e-3
+    assert torch.count_nonzero(results["scaled_mm"][2][1]) == 0
+
+
+def median_ms(fn, iters: int = 10, repeats: int = 5) -> float:
+    """Median over repeats of the mean time of `iters` calls queued back to back (as a training
+    step queues them: the host's launch time hides behind the GPU's work)."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / iters)
+    return statistics.median(times)
+
+
+def test_time_against_bf16_linear(capsys):
+    hopper()
+    tokens, in_features, out_features = 8192, 4096, 4096
+    x = torch.randn(tokens, in_features, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    weight = (torch.randn(out_features, in_features, device="cuda", dtype=torch.bfloat16) * 0.02).requires_grad_()
+    grad_y = torch.randn(tokens, out_features, device="cuda", dtype=torch.bfloat16)
+
+    def step(linear):
+        linear().backward(grad_y)
+
+    with torch.no_grad():
+        forward = {
+            "bf16": median_ms(lambda: F.linear(x, weight)),
+            "fp8": median_ms(lambda: fp8_linear(x, weight)),
+        }
+    both = {
+        "bf16": median_ms(lambda: step(lambda: F.linear(x, weight))),
+        "fp8": median_ms(lambda: step(lambda: fp8_linear(x, weight))),
+    }
+    with capsys.disabled():
+        print(
+            f"\n{tokens}x{in_features}x{out_features}: forward bf16 {forward['bf16']:.3f} ms, "
+            f"fp8 {forward['fp8']:.3f} ms ({forward['bf16'] / forward['fp8']:.2f}x); forward+backward "
+            f"bf16 {both['bf16']:.3f} ms, fp8 {both['fp8']:.3f} ms ({both['bf16'] / both['fp8']:.2f}x)"
+        )

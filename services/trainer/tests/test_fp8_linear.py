@@ -1,0 +1,190 @@
+"""Block-scaled FP8 on the CPU: the 1x128 activation quantizer (primerl_common.weights.fp8) and
+kernels.fp8_linear's "emulated" backend, the exact value of what the GPU's FP8 products compute
+(gpu_fp8_linear.py checks the "scaled_mm" backend against it on a Hopper GPU)."""
+
+import math
+
+import pytest
+import torch
+
+from primerl_common.weights.fp8 import (
+    BLOCK,
+    FP8_MAX,
+    dequantize_blockwise,
+    dequantize_rows_1x128,
+    quantize_blockwise,
+    quantize_rows_1x128,
+)
+from primerl_trainer.kernels.fp8_linear import fp8_grouped_linear, fp8_linear
+
+
+def tile_scales(scales: torch.Tensor, cols: int) -> torch.Tensor:
+    return scales.repeat_interleave(BLOCK, 1)[:, :cols]
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((actual.double() - expected.double()).norm() / expected.double().norm()).item()
+
+
+@pytest.mark.parametrize("shape", [(256, 384), (300, 200), (1, 129), (77, 1000)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_round_trip_within_e4m3_bound_with_one_scale_per_row_and_128_columns(shape, dtype):
+    torch.manual_seed(sum(shape))
+    x = (torch.randn(shape) * torch.rand(shape[0], 1) * 5).to(dtype)
+    quantized, scales = quantize_rows_1x128(x)
+    assert quantized.dtype == torch.float8_e4m3fn and quantized.shape == x.shape
+    assert scales.dtype == torch.float32 and tuple(scales.shape) == (shape[0], math.ceil(shape[1] / BLOCK))
+
+    restored = dequantize_rows_1x128(quantized, scales)
+    original = x.float()
+    # e4m3 keeps 3 mantissa bits: a value rounds within 2^-4 of itself relative, and values
+    # far below the tile's amax hit the subnormal floor (2^-9 * scale, half of it rounding).
+    bound = original.abs() * 2**-4 + tile_scales(scales, shape[1]) * 2**-10
+    assert torch.all((restored - original).abs() <= bound + 1e-12)
+
+    # Each tile's amax maps to 448 and its scale is that amax / 448.
+    tiles = torch.zeros(shape[0], scales.shape[1] * BLOCK)
+    tiles[:, : shape[1]] = original
+    amax = tiles.view(shape[0], -1, BLOCK).abs().amax(dim=2)
+    assert torch.equal(scales, amax / FP8_MAX)
+    padded_q = torch.zeros_like(tiles)
+    padded_q[:, : shape[1]] = quantized.float()
+    assert torch.all(padded_q.view(shape[0], -1, BLOCK).abs().amax(dim=2)[amax > 0] == FP8_MAX)
+
+
+def test_zero_tiles_have_zero_scales_and_values_and_partial_tiles_count_as_zero_padded():
+    x = torch.zeros(3, 260)
+    x[0, 5] = -4.48
+    x[2, 259] = 0.896  # alone in a partial last tile
+    quantized, scales = quantize_rows_1x128(x)
+    expected = torch.zeros(3, 3)
+    expected[0, 0] = 4.48 / FP8_MAX
+    expected[2, 2] = 0.896 / FP8_MAX
+    assert torch.allclose(scales, expected, rtol=0, atol=1e-9)
+    assert torch.count_nonzero(quantized.float()) == 2
+    assert quantized[0, 5].float() == -FP8_MAX and quantized[2, 259].float() == FP8_MAX
+    assert torch.equal(dequantize_rows_1x128(quantized, scales)[1], torch.zeros(260))
+
+
+def test_transposed_input_quantizes_along_the_other_dimension():
+    torch.manual_seed(0)
+    x = torch.randn(200, 96)
+    quantized, scales = quantize_rows_1x128(x.t())
+    expected_q, expected_s = quantize_rows_1x128(x.t().contiguous())
+    assert torch.equal(quantized.view(torch.uint8), expected_q.view(torch.uint8))
+    assert torch.equal(scales, expected_s) and tuple(scales.shape) == (96, 2)
+
+
+def test_bad_rows_inputs_are_refused():
+    with pytest.raises(ValueError, match="2-D activations"):
+        quantize_rows_1x128(torch.zeros(4))
+    with pytest.raises(ValueError, match="cannot quantize"):
+        quantize_rows_1x128(torch.zeros(4, 4, dtype=torch.int64))
+    with pytest.raises(ValueError, match="scale shape"):
+        dequantize_rows_1x128(torch.zeros(4, 256, dtype=torch.float8_e4m3fn), torch.zeros(4, 1))
+
+
+def dequantized_rows(t: torch.Tensor) -> torch.Tensor:
+    return dequantize_rows_1x128(*quantize_rows_1x128(t))
+
+
+def reference_products(x, weight, grad_y):
+    """The three products on dequantized operands, quantized as the module docstring says."""
+    w = dequantize_blockwise(*quantize_blockwise(weight))
+    y = dequantized_rows(x) @ w.t()
+    grad_x = dequantized_rows(grad_y) @ w
+    grad_w = dequantized_rows(grad_y.t()) @ dequantized_rows(x.t()).t()
+    return y, grad_x, grad_w
+
+
+def run_fp8_linear(x, weight, bias, grad_y):
+    x, weight = x.clone().requires_grad_(), weight.clone().requires_grad_()
+    bias = None if bias is None else bias.clone().requires_grad_()
+    y = fp8_linear(x, weight, bias, backend="emulated")
+    y.backward(grad_y)
+    return y, x.grad, weight.grad, None if bias is None else bias.grad
+
+
+# (tokens, in, out): whole blocks, partial blocks everywhere.
+SHAPES = [(256, 384, 256), (77, 200, 130)]
+
+
+@pytest.mark.parametrize("tokens,in_features,out_features", SHAPES)
+def test_emulated_forward_and_backward_are_the_products_of_the_dequantized_operands(tokens, in_features, out_features):
+    torch.manual_seed(tokens)
+    x = torch.randn(tokens, in_features)
+    weight = torch.randn(out_features, in_features) * 0.05
+    bias = torch.randn(out_features)
+    grad_y = torch.randn(tokens, out_features)
+    y, grad_x, grad_w, grad_b = run_fp8_linear(x, weight, bias, grad_y)
+    ref_y, ref_grad_x, ref_grad_w = reference_products(x, weight, grad_y)
+    for actual, expected in [(y, ref_y + bias), (grad_x, ref_grad_x), (grad_w, ref_grad_w)]:
+        assert relative_error(actual, expected) < 1e-5
+        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(grad_b, grad_y.sum(0))
+
+
+@pytest.mark.parametrize("tokens,in_features,out_features", SHAPES)
+def test_emulated_products_are_near_the_unquantized_ones(tokens, in_features, out_features):
+    torch.manual_seed(tokens + 1)
+    x = torch.randn(tokens, in_features)
+    weight = torch.randn(out_features, in_features) * 0.05
+    grad_y = torch.randn(tokens, out_features)
+    y, grad_x, grad_w, _ = run_fp8_linear(x, weight, None, grad_y)
+    assert relative_error(y, x @ weight.t()) < 5e-2
+    assert relative_error(grad_x, grad_y @ weight) < 5e-2
+    assert relative_error(grad_w, grad_y.t() @ x) < 5e-2
+    # Not trivially so: the quantization changed something.
+    assert relative_error(y, x @ weight.t()) > 1e-4
+
+
+def test_leading_dimensions_and_bfloat16_keep_their_shapes_and_dtypes():
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 256, dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.randn(128, 256, requires_grad=True)  # a float32 master weight
+    y = fp8_linear(x, weight, backend="emulated")
+    assert y.shape == (2, 3, 128) and y.dtype == torch.bfloat16
+    y.float().square().sum().backward()
+    assert x.grad.dtype == torch.bfloat16 and weight.grad.dtype == torch.float32
+
+
+def test_grouped_equals_fp8_linear_per_expert_with_an_empty_expert():
+    torch.manual_seed(0)
+    sizes = [40, 0, 130, 7]
+    x = torch.randn(sum(sizes), 256, requires_grad=True)
+    weights = (torch.randn(len(sizes), 384, 256) * 0.05).requires_grad_()
+    offsets = torch.tensor(sizes).cumsum(0).to(torch.int32)
+    grad_y = torch.randn(sum(sizes), 384)
+    fp8_grouped_linear(x, weights, offsets, backend="emulated").backward(grad_y)
+
+    outs, grad_xs, grad_ws = [], [], []
+    for expert, (x_e, grad_y_e) in enumerate(zip(x.detach().split(sizes), grad_y.split(sizes), strict=True)):
+        y_e, grad_x_e, grad_w_e, _ = run_fp8_linear(x_e, weights[expert].detach(), None, grad_y_e)
+        outs.append(y_e)
+        grad_xs.append(grad_x_e)
+        grad_ws.append(grad_w_e if grad_w_e is not None else torch.zeros(384, 256))
+    grouped_y = fp8_grouped_linear(x.detach(), weights.detach(), offsets, backend="emulated")
+    torch.testing.assert_close(grouped_y, torch.cat(outs), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(x.grad, torch.cat(grad_xs), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(weights.grad, torch.stack(grad_ws), rtol=1e-6, atol=1e-6)
+    assert torch.count_nonzero(weights.grad[1]) == 0
+
+
+def test_scaled_mm_on_the_cpu_is_refused_naming_model_fp8():
+    x, weight = torch.randn(16, 128), torch.randn(128, 128)
+    with pytest.raises(ValueError, match=r"model\.fp8.*CUDA"):
+        fp8_linear(x, weight)
+    with pytest.raises(ValueError, match=r"model\.fp8.*CUDA"):
+        fp8_grouped_linear(x, weight[None], torch.tensor([16], dtype=torch.int32), backend="scaled_mm")
+
+
+def test_bad_arguments_are_refused():
+    x = torch.randn(16, 128)
+    with pytest.raises(ValueError, match="backend"):
+        fp8_linear(x, torch.randn(128, 128), backend="fast")
+    with pytest.raises(ValueError, match="does not fit"):
+        fp8_linear(x, torch.randn(128, 64), backend="emulated")
+    with pytest.raises(ValueError, match=r"model\.fp8.*100x128"):
+        fp8_linear(x, torch.randn(100, 128), backend="scaled_mm")
+    with pytest.raises(ValueError, match="offsets"):
+        fp8_grouped_linear(x, torch.randn(2, 128, 128), torch.tensor([16]), backend="emulated")
