@@ -5,6 +5,12 @@ Two ways to pick the models:
 - --kinds moe,dense (the default): a Qwen3-1.7B-like dense model and a Qwen3-30B-A3B-like MoE
   of 8 layers each (CONFIGS). Last line: RESULT moe_speedup_vs_hf=<own MoE tokens/s over
   transformers', per step of N micro-batches> dense_mfu=<own dense>.
+- --fp8 (with --kinds, default moe_wide,moe,dense): the own model in bf16 against the own model
+  with model.fp8 (block-scaled FP8 products of the blocks' linear layers and experts, models/fp8.py;
+  --fp8-backend, scaled_mm: Hopper), no transformers rows; moe_wide is the MoE at hidden 4096 with
+  experts of 1536 (4 layers: ~11B parameters, ~90 GB of bf16 weights, gradients and AdamW moments).
+  Last lines: fp8_speedup_dense=<FP8 tokens/s over bf16>, then RESULT fp8_speedup_moe_wide=<x>
+  fp8_speedup_moe=<y>, per step of N micro-batches.
 - --family glm4_moe,gpt_oss (or qwen3_5_moe,nemotron_h, the hybrids): a family of FAMILIES at
   its hub widths (hidden size, heads, expert count and width, vocabulary; the hybrids' linear
   layers too) with as many layers as fit one GPU with the optimizer (--layers auto, see
@@ -125,6 +131,8 @@ CONFIGS = {
         "output_router_logits": False,
     },
 }
+# --fp8's wider MoE (issue 19): 4 layers fit one H200 with the optimizer (8 B per parameter).
+CONFIGS["moe_wide"] = CONFIGS["moe"] | {"hidden_size": 4096, "moe_intermediate_size": 1536, "num_hidden_layers": 4}
 SMOKE = {"vocab_size": 1000, "hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
          "num_key_value_heads": 2, "head_dim": 32, "intermediate_size": 256, "num_experts": 8,
          "moe_intermediate_size": 64}  # fmt: skip
@@ -737,17 +745,21 @@ def load_hf_model(path: pathlib.Path, *, device: str, attention: str | None, exp
     return model, model.config._attn_implementation, resolved_experts if has_experts else "-"
 
 
-def load_own_model(path: pathlib.Path, *, device: str, attention: str, compile: bool):
+def load_own_model(path: pathlib.Path, *, device: str, attention: str, compile: bool, fp8_backend: str | None = None):
+    """The own model in bf16, as its parallelize function prepares it (no FSDP): compiled blocks,
+    and with `fp8_backend` the blocks' products in FP8 (model.fp8)."""
     model = load_model(path, impl="custom", dtype=torch.bfloat16, device=device, attn_backend=attention)
     experts = {m.experts_impl for m in model.modules() if isinstance(m, GroupedExperts)}
     if not experts:
         experts_name = "-"
+    elif fp8_backend is not None:
+        experts_name = f"fp8 {fp8_backend}"
     elif experts == {"auto"}:
         experts_name = "grouped_mm" if grouped_mm_supported(torch.device(device), torch.bfloat16) else "loop"
     else:
         experts_name = ",".join(sorted(experts))
-    if compile:
-        model = model_spec_of(model).parallelize_fn(model, compile=True)
+    if compile or fp8_backend is not None:
+        model = model_spec_of(model).parallelize_fn(model, compile=compile, fp8_backend=fp8_backend)
     return model.train(), attention + (" compiled" if compile else ""), experts_name
 
 
@@ -759,7 +771,8 @@ def bench_case(case: Case, path: pathlib.Path, args, peak_tflops: float, profile
     targets[-1] = -100  # the last token predicts nothing
     flops = flops_per_token(config, seq_len)
     runs = []
-    for impl in ("hf", "custom"):
+    # "custom": the own model in bf16; "fp8": the same with model.fp8.
+    for impl in ("custom", "fp8") if args.fp8 else ("hf", "custom"):
         model = optimizer = None
         loss_paths = ["logits"] if impl == "hf" else args.own_loss_paths.split(",")
         try:
@@ -774,8 +787,9 @@ def bench_case(case: Case, path: pathlib.Path, args, peak_tflops: float, profile
                 )
             else:
                 model, attention, experts = load_own_model(
-                    path, device=device, attention=case.own_attention, compile=not args.no_compile
-                )
+                    path, device=device, attention=case.own_attention, compile=not args.no_compile,
+                    fp8_backend=args.fp8_backend if impl == "fp8" else None,
+                )  # fmt: skip
                 # the trainer's own optimizer (TritonAdamW on CUDA)
                 optimizer = build_optimizer(model, OptimizerConfig(lr=LR, weight_decay=WEIGHT_DECAY))
             print(f"{case.name} {impl}: loaded in {time.perf_counter() - start:.0f} s "
@@ -802,8 +816,9 @@ def bench_case(case: Case, path: pathlib.Path, args, peak_tflops: float, profile
                     run.mfu = flops * run.tokens_per_s / (peak_tflops * 1e12)
                     if device == "cuda":
                         run.peak_gib = torch.cuda.max_memory_allocated() / 2**30
-                    if profile_dir is not None and impl == "custom" and loss_path == "fused":
-                        profile(model, optimizer, input_ids, targets, profile_dir / f"profile-{case.name}.txt")
+                    if profile_dir is not None and impl != "hf" and loss_path == "fused":
+                        suffix = "-fp8" if impl == "fp8" else ""
+                        profile(model, optimizer, input_ids, targets, profile_dir / f"profile-{case.name}{suffix}.txt")
                 except Exception as exc:  # one failing variant must not cost the others' numbers
                     run.error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
                 print(json.dumps(asdict(run)), flush=True)
@@ -813,7 +828,7 @@ def bench_case(case: Case, path: pathlib.Path, args, peak_tflops: float, profile
                             error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"))  # fmt: skip
             print(json.dumps(asdict(runs[-1])), flush=True)
         del model, optimizer
-        if impl == "custom" and not args.no_compile:
+        if impl != "hf" and not args.no_compile:
             torch._dynamo.reset()  # compiled code must not keep this model's tensors alive
         gc.collect()
         if device == "cuda":
@@ -845,7 +860,7 @@ def device_memory_bytes(args) -> float:
 
 def build_cases(args) -> list[Case]:
     if args.family is None:
-        kinds = (args.kinds or "moe,dense").split(",")
+        kinds = (args.kinds or ("moe_wide,moe,dense" if args.fp8 else "moe,dense")).split(",")
         for kind in kinds:
             if kind not in CONFIGS:
                 raise ValueError(f"--kinds takes {sorted(CONFIGS)}, got {kind!r}")
@@ -897,12 +912,12 @@ def print_table(runs: list[Run], args, peak: float) -> None:
     print(f"one step = {n} micro-batch(es) of 'seq' tokens, then AdamW; 'fwd+bwd' is a step's first "
           "micro-batch, 'accum' a later one (its gradients added to the held ones), "
           "'1-mb step' fwd+bwd + adamw")  # fmt: skip
-    print(f"{'model':<11} {'L':>2} {'seq':>5} {'impl':<7} {'loss':<7} {'attention':<23} {'experts':<11} "
+    print(f"{'model':<11} {'L':>2} {'seq':>5} {'impl':<7} {'loss':<7} {'attention':<23} {'experts':<13} "
           f"{'step ms':>8} {'fwd+bwd':>8} {'accum':>6} {'adamw':>6} {'1-mb step':>9} {'tokens/s':>9} {'MFU':>6} "
           f"{'MFU@989':>8} {'peak GiB':>9} {'loss@0':>7} {'1st step s':>10}")  # fmt: skip
     for r in runs:
         head = (f"{r.kind:<11} {r.layers:>2} {r.seq_len:>5} {r.impl:<7} {r.loss_path:<7} {r.attention:<23} "
-                f"{r.experts:<11}")  # fmt: skip
+                f"{r.experts:<13}")  # fmt: skip
         if r.error:
             print(f"{head} ERROR {r.error}")
             continue
@@ -912,11 +927,16 @@ def print_table(runs: list[Run], args, peak: float) -> None:
               f"{r.first_step_s:>10.1f}" + (f"  {r.note}" if r.note else ""))  # fmt: skip
 
 
+def find_run(runs: list[Run], name: str, impl: str, loss_path: str) -> Run | None:
+    """The run of a model, implementation and loss path that did not fail."""
+    return next((r for r in runs if (r.kind, r.impl, r.loss_path) == (name, impl, loss_path) and not r.error), None)
+
+
 def speedups(runs: list[Run], names: list[str], n: int) -> dict[str, float]:
     """Own (fused loss) tokens/s over transformers' per model, printing the partial ratios."""
 
     def find(name: str, impl: str, loss_path: str) -> Run | None:
-        return next((r for r in runs if (r.kind, r.impl, r.loss_path) == (name, impl, loss_path) and not r.error), None)
+        return find_run(runs, name, impl, loss_path)
 
     result = {}
     for name in names:
@@ -950,9 +970,35 @@ def speedups(runs: list[Run], names: list[str], n: int) -> dict[str, float]:
     return result
 
 
+def fp8_speedups(runs: list[Run], names: list[str], n: int, loss_path: str) -> dict[str, float]:
+    """--fp8: the own model's FP8 tokens/s over its bf16 ones per model (`loss_path` rows),
+    printing the partial ratios, memory and first losses; nan where a run failed."""
+    result = {}
+    for name in names:
+        bf16, fp8 = find_run(runs, name, "custom", loss_path), find_run(runs, name, "fp8", loss_path)
+        if not (bf16 and fp8):
+            result[name] = float("nan")
+            failed = [f"{r.impl} {r.loss_path}: {r.error}" for r in runs if r.kind == name and r.error]
+            print(f"{name}: no FP8 ratio, a run failed: " + " | ".join(failed))
+            continue
+        result[name] = fp8.tokens_per_s / bf16.tokens_per_s
+        ratios = {
+            f"per step of {n} micro-batches": result[name],
+            "forward+backward of a micro-batch": bf16.forward_backward_ms / fp8.forward_backward_ms,
+        }
+        if n > 1:
+            ratios["accumulating micro-batch"] = bf16.accumulating_ms / fp8.accumulating_ms
+        print(f"{name} fp8 / bf16: " + "; ".join(f"{v:.2f}x {k}" for k, v in ratios.items())
+              + f"; peak {bf16.peak_gib:.1f} -> {fp8.peak_gib:.1f} GiB; first loss {bf16.first_loss:.4f} -> "
+              f"{fp8.first_loss:.4f}")  # fmt: skip
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--kinds", default=None, help="comma-separated: moe, dense (the default: moe,dense)")
+    parser.add_argument("--kinds", default=None,
+                        help="comma-separated: moe, dense, moe_wide (the default: moe,dense; with --fp8 "
+                             "moe_wide,moe,dense)")  # fmt: skip
     parser.add_argument("--family", default=None, help=f"comma-separated, of {sorted(FAMILIES)}; instead of --kinds")
     parser.add_argument("--layers", type=int, default=None,
                         help="--family's layer count (default: as many as fit; --smoke: the least)")  # fmt: skip
@@ -968,7 +1014,13 @@ def main() -> None:
     )
     parser.add_argument("--warmup", type=int, default=2, help="steps left out of the timing (compiling included)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps; medians are reported")
-    parser.add_argument("--own-loss-paths", default="fused,logits", help="the own rows: fused and/or logits")
+    parser.add_argument("--own-loss-paths", default=None,
+                        help="the own rows: fused and/or logits (default: fused,logits; with --fp8 fused)")  # fmt: skip
+    parser.add_argument(
+        "--fp8", action="store_true", help="the own model in bf16 against it with model.fp8 (no transformers rows)"
+    )
+    parser.add_argument("--fp8-backend", default="scaled_mm", choices=["scaled_mm", "emulated"],
+                        help="--fp8's products: scaled_mm (Hopper) or emulated (any device: CPU smoke)")  # fmt: skip
     parser.add_argument("--hf-experts", default=None, help="transformers' experts_implementation (default: its own)")
     parser.add_argument("--hf-step-limit-s", type=float, default=None,
                         help="a transformers run whose first step takes longer stops there and reports that "
@@ -984,6 +1036,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.family is not None and args.kinds is not None:
         raise ValueError("give --kinds or --family, not both")
+    if args.fp8 and args.family is not None:
+        raise ValueError("--fp8 runs the --kinds models, not --family")
+    args.own_loss_paths = args.own_loss_paths or ("fused" if args.fp8 else "fused,logits")
     wall = time.perf_counter()
     cases = build_cases(args)
     if args.fit_only:
@@ -1028,7 +1083,15 @@ def main() -> None:
     print()
     print_table(runs, args, peak)
     print()
-    result = speedups(runs, [case.name for case in cases], args.micro_batches)
+    names = [case.name for case in cases]
+    if args.fp8:
+        result = fp8_speedups(runs, names, args.micro_batches, args.own_loss_paths.split(",")[0])
+        print(f"wall: {time.perf_counter() - wall:.0f} s")
+        print(f"fp8_speedup_dense={result.get('dense', float('nan')):.3f}")
+        print(f"RESULT fp8_speedup_moe_wide={result.get('moe_wide', float('nan')):.3f} "
+              f"fp8_speedup_moe={result.get('moe', float('nan')):.3f}")  # fmt: skip
+        return
+    result = speedups(runs, names, args.micro_batches)
     print(f"wall: {time.perf_counter() - wall:.0f} s")
     if args.family is not None:
         print("RESULT " + " ".join(f"{name}_speedup={value:.3f}" for name, value in result.items()))

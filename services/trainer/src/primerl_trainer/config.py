@@ -49,6 +49,25 @@ class ModelConfig(Section):
     )
     activation_checkpointing: bool = False
     compile: bool = False
+    fp8: bool = Field(
+        default=False,
+        description="the decoder blocks' linear layers and experts run their products forward and backward in "
+        "float8 e4m3 with block scales (1x128 activation tiles, 128x128 weight blocks: DeepSeek-V3's recipe); "
+        "weights and optimizer state keep model.dtype; the routers, embedding, vocabulary projection, norms, "
+        "attention and loss as without; own implementations only, no LoRA yet",
+    )
+    fp8_backend: Literal["scaled_mm", "emulated"] = Field(
+        default="scaled_mm",
+        description="model.fp8's products: scaled_mm (cuBLAS's block-scaled FP8 kernels, Hopper GPUs: compute "
+        "capability 9.x) or emulated (the same quantization with float32 products of the dequantized operands, "
+        "on any device: slow, for checking the numerics and CPU tests)",
+    )
+
+    @model_validator(mode="after")
+    def _check_fp8(self) -> ModelConfig:
+        if self.fp8 and self.impl == "hf":
+            raise ValueError("model.fp8 needs the own model implementation (model.impl 'auto' or 'custom'), not 'hf'")
+        return self
 
 
 class ParallelConfig(Section):
@@ -219,4 +238,11 @@ class TrainerConfig(ServiceConfig):
             raise ValueError("sft.exit_when_done needs sft.dataset")
         if self.sft.stop_at_loss is not None and self.sft.dataset is None:
             raise ValueError("sft.stop_at_loss needs sft.dataset")
+        if self.model.fp8 and self.lora.enabled:
+            raise ValueError("model.fp8 with lora.enabled is not supported yet")
+        if self.model.fp8 and self.model.fp8_backend == "scaled_mm" and self.device == "cpu":
+            raise ValueError(
+                "model.fp8 with model.fp8_backend 'scaled_mm' needs a Hopper GPU, not device 'cpu' "
+                "(model.fp8_backend 'emulated' computes the same numbers on the CPU)"
+            )
         return self

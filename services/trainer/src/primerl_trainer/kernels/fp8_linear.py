@@ -40,8 +40,9 @@ Two backends compute the same products:
   value the FP8 product computes (up to the summation order), on any device.
   The CPU tests use it; the GPU tests check "scaled_mm" against it.
 
-`fp8_grouped_linear` loops over the experts with the same products (one host sync for the
-expert sizes, as the experts' reference loop has); a fused grouped FP8 kernel is future work.
+`fp8_grouped_linear` loops over the experts with the same products (a host sync for the
+expert sizes in the forward and one in the backward, as the experts' reference loop has); a
+fused grouped FP8 kernel is future work. Both are custom ops, whole to torch.compile.
 """
 
 from __future__ import annotations
@@ -106,8 +107,7 @@ def fp8_linear(
         raise ValueError(f"fp8_linear: x {tuple(x.shape)} does not fit a weight of shape {tuple(weight.shape)}")
     if backend == "scaled_mm":
         _check_layer_shape(weight.shape)
-        check_fp8_device(x.device)
-    y = _Fp8Linear.apply(x.reshape(-1, x.shape[-1]), weight, backend)
+    y = _fp8_linear_op(x.reshape(-1, x.shape[-1]), weight, backend)
     y = y.view(*x.shape[:-1], weight.shape[0])
     return y if bias is None else y + bias.to(y.dtype)
 
@@ -126,8 +126,7 @@ def fp8_grouped_linear(
         raise ValueError(f"fp8_grouped_linear: {w_EOI.shape[0]} experts but offsets of shape {tuple(offsets_E.shape)}")
     if backend == "scaled_mm":
         _check_layer_shape(w_EOI.shape[1:])
-        check_fp8_device(x_NI.device)
-    return _Fp8GroupedLinear.apply(x_NI, w_EOI, offsets_E, backend)
+    return _fp8_grouped_linear_op(x_NI, w_EOI, offsets_E, backend)
 
 
 def _check_backend(backend: str) -> None:
@@ -144,49 +143,140 @@ def _check_layer_shape(weight_shape: torch.Size) -> None:
         )
 
 
-class _Fp8Linear(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x_MI: torch.Tensor, w_OI: torch.Tensor, backend: Fp8Backend) -> torch.Tensor:
-        ctx.save_for_backward(x_MI, w_OI)
-        ctx.backend = backend
-        return _forward(x_MI, w_OI, backend)
-
-    @staticmethod
-    def backward(ctx, dy_MO: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x_MI, w_OI = ctx.saved_tensors
-        dx, dw = _backward(dy_MO, x_MI, w_OI, ctx.backend, *ctx.needs_input_grad[:2])
-        return dx, dw, None
+# The products are custom ops with their own backward (not autograd.Functions), so that
+# torch.compile keeps them whole (a compiled block with fullgraph=True): it would otherwise trace
+# into the Triton quantizers' launch code and the experts' loop over host-side sizes.
 
 
-class _Fp8GroupedLinear(torch.autograd.Function):
-    @staticmethod
-    def forward(
-        ctx, x_NI: torch.Tensor, w_EOI: torch.Tensor, offsets_E: torch.Tensor, backend: Fp8Backend
-    ) -> torch.Tensor:
-        ends = offsets_E.tolist()  # a host sync, as GroupedExperts' loop has
-        ctx.save_for_backward(x_NI, w_EOI)
-        ctx.ends, ctx.backend = ends, backend
-        y_NO = x_NI.new_zeros(x_NI.shape[0], w_EOI.shape[1])
-        for expert, (start, end) in enumerate(zip([0, *ends[:-1]], ends, strict=True)):
-            if end > start:
-                y_NO[start:end] = _forward(x_NI[start:end], w_EOI[expert], backend)
-        return y_NO
+@torch.library.custom_op("primerl::fp8_linear", mutates_args=())
+def _fp8_linear_op(x_MI: torch.Tensor, w_OI: torch.Tensor, backend: str) -> torch.Tensor:
+    _check_device(x_MI, backend)
+    return _forward(x_MI, w_OI, backend)
 
-    @staticmethod
-    def backward(ctx, dy_NO: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x_NI, w_EOI = ctx.saved_tensors
-        need_x, need_w = ctx.needs_input_grad[:2]
-        dx_NI = torch.zeros_like(x_NI) if need_x else None
-        dw_EOI = torch.zeros_like(w_EOI) if need_w else None
-        for expert, (start, end) in enumerate(zip([0, *ctx.ends[:-1]], ctx.ends, strict=True)):
-            if end == start:
-                continue
-            dx, dw = _backward(dy_NO[start:end], x_NI[start:end], w_EOI[expert], ctx.backend, need_x, need_w)
-            if need_x:
-                dx_NI[start:end] = dx
-            if need_w:
-                dw_EOI[expert] = dw
-        return dx_NI, dw_EOI, None, None
+
+@_fp8_linear_op.register_fake
+def _(x_MI: torch.Tensor, w_OI: torch.Tensor, backend: str) -> torch.Tensor:
+    return x_MI.new_empty(x_MI.shape[0], w_OI.shape[0])
+
+
+@torch.library.custom_op("primerl::fp8_linear_backward", mutates_args=())
+def _fp8_linear_backward_op(
+    dy_MO: torch.Tensor, x_MI: torch.Tensor, w_OI: torch.Tensor, backend: str, need_x: bool, need_w: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx, dw); an unneeded one is empty (a custom op returns tensors only)."""
+    dx, dw = _backward(dy_MO, x_MI, w_OI, backend, need_x, need_w)
+    return _or_empty(dx, x_MI), _or_empty(dw, w_OI)
+
+
+@_fp8_linear_backward_op.register_fake
+def _(
+    dy_MO: torch.Tensor, x_MI: torch.Tensor, w_OI: torch.Tensor, backend: str, need_x: bool, need_w: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _fake_grads(x_MI, w_OI, need_x, need_w)
+
+
+def _fp8_linear_setup_context(ctx, inputs, output) -> None:
+    x_MI, w_OI, backend = inputs
+    ctx.save_for_backward(x_MI, w_OI)
+    ctx.backend = backend
+
+
+def _fp8_linear_backward(ctx, dy_MO: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    x_MI, w_OI = ctx.saved_tensors
+    need_x, need_w = ctx.needs_input_grad[:2]
+    dx, dw = _fp8_linear_backward_op(dy_MO, x_MI, w_OI, ctx.backend, need_x, need_w)
+    return dx if need_x else None, dw if need_w else None, None
+
+
+_fp8_linear_op.register_autograd(_fp8_linear_backward, setup_context=_fp8_linear_setup_context)
+
+
+@torch.library.custom_op("primerl::fp8_grouped_linear", mutates_args=())
+def _fp8_grouped_linear_op(
+    x_NI: torch.Tensor, w_EOI: torch.Tensor, offsets_E: torch.Tensor, backend: str
+) -> torch.Tensor:
+    _check_device(x_NI, backend)
+    y_NO = x_NI.new_zeros(x_NI.shape[0], w_EOI.shape[1])
+    for expert, rows in _expert_rows(offsets_E):
+        y_NO[rows] = _forward(x_NI[rows], w_EOI[expert], backend)
+    return y_NO
+
+
+@_fp8_grouped_linear_op.register_fake
+def _(x_NI: torch.Tensor, w_EOI: torch.Tensor, offsets_E: torch.Tensor, backend: str) -> torch.Tensor:
+    return x_NI.new_empty(x_NI.shape[0], w_EOI.shape[1])
+
+
+@torch.library.custom_op("primerl::fp8_grouped_linear_backward", mutates_args=())
+def _fp8_grouped_linear_backward_op(
+    dy_NO: torch.Tensor,
+    x_NI: torch.Tensor,
+    w_EOI: torch.Tensor,
+    offsets_E: torch.Tensor,
+    backend: str,
+    need_x: bool,
+    need_w: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx, dw); an unneeded one is empty. An expert without rows gets a zero weight gradient."""
+    dx_NI = torch.zeros_like(x_NI) if need_x else x_NI.new_empty(0)
+    dw_EOI = torch.zeros_like(w_EOI) if need_w else w_EOI.new_empty(0)
+    for expert, rows in _expert_rows(offsets_E):
+        dx, dw = _backward(dy_NO[rows], x_NI[rows], w_EOI[expert], backend, need_x, need_w)
+        if need_x:
+            dx_NI[rows] = dx
+        if need_w:
+            dw_EOI[expert] = dw
+    return dx_NI, dw_EOI
+
+
+@_fp8_grouped_linear_backward_op.register_fake
+def _(
+    dy_NO: torch.Tensor,
+    x_NI: torch.Tensor,
+    w_EOI: torch.Tensor,
+    offsets_E: torch.Tensor,
+    backend: str,
+    need_x: bool,
+    need_w: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _fake_grads(x_NI, w_EOI, need_x, need_w)
+
+
+def _fp8_grouped_linear_setup_context(ctx, inputs, output) -> None:
+    x_NI, w_EOI, offsets_E, backend = inputs
+    ctx.save_for_backward(x_NI, w_EOI, offsets_E)
+    ctx.backend = backend
+
+
+def _fp8_grouped_linear_backward(ctx, dy_NO: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    x_NI, w_EOI, offsets_E = ctx.saved_tensors
+    need_x, need_w = ctx.needs_input_grad[:2]
+    dx, dw = _fp8_grouped_linear_backward_op(dy_NO, x_NI, w_EOI, offsets_E, ctx.backend, need_x, need_w)
+    return dx if need_x else None, dw if need_w else None, None, None
+
+
+_fp8_grouped_linear_op.register_autograd(_fp8_grouped_linear_backward, setup_context=_fp8_grouped_linear_setup_context)
+
+
+def _check_device(x: torch.Tensor, backend: str) -> None:
+    # Inside the ops (run, not traced, under torch.compile); the answer is cached per device.
+    if backend == "scaled_mm":
+        check_fp8_device(x.device)
+
+
+def _expert_rows(offsets_E: torch.Tensor) -> list[tuple[int, slice]]:
+    """(expert, its rows) of the experts that have rows; reads the offsets back to the host
+    (a sync per call, as GroupedExperts' reference loop has)."""
+    ends = offsets_E.tolist()
+    return [(e, slice(s, t)) for e, (s, t) in enumerate(zip([0, *ends[:-1]], ends, strict=True)) if t > s]
+
+
+def _or_empty(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    return like.new_empty(0) if grad is None else grad
+
+
+def _fake_grads(x: torch.Tensor, w: torch.Tensor, need_x: bool, need_w: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.empty_like(x) if need_x else x.new_empty(0)), (torch.empty_like(w) if need_w else w.new_empty(0))
 
 
 def _forward(x_MI: torch.Tensor, w_OI: torch.Tensor, backend: Fp8Backend) -> torch.Tensor:

@@ -15,6 +15,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from primerl_trainer.config_types import EXPERTS_IMPLS, ExpertsImpl
+from primerl_trainer.kernels.fp8_linear import Fp8Backend, fp8_grouped_linear
 from primerl_trainer.kernels.gather import accumulation_dtype, gather_sum
 
 try:
@@ -123,7 +124,13 @@ class TokenChoiceTopKRouter(nn.Module):
 
 class GroupedExperts(nn.Module):
     """E SwiGLU experts stored stacked: w13 [E, 2F, D] (gate rows then up rows, vLLM's and
-    transformers' fused layout) and w2 [E, D, F]."""
+    transformers' fused layout) and w2 [E, D, F].
+
+    `fp8_backend` (set by models.fp8.convert_to_fp8 for `model.fp8`): the products run in
+    block-scaled FP8 (kernels.fp8_linear.fp8_grouped_linear) whatever `experts_impl`; None: in
+    the weights' dtype, through torch._grouped_mm or the per-expert loop."""
+
+    fp8_backend: Fp8Backend | None = None
 
     def __init__(self, *, dim: int, hidden_dim: int, num_experts: int, experts_impl: ExpertsImpl = "auto") -> None:
         super().__init__()
@@ -140,9 +147,9 @@ class GroupedExperts(nn.Module):
         Under expert parallel the weights are DTensors sharded on the expert dim: E is then this
         rank's experts, and the products read its rows (`to_local`, through which gradients flow)."""
         w13, w2 = _local(self.w13), _local(self.w2)
-        if self._use_grouped_mm(x_ND):
-            gate, up = _grouped_linear(x_ND, w13, offsets_E).chunk(2, dim=-1)
-            return _grouped_linear(F.silu(gate) * up, w2, offsets_E)
+        if self._use_grouped_products(x_ND):
+            gate, up = self._grouped_product(x_ND, w13, offsets_E).chunk(2, dim=-1)
+            return self._grouped_product(F.silu(gate) * up, w2, offsets_E)
         # Reference path: one matmul pair per expert, with a device sync for the sizes.
         sizes = torch.diff(offsets_E, prepend=offsets_E.new_zeros(1)).tolist()
         outs = []
@@ -151,10 +158,20 @@ class GroupedExperts(nn.Module):
             outs.append(F.linear(F.silu(gate) * up, w2[expert]))
         return torch.cat(outs)
 
-    def _use_grouped_mm(self, x: torch.Tensor) -> bool:
+    def _use_grouped_products(self, x: torch.Tensor) -> bool:
+        """Whether the products are grouped (`_grouped_product`) rather than the per-expert loop."""
+        if self.fp8_backend is not None:
+            return True
         if self.experts_impl != "auto":
             return self.experts_impl == "grouped_mm"
         return grouped_mm_supported(x.device, x.dtype)
+
+    def _grouped_product(self, x_NI: torch.Tensor, w_EOI: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+        """Row block e of x_NI times w_EOI[e]^T -> [N, O]: in FP8 with `fp8_backend`, else
+        through torch._grouped_mm (`_grouped_linear`)."""
+        if self.fp8_backend is not None:
+            return fp8_grouped_linear(x_NI, w_EOI, offsets_E, backend=self.fp8_backend)
+        return _grouped_linear(x_NI, w_EOI, offsets_E)
 
 
 def _local(weight: torch.Tensor) -> torch.Tensor:

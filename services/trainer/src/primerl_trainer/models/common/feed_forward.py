@@ -4,6 +4,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from primerl_trainer.models.common.linear import fused_linear
+
 
 class FeedForward(nn.Module):
     """w2(silu(w1 x) * w3 x); w1/w3/w2 are Hugging Face's gate/up/down projections."""
@@ -16,5 +18,5 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Gate and up projections as one matrix product (the weights stay two parameters).
-        gate, up = F.linear(x, torch.cat((self.w1.weight, self.w3.weight))).chunk(2, dim=-1)
+        gate, up = fused_linear(x, (self.w1, self.w3)).chunk(2, dim=-1)
         return self.w2(F.silu(gate) * up)

@@ -31,7 +31,7 @@ from torch import nn
 from primerl_trainer.kernels.gather import accumulation_dtype
 from primerl_trainer.models.common.attention import AttentionMask, attention
 from primerl_trainer.models.common.rope import RopeParameters
-from primerl_trainer.models.moe import GroupedExperts, MoE, _grouped_linear, _local
+from primerl_trainer.models.moe import GroupedExperts, MoE, _local
 from primerl_trainer.models.qwen3.model import Attention, common_args_from_hf_config
 from primerl_trainer.models.qwen3_moe.model import MoETransformerBlock, Qwen3MoeModel, Qwen3MoeModelArgs
 
@@ -155,7 +155,7 @@ class GptOssExperts(GroupedExperts):
     def forward(self, x_ND: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
         w13, w2 = _local(self.w13), _local(self.w2)
         b13, b2 = _local(self.w13_bias), _local(self.w2_bias)
-        if self._use_grouped_mm(x_ND):
+        if self._use_grouped_products(x_ND):
             # The expert of each row, for its biases (rows past the last offset do not occur).
             rows = torch.arange(x_ND.shape[0], device=x_ND.device, dtype=offsets_E.dtype)
             expert_N = torch.searchsorted(offsets_E, rows, right=True).clamp(max=w13.shape[0] - 1)
@@ -164,10 +164,10 @@ class GptOssExperts(GroupedExperts):
             # row (eager on the CPU; compiled, atomics on CUDA): several times the error of the
             # bias gradient F.linear sums in float32.
             dtype = accumulation_dtype(x_ND)
-            gate_up = (_grouped_linear(x_ND, w13, offsets_E) + b13.to(dtype)[expert_N]).to(x_ND.dtype)
+            gate_up = (self._grouped_product(x_ND, w13, offsets_E) + b13.to(dtype)[expert_N]).to(x_ND.dtype)
             gate, up = gate_up.chunk(2, dim=-1)
             hidden = clamped_swiglu(gate, up, alpha=self.alpha, limit=self.limit)
-            return (_grouped_linear(hidden, w2, offsets_E) + b2.to(dtype)[expert_N]).to(x_ND.dtype)
+            return (self._grouped_product(hidden, w2, offsets_E) + b2.to(dtype)[expert_N]).to(x_ND.dtype)
         sizes = torch.diff(offsets_E, prepend=offsets_E.new_zeros(1)).tolist()
         outs = []
         for expert, x in enumerate(torch.split(x_ND, sizes)):

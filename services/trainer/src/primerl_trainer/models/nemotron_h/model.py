@@ -31,7 +31,7 @@ from torch import nn
 from primerl_trainer.models.common.gated_delta_net import LayerMasks, layer_masks
 from primerl_trainer.models.common.mamba2 import DEFAULT_CHUNK_SIZE, Mamba2, Mamba2Impl
 from primerl_trainer.models.common.norms import RMSNorm
-from primerl_trainer.models.moe import GroupedExperts, GroupedSigmoidRouting, MoE, _grouped_linear, _local
+from primerl_trainer.models.moe import GroupedExperts, GroupedSigmoidRouting, MoE, _local
 from primerl_trainer.models.qwen3.model import Attention
 from primerl_trainer.models.qwen3_moe.model import Qwen3MoeModel, Qwen3MoeModelArgs
 
@@ -165,8 +165,8 @@ class Relu2Experts(GroupedExperts):
 
     def forward(self, x_ND: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
         w1, w2 = _local(self.w13), _local(self.w2)
-        if self._use_grouped_mm(x_ND):
-            return _grouped_linear(relu2(_grouped_linear(x_ND, w1, offsets_E)), w2, offsets_E)
+        if self._use_grouped_products(x_ND):
+            return self._grouped_product(relu2(self._grouped_product(x_ND, w1, offsets_E)), w2, offsets_E)
         sizes = torch.diff(offsets_E, prepend=offsets_E.new_zeros(1)).tolist()
         return torch.cat([F.linear(relu2(F.linear(x, w1[e])), w2[e]) for e, x in enumerate(torch.split(x_ND, sizes))])
 

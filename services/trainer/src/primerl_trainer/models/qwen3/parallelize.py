@@ -1,6 +1,6 @@
-"""Applies activation checkpointing, compile and FSDP2 to a Qwen3 model, in that order
-(torchtitan's): checkpointing wraps the plain block, compile sees the wrapped block, FSDP
-shards what compile traced."""
+"""Applies FP8 (model.fp8), activation checkpointing, compile and FSDP2 to a Qwen3 model, in
+that order (torchtitan's): the blocks' layers convert to FP8 in place, checkpointing wraps the
+plain block, compile sees the wrapped block, FSDP shards what compile traced."""
 
 from collections.abc import Callable
 from typing import TypeVar
@@ -11,6 +11,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
 from primerl_trainer.distributed import apply_activation_checkpointing, apply_compile, apply_fsdp
+from primerl_trainer.kernels.fp8_linear import Fp8Backend
+from primerl_trainer.models.fp8 import convert_to_fp8
 
 Model = TypeVar("Model", bound=nn.Module)
 
@@ -30,6 +32,7 @@ def parallelize_qwen3(
     shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
     experts_mesh: DeviceMesh | None = None,
     compile_fullgraph: bool = True,
+    fp8_backend: Fp8Backend | None = None,
 ) -> Model:
     """In place; returns the model (a Qwen3 composition: `model.layers` are its blocks).
 
@@ -37,9 +40,15 @@ def parallelize_qwen3(
     ep_mesh: a dense model has no experts to split, so only None or a mesh of one rank.
     gradient_divide_factor: FSDP divides summed gradients by it (None: dp_mesh's size).
     shard_placement_fn, experts_mesh, compile_fullgraph: for the models built on this one
-    (Qwen3-MoE; see distributed.apply_fsdp)."""
+    (Qwen3-MoE; see distributed.apply_fsdp).
+    fp8_backend: run the blocks' products in FP8 with this backend (models/fp8.py; model.fp8);
+    None: in the compute dtype."""
     if ep_mesh is not None and ep_mesh.size() > 1:
         raise ValueError(f"parallel.ep {ep_mesh.size()} needs a mixture-of-experts model; this one is dense")
+    if fp8_backend is not None:
+        # FSDP moves the model to the mesh's device; without it the model is where it runs.
+        device = dp_mesh.device_type if dp_mesh is not None else next(model.parameters()).device
+        convert_to_fp8(model.layers, backend=fp8_backend, device=device)
     if activation_checkpointing:
         apply_activation_checkpointing(model.layers)
     if compile:

@@ -29,12 +29,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Self
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from primerl_trainer.models.common.attention import attention
 from primerl_trainer.models.common.feed_forward import FeedForward
 from primerl_trainer.models.common.gated_delta_net import GatedDeltaNet, GatedDeltaNetImpl, LayerMasks, layer_masks
+from primerl_trainer.models.common.linear import fused_linear
 from primerl_trainer.models.qwen3.model import Attention, check_supported_hf_config, common_args_from_hf_config
 from primerl_trainer.models.qwen3_moe.model import MoETransformerBlock, Qwen3MoeModel, Qwen3MoeModelArgs
 
@@ -161,7 +161,7 @@ class GatedAttention(Attention):
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], masks: LayerMasks) -> torch.Tensor:
         batch_size, seq_len, _ = x.shape
         projections = (self.wq, self.wk, self.wv)
-        qkv = F.linear(x, torch.cat([p.weight for p in projections]))
+        qkv = fused_linear(x, projections)
         q_and_gate, k, v = qkv.split([p.out_features for p in projections], dim=-1)
         q, gate = q_and_gate.view(batch_size, seq_len, -1, 2 * self.head_dim).chunk(2, dim=-1)
         q, k = self.q_norm(q), self.k_norm(self.heads(k))
