@@ -20,7 +20,11 @@ at the start). Every step has fresh rows, the same in both runs.
 the model). Last line: RESULT fp8_final_loss_rel_diff=<|FP8 - bf16| / bf16 of the final losses>;
 the run also checks that neither run diverged (finite losses, the final loss below the first).
 
-    python bench/fp8_convergence.py                          # H200: ~3-4 minutes
+Two layers by default: an FP8 MoE layer's experts run one product after another on the host (no
+fused grouped FP8 kernel yet, kernels/fp8_linear.py), ~0.1-0.2 s per layer and step on an H200 by
+estimate, so that both runs, compiling and loading included, stay within ~3-4 minutes.
+
+    python bench/fp8_convergence.py                          # H200: ~3-4 minutes (estimate)
     python bench/fp8_convergence.py --smoke --device cpu     # the script itself, emulated FP8, < 1 minute
 """
 
@@ -108,7 +112,7 @@ def train_run(path: pathlib.Path, data: torch.Tensor, args, *, fp8_backend: str 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--layers", type=int, default=4, help="MoE layers (--smoke: the smoke shape's 2)")
+    parser.add_argument("--layers", type=int, default=2, help="MoE layers (--smoke: the smoke shape's 2)")
     parser.add_argument("--seq-len", type=int, default=4096, help="tokens per row (--smoke: 64)")
     parser.add_argument("--micro-batches", type=int, default=1, help="rows per optimizer step")
     parser.add_argument("--lr", type=float, default=3e-4)
