@@ -29,8 +29,10 @@ from primerl_trainer.models.gpt_oss.model import GptOssExperts
 from primerl_trainer.models.moe import GroupedExperts, TokenChoiceTopKRouter
 from primerl_trainer.models.nemotron_h.model import Relu2Experts
 from primerl_trainer.optim import LRScheduleConfig, OptimizerConfig, build_lr_scheduler, build_optimizer
+from primerl_trainer.runtime import build_runtime, shutdown_runtime
 from primerl_trainer.train import Trainer
 
+from .serving import trainer_config
 from .tiny_training import NUM_BYTE_TOKENS, load_tiny_model
 
 CPU = torch.device("cpu")
@@ -249,3 +251,18 @@ def test_fp8_configs_that_can_work_load() -> None:
     assert load_config(TrainerConfig, ["--model.path", "m", "--model.fp8", "true"]).model.fp8_backend == "scaled_mm"
     # the config's choices are the kernels' (config.py stays torch-free, so it spells them out)
     assert get_args(ModelConfig.model_fields["fp8_backend"].annotation) == FP8_BACKENDS
+
+
+def test_the_trainer_built_with_model_fp8_runs_its_blocks_in_fp8_and_trains(
+    dense_dir: pathlib.Path, rl_batches: list[list[MicroBatch]]
+) -> None:
+    """The config reaches the model: build_runtime (FSDP2 on one rank) converts the blocks, and a
+    train step runs through them."""
+    runtime = build_runtime(trainer_config(dense_dir, model={"fp8": True, "fp8_backend": "emulated"}))
+    try:
+        converted = [m for m in runtime.trainer.model.modules() if isinstance(m, Fp8Linear)]
+        metrics = runtime.trainer.train_step(rl_batches[0])
+    finally:
+        shutdown_runtime(runtime)
+    assert converted and all(m.fp8_backend == "emulated" for m in converted)
+    assert torch.isfinite(torch.tensor(metrics["loss"]))

@@ -165,6 +165,10 @@ def _parallelize(model: nn.Module, dims: ParallelDims, config: TrainerConfig) ->
             raise ValueError("activation_checkpointing and compile need the own model implementation")
         if dims.ep_enabled:
             raise ValueError("parallel.ep > 1 needs the own model implementation (model.impl 'auto' or 'custom')")
+        if config.model.fp8:
+            raise ValueError(
+                "model.fp8 needs the own model implementation; model.impl 'auto' found none for this model"
+            )
         policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
         for layer in getattr(getattr(model.hf_model, "model", None), "layers", []):
             fully_shard(layer, mesh=mesh, mp_policy=policy)
@@ -182,6 +186,7 @@ def _parallelize(model: nn.Module, dims: ParallelDims, config: TrainerConfig) ->
         reduce_dtype=torch.float32,
         activation_checkpointing=config.model.activation_checkpointing,
         compile=config.model.compile,
+        fp8_backend=config.model.fp8_backend if config.model.fp8 else None,
         **expert_parallel,
     )
 
