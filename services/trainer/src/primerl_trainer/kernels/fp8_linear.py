@@ -40,9 +40,12 @@ Two backends compute the same products:
   value the FP8 product computes (up to the summation order), on any device.
   The CPU tests use it; the GPU tests check "scaled_mm" against it.
 
-`fp8_grouped_linear` loops over the experts with the same products (a host sync for the
-expert sizes in the forward and one in the backward, as the experts' reference loop has); a
-fused grouped FP8 kernel is future work. Both are custom ops, whole to torch.compile.
+`fp8_grouped_linear` computes the same products per expert. Its "scaled_mm" backend runs
+kernels.fp8_grouped's fused Triton kernels (no host sync, no loop over the experts on the
+host); its "emulated" one loops over the experts (a host sync for the expert sizes in the
+forward and one in the backward) and is the fused kernels' reference: the weight gradient's
+1x128 tiles along the tokens restart at each expert's first token, an expert's last tile
+partial (zero-padded), in both. Both functions are custom ops, whole to torch.compile.
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ from primerl_common.weights.fp8 import (
     quantize_blockwise,
     quantize_rows_1x128,
 )
+from primerl_trainer.kernels.fp8_grouped import grouped_backward, grouped_forward
 
 __all__ = ["FP8_BACKENDS", "Fp8Backend", "check_fp8_device", "fp8_grouped_linear", "fp8_linear"]
 
@@ -196,6 +200,8 @@ def _fp8_grouped_linear_op(
     x_NI: torch.Tensor, w_EOI: torch.Tensor, offsets_E: torch.Tensor, backend: str
 ) -> torch.Tensor:
     _check_device(x_NI, backend)
+    if backend == "scaled_mm":
+        return grouped_forward(x_NI, w_EOI, offsets_E)
     y_NO = x_NI.new_zeros(x_NI.shape[0], w_EOI.shape[1])
     for expert, rows in _expert_rows(offsets_E):
         y_NO[rows] = _forward(x_NI[rows], w_EOI[expert], backend)
@@ -218,6 +224,9 @@ def _fp8_grouped_linear_backward_op(
     need_w: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx, dw); an unneeded one is empty. An expert without rows gets a zero weight gradient."""
+    if backend == "scaled_mm":
+        dx, dw = grouped_backward(dy_NO, x_NI, w_EOI, offsets_E, need_x, need_w)
+        return _or_empty(dx, x_NI), _or_empty(dw, w_EOI)
     dx_NI = torch.zeros_like(x_NI) if need_x else x_NI.new_empty(0)
     dw_EOI = torch.zeros_like(w_EOI) if need_w else w_EOI.new_empty(0)
     for expert, rows in _expert_rows(offsets_E):

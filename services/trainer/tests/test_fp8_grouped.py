@@ -1,0 +1,146 @@
+"""kernels.fp8_grouped on the CPU: the tile map, and the fused Triton kernels run by Triton's
+interpreter (TRITON_INTERPRET=1, in a subprocess so that interpreter mode stays out of this
+process) against the "emulated" backend of fp8_grouped_linear: the quantizers bit for bit, the
+products up to the summation order. gpu_fp8_linear.py runs the same comparison compiled on a GPU.
+
+The interpreter's own float conversions (float32 -> float8/bfloat16) are approximate (they
+truncate, and drop the carry of a rounded-up mantissa); the subprocess replaces them with
+torch's correctly rounded casts, which is what the GPU's conversion instructions compute.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from primerl_common.weights.fp8 import quantize_blockwise_reference, quantize_rows_1x128_reference
+from primerl_trainer.kernels.fp8_grouped import TILE, expert_tiles
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+SIZES = [130, 0, 7, 163]  # an empty expert, counts off the 128-row tile
+
+
+def offsets_of(sizes: list[int]) -> torch.Tensor:
+    return torch.tensor(sizes).cumsum(0).to(torch.int32)
+
+
+def test_tiles_restart_at_each_expert_and_never_straddle_two():
+    tiles = expert_tiles(offsets_of(SIZES), sum(SIZES))
+    assert tiles.num_tiles == 3 + len(SIZES)  # ceil(300 / 128) + one partial tile per expert at most
+    real = [
+        (e, s, t)
+        for e, s, t in zip(tiles.expert_T.tolist(), tiles.row_start_T.tolist(), tiles.row_end_T.tolist(), strict=True)
+        if t > s
+    ]
+    # Expert 0: rows 0-129 in two tiles; expert 2: 130-136; expert 3: 137-299 in two tiles.
+    assert [(e, s, min(s + TILE, t)) for e, s, t in real] == [
+        (0, 0, 128),
+        (0, 128, 130),
+        (2, 130, 137),
+        (3, 137, 265),
+        (3, 265, 300),
+    ]
+    assert tiles.tile_begin_E.tolist() == [0, 2, 2, 3]
+    assert tiles.tile_count_E.tolist() == [2, 0, 1, 2]
+
+
+def test_fused_kernels_equal_emulated_in_the_triton_interpreter():
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    code = "from services.trainer.tests.test_fp8_grouped import interpreter_checks; interpreter_checks()"
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    errors = json.loads(result.stdout.strip().splitlines()[-1])
+    for name, error in errors.items():
+        # Float32 outputs differ by the summation order only; bf16 ones round it once more.
+        assert error < (1e-5 if name.startswith("float32") else 1e-3), (name, errors)
+
+
+# ---- Run in the subprocess (TRITON_INTERPRET=1 set before Triton defines the kernels).
+
+
+def _use_exact_conversions() -> None:
+    import numpy as np
+    import triton.language as tl
+    import triton.runtime.interpreter as interpreter
+
+    approximate = interpreter._convert_float
+    dtypes = {
+        tl.float32: torch.float32,
+        tl.float16: torch.float16,
+        tl.bfloat16: torch.bfloat16,
+        tl.float8e4nv: torch.float8_e4m3fn,
+    }
+    bits = {8: torch.uint8, 16: torch.int16, 32: torch.int32}
+
+    def convert(values, input_dtype, output_dtype, rounding_mode):
+        if input_dtype not in dtypes or output_dtype not in dtypes:
+            return approximate(values, input_dtype, output_dtype, rounding_mode)
+        raw = torch.from_numpy(np.ascontiguousarray(values).view(np.uint8).copy())
+        converted = raw.view(bits[input_dtype.primitive_bitwidth]).view(dtypes[input_dtype]).to(dtypes[output_dtype])
+        out_bits = converted.view(bits[output_dtype.primitive_bitwidth]).numpy()
+        return out_bits.view(getattr(np, f"uint{output_dtype.primitive_bitwidth}")).reshape(np.shape(values))
+
+    interpreter._convert_float = convert
+
+
+def _same_fp8(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def _relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((actual.double() - expected.double()).norm() / expected.double().norm()).item()
+
+
+def interpreter_checks() -> None:
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    _use_exact_conversions()
+    from primerl_trainer.kernels.fp8_grouped import (
+        grouped_backward,
+        grouped_forward,
+        quantize_expert_weights,
+        quantize_token_tiles,
+    )
+    from primerl_trainer.kernels.fp8_linear import fp8_grouped_linear
+
+    torch.manual_seed(0)
+    num_experts, in_features, out_features, rows = len(SIZES), 256, 384, sum(SIZES)
+    offsets = offsets_of(SIZES)
+    errors = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(rows, in_features).to(dtype)
+        weights = (torch.randn(num_experts, out_features, in_features) * 0.05).to(dtype)
+        grad_y = torch.randn(rows, out_features).to(dtype)
+
+        wq, ws = quantize_expert_weights(weights)
+        wtq, wts = quantize_expert_weights(weights, transpose=True)
+        assert torch.equal(wts, ws) and _same_fp8(wtq, wq.transpose(1, 2))
+        tiles = expert_tiles(offsets, rows)
+        dytq, dyts = quantize_token_tiles(grad_y, tiles)
+        for expert, (start, end) in enumerate(zip([0, *offsets[:-1].tolist()], offsets.tolist(), strict=True)):
+            ref_q, ref_s = quantize_blockwise_reference(weights[expert])
+            assert torch.equal(ws[expert], ref_s) and _same_fp8(wq[expert], ref_q), expert
+            # The emulated backend's weight-gradient operand: 1x128 tiles from the expert's first token.
+            ref_q, ref_s = quantize_rows_1x128_reference(grad_y[start:end].t())
+            first, count = tiles.tile_begin_E[expert].item(), tiles.tile_count_E[expert].item()
+            assert torch.equal(dyts[first : first + count].t(), ref_s), expert
+            values = dytq[:, first * TILE : (first + count) * TILE]
+            assert _same_fp8(values[:, : end - start], ref_q), expert
+            assert not values[:, end - start :].float().any(), expert
+
+        y = grouped_forward(x, weights, offsets)
+        grad_x, grad_w = grouped_backward(grad_y, x, weights, offsets, True, True)
+        x_e, w_e = x.clone().requires_grad_(), weights.clone().requires_grad_()
+        y_e = fp8_grouped_linear(x_e, w_e, offsets, backend="emulated")
+        y_e.backward(grad_y)
+        for name, actual, expected in (("y", y, y_e), ("grad_x", grad_x, x_e.grad), ("grad_w", grad_w, w_e.grad)):
+            assert actual.dtype == expected.dtype and actual.shape == expected.shape, name
+            errors[f"{str(dtype).removeprefix('torch.')} {name}"] = _relative_error(actual, expected)
+        assert not grad_w[1].any()
+    print(json.dumps(errors))
