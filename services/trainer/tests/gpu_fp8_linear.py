@@ -1,8 +1,10 @@
 """kernels.fp8_linear on a Hopper GPU: the "scaled_mm" backend (cuBLAS's block-scaled FP8
 products) against the "emulated" one (the same quantized operands multiplied in float32),
-forward and backward with bf16 inputs, dense and grouped; the Triton 1x128 quantizer against
-its PyTorch reference, bit for bit; and the time of fp8_linear against bf16 F.linear for an
-8192x4096x4096 product (printed). From the repository root, where the project is installed:
+forward and backward with bf16 inputs, dense and grouped (the grouped one: kernels.fp8_grouped's
+fused Triton kernels); the Triton quantizers against their PyTorch references, bit for bit; and
+the time of fp8_linear against bf16 F.linear for an 8192x4096x4096 product, and of
+fp8_grouped_linear against bf16 torch._grouped_mm for a MoE layer's experts (printed). From
+the repository root, where the project is installed:
 
     python3 -m pytest -q services/trainer/tests/gpu_fp8_linear.py
 
@@ -25,6 +27,7 @@ from primerl_common.weights.fp8 import (
     quantize_rows_1x128,
     quantize_rows_1x128_reference,
 )
+from primerl_trainer.kernels.fp8_grouped import TILE, expert_tiles, quantize_expert_weights, quantize_token_tiles
 from primerl_trainer.kernels.fp8_linear import check_fp8_device, fp8_grouped_linear, fp8_linear
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -94,23 +97,63 @@ def test_scaled_mm_equals_emulated_forward_and_backward(tokens, in_features, out
     assert relative_error(fast[0], exact) < 5e-2
 
 
-def test_grouped_scaled_mm_equals_emulated():
+# (expert sizes, in, out): an empty expert and sizes off the 128-row tile; a partial 128-block
+# of the contraction (2880); many experts, several of them empty.
+GROUPED_SHAPES = [
+    ([100, 0, 300, 17], 512, 256),
+    ([130, 0, 7, 163, 1000], 2880, 384),
+    ([0, 0, 513, 1, 255, 0, 64, 129, 0, 700, 3, 0, 128, 256, 0, 40], 1024, 768),
+]
+
+
+@pytest.mark.parametrize("sizes,in_features,out_features", GROUPED_SHAPES)
+@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32])
+def test_grouped_scaled_mm_equals_emulated(sizes, in_features, out_features, weight_dtype):
+    """The fused Triton kernels (kernels.fp8_grouped) against the per-expert emulated loop."""
     hopper()
-    torch.manual_seed(0)
-    sizes = [100, 0, 300, 17]
-    x = torch.randn(sum(sizes), 512, device="cuda", dtype=torch.bfloat16)
-    weights = torch.randn(len(sizes), 256, 512, device="cuda", dtype=torch.bfloat16) * 0.05
+    torch.manual_seed(len(sizes))
+    x = torch.randn(sum(sizes), in_features, device="cuda", dtype=torch.bfloat16)
+    weights = (torch.randn(len(sizes), out_features, in_features, device="cuda") * 0.05).to(weight_dtype)
     offsets = torch.tensor(sizes, device="cuda").cumsum(0).to(torch.int32)
-    grad_y = torch.randn(sum(sizes), 256, device="cuda", dtype=torch.bfloat16)
+    grad_y = torch.randn(sum(sizes), out_features, device="cuda", dtype=torch.bfloat16)
     results = {}
     for backend in ("scaled_mm", "emulated"):
         x_b, w_b = x.clone().requires_grad_(), weights.clone().requires_grad_()
         y = fp8_grouped_linear(x_b, w_b, offsets, backend=backend)
         y.backward(grad_y)
         results[backend] = (y, x_b.grad, w_b.grad)
-    for actual, expected in zip(results["scaled_mm"], results["emulated"], strict=True):
-        assert relative_error(actual, expected) < 5e-3
-    assert torch.count_nonzero(results["scaled_mm"][2][1]) == 0
+    for name, actual, expected in zip(
+        ("y", "grad_x", "grad_w"), results["scaled_mm"], results["emulated"], strict=True
+    ):
+        assert actual.dtype == expected.dtype and actual.shape == expected.shape, name
+        assert relative_error(actual, expected) < 5e-3, name
+    for expert, size in enumerate(sizes):
+        if size == 0:
+            assert torch.count_nonzero(results["scaled_mm"][2][expert]) == 0
+
+
+def test_grouped_quantizers_equal_the_per_expert_ones_bit_for_bit():
+    hopper()
+    torch.manual_seed(0)
+    sizes = [130, 0, 7, 163, 1000]
+    offsets = torch.tensor(sizes, device="cuda").cumsum(0).to(torch.int32)
+    weights = torch.randn(len(sizes), 384, 2880, device="cuda", dtype=torch.bfloat16)
+    grad_y = torch.randn(sum(sizes), 384, device="cuda", dtype=torch.bfloat16)
+    wq, ws = quantize_expert_weights(weights)
+    wtq, wts = quantize_expert_weights(weights, transpose=True)
+    assert torch.equal(wts, ws) and torch.equal(wtq.view(torch.uint8), wq.transpose(1, 2).view(torch.uint8))
+    tiles = expert_tiles(offsets, sum(sizes))
+    tq, ts = quantize_token_tiles(grad_y, tiles)
+    starts = [0, *offsets[:-1].tolist()]
+    for expert, (start, end) in enumerate(zip(starts, offsets.tolist(), strict=True)):
+        ref_q, ref_s = quantize_blockwise_reference(weights[expert])
+        assert torch.equal(ws[expert], ref_s) and torch.equal(wq[expert].view(torch.uint8), ref_q.view(torch.uint8))
+        ref_q, ref_s = quantize_rows_1x128_reference(grad_y[start:end].t())
+        first, count = tiles.tile_begin_E[expert].item(), tiles.tile_count_E[expert].item()
+        assert torch.equal(ts[first : first + count].t(), ref_s), expert
+        values = tq[:, first * TILE : (first + count) * TILE].view(torch.uint8)
+        assert torch.equal(values[:, : end - start], ref_q.view(torch.uint8)), expert
+        assert torch.count_nonzero(values[:, end - start :]) == 0, expert
 
 
 def median_ms(fn, iters: int = 10, repeats: int = 5) -> float:
@@ -154,4 +197,37 @@ def test_time_against_bf16_linear(capsys):
             f"\n{tokens}x{in_features}x{out_features}: forward bf16 {forward['bf16']:.3f} ms, "
             f"fp8 {forward['fp8']:.3f} ms ({forward['bf16'] / forward['fp8']:.2f}x); forward+backward "
             f"bf16 {both['bf16']:.3f} ms, fp8 {both['fp8']:.3f} ms ({both['bf16'] / both['fp8']:.2f}x)"
+        )
+
+
+@pytest.mark.parametrize("name,in_features,out_features", [("up", 2048, 768 * 2), ("down", 768, 2048)])
+def test_time_grouped_against_bf16_grouped_mm(capsys, name, in_features, out_features):
+    """A MoE layer's experts: 4096 tokens x top-8 over 128 experts (random routing)."""
+    hopper()
+    torch.manual_seed(0)
+    num_experts, rows = 128, 4096 * 8
+    sizes = torch.bincount(torch.randint(num_experts, (rows,), device="cuda"), minlength=num_experts)
+    offsets = sizes.cumsum(0).to(torch.int32)
+    x = torch.randn(rows, in_features, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    weights = torch.randn(num_experts, out_features, in_features, device="cuda", dtype=torch.bfloat16) * 0.02
+    weights.requires_grad_()
+    grad_y = torch.randn(rows, out_features, device="cuda", dtype=torch.bfloat16)
+
+    def bf16():
+        return torch._grouped_mm(x, weights.transpose(-2, -1), offs=offsets)
+
+    def fp8():
+        return fp8_grouped_linear(x, weights, offsets)
+
+    with torch.no_grad():
+        forward = {"bf16": median_ms(bf16), "fp8": median_ms(fp8)}
+        # Of the FP8 forward: the experts' weights quantized (read in bf16, written in FP8).
+        weight_quantization = median_ms(lambda: quantize_expert_weights(weights))
+    both = {"bf16": median_ms(lambda: bf16().backward(grad_y)), "fp8": median_ms(lambda: fp8().backward(grad_y))}
+    with capsys.disabled():
+        print(
+            f"\ngrouped {name} E={num_experts} N={rows} {in_features}->{out_features}: forward bf16 "
+            f"{forward['bf16']:.3f} ms, fp8 {forward['fp8']:.3f} ms ({forward['bf16'] / forward['fp8']:.2f}x); "
+            f"forward+backward bf16 {both['bf16']:.3f} ms, fp8 {both['fp8']:.3f} ms "
+            f"({both['bf16'] / both['fp8']:.2f}x); fp8 weight quantization {weight_quantization:.3f} ms"
         )
