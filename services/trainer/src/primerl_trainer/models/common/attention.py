@@ -196,7 +196,7 @@ def _document_batches(docs: torch.Tensor, *, device: torch.device) -> DocumentBa
     """The groups of the documents of rows with document ids `docs` [B, T] (non-decreasing along
     each row), on `device`; None when every row is one document."""
     num_rows, row_len = docs.shape
-    # The forward's one host sync: the bounds become Python ints here, once for every layer.
+    # The bounds as Python ints, once per forward for every layer (off the CPU, a host sync).
     docs = docs.cpu()
     starts = torch.ones_like(docs, dtype=torch.bool)
     starts[:, 1:] = docs[:, 1:] != docs[:, :-1]
