@@ -266,6 +266,11 @@ def _run_workers(
 # ~1e-5 elsewhere (tiny_training.assert_weights_match_after_adam), and the MoE model's losses move by
 # ~3e-5: the MoE model is compared in float64.
 TOLERANCES = {torch.float32: (1e-5, None), torch.float64: (1e-10, 1e-10)}
+# The trained model's logprobs and entropy, float32: one process attends each packed sample on
+# its own (models/common/attention.py), the cp ranks their row share under the dense mask; the
+# two kernels round apart (~5e-6 before training, ~1e-6 in the gradients), and two Adam steps,
+# which normalise gradients, carry that to ~3e-4. float64 holds the exact claim.
+TRAINED_FLOAT32_TOLERANCE = 1e-3
 
 
 def _assert_matches_one_process(result: dict, reference: dict, dtype: torch.dtype) -> None:
@@ -274,9 +279,10 @@ def _assert_matches_one_process(result: dict, reference: dict, dtype: torch.dtyp
     for step, (got, wanted) in enumerate(zip(result["metrics"], reference["metrics"], strict=True)):
         for key in METRICS:
             assert got[key] == pytest.approx(wanted[key], rel=tolerance, abs=tolerance), (step, key)
-    for key in ("initial_logprobs", "logprobs", "entropy"):
+    trained = TRAINED_FLOAT32_TOLERANCE if dtype == torch.float32 else tolerance
+    for key, bound in (("initial_logprobs", tolerance), ("logprobs", trained), ("entropy", trained)):
         # Relative too: logprobs are ~ -6 (float32 resolves ~5e-7 there).
-        torch.testing.assert_close(result[key], reference[key], rtol=tolerance, atol=tolerance, msg=key)
+        torch.testing.assert_close(result[key], reference[key], rtol=bound, atol=bound, msg=key)
     # Flex (forward only on the CPU) gives the same as the dense mask; every rank the same row.
     torch.testing.assert_close(result["other_backend_logprobs"], result["logprobs"], rtol=tolerance, atol=tolerance)
     for logprobs in result["all_ranks_logprobs"]:
