@@ -9,10 +9,10 @@ The operands are quantized as fp8_linear's module docstring tables, and exactly 
   operand in 1x128 tiles along the contraction (quantize_rows_1x128 of the whole [N, K]
   tensor: a row's tiles do not depend on its expert), each expert's weight in 128x128 blocks
   (W for the forward, W^T for dx: the blocks of W^T are W's transposed, quantized here
-  straight into the transposed layout). The rows are cut into tiles of 128 rows restarted at
-  each expert's first row, so that no tile straddles two experts; a device-side map gives each
-  tile its expert and rows, and the launch covers an upper bound of tiles (ceil(N/128) + E),
-  the programs past the real count exiting at once.
+  straight into the transposed layout). The rows are cut into tiles of M_GROUPED's BLOCK_M
+  rows restarted at each expert's first row, so that no tile straddles two experts; a
+  device-side map gives each tile its expert and rows, and the launch covers an upper bound of
+  tiles (ceil(N/BLOCK_M) + E), the programs past the real count exiting at once.
 - weight gradient dW[e] = dy_e^T @ x_e: a "K-grouped" product, contracting over the expert's
   tokens. dy^T and x^T are quantized in 1x128 tiles along the tokens, the tile grid restarted
   at each expert's first token (as quantize_rows_1x128(dy_e.t()) does per expert): an
@@ -37,13 +37,17 @@ from primerl_common.weights.fp8 import quantize_rows_1x128
 
 __all__ = ["expert_tiles", "grouped_backward", "grouped_forward", "quantize_expert_weights", "quantize_token_tiles"]
 
-TILE = 128  # the quantization block, the rows of a product tile and its contraction step
+TILE = 128  # the quantization block and the products' contraction step
 _FP8 = torch.float8_e4m3fn
+# The products' launch settings (BLOCK_M: the rows of an M-grouped tile; bench/fp8_kernels.py
+# measures the alternatives on a GPU).
+M_GROUPED = {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 3}
+K_GROUPED = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
 
 
 def grouped_forward(x_NI: torch.Tensor, w_EOI: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
     """y [N, O] in x's dtype: rows of expert e times w_EOI[e]^T; rows past offsets_E[-1] are zero."""
-    tiles = expert_tiles(offsets_E, x_NI.shape[0])
+    tiles = expert_tiles(offsets_E, x_NI.shape[0], M_GROUPED["BLOCK_M"])
     xq, xs = quantize_rows_1x128(x_NI)
     wq, ws = quantize_expert_weights(w_EOI)
     return _m_grouped(xq, xs, wq, ws, tiles, transposed_weight=False, out_dtype=x_NI.dtype)
@@ -59,13 +63,14 @@ def grouped_backward(
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(dx [N, I] in x's dtype, dW [E, O, I] in W's dtype), None where not needed; an expert
     without rows gets a zero weight gradient."""
-    tiles = expert_tiles(offsets_E, x_NI.shape[0])
     dx = dw = None
     if need_x:
+        tiles = expert_tiles(offsets_E, x_NI.shape[0], M_GROUPED["BLOCK_M"])
         dyq, dys = quantize_rows_1x128(dy_NO)
         wtq, wts = quantize_expert_weights(w_EOI, transpose=True)
         dx = _m_grouped(dyq, dys, wtq, wts, tiles, transposed_weight=True, out_dtype=x_NI.dtype)
     if need_w:
+        tiles = expert_tiles(offsets_E, x_NI.shape[0])
         dytq, dyts = quantize_token_tiles(dy_NO, tiles)
         xtq, xts = quantize_token_tiles(x_NI, tiles)
         dw = _k_grouped(dytq, dyts, xtq, xts, tiles, out_dtype=w_EOI.dtype)
@@ -73,22 +78,24 @@ def grouped_backward(
 
 
 class ExpertTiles:
-    """The rows cut into tiles of TILE restarted at each expert's first row, on the device:
-    per tile (an upper bound of num_tiles of them) its expert and rows [row_start, row_end),
-    an empty range past the real count; per expert its first tile and its number of tiles."""
+    """The rows cut into tiles of `tile_rows` restarted at each expert's first row, on the
+    device: per tile (an upper bound of num_tiles of them) its expert and rows [row_start,
+    row_end), an empty range past the real count; per expert its first tile and its number of
+    tiles. The weight gradient's token tiles are tiles of TILE (its quantization's)."""
 
-    def __init__(self, offsets_E: torch.Tensor, num_rows: int) -> None:
+    def __init__(self, offsets_E: torch.Tensor, num_rows: int, tile_rows: int = TILE) -> None:
         num_experts = offsets_E.shape[0]
-        self.num_tiles = -(-num_rows // TILE) + num_experts
+        self.tile_rows = tile_rows
+        self.num_tiles = -(-num_rows // tile_rows) + num_experts
         ends_E = offsets_E.to(torch.int64)
         starts_E = F.pad(ends_E[:-1], (1, 0))
-        tile_count_E = (ends_E - starts_E + TILE - 1) // TILE
+        tile_count_E = (ends_E - starts_E + tile_rows - 1) // tile_rows
         tile_end_E = tile_count_E.cumsum(0)
         tile_begin_E = tile_end_E - tile_count_E
         tile_T = torch.arange(self.num_tiles, device=offsets_E.device)
         expert_T = torch.searchsorted(tile_end_E, tile_T, right=True).clamp_(max=num_experts - 1)
         real_T = tile_T < tile_end_E[-1]
-        row_start_T = starts_E[expert_T] + (tile_T - tile_begin_E[expert_T]) * TILE
+        row_start_T = starts_E[expert_T] + (tile_T - tile_begin_E[expert_T]) * tile_rows
         self.expert_T = expert_T.to(torch.int32)
         self.row_start_T = torch.where(real_T, row_start_T, 0).to(torch.int32)
         self.row_end_T = torch.where(real_T, ends_E[expert_T], 0).to(torch.int32)
@@ -96,10 +103,10 @@ class ExpertTiles:
         self.tile_count_E = tile_count_E.to(torch.int32)
 
 
-def expert_tiles(offsets_E: torch.Tensor, num_rows: int) -> ExpertTiles:
+def expert_tiles(offsets_E: torch.Tensor, num_rows: int, tile_rows: int = TILE) -> ExpertTiles:
     if num_rows >= 2**31 - TILE:
         raise ValueError(f"fp8_grouped_linear: {num_rows} rows do not fit the kernels' 32-bit row indices")
-    return ExpertTiles(offsets_E, num_rows)
+    return ExpertTiles(offsets_E, num_rows, tile_rows)
 
 
 def quantize_expert_weights(w_EOI: torch.Tensor, *, transpose: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,6 +131,8 @@ def quantize_token_tiles(t_NC: torch.Tensor, tiles: ExpertTiles) -> tuple[torch.
     """t^T in 1x128 tiles along the tokens, per tile of `tiles` (restarted at each expert):
     (float8 values [C, num_tiles * 128], tile j in columns [128 j, 128 j + 128), zeros past
     its rows; float32 scales [num_tiles, C]). Tiles past the real count are left unwritten."""
+    if tiles.tile_rows != TILE:
+        raise ValueError(f"token tiles are {TILE} rows (the quantization's), not {tiles.tile_rows}")
     num_cols = t_NC.shape[1]
     quantized = torch.empty(num_cols, tiles.num_tiles * TILE, dtype=_FP8, device=t_NC.device)
     scales = torch.empty(tiles.num_tiles, num_cols, dtype=torch.float32, device=t_NC.device)
@@ -166,8 +175,8 @@ def _m_grouped(
     bs_e, bs_n, bs_k = bs.stride()
     if transposed_weight:
         bs_n, bs_k = bs_k, bs_n
-    block_n = 128
-    _kernels().m_grouped[(-(-num_out // block_n), tiles.num_tiles)](
+    config = {key: value for key, value in M_GROUPED.items() if key != "BLOCK_M"}  # the tiles' rows
+    _kernels().m_grouped[(-(-num_out // config["BLOCK_N"]), tiles.num_tiles)](
         aq,
         as_,
         bq,
@@ -188,11 +197,9 @@ def _m_grouped(
         bs_k,
         out.stride(0),
         out.stride(1),
-        BLOCK_M=TILE,
-        BLOCK_N=block_n,
+        BLOCK_M=tiles.tile_rows,
         BLOCK_K=TILE,
-        num_warps=8,
-        num_stages=4,
+        **config,
     )
     return out
 
@@ -213,8 +220,8 @@ def _k_grouped(
     out = torch.empty(num_experts, num_m, num_n, dtype=out_dtype, device=aq.device)
     if out.numel() == 0:
         return out
-    block_m, block_n = 128, 128
-    _kernels().k_grouped[(-(-num_n // block_n), -(-num_m // block_m), num_experts)](
+    config = K_GROUPED
+    _kernels().k_grouped[(-(-num_n // config["BLOCK_N"]), -(-num_m // config["BLOCK_M"]), num_experts)](
         aq,
         as_,
         bq,
@@ -229,11 +236,8 @@ def _k_grouped(
         bq.stride(0),
         bs.stride(0),
         *out.stride(),
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
         BLOCK_K=TILE,
-        num_warps=8,
-        num_stages=4,
+        **config,
     )
     return out
 
@@ -358,16 +362,16 @@ class _Kernels:
             a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :] * stride_ak
             b_ptrs = b_ptr + expert * stride_be + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None] * stride_bk
             as_ptrs = as_ptr + offs_m.to(tl.int64) * stride_asm
-            # BLOCK_N divides 128: the tile's columns share one weight block row.
-            bs_ptrs = bs_ptr + expert * stride_bse + (pid_n * BLOCK_N // 128) * stride_bsn
+            # Each column's weight block row (BLOCK_N 128 or more: a tile may span several).
+            bs_ptrs = bs_ptr + expert * stride_bse + (offs_n // BLOCK_K) * stride_bsn
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for kb in range(0, tl.cdiv(depth, BLOCK_K)):
                 k_mask = offs_k < depth - kb * BLOCK_K
                 a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
                 b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
                 a_scale = tl.load(as_ptrs + kb * stride_ask, mask=m_mask, other=0.0)
-                b_scale = tl.load(bs_ptrs + kb * stride_bsk)
-                acc += tl.dot(a, b) * (a_scale[:, None] * b_scale)
+                b_scale = tl.load(bs_ptrs + kb * stride_bsk, mask=n_mask, other=0.0)
+                acc += tl.dot(a, b) * (a_scale[:, None] * b_scale[None, :])
                 a_ptrs += BLOCK_K * stride_ak
                 b_ptrs += BLOCK_K * stride_bk
             c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :] * stride_cn
