@@ -148,6 +148,24 @@ def product_rows(name, out_f, in_f, offsets, args) -> dict:
     }
 
 
+@torch.library.custom_op("fp8_kernels_bench::plus_one", mutates_args=())
+def _plus_one_op(x: torch.Tensor) -> torch.Tensor:
+    return x + 1
+
+
+_plus_one_op.register_autograd(lambda ctx, grad: grad, setup_context=lambda ctx, inputs, output: None)
+
+
+class _PlusOne(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x + 1
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
 def host_profile(reps: int) -> None:
     """Host time of a forward and backward of fp8_linear and fp8_grouped_linear at shapes where
     the GPU is never the bound (the time to issue the kernels), and where it goes (cProfile)."""
@@ -163,6 +181,8 @@ def host_profile(reps: int) -> None:
     offsets = torch.arange(16, 16 * 17, 16, device="cuda", dtype=torch.int32)
     dy = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16)
     cases = {
+        "a custom op (x + 1, its own backward)": lambda: _plus_one_op(x).backward(dy),
+        "an autograd.Function (x + 1)": lambda: _PlusOne.apply(x).backward(dy),
         "F.linear bf16": lambda: torch.nn.functional.linear(x, w).backward(dy),
         "fp8_linear": lambda: fp8_linear(x, w).backward(dy),
         "torch._grouped_mm bf16": lambda: torch._grouped_mm(x, we.transpose(-2, -1), offs=offsets).backward(dy),
@@ -178,7 +198,7 @@ def host_profile(reps: int) -> None:
         host_ms = (time.perf_counter() - start) / reps * 1e3
         torch.cuda.synchronize()
         print(f"host: {name} forward+backward issued in {host_ms:.3f} ms")
-        if name.startswith("fp8"):
+        if name.startswith(("fp8", "a custom")):
             profiler = cProfile.Profile()
             profiler.enable()
             for _ in range(reps):
