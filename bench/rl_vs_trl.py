@@ -415,12 +415,24 @@ def read_records(path: pathlib.Path) -> list[dict[str, Any]]:
 
 
 def primerl_launch_file(
-    demo: dict[str, Any], steps: int, warm_model: pathlib.Path | None, ports: dict[str, int]
+    demo: dict[str, Any],
+    steps: int,
+    warm_model: pathlib.Path | None,
+    ports: dict[str, int],
+    overrides: Iterable[str] = (),
 ) -> dict[str, Any]:
     import copy
+    import tomllib
 
     launch = copy.deepcopy(demo)
     launch["orchestrator"]["run"]["max_steps"] = steps
+    for override in overrides:  # --set table.key=<TOML value>
+        path, _, value = override.partition("=")
+        *tables, key = path.split(".")
+        table = launch
+        for name in tables:
+            table = table.setdefault(name, {})
+        table[key] = tomllib.loads(f"value = {value}")["value"]
     if warm_model is not None:
         launch.pop("warm_start", None)
         launch["launcher"]["model"] = str(warm_model)
@@ -441,7 +453,7 @@ def run_primerl(
 
     run_dir = out / "primerl"
     ports = {service: free_port() for service in SERVICES}
-    launch = primerl_launch_file(demo, args.steps, args.warm_model, ports)
+    launch = primerl_launch_file(demo, args.steps, args.warm_model, ports, args.set)
     launch_path = out / "primerl-launch.toml"
     launch_path.write_text(
         "# The embedded demo (primerl demo-config) with max_steps, and Prometheus ports to read the services'\n"
@@ -986,6 +998,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--warm-model", type=pathlib.Path, help="a warm-started model folder (a run's warm_start/model): no warm start"
     )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="TABLE.KEY=VALUE",
+        help="change the demo's config for the primerl row (a TOML value), e.g. "
+        "orchestrator.advantage.filter_zero_advantage=false; repeatable",
+    )
     parser.add_argument("--out-dir", type=pathlib.Path, help="default: runs/rl_vs_trl-<date-time>")
     parser.add_argument("--output", type=pathlib.Path, help="also write the report (what follows the runs) here")
     parser.add_argument("--row-timeout-s", type=float, help="per row's training (default 600 s + 60 s a step)")
@@ -1073,7 +1093,8 @@ def main(argv: list[str] | None = None) -> int:
         report.append(
             f"  primerl up: {primerl['wall_total_s']:.0f} s in all (warm start, service start-up and shutdown "
             f"included); reward gain of the trained batches' mean (the demo's summary) "
-            f"{reward_gain(primerl['batch_rewards']):.3f}"
+            f"{reward_gain(primerl['batch_rewards']):.3f}; the demo's config"
+            + (f" with {', '.join(args.set)}" if args.set else "")
         )
         report.append("")
         report += primerl["breakdown"]
