@@ -3,7 +3,7 @@ the expert shapes of bench/trainer_throughput.py (issue 19): where an FP8 MoE st
 
 For each shape (moe: hidden 2048, experts of 768; moe_wide: 4096 / 1536; 128 experts, top 8,
 --tokens tokens routed at random, so ~tokens * 8 / 128 rows an expert) and each of the layer's
-two products (w13: [E, 2F, D], w2: [E, D, F]), GPU time (CUDA events, median of --reps) of:
+two products (w13: [E, 2F, D], w2: [E, D, F]), GPU time (triton.testing.do_bench's median) of:
 the bf16 forward, input gradient and weight gradient (torch._grouped_mm), and kernels.fp8_grouped's
 pieces: the activation quantizer (1x128 tiles), the weight quantizer (W, and W^T for the input
 gradient), the token-tile quantizers of the weight gradient, and the M-grouped and K-grouped
@@ -22,9 +22,9 @@ from __future__ import annotations
 import argparse
 import functools
 import itertools
-import statistics
 
 import torch
+import triton.testing
 
 from primerl_common.weights.fp8 import quantize_rows_1x128
 from primerl_trainer.kernels import fp8_grouped as fg
@@ -33,18 +33,8 @@ SHAPES = {"moe": (2048, 768), "moe_wide": (4096, 1536)}
 EXPERTS, TOP_K = 128, 8
 
 
-def gpu_ms(fn, reps: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+def gpu_ms(fn, rep_ms: int) -> float:
+    return triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median")
 
 
 def routed_offsets(tokens: int, generator: torch.Generator) -> torch.Tensor:
@@ -69,19 +59,19 @@ def product_rows(name, out_f, in_f, offsets, args) -> dict:
     dy = torch.randn(rows, out_f, device="cuda", dtype=torch.bfloat16)
     flops = 2 * rows * out_f * in_f
     bf16 = {
-        "fwd": gpu_ms(lambda: torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets), args.reps),
-        "dx": gpu_ms(lambda: torch._grouped_mm(dy, w, offs=offsets), args.reps),
-        "dw": gpu_ms(lambda: torch._grouped_mm(dy.t(), x, offs=offsets), args.reps),
+        "fwd": gpu_ms(lambda: torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets), args.rep_ms),
+        "dx": gpu_ms(lambda: torch._grouped_mm(dy, w, offs=offsets), args.rep_ms),
+        "dw": gpu_ms(lambda: torch._grouped_mm(dy.t(), x, offs=offsets), args.rep_ms),
     }
     quant = {
-        "x 1x128": gpu_ms(lambda: quantize_rows_1x128(x), args.reps),
-        "dy 1x128": gpu_ms(lambda: quantize_rows_1x128(dy), args.reps),
-        "W 128x128": gpu_ms(lambda: fg.quantize_expert_weights(w), args.reps),
-        "W^T 128x128": gpu_ms(lambda: fg.quantize_expert_weights(w, transpose=True), args.reps),
+        "x 1x128": gpu_ms(lambda: quantize_rows_1x128(x), args.rep_ms),
+        "dy 1x128": gpu_ms(lambda: quantize_rows_1x128(dy), args.rep_ms),
+        "W 128x128": gpu_ms(lambda: fg.quantize_expert_weights(w), args.rep_ms),
+        "W^T 128x128": gpu_ms(lambda: fg.quantize_expert_weights(w, transpose=True), args.rep_ms),
     }
     token_tiles = fg.expert_tiles(offsets, rows)
     quant["dy,x token tiles"] = gpu_ms(
-        lambda: (fg.quantize_token_tiles(dy, token_tiles), fg.quantize_token_tiles(x, token_tiles)), args.reps
+        lambda: (fg.quantize_token_tiles(dy, token_tiles), fg.quantize_token_tiles(x, token_tiles)), args.rep_ms
     )
     xq, xs = quantize_rows_1x128(x)
     dyq, dys = quantize_rows_1x128(dy)
@@ -108,7 +98,7 @@ def product_rows(name, out_f, in_f, offsets, args) -> dict:
                 fg._m_grouped, *operands, tiles, transposed_weight=which == "dx", out_dtype=x.dtype
             )
             try:
-                results.append((gpu_ms(call, args.reps), config))
+                results.append((gpu_ms(call, args.rep_ms), config))
             except Exception as error:  # a setting past the GPU's shared memory
                 print(f"    m_grouped {which} {config}: {type(error).__name__}")
         fg.M_GROUPED.clear()
@@ -128,7 +118,7 @@ def product_rows(name, out_f, in_f, offsets, args) -> dict:
         fg.K_GROUPED.update(config)
         call = functools.partial(fg._k_grouped, dytq, dyts, xtq, xts, token_tiles, out_dtype=w.dtype)
         try:
-            results.append((gpu_ms(call, args.reps), config))
+            results.append((gpu_ms(call, args.rep_ms), config))
         except Exception as error:
             print(f"    k_grouped {config}: {type(error).__name__}")
     fg.K_GROUPED.clear()
@@ -212,13 +202,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default="moe,moe_wide")
     parser.add_argument("--tokens", type=int, default=4096, help="tokens of a micro-batch (rows = tokens * 8)")
-    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--rep-ms", type=int, default=100, help="each timing's budget (triton.testing.do_bench)")
     parser.add_argument("--sweep", action="store_true", help="time every launch setting of the grids")
     parser.add_argument("--host", action="store_true", help="also the host time of issuing the products")
     args = parser.parse_args()
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
     if args.host:
-        host_profile(args.reps * 10)
+        host_profile(200)
     generator = torch.Generator(device="cuda").manual_seed(0)
     ratios = {}
     for shape in args.shapes.split(","):

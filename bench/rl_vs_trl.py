@@ -427,12 +427,18 @@ def primerl_launch_file(
     launch = copy.deepcopy(demo)
     launch["orchestrator"]["run"]["max_steps"] = steps
     for override in overrides:  # --set table.key=<TOML value>
-        path, _, value = override.partition("=")
+        path, equals, value = override.partition("=")
+        try:
+            parsed = tomllib.loads(f"value = {value}")["value"]
+        except tomllib.TOMLDecodeError as error:
+            raise ValueError(f"--set {override!r}: not TABLE.KEY=<a TOML value> ({error})") from None
+        if not equals or not path:
+            raise ValueError(f"--set {override!r}: not TABLE.KEY=<a TOML value>")
         *tables, key = path.split(".")
         table = launch
         for name in tables:
             table = table.setdefault(name, {})
-        table[key] = tomllib.loads(f"value = {value}")["value"]
+        table[key] = parsed
     if warm_model is not None:
         launch.pop("warm_start", None)
         launch["launcher"]["model"] = str(warm_model)
@@ -1033,6 +1039,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("run this with the repo's environment (.venv/bin/python, after make setup)")
 
     demo = tomllib.loads(demo_config_text())
+    try:  # --set mistakes end here, before any row runs
+        primerl_launch_file(demo, args.steps, args.warm_model, {}, args.set)
+    except ValueError as error:
+        parser.error(str(error))
     settings = demo_settings(demo)
     transformers_version = importlib.metadata.version("transformers")
     say(f"bench/rl_vs_trl.py: {args.steps} steps per row, output in {out}")

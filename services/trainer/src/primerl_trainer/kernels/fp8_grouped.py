@@ -220,8 +220,8 @@ def _k_grouped(
     out = torch.empty(num_experts, num_m, num_n, dtype=out_dtype, device=aq.device)
     if out.numel() == 0:
         return out
-    config = K_GROUPED
-    _kernels().k_grouped[(-(-num_n // config["BLOCK_N"]), -(-num_m // config["BLOCK_M"]), num_experts)](
+    grid = (-(-num_n // K_GROUPED["BLOCK_N"]), -(-num_m // K_GROUPED["BLOCK_M"]), num_experts)
+    _kernels().k_grouped[grid](
         aq,
         as_,
         bq,
@@ -237,7 +237,7 @@ def _k_grouped(
         bs.stride(0),
         *out.stride(),
         BLOCK_K=TILE,
-        **config,
+        **K_GROUPED,
     )
     return out
 
@@ -362,7 +362,7 @@ class _Kernels:
             a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :] * stride_ak
             b_ptrs = b_ptr + expert * stride_be + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None] * stride_bk
             as_ptrs = as_ptr + offs_m.to(tl.int64) * stride_asm
-            # Each column's weight block row (BLOCK_N 128 or more: a tile may span several).
+            # Each column's own weight block row: a tile of any BLOCK_N may span several.
             bs_ptrs = bs_ptr + expert * stride_bse + (offs_n // BLOCK_K) * stride_bsn
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for kb in range(0, tl.cdiv(depth, BLOCK_K)):
