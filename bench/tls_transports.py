@@ -5,7 +5,8 @@ connections, plaintext and mTLS, through
 - `aio`: grpc.aio at both ends (the push paths' transport today, bench/tls_overhead.py's push);
 - `sync`: gRPC's threaded API (K client threads, a thread-pool server);
 - `ssl`: raw sockets with Python's `ssl` (OpenSSL) in one thread per connection at each end,
-  length-prefixed messages read with recv_into (the kvstore bulk channel's way).
+  length-prefixed messages read with recv_into (the kvstore bulk channel's way);
+- `sync>aio` and `aio>sync`: the sending API > the receiving one, to tell which end bounds.
 
 If TLS's cost were the cipher's (AES-GCM runs at ~10 GB/s a core on the device host's Xeon,
 `openssl speed`), K connections on K cores would hide it. The table shows where each transport
@@ -42,7 +43,7 @@ from tls_overhead import MODES, SINK_PUSH, add_port, make_certs, serve_sink, str
 
 HERE = pathlib.Path(__file__).resolve()
 MiB = 1 << 20
-TRANSPORTS = ("aio", "sync", "ssl")
+TRANSPORTS = ("aio", "sync", "ssl", "sync>aio", "aio>sync")
 _HEADER = 8  # little-endian message length; 0 ends a round and asks for a one-byte answer
 
 
@@ -163,8 +164,15 @@ def rounds_ssl(port: int, mode: str, certs: pathlib.Path, k: int, payload: bytes
     return rates
 
 
+def ends(transport: str) -> tuple[str, str]:
+    """(sending API, receiving API) of a transport."""
+    sender, _, receiver = transport.partition(">")
+    return sender, receiver or sender
+
+
 def measure(transport: str, port: int, mode: str, certs: pathlib.Path, k: int, args: argparse.Namespace):
     payload, n = os.urandom(args.message_mib * MiB), args.push_mib // args.message_mib
+    transport = ends(transport)[0]
     if transport == "aio":
         return asyncio.run(rounds_aio(port, mode, certs, k, payload, n, args.rounds))
     run = rounds_sync if transport == "sync" else rounds_ssl
@@ -215,7 +223,7 @@ def main() -> None:
         for transport in transports:
             for mode in MODES:
                 port = free_port()
-                command = [sys.executable, str(HERE), "--serve", transport, str(port), mode, str(certs)]
+                command = [sys.executable, str(HERE), "--serve", ends(transport)[1], str(port), mode, str(certs)]
                 receiver = subprocess.Popen(command, env={**os.environ, **MALLOC_ENV})
                 try:
                     wait_listening(port, receiver)
