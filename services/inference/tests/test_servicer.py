@@ -222,6 +222,12 @@ BAD_REQUESTS = [
     (gen_input(lora_adapter="reverse"), grpc.StatusCode.FAILED_PRECONDITION, None),
     (gen_input(return_routed_experts=True), grpc.StatusCode.FAILED_PRECONDITION, None),
     (gen_input(min_policy_version=10**9), grpc.StatusCode.FAILED_PRECONDITION, None),
+    # A text model takes no images: refused, not sampled without them.
+    (
+        gen_input(images=[generation_pb2.ImageData(data=b"\x89PNG", mime_type="image/png")]),
+        grpc.StatusCode.FAILED_PRECONDITION,
+        None,
+    ),
     (
         gen_input(kv_transfer=generation_pb2.KvTransferParams(mode=generation_pb2.KV_TRANSFER_MODE_PREFILL_ONLY)),
         grpc.StatusCode.FAILED_PRECONDITION,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import io
 import json
 import pathlib
 from collections.abc import AsyncIterator
@@ -18,7 +19,7 @@ from google.rpc import error_details_pb2
 from primerl.orchestrator.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 from primerl.router.v1 import router_pb2_grpc
 from primerl.trainer.v1 import trainer_pb2_grpc
-from primerl_common.errors import error_details
+from primerl_common.errors import error_details, field_violations
 from primerl_common.testing import bare_server, eventually, in_process_service
 from primerl_launcher.tiny_model import save_tokenizer
 from primerl_orchestrator.config import OrchestratorConfig
@@ -125,3 +126,59 @@ async def test_an_episode_abandoned_to_the_timeout_leaves_its_group_incomplete(m
         counts = await groups(stub)
         assert (counts.finished, counts.incomplete) == (0, 1)
         assert await refusal(turn(stub, episode_id)) == (grpc.StatusCode.FAILED_PRECONDITION, "EPISODE_DROPPED")
+
+
+def png(width: int, height: int) -> bytes:
+    from PIL import Image
+
+    encoded = io.BytesIO()
+    Image.new("RGB", (width, height), (200, 30, 30)).save(encoded, format="PNG")
+    return encoded.getvalue()
+
+
+def parts_turn(
+    episode_id: str, *parts: orchestrator_pb2.ContentPart, content: str = ""
+) -> orchestrator_pb2.GenerateRequest:
+    message = orchestrator_pb2.ChatMessage(role="user", content=content, parts=parts)
+    return orchestrator_pb2.GenerateRequest(
+        episode_id=episode_id, messages=orchestrator_pb2.ChatMessages(messages=[message])
+    )
+
+
+def text(value: str) -> orchestrator_pb2.ContentPart:
+    return orchestrator_pb2.ContentPart(text=value)
+
+
+def image(data: bytes = b"", mime_type: str = "image/png", uri: str = "") -> orchestrator_pb2.ContentPart:
+    part = orchestrator_pb2.ImagePart(uri=uri) if uri else orchestrator_pb2.ImagePart(data=data)
+    part.mime_type = mime_type
+    return orchestrator_pb2.ContentPart(image=part)
+
+
+async def test_message_parts_text_is_rendered_and_images_are_checked_then_refused_while_the_episode_goes_on(model_dir):
+    async with orchestrator(model_dir, StandInTrainer()) as stub:
+        episode_id, other = await start_group(stub, "parts")
+        bad = {
+            "messages.messages[0].content": parts_turn(episode_id, text("hi"), content="hi"),
+            "messages.messages[0].parts[1].image.data": parts_turn(episode_id, text("a"), image(b"\x89PNG cut")),
+            "messages.messages[0].parts[0].image.mime_type": parts_turn(episode_id, image(png(4, 4), "image/tiff")),
+            # 20 megapixels: refused from the header, before the pixels are decoded.
+            "messages.messages[0].parts[0].image.data": parts_turn(episode_id, image(png(5000, 4000))),
+            "messages.messages[0].parts[0]": parts_turn(episode_id, orchestrator_pb2.ContentPart()),
+        }
+        for field, request in bad.items():
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                await stub.Generate(request, timeout=10)
+            assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT, field
+            assert field in field_violations(error.value), (field, error.value.details())
+        # A well-formed image: this orchestrator renders text only, so the turn is refused whole.
+        for part in (image(png(32, 24)), image(uri="file:///images/a.png")):
+            assert await refusal(stub.Generate(parts_turn(episode_id, text("what is this? "), part), timeout=10)) == (
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "CAPABILITY_MISSING",
+            )
+        # Text parts are the message's text (the same prompt as `content`); the episode took none of
+        # the refused turns.
+        response = await stub.Generate(parts_turn(episode_id, text("h"), text("i")), timeout=10)
+        as_content = await stub.Generate(parts_turn(other, content="hi"), timeout=10)
+        assert (response.turn, response.num_prompt_tokens) == (0, as_content.num_prompt_tokens)

@@ -36,6 +36,7 @@ from vllm.v1.engine.async_llm import AsyncLLM
 
 from primerl.common.v1 import tensor_pb2
 from primerl_common.errors import FailedPrecondition, InvalidArgument, Unavailable
+from primerl_common.images import CAPABILITY_IMAGES
 from primerl_inference.adapters import AdapterRegistry, AdapterSpec, receive_adapter_tensors
 from primerl_inference.capabilities import (
     CAPABILITY_KV_TRANSFER,
@@ -319,6 +320,10 @@ class InferenceEngine:
             raise missing_capability(CAPABILITY_KV_TRANSFER, f"the {request.kv_transfer} half of a KV hand-off")
         if request.lora_adapter and not self._config.engine.enable_lora:
             raise missing_capability(CAPABILITY_LORA, "LoRA")
+        if request.images:
+            # Serving images is not built yet: the capability is never listed, and a request
+            # that carries images is refused rather than sampled without them.
+            raise missing_capability(CAPABILITY_IMAGES, "images in the prompt")
 
     async def _pop_routed_experts(self, engine_request_id: str, request: GenerateRequest) -> tuple[int, np.ndarray]:
         """(first token position, rows): a decode half whose prompt came from the pool without

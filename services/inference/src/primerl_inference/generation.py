@@ -72,6 +72,8 @@ class GenerateRequest:
     return_routed_experts: bool = False
     min_policy_version: int = 0
     kv_transfer: KvTransferMode = ""
+    # (bytes, MIME type) of each image of the prompt, not decoded.
+    images: tuple[tuple[bytes, str], ...] = ()
 
     def validate(self, *, vocab_size: int, max_model_len: int) -> None:
         """Raises InvalidArgument naming the first bad field (paths as in GenerateRequest)."""

@@ -267,6 +267,7 @@ def generate_request_from_proto(input: generation_pb2.GenerationInput) -> Genera
         return_routed_experts=input.return_routed_experts,
         min_policy_version=input.min_policy_version,
         kv_transfer=kv_transfer,
+        images=tuple((image.data, image.mime_type) for image in input.images),
     )
 
 

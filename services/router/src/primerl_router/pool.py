@@ -13,6 +13,7 @@ import contextlib
 from collections.abc import Iterator, Sequence
 
 from primerl_common.errors import FailedPrecondition, NotFound, Unavailable
+from primerl_common.images import CAPABILITY_IMAGES
 from primerl_router import metrics
 from primerl_router.policies import RoutingPolicy
 from primerl_router.replica import Replica
@@ -109,6 +110,13 @@ class ReplicaPool:
                 f"no replica serves policy version >= {request.min_policy_version} (replicas: {summary})",
                 subject="min_policy_version",
                 reason="POLICY_VERSION_NOT_SERVED",
+            )
+        if request.num_images and any(reason.endswith(CAPABILITY_IMAGES) for reason in reasons.values()):
+            metrics.requests_without_replica.labels("capability").inc()
+            return FailedPrecondition(
+                f"no replica takes images (capability {CAPABILITY_IMAGES}; replicas: {summary})",
+                subject=CAPABILITY_IMAGES,
+                reason="CAPABILITY_MISSING",
             )
         metrics.requests_without_replica.labels("unavailable").inc()
         return Unavailable(f"no replica can take the request (replicas: {summary})", reason="NO_REPLICA")

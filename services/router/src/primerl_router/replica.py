@@ -14,6 +14,7 @@ import logging
 import time
 
 from primerl.common.v1 import generation_pb2
+from primerl_common.images import CAPABILITY_IMAGES
 from primerl_router.circuit import CircuitBreaker, CircuitState
 from primerl_router.config import CircuitBreakerConfig, HealthConfig
 from primerl_router.metrics import ReplicaMetrics
@@ -99,6 +100,10 @@ class Replica:
         self.num_requests_total = 0
         self.num_errors_total = 0
         self.last_seen = 0.0  # wall-clock time of the last passed check or load report
+        # What its GetServiceInfo lists (asked whenever its load stream connects: the process
+        # behind the address may have been replaced by another build).
+        self.capabilities: frozenset[str] = frozenset()
+        self.capabilities_known = False
         self._idle: asyncio.Event | None = None
 
     def __repr__(self) -> str:
@@ -134,6 +139,7 @@ class Replica:
             and (request.min_policy_version <= 0 or self.policy_version >= request.min_policy_version)
             and not self.self_draining
             and self.circuit.available()
+            and (not request.num_images or CAPABILITY_IMAGES in self.capabilities)
         )
 
     def rejection(self, request: RouteRequest) -> str:
@@ -148,6 +154,8 @@ class Replica:
             return f"policy version {self.policy_version}"
         if not self.circuit.available():
             return "circuit open"
+        if request.num_images and CAPABILITY_IMAGES not in self.capabilities:
+            return f"no capability {CAPABILITY_IMAGES}" if self.capabilities_known else "capabilities not known yet"
         return "eligible"
 
     # ------------------------------------------------------------------ requests
@@ -217,12 +225,16 @@ class Replica:
         self.metrics.apply_load(load)
         self.metrics.updating.set(self.updating)
 
+    def set_capabilities(self, capabilities: frozenset[str]) -> None:
+        self.capabilities, self.capabilities_known = capabilities, True
+
     def forget_load(self) -> None:
-        """The load stream is gone: what it said (version included) may be stale. A replica
+        """The load stream is gone: what it said (version and capabilities included) may be stale. A replica
         that said it is draining stays so until it reports again: it ends its stream after
         saying so, and what answers next at its address is a new process."""
         draining = self.self_draining
         self.load = generation_pb2.LoadReport(draining=True) if draining else None
+        self.capabilities, self.capabilities_known = frozenset(), False
         self.num_started_since_report = 0
         self.policy_version = UNKNOWN_VERSION
         self.load_updating = False

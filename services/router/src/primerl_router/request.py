@@ -30,6 +30,7 @@ _VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
 # Field numbers (router.v1.GenerateRequest, common.v1.GenerationInput, router.v1.RoutingHints).
 _REQUEST_INPUT, _REQUEST_ROUTING = 1, 15
 _INPUT_REQUEST_ID, _INPUT_PROMPT, _INPUT_CACHE_SALT, _INPUT_LORA, _INPUT_MIN_VERSION = 1, 2, 5, 6, 9
+_INPUT_IMAGES = 11
 _HINTS_SESSION_KEY, _HINTS_ROLE = 1, 2
 _HIGH_BYTES = bytes(range(0x80, 0x100))
 
@@ -45,6 +46,8 @@ class RouteRequest:
     lora_adapter: bytes = b""
     # prompt_token_ids as packed varints (what the wire carries).
     prompt: bytes = b""
+    # Images in the prompt: only replicas that list primerl_common.images.CAPABILITY_IMAGES take them.
+    num_images: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -86,6 +89,8 @@ def _read_input(data: bytes, start: int, end: int, request: RouteRequest) -> Non
                 request.cache_salt = data[position : position + value]
             elif number == _INPUT_LORA:
                 request.lora_adapter = data[position : position + value]
+            elif number == _INPUT_IMAGES:
+                request.num_images += 1
         elif number == _INPUT_MIN_VERSION and wire_type == _VARINT:
             request.min_policy_version = value - (1 << 64) if value >= 1 << 63 else value
     request.prompt = b"".join(prompt_parts)

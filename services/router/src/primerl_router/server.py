@@ -6,6 +6,7 @@ import grpc
 
 from primerl.router.v1 import router_pb2, router_pb2_grpc
 from primerl_common import security
+from primerl_common.images import CAPABILITY_IMAGES
 from primerl_common.server import ServiceDefinition
 from primerl_router import __version__
 from primerl_router.config import RouterConfig
@@ -13,7 +14,7 @@ from primerl_router.fleet import Fleet
 from primerl_router.forwarding import Forwarder
 from primerl_router.servicer import RouterServicer
 
-__all__ = ["ROLES", "build"]
+__all__ = ["ROLES", "ROUTER_CAPABILITY_IMAGES", "build"]
 
 _SERVICE = router_pb2.DESCRIPTOR.services_by_name["RouterService"]
 # Who may call what (primerl_common.security): the orchestrator (and serving tenants)
@@ -41,13 +42,17 @@ def _add_router_service(servicer: RouterServicer, server: grpc.aio.Server) -> No
     )
 
 
+ROUTER_CAPABILITY_IMAGES = f"router.{CAPABILITY_IMAGES}"
+
+
 async def build(config: RouterConfig) -> ServiceDefinition:
     fleet = Fleet(config)
     definition = ServiceDefinition(
         name="router",
         version=__version__,
         servicers=[],
-        capabilities=[f"router.policy.{config.policy.name}", "router.generate.passthrough"],
+        # generate.images: requests with images go only to replicas that list CAPABILITY_IMAGES.
+        capabilities=[f"router.policy.{config.policy.name}", "router.generate.passthrough", ROUTER_CAPABILITY_IMAGES],
         attributes={"policy": config.policy.name},
         on_start=[fleet.start],
         on_stop=[fleet.stop],

@@ -1,6 +1,7 @@
 """The gRPC side of one replica: its channel, the raw Generate method, and the
 two loops that keep its Replica current: grpc.health.v1 checks (health with
-thresholds) and the WatchLoad stream (load, policy version, update state).
+thresholds) and the WatchLoad stream (load, policy version, update state; its
+GetServiceInfo capabilities asked each time the stream connects).
 """
 
 from __future__ import annotations
@@ -96,6 +97,28 @@ class Upstream:
             return False
         return reply.reset
 
+    async def _ask_capabilities(self) -> None:
+        """The replica's capabilities, from its GetServiceInfo (raises where it does not answer)."""
+        try:
+            reply = await self._inference.GetServiceInfo(
+                inference_pb2.GetServiceInfoRequest(), timeout=self._health_config.timeout_s
+            )
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
+                raise
+            capabilities: frozenset[str] = frozenset()  # a replica older than capabilities
+        else:
+            capabilities = frozenset(reply.info.capabilities)
+        if not self.replica.capabilities_known or capabilities != self.replica.capabilities:
+            logger.info(
+                "replica %s lists capabilities %s",
+                self.replica.replica_id,
+                ", ".join(sorted(capabilities)) or "none",
+                extra={"replica_id": self.replica.replica_id, "address": self.replica.address},
+            )
+        self.replica.set_capabilities(capabilities)
+        self._on_change()
+
     async def _health_loop(self) -> None:
         while True:
             await asyncio.sleep(self._health_config.interval_s)
@@ -106,6 +129,7 @@ class Upstream:
         backoff = self._load_config.report_interval_ms / 1000
         while True:
             try:
+                await self._ask_capabilities()
                 async for response in self._inference.WatchLoad(request):
                     self.replica.apply_load(response.load)
                     self._on_change()

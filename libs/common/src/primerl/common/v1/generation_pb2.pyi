@@ -86,7 +86,7 @@ class KvTransferParams(_message.Message):
     def __init__(self, mode: _Optional[_Union[KvTransferMode, str]] = ..., transfer_id: _Optional[str] = ...) -> None: ...
 
 class GenerationInput(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "stream", "cache_salt", "lora_adapter", "return_prompt_logprobs", "return_routed_experts", "min_policy_version", "kv_transfer")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "stream", "cache_salt", "lora_adapter", "return_prompt_logprobs", "return_routed_experts", "min_policy_version", "kv_transfer", "images")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -97,6 +97,7 @@ class GenerationInput(_message.Message):
     RETURN_ROUTED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
     MIN_POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
@@ -107,7 +108,16 @@ class GenerationInput(_message.Message):
     return_routed_experts: bool
     min_policy_version: int
     kv_transfer: KvTransferParams
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stream: _Optional[_Union[StreamOptions, _Mapping]] = ..., cache_salt: _Optional[str] = ..., lora_adapter: _Optional[str] = ..., return_prompt_logprobs: _Optional[bool] = ..., return_routed_experts: _Optional[bool] = ..., min_policy_version: _Optional[int] = ..., kv_transfer: _Optional[_Union[KvTransferParams, _Mapping]] = ...) -> None: ...
+    images: _containers.RepeatedCompositeFieldContainer[ImageData]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stream: _Optional[_Union[StreamOptions, _Mapping]] = ..., cache_salt: _Optional[str] = ..., lora_adapter: _Optional[str] = ..., return_prompt_logprobs: _Optional[bool] = ..., return_routed_experts: _Optional[bool] = ..., min_policy_version: _Optional[int] = ..., kv_transfer: _Optional[_Union[KvTransferParams, _Mapping]] = ..., images: _Optional[_Iterable[_Union[ImageData, _Mapping]]] = ...) -> None: ...
+
+class ImageData(_message.Message):
+    __slots__ = ("data", "mime_type")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    MIME_TYPE_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    mime_type: str
+    def __init__(self, data: _Optional[bytes] = ..., mime_type: _Optional[str] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
     __slots__ = ("num_prompt_tokens", "num_cached_prompt_tokens", "num_output_tokens", "time_to_first_token_s", "total_time_s")

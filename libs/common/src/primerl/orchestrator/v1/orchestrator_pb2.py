@@ -27,7 +27,7 @@ from primerl.common.v1 import generation_pb2 as primerl_dot_common_dot_v1_dot_ge
 from primerl.common.v1 import service_info_pb2 as primerl_dot_common_dot_v1_dot_service__info__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n*primerl/orchestrator/v1/orchestrator.proto\x12\x17primerl.orchestrator.v1\x1a\x1cgoogle/protobuf/struct.proto\x1a\"primerl/common/v1/generation.proto\x1a$primerl/common/v1/service_info.proto\"\x17\n\x15GetServiceInfoRequest\"F\n\x16GetServiceInfoResponse\x12,\n\x04info\x18\x01 \x01(\x0b\x32\x1e.primerl.common.v1.ServiceInfo\">\n\x04Task\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12%\n\x04\x64\x61ta\x18\x02 \x01(\x0b\x32\x17.google.protobuf.Struct\"\xc9\x01\n\x07\x45pisode\x12\x12\n\nepisode_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x13\n\x0b\x65nvironment\x18\x03 \x01(\t\x12+\n\x04task\x18\x04 \x01(\x0b\x32\x1d.primerl.orchestrator.v1.Task\x12\x12\n\ngroup_size\x18\x05 \x01(\r\x12\x16\n\x0eindex_in_group\x18\x06 \x01(\r\x12\x16\n\x0epolicy_version\x18\x07 \x01(\x03\x12\x12\n\nevaluation\x18\x08 \x01(\t\"T\n\x0f\x45nvironmentInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x62uiltin\x18\x02 \x01(\x08\x12\x12\n\ngroup_size\x18\x03 \x01(\r\x12\x0e\n\x06weight\x18\x04 \x01(\x01\"\x19\n\x17ListEnvironmentsRequest\"Z\n\x18ListEnvironmentsResponse\x12>\n\x0c\x65nvironments\x18\x01 \x03(\x0b\x32(.primerl.orchestrator.v1.EnvironmentInfo\")\n\x12NextEpisodeRequest\x12\x13\n\x0b\x65nvironment\x18\x01 \x01(\t\"H\n\x13NextEpisodeResponse\x12\x31\n\x07\x65pisode\x18\x01 \x01(\x0b\x32 .primerl.orchestrator.v1.Episode\"m\n\x13StartEpisodeRequest\x12\x13\n\x0b\x65nvironment\x18\x01 \x01(\t\x12+\n\x04task\x18\x02 \x01(\x0b\x32\x1d.primerl.orchestrator.v1.Task\x12\x14\n\x0cnum_episodes\x18\x03 \x01(\r\"J\n\x14StartEpisodeResponse\x12\x32\n\x08\x65pisodes\x18\x01 \x03(\x0b\x32 .primerl.orchestrator.v1.Episode\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"B\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\"y\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x35\n\ntool_calls\x18\x03 \x03(\x0b\x32!.primerl.orchestrator.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"t\n\x0c\x43hatMessages\x12\x36\n\x08messages\x18\x01 \x03(\x0b\x32$.primerl.orchestrator.v1.ChatMessage\x12,\n\x05tools\x18\x02 \x03(\x0b\x32\x1d.primerl.orchestrator.v1.Tool\"\x1d\n\x08TokenIds\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\xd4\x01\n\x0fGenerateRequest\x12\x12\n\nepisode_id\x18\x01 \x01(\t\x12\x39\n\x08messages\x18\x02 \x01(\x0b\x32%.primerl.orchestrator.v1.ChatMessagesH\x00\x12\x33\n\x06tokens\x18\x03 \x01(\x0b\x32!.primerl.orchestrator.v1.TokenIdsH\x00\x12\x33\n\x08sampling\x18\x04 \x01(\x0b\x32!.primerl.common.v1.SamplingParamsB\x08\n\x06prompt\"\x99\x02\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x36\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1f.primerl.common.v1.FinishReason\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\r\x12\x0c\n\x04turn\x18\x05 \x01(\r\x12\x11\n\ttruncated\x18\x06 \x01(\x08\x12\x1c\n\x14\x66irst_policy_version\x18\x07 \x01(\x03\x12\x1b\n\x13last_policy_version\x18\x08 \x01(\x03\x12\x35\n\ntool_calls\x18\t \x03(\x0b\x32!.primerl.orchestrator.v1.ToolCall\"\xc8\x01\n\x14\x46inishEpisodeRequest\x12\x12\n\nepisode_id\x18\x01 \x01(\t\x12\x0e\n\x06reward\x18\x02 \x01(\x01\x12K\n\x07metrics\x18\x03 \x03(\x0b\x32:.primerl.orchestrator.v1.FinishEpisodeRequest.MetricsEntry\x12\x0f\n\x07\x64iscard\x18\x04 \x01(\x08\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"D\n\x15\x46inishEpisodeResponse\x12\x16\n\x0egroup_complete\x18\x01 \x01(\x08\x12\x13\n\x0bnum_samples\x18\x02 \x01(\r\"\xd8\x01\n\x10\x45nvironmentStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1c\n\x14num_episodes_started\x18\x02 \x01(\x04\x12\x1d\n\x15num_episodes_finished\x18\x03 \x01(\x04\x12\x1c\n\x14num_episodes_running\x18\x04 \x01(\x04\x12\x13\n\x0breward_mean\x18\x05 \x01(\x01\x12\x12\n\nreward_std\x18\x06 \x01(\x01\x12\x1e\n\x16num_dropped_off_policy\x18\x07 \x01(\x04\x12\x12\n\nnum_errors\x18\x08 \x01(\x04\"\x80\x01\n\x0bGroupCounts\x12\x10\n\x08\x66inished\x18\x01 \x01(\x04\x12\x1e\n\x16\x66iltered_equal_rewards\x18\x02 \x01(\x04\x12\x12\n\nincomplete\x18\x03 \x01(\x04\x12\x1a\n\x12\x65pisodes_timed_out\x18\x04 \x01(\x04\x12\x0f\n\x07\x62\x61tched\x18\x05 \x01(\x04\"\x15\n\x13GetRunStatusRequest\"\xa1\x03\n\x14GetRunStatusResponse\x12\x30\n\x05state\x18\x01 \x01(\x0e\x32!.primerl.orchestrator.v1.RunState\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x11\n\tmax_steps\x18\x03 \x01(\x03\x12\x16\n\x0epolicy_version\x18\x04 \x01(\x03\x12\x17\n\x0fmax_async_level\x18\x05 \x01(\r\x12\x1c\n\x14max_off_policy_steps\x18\x06 \x01(\r\x12$\n\x1cnum_dropped_off_policy_total\x18\x07 \x01(\x04\x12\x1d\n\x15off_policy_steps_mean\x18\x08 \x01(\x01\x12\x1c\n\x14off_policy_steps_max\x18\t \x01(\r\x12?\n\x0c\x65nvironments\x18\n \x03(\x0b\x32).primerl.orchestrator.v1.EnvironmentStats\x12\r\n\x05\x65rror\x18\x0b \x01(\t\x12\x34\n\x06groups\x18\x0c \x01(\x0b\x32$.primerl.orchestrator.v1.GroupCounts\"\x11\n\x0fPauseRunRequest\"D\n\x10PauseRunResponse\x12\x30\n\x05state\x18\x01 \x01(\x0e\x32!.primerl.orchestrator.v1.RunState\"\x12\n\x10ResumeRunRequest\"E\n\x11ResumeRunResponse\x12\x30\n\x05state\x18\x01 \x01(\x0e\x32!.primerl.orchestrator.v1.RunState*\x98\x01\n\x08RunState\x12\x19\n\x15RUN_STATE_UNSPECIFIED\x10\x00\x12\x16\n\x12RUN_STATE_STARTING\x10\x01\x12\x15\n\x11RUN_STATE_RUNNING\x10\x02\x12\x14\n\x10RUN_STATE_PAUSED\x10\x03\x12\x16\n\x12RUN_STATE_FINISHED\x10\x04\x12\x14\n\x10RUN_STATE_FAILED\x10\x05\x32\xdb\x07\n\x13OrchestratorService\x12q\n\x0eGetServiceInfo\x12..primerl.orchestrator.v1.GetServiceInfoRequest\x1a/.primerl.orchestrator.v1.GetServiceInfoResponse\x12w\n\x10ListEnvironments\x12\x30.primerl.orchestrator.v1.ListEnvironmentsRequest\x1a\x31.primerl.orchestrator.v1.ListEnvironmentsResponse\x12h\n\x0bNextEpisode\x12+.primerl.orchestrator.v1.NextEpisodeRequest\x1a,.primerl.orchestrator.v1.NextEpisodeResponse\x12k\n\x0cStartEpisode\x12,.primerl.orchestrator.v1.StartEpisodeRequest\x1a-.primerl.orchestrator.v1.StartEpisodeResponse\x12_\n\x08Generate\x12(.primerl.orchestrator.v1.GenerateRequest\x1a).primerl.orchestrator.v1.GenerateResponse\x12n\n\rFinishEpisode\x12-.primerl.orchestrator.v1.FinishEpisodeRequest\x1a..primerl.orchestrator.v1.FinishEpisodeResponse\x12k\n\x0cGetRunStatus\x12,.primerl.orchestrator.v1.GetRunStatusRequest\x1a-.primerl.orchestrator.v1.GetRunStatusResponse\x12_\n\x08PauseRun\x12(.primerl.orchestrator.v1.PauseRunRequest\x1a).primerl.orchestrator.v1.PauseRunResponse\x12\x62\n\tResumeRun\x12).primerl.orchestrator.v1.ResumeRunRequest\x1a*.primerl.orchestrator.v1.ResumeRunResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n*primerl/orchestrator/v1/orchestrator.proto\x12\x17primerl.orchestrator.v1\x1a\x1cgoogle/protobuf/struct.proto\x1a\"primerl/common/v1/generation.proto\x1a$primerl/common/v1/service_info.proto\"\x17\n\x15GetServiceInfoRequest\"F\n\x16GetServiceInfoResponse\x12,\n\x04info\x18\x01 \x01(\x0b\x32\x1e.primerl.common.v1.ServiceInfo\">\n\x04Task\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12%\n\x04\x64\x61ta\x18\x02 \x01(\x0b\x32\x17.google.protobuf.Struct\"\xc9\x01\n\x07\x45pisode\x12\x12\n\nepisode_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x13\n\x0b\x65nvironment\x18\x03 \x01(\t\x12+\n\x04task\x18\x04 \x01(\x0b\x32\x1d.primerl.orchestrator.v1.Task\x12\x12\n\ngroup_size\x18\x05 \x01(\r\x12\x16\n\x0eindex_in_group\x18\x06 \x01(\r\x12\x16\n\x0epolicy_version\x18\x07 \x01(\x03\x12\x12\n\nevaluation\x18\x08 \x01(\t\"T\n\x0f\x45nvironmentInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x62uiltin\x18\x02 \x01(\x08\x12\x12\n\ngroup_size\x18\x03 \x01(\r\x12\x0e\n\x06weight\x18\x04 \x01(\x01\"\x19\n\x17ListEnvironmentsRequest\"Z\n\x18ListEnvironmentsResponse\x12>\n\x0c\x65nvironments\x18\x01 \x03(\x0b\x32(.primerl.orchestrator.v1.EnvironmentInfo\")\n\x12NextEpisodeRequest\x12\x13\n\x0b\x65nvironment\x18\x01 \x01(\t\"H\n\x13NextEpisodeResponse\x12\x31\n\x07\x65pisode\x18\x01 \x01(\x0b\x32 .primerl.orchestrator.v1.Episode\"m\n\x13StartEpisodeRequest\x12\x13\n\x0b\x65nvironment\x18\x01 \x01(\t\x12+\n\x04task\x18\x02 \x01(\x0b\x32\x1d.primerl.orchestrator.v1.Task\x12\x14\n\x0cnum_episodes\x18\x03 \x01(\r\"J\n\x14StartEpisodeResponse\x12\x32\n\x08\x65pisodes\x18\x01 \x03(\x0b\x32 .primerl.orchestrator.v1.Episode\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"B\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\"\xae\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x35\n\ntool_calls\x18\x03 \x03(\x0b\x32!.primerl.orchestrator.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x33\n\x05parts\x18\x05 \x03(\x0b\x32$.primerl.orchestrator.v1.ContentPart\"Z\n\x0b\x43ontentPart\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\x33\n\x05image\x18\x02 \x01(\x0b\x32\".primerl.orchestrator.v1.ImagePartH\x00\x42\x06\n\x04part\"G\n\tImagePart\x12\x0e\n\x04\x64\x61ta\x18\x01 \x01(\x0cH\x00\x12\r\n\x03uri\x18\x02 \x01(\tH\x00\x12\x11\n\tmime_type\x18\x03 \x01(\tB\x08\n\x06source\"t\n\x0c\x43hatMessages\x12\x36\n\x08messages\x18\x01 \x03(\x0b\x32$.primerl.orchestrator.v1.ChatMessage\x12,\n\x05tools\x18\x02 \x03(\x0b\x32\x1d.primerl.orchestrator.v1.Tool\"\x1d\n\x08TokenIds\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\xd4\x01\n\x0fGenerateRequest\x12\x12\n\nepisode_id\x18\x01 \x01(\t\x12\x39\n\x08messages\x18\x02 \x01(\x0b\x32%.primerl.orchestrator.v1.ChatMessagesH\x00\x12\x33\n\x06tokens\x18\x03 \x01(\x0b\x32!.primerl.orchestrator.v1.TokenIdsH\x00\x12\x33\n\x08sampling\x18\x04 \x01(\x0b\x32!.primerl.common.v1.SamplingParamsB\x08\n\x06prompt\"\x99\x02\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x36\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1f.primerl.common.v1.FinishReason\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\r\x12\x0c\n\x04turn\x18\x05 \x01(\r\x12\x11\n\ttruncated\x18\x06 \x01(\x08\x12\x1c\n\x14\x66irst_policy_version\x18\x07 \x01(\x03\x12\x1b\n\x13last_policy_version\x18\x08 \x01(\x03\x12\x35\n\ntool_calls\x18\t \x03(\x0b\x32!.primerl.orchestrator.v1.ToolCall\"\xc8\x01\n\x14\x46inishEpisodeRequest\x12\x12\n\nepisode_id\x18\x01 \x01(\t\x12\x0e\n\x06reward\x18\x02 \x01(\x01\x12K\n\x07metrics\x18\x03 \x03(\x0b\x32:.primerl.orchestrator.v1.FinishEpisodeRequest.MetricsEntry\x12\x0f\n\x07\x64iscard\x18\x04 \x01(\x08\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"D\n\x15\x46inishEpisodeResponse\x12\x16\n\x0egroup_complete\x18\x01 \x01(\x08\x12\x13\n\x0bnum_samples\x18\x02 \x01(\r\"\xd8\x01\n\x10\x45nvironmentStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1c\n\x14num_episodes_started\x18\x02 \x01(\x04\x12\x1d\n\x15num_episodes_finished\x18\x03 \x01(\x04\x12\x1c\n\x14num_episodes_running\x18\x04 \x01(\x04\x12\x13\n\x0breward_mean\x18\x05 \x01(\x01\x12\x12\n\nreward_std\x18\x06 \x01(\x01\x12\x1e\n\x16num_dropped_off_policy\x18\x07 \x01(\x04\x12\x12\n\nnum_errors\x18\x08 \x01(\x04\"\x80\x01\n\x0bGroupCounts\x12\x10\n\x08\x66inished\x18\x01 \x01(\x04\x12\x1e\n\x16\x66iltered_equal_rewards\x18\x02 \x01(\x04\x12\x12\n\nincomplete\x18\x03 \x01(\x04\x12\x1a\n\x12\x65pisodes_timed_out\x18\x04 \x01(\x04\x12\x0f\n\x07\x62\x61tched\x18\x05 \x01(\x04\"\x15\n\x13GetRunStatusRequest\"\xa1\x03\n\x14GetRunStatusResponse\x12\x30\n\x05state\x18\x01 \x01(\x0e\x32!.primerl.orchestrator.v1.RunState\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x11\n\tmax_steps\x18\x03 \x01(\x03\x12\x16\n\x0epolicy_version\x18\x04 \x01(\x03\x12\x17\n\x0fmax_async_level\x18\x05 \x01(\r\x12\x1c\n\x14max_off_policy_steps\x18\x06 \x01(\r\x12$\n\x1cnum_dropped_off_policy_total\x18\x07 \x01(\x04\x12\x1d\n\x15off_policy_steps_mean\x18\x08 \x01(\x01\x12\x1c\n\x14off_policy_steps_max\x18\t \x01(\r\x12?\n\x0c\x65nvironments\x18\n \x03(\x0b\x32).primerl.orchestrator.v1.EnvironmentStats\x12\r\n\x05\x65rror\x18\x0b \x01(\t\x12\x34\n\x06groups\x18\x0c \x01(\x0b\x32$.primerl.orchestrator.v1.GroupCounts\"\x11\n\x0fPauseRunRequest\"D\n\x10PauseRunResponse\x12\x30\n\x05state\x18\x01 \x01(\x0e\x32!.primerl.orchestrator.v1.RunState\"\x12\n\x10ResumeRunRequest\"E\n\x11ResumeRunResponse\x12\x30\n\x05state\x18\x01 \x01(\x0e\x32!.primerl.orchestrator.v1.RunState*\x98\x01\n\x08RunState\x12\x19\n\x15RUN_STATE_UNSPECIFIED\x10\x00\x12\x16\n\x12RUN_STATE_STARTING\x10\x01\x12\x15\n\x11RUN_STATE_RUNNING\x10\x02\x12\x14\n\x10RUN_STATE_PAUSED\x10\x03\x12\x16\n\x12RUN_STATE_FINISHED\x10\x04\x12\x14\n\x10RUN_STATE_FAILED\x10\x05\x32\xdb\x07\n\x13OrchestratorService\x12q\n\x0eGetServiceInfo\x12..primerl.orchestrator.v1.GetServiceInfoRequest\x1a/.primerl.orchestrator.v1.GetServiceInfoResponse\x12w\n\x10ListEnvironments\x12\x30.primerl.orchestrator.v1.ListEnvironmentsRequest\x1a\x31.primerl.orchestrator.v1.ListEnvironmentsResponse\x12h\n\x0bNextEpisode\x12+.primerl.orchestrator.v1.NextEpisodeRequest\x1a,.primerl.orchestrator.v1.NextEpisodeResponse\x12k\n\x0cStartEpisode\x12,.primerl.orchestrator.v1.StartEpisodeRequest\x1a-.primerl.orchestrator.v1.StartEpisodeResponse\x12_\n\x08Generate\x12(.primerl.orchestrator.v1.GenerateRequest\x1a).primerl.orchestrator.v1.GenerateResponse\x12n\n\rFinishEpisode\x12-.primerl.orchestrator.v1.FinishEpisodeRequest\x1a..primerl.orchestrator.v1.FinishEpisodeResponse\x12k\n\x0cGetRunStatus\x12,.primerl.orchestrator.v1.GetRunStatusRequest\x1a-.primerl.orchestrator.v1.GetRunStatusResponse\x12_\n\x08PauseRun\x12(.primerl.orchestrator.v1.PauseRunRequest\x1a).primerl.orchestrator.v1.PauseRunResponse\x12\x62\n\tResumeRun\x12).primerl.orchestrator.v1.ResumeRunRequest\x1a*.primerl.orchestrator.v1.ResumeRunResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,8 +36,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_FINISHEPISODEREQUEST_METRICSENTRY']._loaded_options = None
   _globals['_FINISHEPISODEREQUEST_METRICSENTRY']._serialized_options = b'8\001'
-  _globals['_RUNSTATE']._serialized_start=3192
-  _globals['_RUNSTATE']._serialized_end=3344
+  _globals['_RUNSTATE']._serialized_start=3411
+  _globals['_RUNSTATE']._serialized_end=3563
   _globals['_GETSERVICEINFOREQUEST']._serialized_start=175
   _globals['_GETSERVICEINFOREQUEST']._serialized_end=198
   _globals['_GETSERVICEINFORESPONSE']._serialized_start=200
@@ -64,38 +64,42 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOOLCALL']._serialized_end=1104
   _globals['_TOOL']._serialized_start=1106
   _globals['_TOOL']._serialized_end=1172
-  _globals['_CHATMESSAGE']._serialized_start=1174
-  _globals['_CHATMESSAGE']._serialized_end=1295
-  _globals['_CHATMESSAGES']._serialized_start=1297
-  _globals['_CHATMESSAGES']._serialized_end=1413
-  _globals['_TOKENIDS']._serialized_start=1415
-  _globals['_TOKENIDS']._serialized_end=1444
-  _globals['_GENERATEREQUEST']._serialized_start=1447
-  _globals['_GENERATEREQUEST']._serialized_end=1659
-  _globals['_GENERATERESPONSE']._serialized_start=1662
-  _globals['_GENERATERESPONSE']._serialized_end=1943
-  _globals['_FINISHEPISODEREQUEST']._serialized_start=1946
-  _globals['_FINISHEPISODEREQUEST']._serialized_end=2146
-  _globals['_FINISHEPISODEREQUEST_METRICSENTRY']._serialized_start=2100
-  _globals['_FINISHEPISODEREQUEST_METRICSENTRY']._serialized_end=2146
-  _globals['_FINISHEPISODERESPONSE']._serialized_start=2148
-  _globals['_FINISHEPISODERESPONSE']._serialized_end=2216
-  _globals['_ENVIRONMENTSTATS']._serialized_start=2219
-  _globals['_ENVIRONMENTSTATS']._serialized_end=2435
-  _globals['_GROUPCOUNTS']._serialized_start=2438
-  _globals['_GROUPCOUNTS']._serialized_end=2566
-  _globals['_GETRUNSTATUSREQUEST']._serialized_start=2568
-  _globals['_GETRUNSTATUSREQUEST']._serialized_end=2589
-  _globals['_GETRUNSTATUSRESPONSE']._serialized_start=2592
-  _globals['_GETRUNSTATUSRESPONSE']._serialized_end=3009
-  _globals['_PAUSERUNREQUEST']._serialized_start=3011
-  _globals['_PAUSERUNREQUEST']._serialized_end=3028
-  _globals['_PAUSERUNRESPONSE']._serialized_start=3030
-  _globals['_PAUSERUNRESPONSE']._serialized_end=3098
-  _globals['_RESUMERUNREQUEST']._serialized_start=3100
-  _globals['_RESUMERUNREQUEST']._serialized_end=3118
-  _globals['_RESUMERUNRESPONSE']._serialized_start=3120
-  _globals['_RESUMERUNRESPONSE']._serialized_end=3189
-  _globals['_ORCHESTRATORSERVICE']._serialized_start=3347
-  _globals['_ORCHESTRATORSERVICE']._serialized_end=4334
+  _globals['_CHATMESSAGE']._serialized_start=1175
+  _globals['_CHATMESSAGE']._serialized_end=1349
+  _globals['_CONTENTPART']._serialized_start=1351
+  _globals['_CONTENTPART']._serialized_end=1441
+  _globals['_IMAGEPART']._serialized_start=1443
+  _globals['_IMAGEPART']._serialized_end=1514
+  _globals['_CHATMESSAGES']._serialized_start=1516
+  _globals['_CHATMESSAGES']._serialized_end=1632
+  _globals['_TOKENIDS']._serialized_start=1634
+  _globals['_TOKENIDS']._serialized_end=1663
+  _globals['_GENERATEREQUEST']._serialized_start=1666
+  _globals['_GENERATEREQUEST']._serialized_end=1878
+  _globals['_GENERATERESPONSE']._serialized_start=1881
+  _globals['_GENERATERESPONSE']._serialized_end=2162
+  _globals['_FINISHEPISODEREQUEST']._serialized_start=2165
+  _globals['_FINISHEPISODEREQUEST']._serialized_end=2365
+  _globals['_FINISHEPISODEREQUEST_METRICSENTRY']._serialized_start=2319
+  _globals['_FINISHEPISODEREQUEST_METRICSENTRY']._serialized_end=2365
+  _globals['_FINISHEPISODERESPONSE']._serialized_start=2367
+  _globals['_FINISHEPISODERESPONSE']._serialized_end=2435
+  _globals['_ENVIRONMENTSTATS']._serialized_start=2438
+  _globals['_ENVIRONMENTSTATS']._serialized_end=2654
+  _globals['_GROUPCOUNTS']._serialized_start=2657
+  _globals['_GROUPCOUNTS']._serialized_end=2785
+  _globals['_GETRUNSTATUSREQUEST']._serialized_start=2787
+  _globals['_GETRUNSTATUSREQUEST']._serialized_end=2808
+  _globals['_GETRUNSTATUSRESPONSE']._serialized_start=2811
+  _globals['_GETRUNSTATUSRESPONSE']._serialized_end=3228
+  _globals['_PAUSERUNREQUEST']._serialized_start=3230
+  _globals['_PAUSERUNREQUEST']._serialized_end=3247
+  _globals['_PAUSERUNRESPONSE']._serialized_start=3249
+  _globals['_PAUSERUNRESPONSE']._serialized_end=3317
+  _globals['_RESUMERUNREQUEST']._serialized_start=3319
+  _globals['_RESUMERUNREQUEST']._serialized_end=3337
+  _globals['_RESUMERUNRESPONSE']._serialized_start=3339
+  _globals['_RESUMERUNRESPONSE']._serialized_end=3408
+  _globals['_ORCHESTRATORSERVICE']._serialized_start=3566
+  _globals['_ORCHESTRATORSERVICE']._serialized_end=4553
 # @@protoc_insertion_point(module_scope)

@@ -1,0 +1,66 @@
+"""Images in prompts: the capability that says a replica takes them, and the checks every
+service that receives image bytes makes before anything holds them (the orchestrator on its
+API, inference on Generate).
+
+A replica of a release before images would drop the `images` field of a GenerationInput it
+does not know and sample without them, with no error: clients and routers send images only to
+replicas whose GetServiceInfo lists CAPABILITY_IMAGES.
+
+Pillow (a dependency of vLLM and of transformers' image processors) is imported only by
+`decode_image`, so the router, which only routes on the field's presence, does not need it.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import TYPE_CHECKING
+
+from primerl_common.errors import InvalidArgument
+
+if TYPE_CHECKING:
+    from PIL import Image
+
+__all__ = ["CAPABILITY_IMAGES", "DEFAULT_MAX_IMAGE_PIXELS", "MIME_TYPES", "decode_image"]
+
+CAPABILITY_IMAGES = "generate.images"
+# MIME type -> Pillow's name of the format.
+MIME_TYPES = {
+    "image/png": "PNG",
+    "image/jpeg": "JPEG",
+    "image/webp": "WEBP",
+    "image/gif": "GIF",
+    "image/bmp": "BMP",
+}
+# 16 MP: above any vision encoder's input (Qwen3-VL resizes to at most ~16.7 MP by default),
+# below what a decompression bomb needs.
+DEFAULT_MAX_IMAGE_PIXELS = 4096 * 4096
+
+
+def decode_image(data: bytes, mime_type: str, *, field: str, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> Image.Image:
+    """The RGB image `data` encodes. Raises InvalidArgument naming `field` (e.g.
+    "input.images[2]") when the type is not one of MIME_TYPES, the bytes are not an image of
+    that type, or it has more than `max_pixels` pixels: the size is read from the header,
+    before the pixels are decoded."""
+    from PIL import Image, UnidentifiedImageError
+
+    expected = MIME_TYPES.get(mime_type)
+    if expected is None:
+        raise InvalidArgument(
+            f"unknown image type {mime_type!r}; one of {', '.join(MIME_TYPES)}", field=f"{field}.mime_type"
+        )
+    if not data:
+        raise InvalidArgument("no image bytes", field=f"{field}.data")
+    try:
+        image = Image.open(io.BytesIO(data), formats=[expected])
+    except (UnidentifiedImageError, OSError, ValueError) as exc:
+        raise InvalidArgument(f"not a {mime_type} image ({exc})", field=f"{field}.data") from None
+    width, height = image.size
+    if width * height > max_pixels:
+        raise InvalidArgument(
+            f"{width}x{height} = {width * height} pixels, more than the {max_pixels} allowed", field=f"{field}.data"
+        )
+    try:
+        image.load()
+    except (OSError, ValueError, Image.DecompressionBombError) as exc:
+        raise InvalidArgument(f"the {mime_type} image does not decode ({exc})", field=f"{field}.data") from None
+    return image.convert("RGB")
