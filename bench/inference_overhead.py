@@ -60,6 +60,9 @@ for _name, _value in MALLOC_ENV.items():
 
 from safetensors.torch import load_file  # noqa: E402
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from cpu_burner import cpu_burner  # noqa: E402
+
 from primerl.common.v1 import generation_pb2, tensor_pb2  # noqa: E402
 from primerl.inference.v1 import inference_pb2, inference_pb2_grpc  # noqa: E402
 from primerl_common.client import make_channel  # noqa: E402
@@ -310,12 +313,14 @@ def main() -> None:
     parser.add_argument("--min-rounds", type=int, default=9, help="rounds per path and stream mode, at least")
     parser.add_argument("--max-rounds", type=int, default=16, help="rounds per path and stream mode, at most")
     parser.add_argument("--updates", type=int, default=3, help="full weight updates timed (median reported)")
+    parser.add_argument("--burner", action="store_true", help="run beside bench/cpu_burner.py's half-busy process")
     parser.add_argument("--client", metavar="ADDRESS", help=argparse.SUPPRESS)  # the client process's mode
     args = parser.parse_args()
     if args.client:
         asyncio.run(client_main(args))
         return
-    with tempfile.TemporaryDirectory(prefix="primerl-bench-inference-") as work_dir:
+    with tempfile.TemporaryDirectory(prefix="primerl-bench-inference-") as work_dir, cpu_burner(args.burner) as beside:
+        print(beside)
         asyncio.run(bench(args, pathlib.Path(work_dir)))
 
 

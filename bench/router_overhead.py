@@ -57,6 +57,9 @@ from primerl_common.malloc import MALLOC_ENV, reexec_with_malloc_env
 from primerl_common.processes import ServiceProcess, free_port
 from primerl_common.server import channel_options, server_options
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from cpu_burner import cpu_burner
+
 INFERENCE_SERVICE = "primerl.inference.v1.InferenceService"
 INFERENCE_GENERATE = f"/{INFERENCE_SERVICE}/Generate"
 ROUTER_GENERATE = "/primerl.router.v1.RouterService/Generate"
@@ -400,6 +403,7 @@ def main() -> None:
     parser.add_argument("--stream-tokens", type=int, default=4096)
     parser.add_argument("--stream-every-n", type=int, default=16, help="tokens per message of the long streams")
     parser.add_argument("--stream-concurrency", type=int, default=8)
+    parser.add_argument("--burner", action="store_true", help="run beside bench/cpu_burner.py's half-busy process")
     args = parser.parse_args()
     if not {1, 64} <= set(args.concurrency):
         parser.error("--concurrency must include 1 and 64 (the RESULT line compares them)")
@@ -415,7 +419,9 @@ def main() -> None:
     if len(os.sched_getaffinity(0)) < 2 or os.cpu_count() < 2:
         sys.exit("needs 2 cores: the router on one, load generator and replicas on the other")
     os.sched_setaffinity(0, {LOAD_CORE})
-    asyncio.run(bench(args))
+    with cpu_burner(args.burner) as beside:
+        print(beside)
+        asyncio.run(bench(args))
 
 
 if __name__ == "__main__":
