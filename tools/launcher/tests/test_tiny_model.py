@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
 from primerl_common.local_vllm import in_process_llm
 from primerl_launcher.tiny_model import (
@@ -255,11 +255,14 @@ def test_each_family_loads_as_its_transformers_class_in_both_dtypes(model_root: 
             assert tensor.dtype == torch.float32 and torch.equal(tensor, fp32[name]) and tensor.abs().sum() > 0
         else:
             assert tensor.dtype == torch.bfloat16 and torch.equal(tensor, fp32[name].to(torch.bfloat16)), name
-    model, info = AutoModelForCausalLM.from_pretrained(fp32_dir, output_loading_info=True)
+    # Vision-language families load as image-text-to-text models (their config is not a causal LM's).
+    auto = AutoModelForImageTextToText if family.startswith("qwen3-vl") else AutoModelForCausalLM
+    model, info = auto.from_pretrained(fp32_dir, output_loading_info=True)
     architecture = json.loads((fp32_dir / "config.json").read_text())["architectures"][0]
     assert type(model).__name__ == spec.model_class == architecture
     assert not any(info[key] for key in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
-    assert model.config.num_hidden_layers == spec.num_hidden_layers and model.config.vocab_size == VOCAB_SIZE
+    text = model.config.get_text_config()
+    assert text.num_hidden_layers == spec.num_hidden_layers and text.vocab_size == VOCAB_SIZE
 
 
 @pytest.mark.parametrize("family", QWEN3_FAMILIES)

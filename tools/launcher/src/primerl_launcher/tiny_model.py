@@ -1,5 +1,6 @@
 """Tiny models of each supported family for tests, made locally from a seed: Qwen3 (dense),
-Qwen3-MoE, GLM-4.5 (`glm4_moe`) and MiniMax-M2 (`minimax_m2`).
+Qwen3-MoE, GLM-4.5 (`glm4_moe`), MiniMax-M2 (`minimax_m2`), ..., and the multimodal Qwen3-VL
+(`qwen3_vl`, `qwen3_vl_moe`: a vision tower in front of the language model).
 
 The folder looks like a Hugging Face checkpoint of the real models (config.json in the
 hub's style, safetensors with the hub's tensor names, a tokenizer and its chat template),
@@ -37,6 +38,7 @@ __all__ = [
     "EOS_TOKEN",
     "EOS_TOKEN_ID",
     "FAMILIES",
+    "IMAGE_TOKEN_ID",
     "IM_START_TOKEN",
     "IM_START_TOKEN_ID",
     "KINDS",
@@ -55,6 +57,8 @@ __all__ = [
     "TinyNemotronHSpec",
     "TinyQwen3MoeSpec",
     "TinyQwen3Spec",
+    "TinyQwen3VLMoeSpec",
+    "TinyQwen3VLSpec",
     "TinyQwen3_5MoeSpec",
     "build_tokenizer",
     "main",
@@ -69,6 +73,11 @@ EOS_TOKEN = "<|im_end|>"
 # Right after the bytes, in Qwen's order (151643..151645 there).
 SPECIAL_TOKENS = (PAD_TOKEN, IM_START_TOKEN, EOS_TOKEN)
 PAD_TOKEN_ID, IM_START_TOKEN_ID, EOS_TOKEN_ID = range(NUM_BYTE_TOKENS, NUM_BYTE_TOKENS + len(SPECIAL_TOKENS))
+# The Qwen3-VL families' vision tokens: the first reserved ones (<|reserved_0..3|>, named by id
+# only; Qwen's <|vision_start|>, <|vision_end|>, <|image_pad|>, <|video_pad|>).
+VISION_START_TOKEN_ID, VISION_END_TOKEN_ID, IMAGE_TOKEN_ID, VIDEO_TOKEN_ID = range(
+    NUM_BYTE_TOKENS + len(SPECIAL_TOKENS), NUM_BYTE_TOKENS + len(SPECIAL_TOKENS) + 4
+)
 # Bytes + specials, padded with reserved tokens to a multiple of 64 so that every id the
 # model can sample is decodable (an untrained model samples all of them).
 VOCAB_SIZE = 320
@@ -109,6 +118,10 @@ class TinyModelSpec:
     # gate; AFMoE's and Laguna's router biases are parameters, not buffers): drawn at random,
     # then cast with the rest. Matched by the end of the parameter's name.
     random_parameters: ClassVar[tuple[str, ...]] = ()
+    # Tensors the hub stores with their last two dims swapped from transformers 5's in-memory
+    # layout, which save_pretrained writes (Qwen3-VL-MoE's fused experts): swapped after saving.
+    # Matched by the end of the tensor's name.
+    transposed_tensors: ClassVar[tuple[str, ...]] = ()
 
     vocab_size: int = VOCAB_SIZE
     hidden_size: int = 256
@@ -584,6 +597,105 @@ class TinyGlmMoeDsaSpec(TinyMoeSpec):
         }
 
 
+@dataclass(frozen=True)
+class TinyVisionLanguageSpec(TinyModelSpec):
+    """What the Qwen3-VL families add to their language model: a vision tower (`vision_config`:
+    3 blocks, deepstack mergers after the first and the last, images of 16-pixel patches merged
+    2 x 2 into one token, a learned 8 x 8 position grid) and the vision token ids; config.json
+    nests the language model's fields in `text_config`, with the hub's interleaved MRoPE
+    (`rope_scaling.mrope_section`, sections of head_dim / 2). Biases (all zero in transformers'
+    init) are drawn at random, so that each one counts."""
+
+    random_parameters: ClassVar[tuple[str, ...]] = ("bias",)
+    # The top level's keys; the rest is text_config.
+    _top_level_keys: ClassVar[tuple[str, ...]] = ("architectures", "model_type", "tie_word_embeddings", "dtype")
+
+    hidden_size: int = 64
+    num_hidden_layers: int = 3
+    head_dim: int = 32
+    intermediate_size: int = 128
+    mrope_section: tuple[int, int, int] = (6, 5, 5)
+    vision_depth: int = 3
+    vision_hidden_size: int = 32
+    vision_num_heads: int = 2
+    vision_intermediate_size: int = 64
+    patch_size: int = 16
+    temporal_patch_size: int = 2
+    spatial_merge_size: int = 2
+    num_position_embeddings: int = 64
+    deepstack_visual_indexes: tuple[int, ...] = (0, 2)
+
+    def config_dict(self, dtype: DType) -> dict[str, Any]:
+        flat = super().config_dict(dtype)
+        text = {key: value for key, value in flat.items() if key not in ("architectures", "model_type")}
+        text |= {
+            "model_type": f"{self.model_type}_text",
+            "rope_scaling": {
+                "rope_type": "default",
+                "mrope_section": list(self.mrope_section),
+                "mrope_interleaved": True,
+            },
+        }
+        return {key: flat[key] for key in self._top_level_keys} | {
+            "text_config": text,
+            "vision_config": {
+                "model_type": self.model_type,
+                "depth": self.vision_depth,
+                "hidden_size": self.vision_hidden_size,
+                "hidden_act": "gelu_pytorch_tanh",
+                "intermediate_size": self.vision_intermediate_size,
+                "num_heads": self.vision_num_heads,
+                "in_channels": 3,
+                "patch_size": self.patch_size,
+                "temporal_patch_size": self.temporal_patch_size,
+                "spatial_merge_size": self.spatial_merge_size,
+                "out_hidden_size": self.hidden_size,
+                "num_position_embeddings": self.num_position_embeddings,
+                "deepstack_visual_indexes": list(self.deepstack_visual_indexes),
+                "initializer_range": self.initializer_range,
+            },
+            "image_token_id": IMAGE_TOKEN_ID,
+            "video_token_id": VIDEO_TOKEN_ID,
+            "vision_start_token_id": VISION_START_TOKEN_ID,
+            "vision_end_token_id": VISION_END_TOKEN_ID,
+        }
+
+
+@dataclass(frozen=True)
+class TinyQwen3VLSpec(TinyVisionLanguageSpec):
+    """Qwen3-VL (dense): Qwen3's language model, tied embeddings (as the hub's 2B and 4B)."""
+
+    model_class: ClassVar[str] = "Qwen3VLForConditionalGeneration"
+    model_type: ClassVar[str] = "qwen3_vl"
+
+    def family_config(self) -> dict[str, Any]:
+        return {"attention_bias": False}
+
+
+@dataclass(frozen=True)
+class TinyQwen3VLMoeSpec(TinyVisionLanguageSpec, TinyMoeSpec):
+    """Qwen3-VL-MoE: Qwen3-MoE's language model (softmax top-k, renormalised) with its middle
+    layer dense (`mlp_only_layers`), untied head as the hub's 30B-A3B. The experts are stored
+    fused, in the hub's layout (`mlp.experts.gate_up_proj` [E, D, 2F], `down_proj` [E, F, D]);
+    2F differs from D, so that transformers tells the layout from the shape."""
+
+    model_class: ClassVar[str] = "Qwen3VLMoeForConditionalGeneration"
+    model_type: ClassVar[str] = "qwen3_vl_moe"
+    transposed_tensors: ClassVar[tuple[str, ...]] = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+
+    moe_intermediate_size: int = 48
+    mlp_only_layers: tuple[int, ...] = (1,)
+
+    def family_config(self) -> dict[str, Any]:
+        return self.experts_config() | {
+            "attention_bias": False,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": list(self.mlp_only_layers),
+            "router_aux_loss_coef": 0.001,
+            "tie_word_embeddings": False,
+        }
+
+
 # One entry per family: its name on the command line -> its default tiny shape.
 FAMILIES: dict[str, TinyModelSpec] = {
     "qwen3": TinyQwen3Spec(),
@@ -596,6 +708,8 @@ FAMILIES: dict[str, TinyModelSpec] = {
     "laguna": TinyLagunaSpec(),
     "nemotron-h": TinyNemotronHSpec(),
     "glm-moe-dsa": TinyGlmMoeDsaSpec(),
+    "qwen3-vl": TinyQwen3VLSpec(),
+    "qwen3-vl-moe": TinyQwen3VLMoeSpec(),
 }
 # The older names callers pick the Qwen3 models by (the launcher's tiny-dense / tiny-moe).
 KINDS = {"dense": "qwen3", "moe": "qwen3-moe"}
@@ -682,7 +796,8 @@ def make_tiny_model(
         "family": family,
         "seed": seed,
         "dtype": dtype,
-        "spec": dataclasses.asdict(spec),
+        # As the stamp file reads back (tuple fields as lists).
+        "spec": json.loads(json.dumps(dataclasses.asdict(spec))),
     }
     if _read_stamp(out) == stamp:
         return out
@@ -715,6 +830,8 @@ def _save_weights(out: pathlib.Path, spec: TinyModelSpec, *, seed: int, dtype: D
     # The model's own init draws from the global generator: fork it so that the caller's
     # random state is left as it was.
     # On the CPU whatever the caller's default device: the draw differs per device.
+    # Multimodal configs keep it in their text config (get_text_config: the config itself otherwise).
+    std = config.get_text_config().initializer_range
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         with torch.device("cpu"):
@@ -723,15 +840,15 @@ def _save_weights(out: pathlib.Path, spec: TinyModelSpec, *, seed: int, dtype: D
             # samples <|endoftext|> and the trainer has no padding index: a zero row
             # sends ~1000x gradients through RMSNorm. Draw it like the others.
             embedding = model.get_input_embeddings().weight
-            embedding.data[PAD_TOKEN_ID].normal_(0.0, config.initializer_range)
+            embedding.data[PAD_TOKEN_ID].normal_(0.0, std)
             float32_buffers = {
-                name: buffer.normal_(0.0, config.initializer_range)
+                name: buffer.normal_(0.0, std)
                 for name, buffer in model.named_buffers()
                 if name.endswith(spec.float32_buffers)
             }
             for name, parameter in model.named_parameters():
                 if name.endswith(spec.random_parameters):
-                    parameter.data.normal_(0.0, config.initializer_range)
+                    parameter.data.normal_(0.0, std)
     model.to(getattr(torch, dtype))
     for name, buffer in float32_buffers.items():
         module_name, _, buffer_name = name.rpartition(".")
@@ -741,6 +858,21 @@ def _save_weights(out: pathlib.Path, spec: TinyModelSpec, *, seed: int, dtype: D
     model.save_pretrained(out)
     for generated in ("config.json", "generation_config.json"):
         (out / generated).unlink(missing_ok=True)
+    if spec.transposed_tensors:
+        _transpose_saved_tensors(out, spec.transposed_tensors)
+
+
+def _transpose_saved_tensors(out: pathlib.Path, suffixes: tuple[str, ...]) -> None:
+    """Swaps the last two dims of the saved tensors whose names end with `suffixes` (one
+    model.safetensors: the tiny models are a single shard)."""
+    from safetensors.torch import load_file, save_file
+
+    path = out / "model.safetensors"
+    tensors = load_file(path)
+    for name, tensor in tensors.items():
+        if name.endswith(suffixes):
+            tensors[name] = tensor.transpose(-1, -2).contiguous()
+    save_file(tensors, path, metadata={"format": "pt"})
 
 
 def _read_stamp(out: pathlib.Path) -> dict[str, Any] | None:

@@ -54,6 +54,12 @@ from primerl_trainer.models.qwen3_5_moe.state_dict_adapter import Qwen3_5MoeStat
 from primerl_trainer.models.qwen3_moe.model import Qwen3MoeModel, Qwen3MoeModelArgs
 from primerl_trainer.models.qwen3_moe.parallelize import parallelize_qwen3_moe
 from primerl_trainer.models.qwen3_moe.state_dict_adapter import Qwen3MoeStateDictAdapter
+from primerl_trainer.models.qwen3_vl.model import Qwen3VLModel, Qwen3VLModelArgs, Qwen3VLMoeModel, Qwen3VLMoeModelArgs
+from primerl_trainer.models.qwen3_vl.parallelize import parallelize_qwen3_vl, parallelize_qwen3_vl_moe
+from primerl_trainer.models.qwen3_vl.state_dict_adapter import Qwen3VLMoeStateDictAdapter, Qwen3VLStateDictAdapter
+
+# Vision-language model types: only the own implementation takes their images.
+_IMAGE_TEXT_TYPES = frozenset({"qwen3_vl", "qwen3_vl_moe"})
 
 
 @dataclass(frozen=True)
@@ -86,6 +92,11 @@ MODEL_SPECS: dict[str, ModelSpec] = {
             "glm_moe_dsa", GlmMoeDsaModel, GlmMoeDsaModelArgs, GlmMoeDsaStateDictAdapter, parallelize_glm_moe_dsa
         ),
         ModelSpec("nemotron_h", NemotronHModel, NemotronHModelArgs, NemotronHStateDictAdapter, parallelize_nemotron_h),
+        # Multimodal: the vision tower and the language model (models/qwen3_vl).
+        ModelSpec("qwen3_vl", Qwen3VLModel, Qwen3VLModelArgs, Qwen3VLStateDictAdapter, parallelize_qwen3_vl),
+        ModelSpec(
+            "qwen3_vl_moe", Qwen3VLMoeModel, Qwen3VLMoeModelArgs, Qwen3VLMoeStateDictAdapter, parallelize_qwen3_vl_moe
+        ),
     )
 }
 
@@ -109,6 +120,11 @@ def load_model(
     config = read_hf_config(path)
     model_type = config.get("model_type")
     dtype = dtype or _config_dtype(config)
+    if impl == "hf" and model_type in _IMAGE_TEXT_TYPES:
+        # HFCausalLM wraps transformers' causal LMs and passes no images.
+        raise ValueError(
+            f"model.impl 'hf' runs text models; model_type {model_type!r} takes images: use 'auto' or 'custom'"
+        )
     if impl == "hf" or (impl == "auto" and model_type not in MODEL_SPECS):
         return _load_hf_model(path, dtype=dtype, device=device)
     if model_type not in MODEL_SPECS:

@@ -4,7 +4,12 @@ layer: the default table (`rope_cos_sin`), YaRN as the Hugging Face configs defi
 `factor`) and extrapolated ones over a ramp of dims set by `beta_fast`/`beta_slow` rotations
 within `original_max_position_embeddings`, cos and sin times an attention factor, 0.1 ln(factor) + 1
 unless the config gives one), and their application to all of each head's dims or its leading
-ones (partial rotary)."""
+ones (partial rotary).
+
+Two multimodal variants (Qwen3-VL): the language model's interleaved MRoPE (`mrope_section`:
+position ids in three rows t/h/w, each frequency taking its row in the pattern t h w t h w ...
+until h's and w's sections are used up, t for the rest), and the vision tower's axial 2-D RoPE
+(`axial_rope_cos_sin`: half the frequencies rotate by a patch's row, half by its column)."""
 
 from __future__ import annotations
 
@@ -56,6 +61,9 @@ class RopeParameters:
     attention_factor: float | None = None
     mscale: float | None = None
     mscale_all_dim: float | None = None
+    # Interleaved MRoPE (Qwen3-VL's `mrope_section`, t/h/w frequencies; they sum to head_dim / 2):
+    # cos_sin then reads position ids [3, B, T] (or [B, T], every row alike: plain RoPE).
+    mrope_section: tuple[int, int, int] | None = None
 
     @classmethod
     def from_hf_config(cls, config: dict[str, Any], *, default_theta: float) -> RopeParameters:
@@ -133,11 +141,38 @@ class RopeParameters:
         self, position_ids: torch.Tensor, *, head_dim: int, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [B, T, head_dim] (both halves alike, for apply_rope), taken in float32,
-        scaled, then cast to `dtype`."""
-        freqs = position_ids[..., None].float() * self.inv_freq(head_dim, position_ids.device)
+        scaled, then cast to `dtype`. With `mrope_section`, position_ids may be [3, B, T]."""
+        if self.mrope_section is not None:
+            position_ids = self._interleaved_positions(position_ids, head_dim)
+        else:
+            position_ids = position_ids[..., None]
+        freqs = position_ids.float() * self.inv_freq(head_dim, position_ids.device)
         angles = torch.cat((freqs, freqs), dim=-1)
         cos, sin = angles.cos(), angles.sin()
         scale = self.cos_sin_scale
         if scale != 1.0:
             cos, sin = cos * scale, sin * scale
         return cos.to(dtype), sin.to(dtype)
+
+    def _interleaved_positions(self, position_ids: torch.Tensor, head_dim: int) -> torch.Tensor:
+        """[B, T, head_dim / 2]: the position each frequency rotates by. Frequency j takes the h row
+        when j % 3 == 1 and j < 3 * sections[1], the w row when j % 3 == 2 and j < 3 * sections[2],
+        the t row otherwise (transformers' Qwen3-VL layout)."""
+        if sum(self.mrope_section) != head_dim // 2:
+            raise ValueError(f"mrope_section {list(self.mrope_section)} must sum to head_dim / 2 = {head_dim // 2}")
+        if position_ids.ndim == 2:
+            position_ids = position_ids.expand(3, *position_ids.shape)
+        rows = torch.zeros(head_dim // 2, dtype=torch.long, device=position_ids.device)
+        for row in (1, 2):
+            rows[row : 3 * self.mrope_section[row] : 3] = row
+        return position_ids[rows].permute(1, 2, 0)
+
+
+def axial_rope_cos_sin(position_ids: torch.Tensor, *, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 cos and sin [N, head_dim] for 2-D position ids [N, 2] (a patch's row and column):
+    the default RoPE's head_dim / 4 frequencies of a head_dim / 2 table, by the row then by the
+    column, both halves alike for apply_rope (Qwen3-VL's vision tower)."""
+    inv_freq = RopeParameters(theta=theta).inv_freq(head_dim // 2, position_ids.device)
+    freqs = (position_ids[..., None].float() * inv_freq).flatten(-2)
+    angles = torch.cat((freqs, freqs), dim=-1)
+    return angles.cos(), angles.sin()
