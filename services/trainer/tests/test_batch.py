@@ -253,3 +253,65 @@ def test_routed_experts_arrive_for_every_layer_and_the_moe_layers_are_replayed()
     assert "num_hidden_layers 4" in excinfo.value.message
     with pytest.raises(ValueError, match="moe_layers"):
         dataclasses.replace(REPLAY_SPEC, num_hidden_layers=4, moe_layers=(1, 4))
+
+
+# --- images (vision-language models) ---------------------------------------------------
+
+IMAGE_TOKEN = 300
+VL_SPEC = BatchSpec(seq_len=16, vocab_size=320, image_token_id=IMAGE_TOKEN, patches_per_image_token=4)
+
+
+def _with_images(**overrides: torch.Tensor | None) -> MicroBatch:
+    """The two samples, the first prompt holding one image of 2x4 patches (2 image tokens)."""
+    fields = {
+        "input_ids": torch.tensor([1, IMAGE_TOKEN, IMAGE_TOKEN, 4, 5, 6, 7, 8]),
+        "pixel_values": torch.randn(8, 12),
+        "image_grid_thw": torch.tensor([[1, 2, 4]]),
+    }
+    return _micro_batch(**(fields | overrides))
+
+
+def test_images_decode_and_validate() -> None:
+    expected = _with_images()
+    decoded = micro_batch_from_proto(_to_proto(expected), VL_SPEC, mode="rl")
+    assert decoded.pixel_values is not None and torch.equal(decoded.pixel_values, expected.pixel_values)
+    assert decoded.image_grid_thw is not None and torch.equal(decoded.image_grid_thw, expected.image_grid_thw)
+    # bfloat16 pixels (a bf16 image processor's output) are taken as they come.
+    validate_micro_batch(_with_images(pixel_values=torch.randn(8, 12).bfloat16()), VL_SPEC, mode="rl")
+
+
+@pytest.mark.parametrize(
+    ("micro_batch", "spec", "field", "words"),
+    [
+        (_with_images(), SPEC, "pixel_values", "the model takes no images"),
+        (
+            _with_images(pixel_values=None, image_grid_thw=None),
+            VL_SPEC,
+            "pixel_values",
+            "is required: input_ids hold 2 image tokens",
+        ),
+        (_with_images(pixel_values=None), VL_SPEC, "pixel_values", "give both"),
+        (_with_images(image_grid_thw=None), VL_SPEC, "image_grid_thw", "give both"),
+        (_with_images(image_grid_thw=torch.tensor([1, 2, 4])), VL_SPEC, "image_grid_thw", "expected [images, 3]"),
+        (_with_images(image_grid_thw=torch.tensor([[1, 0, 4]])), VL_SPEC, "image_grid_thw", "positive sizes"),
+        (_with_images(pixel_values=torch.randn(6, 12)), VL_SPEC, "pixel_values", "expected [8 patches, patch_dim]"),
+        (
+            _with_images(pixel_values=torch.full((8, 12), float("nan"))),
+            VL_SPEC,
+            "pixel_values",
+            "holds NaN or Inf",
+        ),
+        # An image token cut from the prompt (truncation): its image no longer fits the tokens.
+        (
+            _with_images(input_ids=torch.tensor([1, IMAGE_TOKEN, 3, 4, 5, 6, 7, 8])),
+            VL_SPEC,
+            "input_ids",
+            "hold 1 image tokens, the images 8 patches: 2 tokens",
+        ),
+    ],
+)
+def test_bad_images_are_refused_naming_the_field(micro_batch: MicroBatch, spec: BatchSpec, field: str, words: str):
+    with pytest.raises(InvalidArgument) as error:
+        validate_micro_batch(micro_batch, spec, mode="rl")
+    assert error.value.field == f"micro_batch.{field}"
+    assert words in str(error.value)

@@ -33,6 +33,7 @@ __all__ = [
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
 _EXPERT_DTYPES = (torch.uint8, torch.uint16)
+_PIXEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 @dataclass(frozen=True)
@@ -53,12 +54,18 @@ class BatchSpec:
     num_experts: int = 0
     num_hidden_layers: int | None = None
     moe_layers: tuple[int, ...] | None = None
+    # Vision-language models: the token standing for one merged patch, and the patches per
+    # such token (None: the model takes no images).
+    image_token_id: int | None = None
+    patches_per_image_token: int = 0
 
     def __post_init__(self) -> None:
         if self.seq_len <= 0 or self.vocab_size <= 0:
             raise ValueError(f"seq_len and vocab_size must be positive, got {self.seq_len} and {self.vocab_size}")
         if self.router_replay and min(self.num_moe_layers, self.num_experts_per_token, self.num_experts) <= 0:
             raise ValueError("router replay needs positive num_moe_layers, num_experts_per_token and num_experts")
+        if self.image_token_id is not None and self.patches_per_image_token <= 0:
+            raise ValueError("a model that takes images needs patches_per_image_token > 0")
         if self.num_hidden_layers is None:
             object.__setattr__(self, "num_hidden_layers", self.num_moe_layers)
         if self.moe_layers is None:
@@ -86,6 +93,9 @@ class MicroBatch:
     inference_logprobs: torch.Tensor | None = None  # float32 [T], RL only
     routed_experts: torch.Tensor | None = None  # uint8/uint16 [T, moe layers, top_k], with router replay
     policy_versions: torch.Tensor | None = None  # int64 [T]
+    # The samples' images, in the order of their image tokens (vision-language models).
+    pixel_values: torch.Tensor | None = None  # float32/bfloat16 [patches, patch_dim]
+    image_grid_thw: torch.Tensor | None = None  # int64 [images, 3]
 
     @property
     def num_tokens(self) -> int:
@@ -138,6 +148,8 @@ def micro_batch_from_proto(
         if spec.router_replay
         else None,
         policy_versions=decode("policy_versions", (torch.int64,), required=False),
+        pixel_values=decode("pixel_values", _PIXEL_DTYPES, required=False),
+        image_grid_thw=decode("image_grid_thw", (torch.int64,), required=False),
     )
     validate_micro_batch(micro_batch, spec, mode=mode, index=index)
     return micro_batch
@@ -197,6 +209,7 @@ def validate_micro_batch(micro_batch: MicroBatch, spec: BatchSpec, *, mode: Trai
         raise _invalid(index, "policy_versions", f"token {bad} has negative version {int(policy_versions[bad])}")
     if spec.router_replay:
         _validate_routed_experts(micro_batch.routed_experts, spec, num_tokens=num_tokens, index=index)
+    _validate_images(micro_batch, spec, index=index)
 
 
 def validate_batch(
@@ -254,6 +267,37 @@ def _moe_columns(routed_experts: torch.Tensor | None, spec: BatchSpec, *, index:
     if spec.moe_layers == tuple(range(spec.num_hidden_layers)):
         return routed_experts
     return routed_experts[:, list(spec.moe_layers)].contiguous()
+
+
+def _validate_images(micro_batch: MicroBatch, spec: BatchSpec, *, index: int) -> None:
+    """The images agree with each other and with the image tokens of input_ids: a prompt whose
+    image tokens were cut (or whose images went missing) is refused here, not trained on."""
+    pixel_values, grid = micro_batch.pixel_values, micro_batch.image_grid_thw
+    num_image_tokens = 0 if spec.image_token_id is None else int((micro_batch.input_ids == spec.image_token_id).sum())
+    if pixel_values is None and grid is None:
+        if num_image_tokens:
+            raise _invalid(index, "pixel_values", f"is required: input_ids hold {num_image_tokens} image tokens")
+        return
+    if spec.image_token_id is None:
+        raise _invalid(index, "pixel_values", "the model takes no images (its batch spec names no image_token_id)")
+    if pixel_values is None or grid is None:
+        raise _invalid(index, "image_grid_thw" if grid is None else "pixel_values", "goes with the other: give both")
+    if grid.dim() != 2 or grid.shape[1] != 3 or grid.shape[0] == 0 or bool((grid <= 0).any()):
+        raise _invalid(index, "image_grid_thw", f"has shape {list(grid.shape)}, expected [images, 3] of positive sizes")
+    num_patches = int(grid.prod(dim=1).sum())
+    if pixel_values.dim() != 2 or pixel_values.shape[0] != num_patches:
+        raise _invalid(
+            index, "pixel_values", f"has shape {list(pixel_values.shape)}, expected [{num_patches} patches, patch_dim]"
+        )
+    if not bool(torch.isfinite(pixel_values).all()):
+        raise _invalid(index, "pixel_values", "holds NaN or Inf")
+    if num_patches != num_image_tokens * spec.patches_per_image_token:
+        raise _invalid(
+            index,
+            "input_ids",
+            f"hold {num_image_tokens} image tokens, the images {num_patches} patches: "
+            f"{num_patches // spec.patches_per_image_token} tokens ({spec.patches_per_image_token} patches each)",
+        )
 
 
 def _validate_routed_experts(

@@ -192,9 +192,13 @@ def _parallelize(model: nn.Module, dims: ParallelDims, config: TrainerConfig) ->
 
 
 def _batch_spec(model: nn.Module, hf_config: dict, config: TrainerConfig) -> BatchSpec:
-    num_hidden_layers = hf_config["num_hidden_layers"]
-    vocab_size = hf_config["vocab_size"]
+    # A vision-language checkpoint keeps its language model's sizes in text_config.
+    text_config = hf_config.get("text_config", hf_config)
+    num_hidden_layers = text_config["num_hidden_layers"]
+    vocab_size = text_config["vocab_size"]
     args = getattr(model, "args", None)
+    image_token_id = getattr(args, "image_token_id", None)
+    vision = getattr(args, "vision", None)
     moe_layers = tuple(getattr(args, "moe_layers", ()))
     if config.router_replay and not moe_layers:
         raise ValueError("router_replay needs a mixture-of-experts model with the own implementation")
@@ -207,4 +211,6 @@ def _batch_spec(model: nn.Module, hf_config: dict, config: TrainerConfig) -> Bat
         num_experts=getattr(args, "num_experts", 0) if moe_layers else 0,
         num_hidden_layers=num_hidden_layers,
         moe_layers=moe_layers,
+        image_token_id=image_token_id,
+        patches_per_image_token=vision.spatial_merge_size**2 if vision is not None else 0,
     )

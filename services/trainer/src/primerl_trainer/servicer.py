@@ -47,6 +47,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
             next_step=info.next_step,
             num_hidden_layers=spec.num_hidden_layers or 0,
             mode=_MODES[info.mode],
+            image_token_id=spec.image_token_id,
+            patches_per_image_token=spec.patches_per_image_token,
         )
 
     async def PushBatch(

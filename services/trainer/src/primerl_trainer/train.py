@@ -183,12 +183,14 @@ class Trainer:
 
     def _logprobs(self, shard: RowShard) -> tuple[torch.Tensor, torch.Tensor]:
         """Prediction-aligned logprobs of this rank's share of a row and their entropies."""
-        layout = {"row_layout": shard.layout} if self._takes_row_layout else {}
+        extra = {"row_layout": shard.layout} if self._takes_row_layout else {}
+        if shard.pixel_values is not None:
+            extra |= {"pixel_values": self._to_device(shard.pixel_values), "image_grid_thw": shard.image_grid_thw}
         output = self.model(
             shard.input_ids.to(self.device, non_blocking=True)[None],
             shard.position_ids.to(self.device, non_blocking=True)[None],
             routed_experts=self._to_device(shard.routed_experts),
-            **layout,
+            **extra,
         )
         # squeeze, not [0]: the backward of an index allocates a zero gradient the logits' size.
         return target_logprobs(

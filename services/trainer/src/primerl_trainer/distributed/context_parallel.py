@@ -126,6 +126,9 @@ class RowShard:
     loss_mask: torch.Tensor  # bool [t]
     advantages: torch.Tensor | None  # float32 [t]
     inference_logprobs: torch.Tensor | None  # float32 [t]
+    # The row's images (vision-language models take them on whole rows only).
+    pixel_values: torch.Tensor | None = None
+    image_grid_thw: torch.Tensor | None = None
 
     def gather_tokens(self, values: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
         """Prediction-aligned local values (e.g. the logprobs of `targets`) -> token-aligned
@@ -157,6 +160,8 @@ def shard_micro_batch(micro_batch: MicroBatch, *, cp_rank: int, cp_size: int) ->
         loss_mask=predicted(micro_batch.loss_mask, False),
         advantages=predicted(micro_batch.advantages, 0.0),
         inference_logprobs=predicted(micro_batch.inference_logprobs, 0.0),
+        pixel_values=micro_batch.pixel_values,
+        image_grid_thw=micro_batch.image_grid_thw,
     )
 
 

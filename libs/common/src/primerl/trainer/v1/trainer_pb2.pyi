@@ -36,7 +36,7 @@ class GetBatchSpecRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetBatchSpecResponse(_message.Message):
-    __slots__ = ("seq_len", "router_replay", "num_moe_layers", "num_experts_per_token", "num_experts", "vocab_size", "max_queued_batches", "next_step", "num_hidden_layers", "mode")
+    __slots__ = ("seq_len", "router_replay", "num_moe_layers", "num_experts_per_token", "num_experts", "vocab_size", "max_queued_batches", "next_step", "num_hidden_layers", "mode", "image_token_id", "patches_per_image_token")
     SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
     ROUTER_REPLAY_FIELD_NUMBER: _ClassVar[int]
     NUM_MOE_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -47,6 +47,8 @@ class GetBatchSpecResponse(_message.Message):
     NEXT_STEP_FIELD_NUMBER: _ClassVar[int]
     NUM_HIDDEN_LAYERS_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    PATCHES_PER_IMAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     seq_len: int
     router_replay: bool
     num_moe_layers: int
@@ -57,7 +59,9 @@ class GetBatchSpecResponse(_message.Message):
     next_step: int
     num_hidden_layers: int
     mode: TrainingMode
-    def __init__(self, seq_len: _Optional[int] = ..., router_replay: _Optional[bool] = ..., num_moe_layers: _Optional[int] = ..., num_experts_per_token: _Optional[int] = ..., num_experts: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_queued_batches: _Optional[int] = ..., next_step: _Optional[int] = ..., num_hidden_layers: _Optional[int] = ..., mode: _Optional[_Union[TrainingMode, str]] = ...) -> None: ...
+    image_token_id: int
+    patches_per_image_token: int
+    def __init__(self, seq_len: _Optional[int] = ..., router_replay: _Optional[bool] = ..., num_moe_layers: _Optional[int] = ..., num_experts_per_token: _Optional[int] = ..., num_experts: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_queued_batches: _Optional[int] = ..., next_step: _Optional[int] = ..., num_hidden_layers: _Optional[int] = ..., mode: _Optional[_Union[TrainingMode, str]] = ..., image_token_id: _Optional[int] = ..., patches_per_image_token: _Optional[int] = ...) -> None: ...
 
 class BatchBegin(_message.Message):
     __slots__ = ("step", "num_micro_batches", "num_samples", "num_loss_tokens", "min_policy_version", "max_policy_version")
@@ -76,7 +80,7 @@ class BatchBegin(_message.Message):
     def __init__(self, step: _Optional[int] = ..., num_micro_batches: _Optional[int] = ..., num_samples: _Optional[int] = ..., num_loss_tokens: _Optional[int] = ..., min_policy_version: _Optional[int] = ..., max_policy_version: _Optional[int] = ...) -> None: ...
 
 class MicroBatch(_message.Message):
-    __slots__ = ("input_ids", "position_ids", "loss_mask", "advantages", "inference_logprobs", "temperatures", "routed_experts", "policy_versions")
+    __slots__ = ("input_ids", "position_ids", "loss_mask", "advantages", "inference_logprobs", "temperatures", "routed_experts", "policy_versions", "pixel_values", "image_grid_thw")
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     POSITION_IDS_FIELD_NUMBER: _ClassVar[int]
     LOSS_MASK_FIELD_NUMBER: _ClassVar[int]
@@ -85,6 +89,8 @@ class MicroBatch(_message.Message):
     TEMPERATURES_FIELD_NUMBER: _ClassVar[int]
     ROUTED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    PIXEL_VALUES_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_GRID_THW_FIELD_NUMBER: _ClassVar[int]
     input_ids: _tensor_pb2.Tensor
     position_ids: _tensor_pb2.Tensor
     loss_mask: _tensor_pb2.Tensor
@@ -93,7 +99,9 @@ class MicroBatch(_message.Message):
     temperatures: _tensor_pb2.Tensor
     routed_experts: _tensor_pb2.Tensor
     policy_versions: _tensor_pb2.Tensor
-    def __init__(self, input_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., position_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., loss_mask: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., advantages: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., inference_logprobs: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., temperatures: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., routed_experts: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., policy_versions: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
+    pixel_values: _tensor_pb2.Tensor
+    image_grid_thw: _tensor_pb2.Tensor
+    def __init__(self, input_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., position_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., loss_mask: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., advantages: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., inference_logprobs: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., temperatures: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., routed_experts: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., policy_versions: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., pixel_values: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., image_grid_thw: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class PushBatchRequest(_message.Message):
     __slots__ = ("begin", "micro_batch")
