@@ -24,7 +24,6 @@ lifted, per family (`_CPU_REFUSALS`):
 from __future__ import annotations
 
 import contextlib
-import importlib
 import json
 import os
 import pathlib
@@ -41,6 +40,8 @@ import torch
 from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config
 from vllm.distributed import init_distributed_environment, initialize_model_parallel
 from vllm.model_executor.model_loader.utils import initialize_model
+
+from primerl_common.vllm_vision import register_qwen_vision_models
 
 
 def parameter_table(model_dir: str) -> dict[str, list[int]]:
@@ -87,27 +88,12 @@ def _sparse_mla_on_cpu() -> Iterator[None]:
         yield
 
 
-def _register_qwen3_5_without_torchvision() -> None:
-    try:
-        importlib.import_module("transformers.models.qwen2_vl.image_processing_qwen2_vl")
-    except ModuleNotFoundError as error:
-        if error.name != "torchvision":
-            raise
-        sys.modules["transformers.models.qwen2_vl.image_processing_qwen2_vl"] = importlib.import_module(
-            "transformers.models.qwen2_vl.image_processing_pil_qwen2_vl"
-        )
-    from vllm import ModelRegistry
-    from vllm.model_executor.models import qwen3_5
-
-    for architecture in ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"):
-        ModelRegistry.register_model(architecture, getattr(qwen3_5, architecture))
-
-
 _CPU_REFUSALS: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
     "nemotron_h": _non_gated_experts_on_cpu,
     "glm_moe_dsa": _sparse_mla_on_cpu,
 }
-_IMPORTS = dict.fromkeys(("qwen3_5_moe_text", "qwen3_5_moe"), _register_qwen3_5_without_torchvision)
+# vLLM imports these only with torchvision (primerl_common.vllm_vision).
+_IMPORTS = dict.fromkeys(("qwen3_5_moe_text", "qwen3_5_moe", "qwen3_vl", "qwen3_vl_moe"), register_qwen_vision_models)
 
 
 def model_type_of(model_dir: str) -> str:

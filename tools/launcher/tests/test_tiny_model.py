@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
+from transformers import AutoImageProcessor, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
 from primerl_common.local_vllm import in_process_llm
 from primerl_launcher.tiny_model import (
@@ -20,11 +20,18 @@ from primerl_launcher.tiny_model import (
     EOS_TOKEN_ID,
     FAMILIES,
     IM_START_TOKEN_ID,
+    IMAGE_TOKEN_ID,
     PAD_TOKEN_ID,
     STAMP_FILE,
+    VIDEO_TOKEN_ID,
+    VISION_CHAT_TEMPLATE,
+    VISION_END_TOKEN_ID,
+    VISION_START_TOKEN_ID,
+    VISION_TOKENS,
     VOCAB_SIZE,
     TinyGlm4MoeSpec,
     TinyQwen3MoeSpec,
+    TinyVisionLanguageSpec,
     build_tokenizer,
     main,
     make_tiny_model,
@@ -132,6 +139,18 @@ def test_build_tokenizer_without_transformers() -> None:
     assert tokenizer.get_vocab_size() == VOCAB_SIZE
     with pytest.raises(ValueError):
         build_tokenizer(vocab_size=100)
+    # The vision tokens only rename the first reserved ids.
+    vision = build_tokenizer(vision_tokens=True)
+    renamed = {i: (tokenizer.id_to_token(i), vision.id_to_token(i)) for i in range(VOCAB_SIZE)}
+    changed = {i: names for i, names in renamed.items() if names[0] != names[1]}
+    assert changed == {
+        token_id: (f"<|reserved_{index}|>", name)
+        for index, (token_id, name) in enumerate(
+            zip(
+                (VISION_START_TOKEN_ID, VISION_END_TOKEN_ID, IMAGE_TOKEN_ID, VIDEO_TOKEN_ID), VISION_TOKENS, strict=True
+            )
+        )
+    }
 
 
 # --- files and determinism ---------------------------------------------------------
@@ -183,6 +202,69 @@ def test_files_use_hub_names_and_shapes(model_root: Path) -> None:
     assert weights["model.layers.0.mlp.gate.weight"].shape == (spec.num_experts, spec.hidden_size)
     assert "lm_head.weight" not in weights  # tied to the embedding
     assert all(p.stat().st_mode & 0o444 == 0o444 for p in moe_dir.iterdir())  # readable by all
+
+
+@pytest.mark.parametrize("family", ["qwen3-vl", "qwen3-vl-moe"])
+def test_vision_families_hold_what_a_processor_reads(model_root: Path, family: str) -> None:
+    """The vision tokens under Qwen's names on the ids config.json gives, the image and video
+    processors' configs with vision_config's patch shapes (an image's grid: whole merged patches,
+    1 to 16 image tokens), the processor's class, and a chat template placing each image in
+    Qwen3-VL's layout (text messages render as the other families')."""
+    from PIL import Image
+
+    model_dir = _model_dir(model_root, family)
+    config = json.loads((model_dir / "config.json").read_text())
+    spec = FAMILIES[family]
+    assert isinstance(spec, TinyVisionLanguageSpec)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    vision_ids = [config[f"{name}_token_id"] for name in ("vision_start", "vision_end", "image", "video")]
+    assert tokenizer.convert_tokens_to_ids(list(VISION_TOKENS)) == vision_ids
+    assert tokenizer.decode(vision_ids) == "".join(VISION_TOKENS)
+    assert len(tokenizer) == VOCAB_SIZE
+
+    processors = {
+        name: json.loads((model_dir / name).read_text())
+        for name in ("preprocessor_config.json", "video_preprocessor_config.json", "processor_config.json")
+    }
+    vision = config["vision_config"]
+    for name in ("preprocessor_config.json", "video_preprocessor_config.json"):
+        shapes = {key: processors[name][key] for key in ("patch_size", "temporal_patch_size", "merge_size")}
+        assert shapes == {key: vision[key] for key in ("patch_size", "temporal_patch_size")} | {
+            "merge_size": vision["spatial_merge_size"]
+        }
+    assert processors["processor_config.json"]["processor_class"] == "Qwen3VLProcessor"
+    assert processors["video_preprocessor_config.json"]["video_processor_type"] == "Qwen3VLVideoProcessor"
+
+    # Without torchvision (the CPU build) transformers falls back to the PIL image processor.
+    image_processor = AutoImageProcessor.from_pretrained(model_dir)
+    images = [Image.new("RGB", size) for size in ((8, 8), (56, 40), (1000, 700))]
+    grids = image_processor(images=images, return_tensors="pt")["image_grid_thw"]
+    merged = grids.prod(-1) // vision["spatial_merge_size"] ** 2
+    assert grids[:, 0].tolist() == [1, 1, 1] and merged.tolist()[:2] == [1, 2]
+    assert (
+        merged.min() >= 1 and merged.max() <= spec.image_max_pixels // (spec.patch_size * spec.spatial_merge_size) ** 2
+    )
+
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {
+            "role": "user",
+            "content": [
+                {"type": "image"},
+                {"type": "text", "text": "and"},
+                {"type": "image_url", "image_url": {"url": "x"}},
+            ],
+        },
+    ]
+    assert tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n"
+        "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>and<|vision_start|><|image_pad|><|vision_end|><|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    assert tokenizer.chat_template == VISION_CHAT_TEMPLATE == (model_dir / "chat_template.jinja").read_text()
+    assert tokenizer.apply_chat_template(MESSAGES, tokenize=False) == AutoTokenizer.from_pretrained(
+        _model_dir(model_root, "qwen3")
+    ).apply_chat_template(MESSAGES, tokenize=False)
 
 
 def test_make_is_idempotent_and_remakes_on_other_arguments(tmp_path: Path) -> None:

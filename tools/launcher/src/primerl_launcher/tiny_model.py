@@ -3,9 +3,10 @@ Qwen3-MoE, GLM-4.5 (`glm4_moe`), MiniMax-M2 (`minimax_m2`), ..., and the multimo
 (`qwen3_vl`, `qwen3_vl_moe`: a vision tower in front of the language model).
 
 The folder looks like a Hugging Face checkpoint of the real models (config.json in the
-hub's style, safetensors with the hub's tensor names, a tokenizer and its chat template),
-so the trainer, the weight broadcaster and vLLM load it through their ordinary paths;
-nothing is downloaded.
+hub's style, safetensors with the hub's tensor names, a tokenizer and its chat template;
+the Qwen3-VL families also the image and video processors' configs and a chat template that
+places images), so the trainer, the weight broadcaster and vLLM load it through their
+ordinary paths; nothing is downloaded.
 
 A family is one frozen dataclass deriving from `TinyModelSpec` (its shapes, its config.json
 as the hub writes it, the transformers class that draws its random weights) and one entry in
@@ -45,6 +46,11 @@ __all__ = [
     "PAD_TOKEN",
     "PAD_TOKEN_ID",
     "STAMP_FILE",
+    "VIDEO_TOKEN_ID",
+    "VISION_CHAT_TEMPLATE",
+    "VISION_END_TOKEN_ID",
+    "VISION_START_TOKEN_ID",
+    "VISION_TOKENS",
     "VOCAB_SIZE",
     "DType",
     "TinyAfmoeSpec",
@@ -73,10 +79,11 @@ EOS_TOKEN = "<|im_end|>"
 # Right after the bytes, in Qwen's order (151643..151645 there).
 SPECIAL_TOKENS = (PAD_TOKEN, IM_START_TOKEN, EOS_TOKEN)
 PAD_TOKEN_ID, IM_START_TOKEN_ID, EOS_TOKEN_ID = range(NUM_BYTE_TOKENS, NUM_BYTE_TOKENS + len(SPECIAL_TOKENS))
-# The Qwen3-VL families' vision tokens: the first reserved ones (<|reserved_0..3|>, named by id
-# only; Qwen's <|vision_start|>, <|vision_end|>, <|image_pad|>, <|video_pad|>).
+# The Qwen3-VL families' vision tokens, on the first reserved ids (<|reserved_0..3|> in the
+# other families' tokenizers), under Qwen's names in theirs.
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 VISION_START_TOKEN_ID, VISION_END_TOKEN_ID, IMAGE_TOKEN_ID, VIDEO_TOKEN_ID = range(
-    NUM_BYTE_TOKENS + len(SPECIAL_TOKENS), NUM_BYTE_TOKENS + len(SPECIAL_TOKENS) + 4
+    NUM_BYTE_TOKENS + len(SPECIAL_TOKENS), NUM_BYTE_TOKENS + len(SPECIAL_TOKENS) + len(VISION_TOKENS)
 )
 # Bytes + specials, padded with reserved tokens to a multiple of 64 so that every id the
 # model can sample is decodable (an untrained model samples all of them).
@@ -85,6 +92,23 @@ VOCAB_SIZE = 320
 CHAT_TEMPLATE = (
     "{%- for message in messages %}"
     "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+# CHAT_TEMPLATE where a message's content is a string; a list of parts (OpenAI's and
+# transformers' layouts) renders each image or video in Qwen3-VL's layout, in order with the text.
+VISION_CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['content'] is string %}{{- message['content'] }}"
+    "{%- else %}{%- for part in message['content'] %}"
+    "{%- if part['type'] == 'image' or 'image' in part or 'image_url' in part %}"
+    "{{- '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{%- elif part['type'] == 'video' or 'video' in part %}"
+    "{{- '<|vision_start|><|video_pad|><|vision_end|>' }}"
+    "{%- elif 'text' in part %}{{- part['text'] }}"
+    "{%- endif %}{%- endfor %}{%- endif %}"
+    "{{- '<|im_end|>' + '\\n' }}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
@@ -122,6 +146,11 @@ class TinyModelSpec:
     # layout, which save_pretrained writes (Qwen3-VL-MoE's fused experts): swapped after saving.
     # Matched by the end of the tensor's name.
     transposed_tensors: ClassVar[tuple[str, ...]] = ()
+    # The tokenizer names the vision tokens (VISION_TOKENS) and renders VISION_CHAT_TEMPLATE.
+    vision_tokens: ClassVar[bool] = False
+    # Bumped when a family's own files change: in the stamp when non-zero, so that the family's
+    # old folders are remade and the other families' stamps stay as they were.
+    files_revision: ClassVar[int] = 0
 
     vocab_size: int = VOCAB_SIZE
     hidden_size: int = 256
@@ -170,6 +199,11 @@ class TinyModelSpec:
 
     def family_config(self) -> dict[str, Any]:
         raise NotImplementedError
+
+    def processor_files(self) -> dict[str, str]:
+        """The files besides the model and the tokenizer (file name -> text): none but the
+        multimodal families'."""
+        return {}
 
     def alternating_layer_types(self) -> list[str]:
         """Sliding-window and full attention layers alternating, the first sliding."""
@@ -607,6 +641,8 @@ class TinyVisionLanguageSpec(TinyModelSpec):
     init) are drawn at random, so that each one counts."""
 
     random_parameters: ClassVar[tuple[str, ...]] = ("bias",)
+    vision_tokens: ClassVar[bool] = True
+    files_revision: ClassVar[int] = 1
     # The top level's keys; the rest is text_config.
     _top_level_keys: ClassVar[tuple[str, ...]] = ("architectures", "model_type", "tie_word_embeddings", "dtype")
 
@@ -624,6 +660,13 @@ class TinyVisionLanguageSpec(TinyModelSpec):
     spatial_merge_size: int = 2
     num_position_embeddings: int = 64
     deepstack_visual_indexes: tuple[int, ...] = (0, 2)
+    # The image processor resizes each image to multiples of 32 pixels (a merged 2 x 2 of
+    # patches) holding between these many pixels: 1 to 16 image tokens.
+    image_min_pixels: int = 32 * 32
+    image_max_pixels: int = 128 * 128
+    # A video's frames, together.
+    video_max_pixels: int = 8 * 128 * 128
+    video_max_frames: int = 8
 
     def config_dict(self, dtype: DType) -> dict[str, Any]:
         flat = super().config_dict(dtype)
@@ -660,6 +703,43 @@ class TinyVisionLanguageSpec(TinyModelSpec):
             "vision_end_token_id": VISION_END_TOKEN_ID,
         }
 
+    def processor_files(self) -> dict[str, str]:
+        """What transformers' AutoProcessor (Qwen3VLProcessor) and vLLM read, as the hub's
+        Qwen3-VL checkpoints write it: the image processor's and the video processor's configs
+        (the patch shapes of vision_config; pixel values scaled to [-1, 1]), the processor's class,
+        and its chat template (the tokenizer's)."""
+        pixels = {
+            "patch_size": self.patch_size,
+            "temporal_patch_size": self.temporal_patch_size,
+            "merge_size": self.spatial_merge_size,
+            "image_mean": [0.5, 0.5, 0.5],
+            "image_std": [0.5, 0.5, 0.5],
+            "do_resize": True,
+            "do_rescale": True,
+            "rescale_factor": 1 / 255,
+            "do_normalize": True,
+            "do_convert_rgb": True,
+            "processor_class": "Qwen3VLProcessor",
+        }
+        image = pixels | {
+            # transformers 5 falls back to Qwen2VLImageProcessorPil where torchvision is missing.
+            "image_processor_type": "Qwen2VLImageProcessor",
+            "size": {"shortest_edge": self.image_min_pixels, "longest_edge": self.image_max_pixels},
+        }
+        video = pixels | {
+            "video_processor_type": "Qwen3VLVideoProcessor",
+            "size": {"shortest_edge": self.image_min_pixels, "longest_edge": self.video_max_pixels},
+            "fps": 2,
+            "min_frames": self.temporal_patch_size,
+            "max_frames": self.video_max_frames,
+        }
+        return {
+            "preprocessor_config.json": _json_text(image),
+            "video_preprocessor_config.json": _json_text(video),
+            "processor_config.json": _json_text({"processor_class": "Qwen3VLProcessor"}),
+            "chat_template.jinja": VISION_CHAT_TEMPLATE,
+        }
+
 
 @dataclass(frozen=True)
 class TinyQwen3VLSpec(TinyVisionLanguageSpec):
@@ -689,6 +769,9 @@ class TinyQwen3VLMoeSpec(TinyVisionLanguageSpec, TinyMoeSpec):
     def family_config(self) -> dict[str, Any]:
         return self.experts_config() | {
             "attention_bias": False,
+            # transformers' Qwen3-VL-MoE always renormalises and has no such field; the hub's
+            # configs write it, and vLLM's Qwen3-MoE blocks read it (AttributeError without).
+            "norm_topk_prob": True,
             "decoder_sparse_step": 1,
             "mlp_only_layers": list(self.mlp_only_layers),
             "router_aux_loss_coef": 0.001,
@@ -715,9 +798,10 @@ FAMILIES: dict[str, TinyModelSpec] = {
 KINDS = {"dense": "qwen3", "moe": "qwen3-moe"}
 
 
-def build_tokenizer(vocab_size: int = VOCAB_SIZE) -> tokenizers.Tokenizer:
+def build_tokenizer(vocab_size: int = VOCAB_SIZE, *, vision_tokens: bool = False) -> tokenizers.Tokenizer:
     """A byte-level BPE with no merges: id == byte value for 0..255, then the specials,
-    then `<|reserved_N|>` up to `vocab_size`."""
+    then `<|reserved_N|>` up to `vocab_size`; with `vision_tokens` the first four of those are
+    named VISION_TOKENS instead (the others keep their names)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
     num_fixed = NUM_BYTE_TOKENS + len(SPECIAL_TOKENS)
@@ -730,17 +814,26 @@ def build_tokenizer(vocab_size: int = VOCAB_SIZE) -> tokenizers.Tokenizer:
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tokenizer.decoder = decoders.ByteLevel()
     reserved = [f"<|reserved_{i}|>" for i in range(vocab_size - num_fixed)]
+    if vision_tokens:
+        if len(reserved) < len(VISION_TOKENS):
+            raise ValueError(f"vocab_size must be at least {num_fixed + len(VISION_TOKENS)} with vision tokens")
+        reserved[: len(VISION_TOKENS)] = VISION_TOKENS
     tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in (*SPECIAL_TOKENS, *reserved)])
     assert tokenizer.get_vocab_size() == vocab_size
     return tokenizer
 
 
 def save_tokenizer(
-    out_dir: str | os.PathLike[str], *, vocab_size: int = VOCAB_SIZE, model_max_length: int = 2048
+    out_dir: str | os.PathLike[str],
+    *,
+    vocab_size: int = VOCAB_SIZE,
+    model_max_length: int = 2048,
+    vision_tokens: bool = False,
 ) -> None:
-    """Writes tokenizer.json and tokenizer_config.json (with the chat template)."""
+    """Writes tokenizer.json and tokenizer_config.json (with the chat template: with
+    `vision_tokens`, those named and VISION_CHAT_TEMPLATE)."""
     out = pathlib.Path(out_dir)
-    build_tokenizer(vocab_size).save(str(out / "tokenizer.json"))
+    build_tokenizer(vocab_size, vision_tokens=vision_tokens).save(str(out / "tokenizer.json"))
     tokenizer_config = {
         # The generic class loads tokenizer.json as written; a Qwen2Tokenizer would
         # rebuild the pre-tokenizer with Qwen's own settings.
@@ -754,7 +847,7 @@ def save_tokenizer(
         "clean_up_tokenization_spaces": False,
         "split_special_tokens": False,
         "model_max_length": model_max_length,
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": VISION_CHAT_TEMPLATE if vision_tokens else CHAT_TEMPLATE,
     }
     _write_json(out / "tokenizer_config.json", tokenizer_config)
 
@@ -799,6 +892,8 @@ def make_tiny_model(
         # As the stamp file reads back (tuple fields as lists).
         "spec": json.loads(json.dumps(dataclasses.asdict(spec))),
     }
+    if spec.files_revision:
+        stamp["files_revision"] = spec.files_revision
     if _read_stamp(out) == stamp:
         return out
 
@@ -811,7 +906,14 @@ def make_tiny_model(
         _save_weights(staging, spec, seed=seed, dtype=dtype)
         _write_json(staging / "config.json", spec.config_dict(dtype))
         _write_json(staging / "generation_config.json", _GENERATION_CONFIG)
-        save_tokenizer(staging, vocab_size=spec.vocab_size, model_max_length=spec.max_position_embeddings)
+        save_tokenizer(
+            staging,
+            vocab_size=spec.vocab_size,
+            model_max_length=spec.max_position_embeddings,
+            vision_tokens=spec.vision_tokens,
+        )
+        for name, text in spec.processor_files().items():
+            (staging / name).write_text(text)
         for path in sorted(staging.iterdir()):
             # save_pretrained writes through a private (0600) temp file; services that
             # run as another user (containers) must be able to read the model.
@@ -883,7 +985,11 @@ def _read_stamp(out: pathlib.Path) -> dict[str, Any] | None:
 
 
 def _write_json(path: pathlib.Path, data: dict[str, Any]) -> None:
-    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    path.write_text(_json_text(data))
+
+
+def _json_text(data: dict[str, Any]) -> str:
+    return json.dumps(data, indent=2, sort_keys=True) + "\n"
 
 
 def _bytes_to_unicode() -> dict[int, str]:
