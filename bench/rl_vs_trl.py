@@ -24,7 +24,12 @@ TRL), gradient clipping at the demo's max_grad_norm, float32 weights and compute
 What differs is each framework's own: TRL's default loss ("dapo": token-level, normalized by the
 batch's tokens, PPO-clipped ratio), its unbiased group std, no reference model (beta 0: primerl's
 kl_coef weighs the trainer/inference mismatch, not a reference); primerl's DPPO loss, its
-population std, groups of equal rewards filtered out and async level 1. TRL is run as a user
+population std and async level 1. Two of the demo's settings do work TRL's run does not, and the
+primerl row leaves them as TRL does (TRL_MATCHED; --demo-settings keeps the demo's): it trains
+groups of equal rewards instead of sampling replacements for them (the demo samples ~170
+rollouts a step to train 128; TRL samples exactly 16 x 8 and trains them all), and it saves no
+checkpoint during the 80 steps (the demo saves after every step, ~0.3 s; TRL's default saves
+every 500 steps). TRL is run as a user
 picking its fastest settings would: no gradient checkpointing and no bf16 (GRPOConfig's defaults
 turn both on), one micro-batch of 128.
 
@@ -412,6 +417,10 @@ def read_records(path: pathlib.Path) -> list[dict[str, Any]]:
             with contextlib.suppress(ValueError):
                 records.append(json.loads(line))
     return records
+
+
+# The primerl row's changes to the demo's config, so that it does the work TRL's run does (see above).
+TRL_MATCHED = ("orchestrator.advantage.filter_zero_advantage=false", "trainer.checkpoint.interval=0")
 
 
 def primerl_launch_file(
@@ -1012,6 +1021,11 @@ def main(argv: list[str] | None = None) -> int:
         help="change the demo's config for the primerl row (a TOML value), e.g. "
         "orchestrator.advantage.filter_zero_advantage=false; repeatable",
     )
+    parser.add_argument(
+        "--demo-settings",
+        action="store_true",
+        help=f"keep the demo's own settings in the primerl row instead of TRL's: no {', '.join(TRL_MATCHED)}",
+    )
     parser.add_argument("--out-dir", type=pathlib.Path, help="default: runs/rl_vs_trl-<date-time>")
     parser.add_argument("--output", type=pathlib.Path, help="also write the report (what follows the runs) here")
     parser.add_argument("--row-timeout-s", type=float, help="per row's training (default 600 s + 60 s a step)")
@@ -1022,6 +1036,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps < 2:
         parser.error("--steps must be at least 2 (a reward gain needs a first and a last step)")
     args.row_timeout_s = args.row_timeout_s or 600.0 + 60.0 * args.steps
+    if not args.demo_settings:
+        args.set = [*TRL_MATCHED, *args.set]
     args.trl_venv = args.trl_venv.resolve()
     if args.warm_model is not None:
         args.warm_model = args.warm_model.resolve()
