@@ -258,6 +258,26 @@ def assert_hf_round_trip_is_bit_exact(path: pathlib.Path) -> None:
         assert exported[name].dtype == tensor.dtype and torch.equal(exported[name], tensor), name
 
 
+def assert_sharded_model_matches(
+    reference: nn.Module, model: nn.Module, inputs: dict[str, Any], checkpoint: pathlib.Path
+) -> None:
+    """`model`, parallelized by its spec's parallelize_fn on a one-rank CPU mesh with activation
+    checkpointing, against the same weights unsharded (`reference`): equal logits, gradients of
+    one loss within rounding, and the checkpoint's HF names exported from its full state dict."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    expected, actual = reference(**inputs).logits, model(**inputs).logits
+    assert torch.equal(actual, expected)
+    expected.pow(2).mean().backward()
+    actual.pow(2).mean().backward()
+    grads = {name: p.grad for name, p in reference.named_parameters()}
+    for name, param in model.named_parameters():
+        name = name.replace("_checkpoint_wrapped_module.", "")
+        torch.testing.assert_close(param.grad.full_tensor(), grads[name], rtol=1e-5, atol=1e-6, msg=name)
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    assert export_hf_state_dict(model, full).keys() == read_hf_state_dict(checkpoint).keys()
+
+
 def assert_config_refused(path: pathlib.Path, change: dict, match: str) -> None:
     """The checkpoint's config with `change` is refused (ValueError matching `match`) when the own
     model's args are read from it or the model is built."""

@@ -5,15 +5,14 @@ import json
 import pathlib
 
 import pytest
-import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 
-from primerl_trainer.models import export_hf_state_dict, load_model, model_spec_of, read_hf_state_dict
+from primerl_trainer.models import load_model, model_spec_of, read_hf_state_dict
 
 from .conftest import random_ids
+from .hf_parity import assert_sharded_model_matches
 
 
 @pytest.fixture
@@ -42,15 +41,4 @@ def test_fsdp_and_activation_checkpointing_keep_forward_and_gradients(
     path: pathlib.Path = request.getfixturevalue(f"{kind}_path")
     reference, model = load_model(path), load_model(path)
     model_spec_of(model).parallelize_fn(model, dp_mesh=mesh, param_dtype=None, activation_checkpointing=True)
-    input_ids = random_ids(2, 12)
-    expected, actual = reference(input_ids).logits, model(input_ids).logits
-    assert torch.equal(actual, expected)
-    expected.pow(2).mean().backward()
-    actual.pow(2).mean().backward()
-    grads = {name: p.grad for name, p in reference.named_parameters()}
-    for name, param in model.named_parameters():
-        name = name.replace("_checkpoint_wrapped_module.", "")
-        assert torch.allclose(param.grad.full_tensor(), grads[name], atol=1e-6), name
-
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-    assert export_hf_state_dict(model, full).keys() == read_hf_state_dict(path).keys()
+    assert_sharded_model_matches(reference, model, {"input_ids": random_ids(2, 12)}, path)

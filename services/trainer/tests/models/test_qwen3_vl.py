@@ -12,13 +12,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 
 from primerl_launcher.tiny_model import IMAGE_TOKEN_ID, VISION_END_TOKEN_ID, VISION_START_TOKEN_ID, make_tiny_model
-from primerl_trainer.models import export_hf_state_dict, load_model, model_spec_of, read_hf_state_dict
+from primerl_trainer.models import load_model, model_spec_of
 from primerl_trainer.models.qwen3_vl.model import Qwen3VLModel, Qwen3VLMoeModel
 from primerl_trainer.models.qwen3_vl.positions import mrope_position_ids
+
+from .hf_parity import assert_hf_round_trip_is_bit_exact, assert_sharded_model_matches
 
 TOLERANCE = 1e-4
 FAMILIES = {"qwen3-vl": Qwen3VLModel, "qwen3-vl-moe": Qwen3VLMoeModel}
@@ -153,11 +154,7 @@ def test_image_tokens_that_do_not_match_the_features_raise(models) -> None:
 
 
 def test_hf_to_own_to_hf_is_bit_exact(checkpoint: pathlib.Path) -> None:
-    original = read_hf_state_dict(checkpoint)
-    exported = export_hf_state_dict(load_model(checkpoint, impl="custom"))
-    assert exported.keys() == original.keys()
-    for name, tensor in original.items():
-        assert exported[name].dtype == tensor.dtype and torch.equal(exported[name], tensor), name
+    assert_hf_round_trip_is_bit_exact(checkpoint)
 
 
 def test_transformers_impl_is_refused_naming_the_field(checkpoint: pathlib.Path) -> None:
@@ -218,14 +215,4 @@ def test_fsdp_and_activation_checkpointing_keep_forward_and_gradients(
     for copy in (reference, model):
         copy.load_state_dict(loaded.state_dict())
     model_spec_of(model).parallelize_fn(model, dp_mesh=mesh, param_dtype=None, activation_checkpointing=True)
-    inputs = image_prompt(THREE_IMAGES, seed=5)
-    expected, actual = reference(**inputs).logits, model(**inputs).logits
-    assert torch.equal(actual, expected)
-    expected.pow(2).mean().backward()
-    actual.pow(2).mean().backward()
-    grads = {name: p.grad for name, p in reference.named_parameters()}
-    for name, param in model.named_parameters():
-        name = name.replace("_checkpoint_wrapped_module.", "")
-        torch.testing.assert_close(param.grad.full_tensor(), grads[name], rtol=1e-5, atol=1e-6, msg=name)
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-    assert export_hf_state_dict(model, full).keys() == read_hf_state_dict(checkpoint).keys()
+    assert_sharded_model_matches(reference, model, image_prompt(THREE_IMAGES, seed=5), checkpoint)
