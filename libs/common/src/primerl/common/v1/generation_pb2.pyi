@@ -134,7 +134,7 @@ class GenerationStats(_message.Message):
     def __init__(self, num_prompt_tokens: _Optional[int] = ..., num_cached_prompt_tokens: _Optional[int] = ..., num_output_tokens: _Optional[int] = ..., time_to_first_token_s: _Optional[float] = ..., total_time_s: _Optional[float] = ...) -> None: ...
 
 class GenerationOutput(_message.Message):
-    __slots__ = ("request_id", "offset", "token_ids", "logprobs", "policy_versions", "finished", "finish_reason", "prompt_logprobs", "routed_experts", "stats", "replica_id", "routed_experts_start")
+    __slots__ = ("request_id", "offset", "token_ids", "logprobs", "policy_versions", "finished", "finish_reason", "prompt_logprobs", "routed_experts", "stats", "replica_id", "routed_experts_start", "prompt_token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -147,6 +147,7 @@ class GenerationOutput(_message.Message):
     STATS_FIELD_NUMBER: _ClassVar[int]
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     ROUTED_EXPERTS_START_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     offset: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -159,7 +160,8 @@ class GenerationOutput(_message.Message):
     stats: GenerationStats
     replica_id: str
     routed_experts_start: int
-    def __init__(self, request_id: _Optional[str] = ..., offset: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., policy_versions: _Optional[_Iterable[int]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., routed_experts: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., stats: _Optional[_Union[GenerationStats, _Mapping]] = ..., replica_id: _Optional[str] = ..., routed_experts_start: _Optional[int] = ...) -> None: ...
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., offset: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., policy_versions: _Optional[_Iterable[int]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., routed_experts: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., stats: _Optional[_Union[GenerationStats, _Mapping]] = ..., replica_id: _Optional[str] = ..., routed_experts_start: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LoadReport(_message.Message):
     __slots__ = ("num_waiting", "num_running", "kv_cache_usage", "policy_version", "updating_weights", "paused", "draining", "role", "num_prompt_tokens_total", "num_generated_tokens_total", "num_prefix_cache_hit_tokens_total", "num_kv_pool_hit_tokens_total")
