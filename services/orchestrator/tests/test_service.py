@@ -155,7 +155,7 @@ def image(data: bytes = b"", mime_type: str = "image/png", uri: str = "") -> orc
     return orchestrator_pb2.ContentPart(image=part)
 
 
-async def test_message_parts_text_is_rendered_and_images_are_checked_then_refused_while_the_episode_goes_on(model_dir):
+async def test_a_text_model_checks_images_then_refuses_them_while_the_episode_goes_on(model_dir):
     async with orchestrator(model_dir, StandInTrainer()) as stub:
         episode_id, other = await start_group(stub, "parts")
         bad = {
@@ -171,7 +171,7 @@ async def test_message_parts_text_is_rendered_and_images_are_checked_then_refuse
                 await stub.Generate(request, timeout=10)
             assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT, field
             assert field in field_violations(error.value), (field, error.value.details())
-        # A well-formed image: this orchestrator renders text only, so the turn is refused whole.
+        # A well-formed image: the model reads text only, so the turn is refused whole.
         for part in (image(png(32, 24)), image(uri="file:///images/a.png")):
             assert await refusal(stub.Generate(parts_turn(episode_id, text("what is this? "), part), timeout=10)) == (
                 grpc.StatusCode.FAILED_PRECONDITION,

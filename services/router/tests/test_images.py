@@ -12,11 +12,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from primerl.common.v1 import generation_pb2, service_info_pb2
 from primerl.inference.v1 import inference_pb2
 from primerl.router.v1 import router_pb2, router_pb2_grpc
-from primerl_common.images import CAPABILITY_IMAGES
+from primerl_common.images import CAPABILITY_IMAGES, ROUTER_CAPABILITY_IMAGES
 from primerl_common.testing import bare_server, in_process_service
 from primerl_router.config import RouterConfig
 from primerl_router.request import parse_route_request
-from primerl_router.server import ROUTER_CAPABILITY_IMAGES, build
+from primerl_router.server import build
 
 PNG = generation_pb2.ImageData(data=b"\x89PNG not decoded by the router", mime_type="image/png")
 

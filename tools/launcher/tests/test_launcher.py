@@ -28,7 +28,7 @@ from primerl_launcher.checks import check_dtypes, check_outside_peers
 from primerl_launcher.cli import demo_config_text
 from primerl_launcher.progress import StallWatch, describe_groups
 from primerl_launcher.report import format_summary, summary
-from primerl_launcher.run import keep_state_in_run_dir, validate_configs, write_configs
+from primerl_launcher.run import keep_state_in_run_dir, prepare_model, validate_configs, write_configs
 from primerl_launcher.service_group import RestartPolicy
 from primerl_launcher.spec import LaunchConfigError, parse_launch_file
 from primerl_launcher.tiny_model import make_tiny_model
@@ -125,6 +125,22 @@ def test_the_embedded_demo_parses():
         "kvstore",
     }
     assert launch.launcher.model == "tiny-dense" and launch.warm_start is not None
+
+
+@pytest.mark.parametrize(("name", "model_type"), [("tiny-vl", "qwen3_vl"), ("tiny-vl-moe", "qwen3_vl_moe")])
+def test_a_tiny_vision_model_is_made_and_filled_into_the_services(tmp_path, name, model_type):
+    launch = parse_launch_file(
+        {"launcher": {"model": name, "cache_dir": str(tmp_path / "cache")}, "trainer": {}, "inference": {}}
+    )
+    model = prepare_model(launch.launcher)
+    assert model is not None and model.parent == tmp_path / "cache" and model.name.startswith(f"{name}-float32-")
+    config = json.loads((model / "config.json").read_text())
+    assert config["model_type"] == model_type and "vision_config" in config
+    assert (model / "preprocessor_config.json").is_file()
+    assert prepare_model(launch.launcher) == model  # cached: made once
+    wire(launch.services, run_dir=tmp_path / "run", model=model, host="127.0.0.1")
+    assert launch.services["inference-0"].table["engine"]["model"] == str(model)
+    assert launch.services["trainer"].table["model"]["path"] == str(model)
 
 
 def test_wiring_fills_every_link_that_is_unset(tmp_path):

@@ -2,10 +2,28 @@
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
+import re
+import urllib.parse
+
+import pytest
+from PIL import Image
 
 from primerl_launcher.cli import main
 from primerl_launcher.evaluate import format_results
+
+
+def png(color: str) -> bytes:
+    out = io.BytesIO()
+    Image.new("RGB", (4, 3), color).save(out, format="PNG")
+    return out.getvalue()
+
+
+# The files of the images folder, by path relative to the samples folder.
+IMAGE_FILES = {f"images/{hashlib.sha256(data).hexdigest()}.png": data for data in (png("red"), png("blue"))}
+IMAGES = [{"path": path, "mime_type": "image/png", "digest": path[7:-4]} for path in IMAGE_FILES]
 
 ROWS = [
     {
@@ -21,6 +39,7 @@ ROWS = [
         "policy_version": 2,
         "num_tokens": 20,
         "num_loss_tokens": 4,
+        "images": IMAGES,
     },
     {
         "step": 3,
@@ -35,6 +54,7 @@ ROWS = [
         "policy_version": 2,
         "num_tokens": 30,
         "num_loss_tokens": 14,
+        "images": [],
     },
 ]
 
@@ -44,6 +64,9 @@ def _run_dir(tmp_path, *, configured: bool):
     samples = tmp_path / "elsewhere" if configured else run / "orchestrator" / "samples"
     samples.mkdir(parents=True)
     (samples / "step_000003.jsonl").write_text("".join(json.dumps(row) + "\n" for row in ROWS))
+    (samples / "images").mkdir()
+    for path, data in IMAGE_FILES.items():
+        (samples / path).write_bytes(data)
     if configured:
         (run / "config").mkdir(parents=True)
         (run / "config" / "orchestrator.toml").write_text(f'[output]\nsamples_dir = "{samples}"\n')
@@ -57,19 +80,27 @@ def test_samples_prints_a_step_and_names_the_steps_there(tmp_path, capsys):
     assert out.startswith("step 3: 2 samples, reward mean 0.500")
     assert "#0 reverse_text  reward 1.000  advantage +0.500  policy version 2  group 01234567" in out
     assert "completion: cba" in out and "... (100 more)" in out
+    assert f"images:     {IMAGES[0]['path']}, {IMAGES[1]['path']}" in out and out.count("images:") == 1
     assert main(["samples", str(run), "--step", "4"]) == 1
     err = capsys.readouterr().err
     assert "no samples of step 4" in err and "steps 3..3 are there" in err
 
 
-def test_samples_html_page_from_the_configured_folder(tmp_path, capsys):
+# Beside the run, deeper elsewhere, in the samples folder itself (the configured tmp_path/elsewhere).
+@pytest.mark.parametrize("where", ["page.html", "pages/of/run/page.html", "elsewhere/page.html"])
+def test_samples_html_page_shows_the_images_wherever_it_is_written(tmp_path, capsys, monkeypatch, where):
     run = _run_dir(tmp_path, configured=True)
-    page = tmp_path / "page.html"
-    assert main(["samples", str(run), "--step", "3", "--html", str(page)]) == 0
+    monkeypatch.chdir(tmp_path)  # the page's path relative to the working folder, as typed
+    page = tmp_path / where
+    page.parent.mkdir(parents=True, exist_ok=True)
+    assert main(["samples", str(run), "--step", "3", "--html", where]) == 0
     text = page.read_text()
     assert text.count('<tr class="pos">') == 1 and text.count('<tr class="neg">') == 1
     assert "abc &lt;b&gt;" in text and "abc <b>" not in text
-    assert f"2 samples of step 3: {page}" in capsys.readouterr().out
+    sources = re.findall(r'<img src="([^"]+)"', text)
+    shown = [(page.parent / urllib.parse.unquote(source)).read_bytes() for source in sources]
+    assert shown == list(IMAGE_FILES.values())
+    assert f"2 samples of step 3: {where}" in capsys.readouterr().out
 
 
 def test_eval_results_as_a_table():

@@ -20,9 +20,12 @@ from primerl_common.errors import InvalidArgument
 if TYPE_CHECKING:
     from PIL import Image
 
-__all__ = ["CAPABILITY_IMAGES", "DEFAULT_MAX_IMAGE_PIXELS", "MIME_TYPES", "decode_image"]
+__all__ = ["CAPABILITY_IMAGES", "DEFAULT_MAX_IMAGE_PIXELS", "MIME_TYPES", "ROUTER_CAPABILITY_IMAGES", "decode_image"]
 
 CAPABILITY_IMAGES = "generate.images"
+# A router that routes requests with images, to replicas that list CAPABILITY_IMAGES only; one of
+# an older release would drop them, so clients send images only to routers that list this.
+ROUTER_CAPABILITY_IMAGES = f"router.{CAPABILITY_IMAGES}"
 # MIME type -> Pillow's name of the format.
 MIME_TYPES = {
     "image/png": "PNG",

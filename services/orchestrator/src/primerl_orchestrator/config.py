@@ -75,6 +75,11 @@ class ModelConfig(Section):
         "(the format its chat template writes; a template that takes no tools gets the text fallback, the "
         f"tools described in the system message and calls in the hermes layout) or one of: {', '.join(FORMATS)}",
     )
+    image_uri_roots: list[pathlib.Path] = Field(
+        default=[],
+        description="folders whose images a chat message may name by a file:// URI (vision-language models); "
+        "empty: only images sent as bytes or data: URIs",
+    )
 
     @field_validator("tool_call_format")
     @classmethod

@@ -43,9 +43,7 @@ async def evaluate_all(
     config: OrchestratorConfig, *, policy_version: int, max_sample_records: int = 8
 ) -> list[EvalResult]:
     peers = config.peers
-    renderer = PromptRenderer(
-        config.model.path, max_model_len=config.model.max_model_len, tool_call_format=config.model.tool_call_format
-    )
+    renderer = PromptRenderer.from_config(config.model)
     generation = RouterGeneration(peers.router, timeout_s=peers.generate_timeout_s, retry_s=peers.router_retry_s)
     # Evaluation episodes only: its dispatch never opens for training.
     run = Run(config, renderer, generation)

@@ -1,5 +1,10 @@
-"""One model turn through the router (router.v1 Generate): token ids in, the completion with
-per-token logprobs and policy versions (and, when asked, the routed experts) out."""
+"""One model turn through the router (router.v1 Generate): token ids (and images) in, the
+completion with per-token logprobs and policy versions (and, when asked, the routed experts) out.
+
+A router of a release before images would drop a request's images and have the turn sampled
+without them: a turn with images goes only to a router whose GetServiceInfo lists
+ROUTER_CAPABILITY_IMAGES, asked before each such turn (a router may be replaced by another
+version at any time); the router in turn sends it only to replicas that take images."""
 
 from __future__ import annotations
 
@@ -13,8 +18,11 @@ import torch
 from primerl.common.v1 import generation_pb2
 from primerl.router.v1 import router_pb2, router_pb2_grpc
 from primerl_common.client import make_channel
+from primerl_common.errors import FailedPrecondition
+from primerl_common.images import ROUTER_CAPABILITY_IMAGES
 from primerl_common.tensors import tensor_from_proto
 from primerl_orchestrator.kv_namespaces import TurnsInFlight
+from primerl_orchestrator.rendering import RenderedPrompt
 
 __all__ = ["GenerationError", "GenerationRequest", "GenerationResult", "RouterGeneration"]
 
@@ -35,6 +43,41 @@ class GenerationRequest:
     cache_salt: str
     min_policy_version: int
     return_routed_experts: bool
+    # (bytes, MIME type) of the prompt's images, in the order of their tokens (one each).
+    images: tuple[tuple[bytes, str], ...] = ()
+    # With images: the prompt as the model reads it, each image's token repeated to its size;
+    # inference must have expanded it the same way.
+    expanded_prompt_token_ids: list[int] | None = None
+
+    @classmethod
+    def of(
+        cls,
+        prompt: RenderedPrompt,
+        *,
+        request_id: str,
+        episode_id: str,
+        sampling: generation_pb2.SamplingParams,
+        min_policy_version: int,
+        return_routed_experts: bool,
+    ) -> GenerationRequest:
+        """The request of a turn with `prompt`, salted by the replica alone (it puts the policy
+        version it serves the turn at in the salt)."""
+        return cls(
+            request_id=request_id,
+            episode_id=episode_id,
+            prompt_token_ids=prompt.engine_token_ids,
+            sampling=sampling,
+            cache_salt="",
+            min_policy_version=min_policy_version,
+            return_routed_experts=return_routed_experts,
+            images=tuple((image.data, image.mime_type) for image in prompt.images),
+            expanded_prompt_token_ids=prompt.token_ids if prompt.images else None,
+        )
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Prompt tokens as the model reads them."""
+        return len(self.expanded_prompt_token_ids or self.prompt_token_ids)
 
 
 @dataclass(frozen=True)
@@ -85,7 +128,22 @@ class RouterGeneration:
         with self.in_flight.track():
             return await self._generate(request)
 
+    async def _check_router_takes_images(self) -> None:
+        try:
+            response = await self._stub.GetServiceInfo(router_pb2.GetServiceInfoRequest(), timeout=10)
+        except grpc.aio.AioRpcError as exc:
+            raise GenerationError(exc.code(), exc.details() or "") from None
+        if ROUTER_CAPABILITY_IMAGES not in response.info.capabilities:
+            raise FailedPrecondition(
+                f"the router at {self.address} (version {response.info.package_version or 'unknown'}) does not route "
+                f"images (capability {ROUTER_CAPABILITY_IMAGES}): it would drop them",
+                subject=ROUTER_CAPABILITY_IMAGES,
+                reason="CAPABILITY_MISSING",
+            )
+
     async def _generate(self, request: GenerationRequest) -> GenerationResult:
+        if request.images:
+            await self._check_router_takes_images()
         loop = asyncio.get_running_loop()
         started = loop.time()
         backoff = _INITIAL_BACKOFF_S
@@ -117,6 +175,7 @@ class RouterGeneration:
                 cache_salt=request.cache_salt,
                 return_routed_experts=request.return_routed_experts,
                 min_policy_version=request.min_policy_version,
+                images=[generation_pb2.ImageData(data=data, mime_type=mime) for data, mime in request.images],
             ),
             routing=router_pb2.RoutingHints(session_key=request.episode_id),
         )
@@ -147,10 +206,18 @@ class RouterGeneration:
             raise GenerationError(grpc.StatusCode.UNAVAILABLE, "the turn was aborted (replica draining?)")
         if not len(token_ids) == len(logprobs) == len(versions):
             raise GenerationError(grpc.StatusCode.INTERNAL, "token ids, logprobs and versions differ in length")
+        expanded = request.expanded_prompt_token_ids
+        if expanded is not None and list(final.prompt_token_ids) != expanded:
+            raise GenerationError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"inference expanded the prompt's images to {len(final.prompt_token_ids)} prompt tokens, the "
+                f"orchestrator's image processor to {len(expanded)}: they read the images "
+                "differently (another processor or model)",
+            )
         routed = None
         if request.return_routed_experts:
             routed = tensor_from_proto(final.routed_experts)
-            expected_rows = len(request.prompt_token_ids) + len(token_ids)
+            expected_rows = request.num_prompt_tokens + len(token_ids)
             if routed.dim() != 3 or routed.shape[0] != expected_rows:
                 raise GenerationError(
                     grpc.StatusCode.INTERNAL,

@@ -30,7 +30,7 @@ from primerl_orchestrator.packing import PackedBatch, TrainingSample, pack
 from primerl_orchestrator.players import play_builtin
 from primerl_orchestrator.run import Run
 from primerl_orchestrator.staleness import off_policy_steps
-from primerl_orchestrator.step_samples import sample_rows, write_samples
+from primerl_orchestrator.step_samples import sample_images, sample_rows, write_samples
 from primerl_orchestrator.tracking import Tracker, watch_trainer_steps
 from primerl_orchestrator.trainer_client import StepMismatch, TrainerFeed
 from primerl_orchestrator.versions import VersionSource
@@ -293,6 +293,7 @@ class BatchLoop:
             "num_loss_tokens": packed.num_loss_tokens,
             "num_samples_truncated": packed.num_truncated,
             "num_samples_dropped_empty": packed.num_dropped_empty,
+            "num_samples_truncated_before_image": packed.num_truncated_before_image,
             "min_policy_version": packed.min_policy_version,
             "max_policy_version": packed.max_policy_version,
             "batch_reward_mean": reward_mean,
@@ -331,7 +332,7 @@ class BatchLoop:
         if samples_dir is not None or wants_samples:
             rows = sample_rows(step, rollouts, self._run.renderer)
             if samples_dir is not None:
-                write_samples(samples_dir, step, rows)
+                write_samples(samples_dir, step, rows, sample_images(rollouts))
             if tracker is not None and wants_samples:
                 tracker.log_samples(step, rows)
         if tracker is not None:

@@ -4,6 +4,10 @@ First fit decreasing: samples, longest first, go into the first micro-batch with
 batch needs few micro-batches and every run packs the same samples the same way. Position ids
 restart at 0 at each sample. A sample longer than seq_len is truncated to its first seq_len
 tokens (counted); one left with no loss token is dropped (counted too).
+
+An image's tokens are never cut: a cut that would fall inside them moves back to the image's
+first token (counted), so the image goes out whole or not at all, and the images whose tokens
+are kept go with the micro-batch (pixel_values and image_grid_thw, in the order of their tokens).
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from primerl_orchestrator.samples import Sample
+from primerl_orchestrator.samples import PromptImage, Sample
 
 __all__ = ["MicroBatchTensors", "PackedBatch", "TrainingSample", "pack"]
 
@@ -36,6 +40,9 @@ class MicroBatchTensors:
     temperatures: torch.Tensor
     policy_versions: torch.Tensor
     routed_experts: torch.Tensor | None
+    # [patches, patch_dim] and [images, 3], or None without images.
+    pixel_values: torch.Tensor | None = None
+    image_grid_thw: torch.Tensor | None = None
 
     def named_tensors(self) -> dict[str, torch.Tensor]:
         tensors = {
@@ -47,9 +54,12 @@ class MicroBatchTensors:
             "temperatures": self.temperatures,
             "policy_versions": self.policy_versions,
         }
-        if self.routed_experts is not None:
-            tensors["routed_experts"] = self.routed_experts
-        return tensors
+        optional = {
+            "routed_experts": self.routed_experts,
+            "pixel_values": self.pixel_values,
+            "image_grid_thw": self.image_grid_thw,
+        }
+        return tensors | {name: tensor for name, tensor in optional.items() if tensor is not None}
 
 
 @dataclass(frozen=True)
@@ -62,16 +72,19 @@ class PackedBatch:
     max_policy_version: int
     num_truncated: int
     num_dropped_empty: int
+    # Truncations moved back to the start of an image whose tokens they would have cut.
+    num_truncated_before_image: int = 0
 
 
 def pack(samples: Sequence[TrainingSample], *, seq_len: int, with_routed_experts: bool) -> PackedBatch:
     fitted: list[tuple[TrainingSample, int]] = []
-    num_truncated = num_dropped_empty = 0
+    num_truncated = num_dropped_empty = num_before_image = 0
     for item in samples:
         length = len(item.sample)
         if length > seq_len:
             num_truncated += 1
-            length = seq_len
+            length = _cut_outside_images(item.sample, seq_len)
+            num_before_image += length < seq_len
             if not any(item.sample.loss_mask[:length]):
                 num_dropped_empty += 1
                 continue
@@ -106,7 +119,16 @@ def pack(samples: Sequence[TrainingSample], *, seq_len: int, with_routed_experts
         max_policy_version=max(loss_versions, default=0),
         num_truncated=num_truncated,
         num_dropped_empty=num_dropped_empty,
+        num_truncated_before_image=num_before_image,
     )
+
+
+def _cut_outside_images(sample: Sample, length: int) -> int:
+    """`length`, or the first token of the image whose tokens it would cut."""
+    for start, image in zip(sample.image_starts, sample.images, strict=True):
+        if start < length < start + image.num_tokens:
+            return start
+    return length
 
 
 def _micro_batch(contents: list[tuple[TrainingSample, int]], *, with_routed_experts: bool) -> MicroBatchTensors:
@@ -118,6 +140,7 @@ def _micro_batch(contents: list[tuple[TrainingSample, int]], *, with_routed_expe
     temperatures: list[float] = []
     versions: list[int] = []
     routed: list[torch.Tensor] = []
+    images: list[PromptImage] = []
     for item, length in contents:
         sample = item.sample
         mask = sample.loss_mask[:length]
@@ -132,6 +155,7 @@ def _micro_batch(contents: list[tuple[TrainingSample, int]], *, with_routed_expe
             rows = sample.routed_experts()
             assert rows is not None, "router replay needs every sample's routed experts"
             routed.append(rows[:length])
+        images += [image for image, start in zip(sample.images, sample.image_starts, strict=True) if start < length]
     return MicroBatchTensors(
         input_ids=torch.tensor(input_ids, dtype=torch.int32),
         position_ids=torch.tensor(position_ids, dtype=torch.int32),
@@ -141,4 +165,6 @@ def _micro_batch(contents: list[tuple[TrainingSample, int]], *, with_routed_expe
         temperatures=torch.tensor(temperatures, dtype=torch.float32),
         policy_versions=torch.tensor(versions, dtype=torch.int64),
         routed_experts=torch.cat(routed) if with_routed_experts else None,
+        pixel_values=torch.cat([image.pixel_values for image in images]) if images else None,
+        image_grid_thw=torch.tensor([image.grid_thw for image in images], dtype=torch.int64) if images else None,
     )

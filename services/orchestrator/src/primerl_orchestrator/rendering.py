@@ -1,6 +1,7 @@
-"""Prompts as the model sees them: chat messages (with tools and tool calls) rendered with the
-model's own chat template and tokenizer (transformers), raw token ids checked, completions
-decoded to text and their tool calls parsed.
+"""Prompts as the model sees them: chat messages (with tools and tool calls, and images for a
+vision-language model) rendered with the model's own chat template, tokenizer and image
+processor (transformers), raw token ids checked, completions decoded to text and their tool
+calls parsed.
 
 Tools go through the template's `tools` argument when the template takes one, and the calls
 in an answer are parsed in the format that template writes (tool_calls.py). A template that
@@ -15,12 +16,16 @@ import pathlib
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import jinja2
 import jinja2.meta
 from transformers import AutoTokenizer
 
 from primerl_common.errors import FailedPrecondition, InvalidArgument
+from primerl_common.images import CAPABILITY_IMAGES, decode_image
+from primerl_orchestrator.prompt_images import ImageInput, ImageProcessor, expand_image_tokens, read_image_uri
+from primerl_orchestrator.samples import PromptImage
 from primerl_orchestrator.tool_calls import (
     FORMATS,
     HERMES,
@@ -31,7 +36,10 @@ from primerl_orchestrator.tool_calls import (
     detect_format,
 )
 
-__all__ = ["ROLES", "Message", "PromptRenderer"]
+if TYPE_CHECKING:
+    from primerl_orchestrator.config import ModelConfig
+
+__all__ = ["ROLES", "ImageUri", "Message", "PromptRenderer", "RenderedPrompt"]
 
 ROLES = ("system", "user", "assistant", "tool")
 AUTO = "auto"
@@ -44,13 +52,48 @@ class Message:
     # Assistant messages: the calls it made; tool messages: the call answered.
     tool_calls: tuple[ToolCall, ...] = ()
     tool_call_id: str = ""
+    # The content in order, text and images, when it holds images (`content` is then "").
+    parts: tuple[str | ImageInput | ImageUri, ...] = ()
+
+    @property
+    def text(self) -> str:
+        """The message's text, its images left out."""
+        return self.content or "".join(part for part in self.parts if isinstance(part, str))
+
+
+@dataclass(frozen=True)
+class ImageUri:
+    """An image of a chat message named by a URI, read when the prompt is rendered."""
+
+    uri: str
+    mime_type: str = ""
+
+
+@dataclass(frozen=True)
+class RenderedPrompt:
+    """A turn's prompt. `token_ids`: as the model reads it, each image's token repeated to the
+    image's size; `engine_token_ids`: as inference takes it, one image token per image."""
+
+    token_ids: list[int]
+    engine_token_ids: list[int]
+    images: tuple[PromptImage, ...] = ()
+    # The position in token_ids of each image's first token.
+    image_starts: tuple[int, ...] = ()
 
 
 class PromptRenderer:
     def __init__(
-        self, model_path: pathlib.Path, *, max_model_len: int | None = None, tool_call_format: str = AUTO
+        self,
+        model_path: pathlib.Path,
+        *,
+        max_model_len: int | None = None,
+        tool_call_format: str = AUTO,
+        image_uri_roots: Sequence[pathlib.Path] = (),
     ) -> None:
         self._tokenizer = AutoTokenizer.from_pretrained(str(model_path))
+        # None: a text model, whose prompts hold no images.
+        self.images = ImageProcessor(model_path) if ImageProcessor.is_multimodal(model_path) else None
+        self._image_uri_roots = tuple(image_uri_roots)
         if self._tokenizer.chat_template is None:
             raise ValueError(f"the tokenizer of {model_path} has no chat template")
         self.max_model_len = max_model_len or _max_position_embeddings(model_path)
@@ -63,6 +106,15 @@ class PromptRenderer:
         else:
             self.call_format = detect_format(template) if self.takes_tools else HERMES
 
+    @classmethod
+    def from_config(cls, model: ModelConfig) -> PromptRenderer:
+        return cls(
+            model.path,
+            max_model_len=model.max_model_len,
+            tool_call_format=model.tool_call_format,
+            image_uri_roots=model.image_uri_roots,
+        )
+
     def render_messages(
         self,
         messages: Sequence[Message | tuple[str, str]],
@@ -70,10 +122,21 @@ class PromptRenderer:
         tools: Sequence[ToolSpec] = (),
         field: str = "messages",
     ) -> list[int]:
+        """The prompt tokens of the next assistant turn after `messages` (text only), offered `tools`."""
+        return self.render(messages, tools=tools, field=field).token_ids
+
+    def render(
+        self,
+        messages: Sequence[Message | tuple[str, str]],
+        *,
+        tools: Sequence[ToolSpec] = (),
+        field: str = "messages",
+    ) -> RenderedPrompt:
         """The prompt of the next assistant turn after `messages`, offered `tools`."""
         if not messages:
             raise InvalidArgument("at least one message is needed", field=field)
         conversation = []
+        images: list[PromptImage] = []
         for index, message in enumerate(messages):
             if not isinstance(message, Message):
                 message = Message(*message)
@@ -81,11 +144,19 @@ class PromptRenderer:
                 raise InvalidArgument(
                     f"role {message.role!r} is not one of {', '.join(ROLES)}", field=f"{field}[{index}].role"
                 )
-            conversation.append(self._entry(message))
+            entry = self._entry(message)
+            if any(not isinstance(part, str) for part in message.parts):
+                entry["content"] = self._content(message.parts, images, field=f"{field}[{index}].parts")
+            elif message.parts:  # text alone: the same prompt as that text in `content`
+                entry["content"] = message.text
+            conversation.append(entry)
         if tools and not self.takes_tools:
             description = describe_tools(tools)
-            if conversation[0]["role"] == "system":
-                conversation[0]["content"] = f"{conversation[0]['content']}\n\n{description}"
+            system = conversation[0]
+            if system["role"] == "system" and isinstance(system["content"], list):
+                system["content"] = [*system["content"], {"type": "text", "text": f"\n\n{description}"}]
+            elif system["role"] == "system":
+                system["content"] = f"{system['content']}\n\n{description}"
             else:
                 conversation.insert(0, {"role": "system", "content": description})
         encoded = self._tokenizer.apply_chat_template(
@@ -95,7 +166,35 @@ class PromptRenderer:
             tokenize=True,
             return_dict=True,
         )
-        return list(encoded["input_ids"])
+        token_ids = list(encoded["input_ids"])
+        if self.images is None:
+            return RenderedPrompt(token_ids, token_ids)
+        expanded, starts = expand_image_tokens(token_ids, images, self.images.image_token_id)
+        return RenderedPrompt(expanded, token_ids, tuple(images), tuple(starts))
+
+    def _content(
+        self, parts: Sequence[str | ImageInput | ImageUri], images: list[PromptImage], *, field: str
+    ) -> list[dict[str, str]]:
+        """A message's parts as chat templates take them; its images processed onto `images`."""
+        content = []
+        for number, part in enumerate(parts):
+            if isinstance(part, str):
+                content.append({"type": "text", "text": part})
+                continue
+            part_field = f"{field}[{number}].image"
+            if self.images is None:
+                if isinstance(part, ImageInput):  # a malformed image is named as such first
+                    decode_image(part.data, part.mime_type, field=part_field)
+                raise FailedPrecondition(
+                    f"{part_field} is an image, and the model takes none (no vision_config in its config.json)",
+                    subject=CAPABILITY_IMAGES,
+                    reason="CAPABILITY_MISSING",
+                )
+            if isinstance(part, ImageUri):
+                part = read_image_uri(part.uri, part.mime_type, roots=self._image_uri_roots, field=f"{part_field}.uri")
+            images.append(self.images.process(part, field=part_field))
+            content.append({"type": "image"})
+        return content
 
     def _entry(self, message: Message) -> dict[str, object]:
         entry: dict[str, object] = {"role": message.role, "content": message.content}
@@ -133,12 +232,17 @@ class PromptRenderer:
         ]
 
     def check_tokens(self, token_ids: Sequence[int], *, vocab_size: int, field: str = "tokens.token_ids") -> list[int]:
-        """`token_ids` as a prompt of a model with `vocab_size` token ids."""
+        """`token_ids` as a prompt of a model with `vocab_size` token ids (with no image tokens:
+        images come only with chat messages)."""
         if not token_ids:
             raise InvalidArgument("the prompt is empty", field=field)
         for index, token in enumerate(token_ids):
             if token >= vocab_size:
                 raise InvalidArgument(f"token {index} is {token}, outside the vocabulary ({vocab_size})", field=field)
+            if self.images is not None and token == self.images.image_token_id:
+                raise InvalidArgument(
+                    f"token {index} is the image token {token}; send images as parts of chat messages", field=field
+                )
         return list(token_ids)
 
     def check_fits(self, num_prompt_tokens: int, *, field: str) -> int:
@@ -165,7 +269,9 @@ class PromptRenderer:
 def _max_position_embeddings(model_path: pathlib.Path) -> int:
     config_path = model_path / "config.json"
     try:
-        return int(json.loads(config_path.read_text())["max_position_embeddings"])
+        config = json.loads(config_path.read_text())
+        # A vision-language model's language model has the context length.
+        return int(config.get("text_config", config)["max_position_embeddings"])
     except (OSError, ValueError, KeyError) as exc:
         raise ValueError(f"model.max_model_len is unset and {config_path} gives no max_position_embeddings") from exc
 

@@ -30,7 +30,7 @@ from primerl_orchestrator.eval_episodes import EvalEpisode, EvalEpisodes
 from primerl_orchestrator.generation import GenerationError, GenerationRequest, GenerationResult, RouterGeneration
 from primerl_orchestrator.metrics import RunCounters
 from primerl_orchestrator.ready import ReadyRollouts
-from primerl_orchestrator.rendering import Message, PromptRenderer
+from primerl_orchestrator.rendering import Message, PromptRenderer, RenderedPrompt
 from primerl_orchestrator.samples import Turn
 from primerl_orchestrator.scheduler import Dispatcher
 from primerl_orchestrator.staleness import is_stale
@@ -373,19 +373,21 @@ class Run:
         episode = self._book.get(episode_id)
         episode.check_can_play()
         assert self.spec is not None, "episodes exist once the trainer's spec is known"
-        prompt, field = self._prompt(messages, tools, token_ids)
+        rendered, field = self._prompt(messages, tools, token_ids)
+        prompt = rendered.token_ids
         room = self._renderer.check_fits(len(prompt), field=field)
         params = sampling_params(self.environments[episode.environment].config.sampling, sampling, room=room)
+        if rendered.images:
+            self._check_trainer_takes_images()
         self._check_on_policy(episode)
 
         turn_index = episode.num_turns
         min_version = max(0, episode.group.target_step - self.config.run.max_async_level)
-        request = GenerationRequest(
+        request = GenerationRequest.of(
+            rendered,
             request_id=f"{episode_id}-{turn_index}",
             episode_id=episode_id,
-            prompt_token_ids=prompt,
             sampling=params,
-            cache_salt="",  # replicas salt with the version they serve the turn at
             min_policy_version=min_version if self._versions_served else 0,
             return_routed_experts=self.spec.router_replay,
         )
@@ -399,10 +401,25 @@ class Run:
             episode.turn_in_progress = False
         # Dropped (timed out, or off-policy) while the turn ran.
         episode.check_not_ended()
+        if self._renderer.images is not None and self._renderer.images.image_token_id in result.token_ids:
+            # An image token with no image: the trainer would refuse the whole batch it landed in.
+            self.counters.count(episode.environment, "errors")
+            raise FailedPrecondition(
+                "inference sampled the image token (a replica that does not keep vision tokens out of "
+                "completions); the turn is not recorded: try it again",
+                reason="IMAGE_TOKEN_SAMPLED",
+            )
         if result.routed_experts is not None:
             self._check_routed_experts(result.routed_experts.shape[1:], episode)
         turn = Turn(
-            prompt, result.token_ids, result.logprobs, result.policy_versions, params.temperature, result.routed_experts
+            prompt,
+            result.token_ids,
+            result.logprobs,
+            result.policy_versions,
+            params.temperature,
+            result.routed_experts,
+            rendered.images,
+            rendered.image_starts,
         )
         continued = episode.tokens.add_turn(turn)
         episode.num_turns += 1
@@ -428,14 +445,15 @@ class Run:
         messages: Sequence[Message | tuple[str, str]] | None,
         tools: Sequence[ToolSpec],
         token_ids: Sequence[int] | None,
-    ) -> tuple[list[int], str]:
-        """The turn's prompt tokens, and the request field they came from."""
+    ) -> tuple[RenderedPrompt, str]:
+        """The turn's prompt, and the request field it came from."""
         if messages is not None:
             if tools:
                 self._renderer.check_tool_format()
-            return self._renderer.render_messages(messages, tools=tools, field="messages"), "messages"
+            return self._renderer.render(messages, tools=tools, field="messages.messages"), "messages"
         vocab_size = self.spec.vocab_size if self.spec is not None else self._renderer.vocab_size
-        return self._renderer.check_tokens(token_ids or [], vocab_size=vocab_size), "tokens"
+        checked = self._renderer.check_tokens(token_ids or [], vocab_size=vocab_size)
+        return RenderedPrompt(checked, checked), "tokens"
 
     def _turn_result(
         self,
@@ -470,19 +488,19 @@ class Run:
         """A turn of an evaluation episode: the eval's sampling and policy version, nothing recorded
         for training."""
         episode.check_can_play()
-        prompt, field = self._prompt(messages, tools, token_ids)
+        rendered, field = self._prompt(messages, tools, token_ids)
+        prompt = rendered.token_ids
         room = self._renderer.check_fits(len(prompt), field=field)
         play = episode.play
         params = sampling_params(play.sampling, sampling, room=room)
         params.MergeFrom(play.forced_sampling)
         params.max_tokens = min(params.max_tokens, room)
         turn_index = episode.num_turns
-        request = GenerationRequest(
+        request = GenerationRequest.of(
+            rendered,
             request_id=f"{episode.episode_id}-{turn_index}",
             episode_id=episode.episode_id,
-            prompt_token_ids=prompt,
             sampling=params,
-            cache_salt="",  # replicas salt with the version they serve the turn at
             min_policy_version=play.policy_version if self._versions_served else 0,
             return_routed_experts=False,
         )
@@ -499,7 +517,7 @@ class Run:
         text = self._renderer.decode(result.token_ids)
         last = messages[-1] if messages else None
         episode.prompts.append(
-            (last.content if isinstance(last, Message) else last[1]) if last is not None else f"<{len(prompt)} tokens>"
+            (last.text if isinstance(last, Message) else last[1]) if last is not None else f"<{len(prompt)} tokens>"
         )
         episode.completions.append(text)
         episode.versions.extend(result.policy_versions)
@@ -523,6 +541,17 @@ class Run:
                 counter="dropped_off_policy",
             )
             episode.check_not_ended()
+
+    def _check_trainer_takes_images(self) -> None:
+        assert self.spec is not None and self._renderer.images is not None
+        image_token_id = self._renderer.images.image_token_id
+        if self.spec.image_token_id != image_token_id:
+            raise FailedPrecondition(
+                f"the prompt holds images (image token {image_token_id}) and the trainer's model takes "
+                + ("none" if self.spec.image_token_id is None else f"image token {self.spec.image_token_id}")
+                + ": they are different models",
+                reason="TRAINER_TAKES_NO_IMAGES",
+            )
 
     def _check_routed_experts(self, shape: Sequence[int], episode: Episode) -> None:
         assert self.spec is not None

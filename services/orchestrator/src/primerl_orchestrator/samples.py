@@ -10,6 +10,11 @@ tokens go in with the loss masked, the completion with the loss on. Otherwise (t
 environment rewrote history, or the chat template renders the model's answer differently
 from the tokens it sampled) a new sample starts with this turn's whole prompt.
 
+A prompt with images (a vision-language model) holds each image's token repeated to the
+image's size, as the model's processor expands it; the turn carries the images themselves, in
+the order of their tokens. A turn continues a sample only when its images start with the
+sample's (the same bytes): the tokens alone do not tell two images of one size apart.
+
 Per token a sample holds: the id, whether it counts in the loss, the inference logprob (0
 where masked), the policy version (for a prompt token: the version that sampled the turn's
 first token, i.e. the weights that read it), the sampling temperature, and the routed-expert
@@ -26,7 +31,19 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["EpisodeTokens", "Sample", "Turn"]
+__all__ = ["EpisodeTokens", "PromptImage", "Sample", "Turn"]
+
+
+@dataclass(frozen=True, eq=False)
+class PromptImage:
+    """One image of a prompt: as the environment sent it, and as the model's processor made it."""
+
+    data: bytes
+    mime_type: str
+    digest: str  # sha256 of `data`, hex
+    pixel_values: torch.Tensor  # [patches, patch_dim], the processor's output
+    grid_thw: tuple[int, int, int]  # temporal, height, width patches
+    num_tokens: int  # its image tokens in the prompt
 
 
 @dataclass(frozen=True)
@@ -40,6 +57,9 @@ class Turn:
     temperature: float
     # [len(prompt) + len(completion), num_hidden_layers, top_k], or None without replay.
     routed_experts: torch.Tensor | None = None
+    # The prompt's images, in the order of their tokens, and the position of each one's first token.
+    images: tuple[PromptImage, ...] = ()
+    image_starts: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         num_completion = len(self.completion_token_ids)
@@ -47,6 +67,7 @@ class Turn:
         assert len(self.logprobs) == num_completion and len(self.policy_versions) == num_completion
         if self.routed_experts is not None:
             assert self.routed_experts.shape[0] == len(self.prompt_token_ids) + num_completion
+        assert len(self.images) == len(self.image_starts)
 
 
 @dataclass
@@ -60,6 +81,9 @@ class Sample:
     temperatures: list[float] = field(default_factory=list)
     # Consecutive row blocks of the routed experts; empty without replay.
     routed_segments: list[torch.Tensor] = field(default_factory=list)
+    # The images of its tokens, in order (those of the last turn's prompt), and where each starts.
+    images: list[PromptImage] = field(default_factory=list)
+    image_starts: list[int] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -76,9 +100,14 @@ class Sample:
         """[len(self), layers, top_k], or None without replay."""
         return torch.cat(self.routed_segments) if self.routed_segments else None
 
-    def is_extended_by(self, prompt: Sequence[int]) -> bool:
+    def is_extended_by(self, prompt: Sequence[int], images: Sequence[PromptImage] = ()) -> bool:
         n = len(self.token_ids)
-        return len(prompt) > n and list(prompt[:n]) == self.token_ids
+        held = [image.digest for image in self.images]
+        return (
+            len(prompt) > n
+            and list(prompt[:n]) == self.token_ids
+            and [image.digest for image in images[: len(held)]] == held
+        )
 
     def append_turn(self, turn: Turn) -> None:
         """Appends the prompt tokens past this sample's end (masked) and the completion."""
@@ -90,6 +119,7 @@ class Sample:
         self.logprobs += [0.0] * len(new_prompt) + list(turn.logprobs)
         self.policy_versions += [prompt_version] * len(new_prompt) + list(turn.policy_versions)
         self.temperatures += [turn.temperature] * (len(new_prompt) + len(turn.completion_token_ids))
+        self.images, self.image_starts = list(turn.images), list(turn.image_starts)
         if turn.routed_experts is not None:
             if start:
                 # The placeholder row of the previous turn's last token gives way to its real one.
@@ -108,7 +138,7 @@ class EpisodeTokens:
 
     def add_turn(self, turn: Turn) -> bool:
         """Records `turn`; True when it continued the current sample."""
-        continues = bool(self.samples) and self.samples[-1].is_extended_by(turn.prompt_token_ids)
+        continues = bool(self.samples) and self.samples[-1].is_extended_by(turn.prompt_token_ids, turn.images)
         if not continues:
             self.samples.append(Sample())
         self.samples[-1].append_turn(turn)

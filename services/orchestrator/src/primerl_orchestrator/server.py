@@ -40,9 +40,7 @@ ROLES = {
 
 async def build(config: OrchestratorConfig) -> ServiceDefinition:
     peers = config.peers
-    renderer = PromptRenderer(
-        config.model.path, max_model_len=config.model.max_model_len, tool_call_format=config.model.tool_call_format
-    )
+    renderer = PromptRenderer.from_config(config.model)
     generation = RouterGeneration(peers.router, timeout_s=peers.generate_timeout_s, retry_s=peers.router_retry_s)
     trainer = TrainerFeed(peers.trainer)
     versions: VersionSource

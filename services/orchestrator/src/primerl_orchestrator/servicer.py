@@ -12,13 +12,13 @@ from google.protobuf import json_format, struct_pb2
 
 from primerl.orchestrator.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 from primerl_common.admission import Overloaded, caller_key
-from primerl_common.errors import FailedPrecondition, InvalidArgument
-from primerl_common.images import CAPABILITY_IMAGES, decode_image
+from primerl_common.errors import InvalidArgument
 from primerl_common.server import ServiceDefinition
 from primerl_orchestrator.environments import Task
 from primerl_orchestrator.episodes import Episode
 from primerl_orchestrator.eval_episodes import EvalEpisode
-from primerl_orchestrator.rendering import Message
+from primerl_orchestrator.prompt_images import ImageInput
+from primerl_orchestrator.rendering import ImageUri, Message
 from primerl_orchestrator.run import Run, RunState
 from primerl_orchestrator.tool_calls import ToolCall, ToolSpec
 
@@ -220,43 +220,31 @@ def _episode_to_proto(episode: Episode | EvalEpisode) -> orchestrator_pb2.Episod
 
 
 def _message(message: orchestrator_pb2.ChatMessage, index: int) -> Message:
+    field = f"messages.messages[{index}]"
+    if message.parts and message.content:
+        raise InvalidArgument("must be empty when `parts` holds the content", field=f"{field}.content")
     return Message(
         role=message.role,
-        content=_content(message, f"messages.messages[{index}]"),
+        content=message.content,
         tool_calls=tuple(ToolCall(c.name, c.arguments, id=c.id) for c in message.tool_calls),
         tool_call_id=message.tool_call_id,
+        parts=tuple(_part(part, f"{field}.parts[{number}]") for number, part in enumerate(message.parts)),
     )
 
 
-def _content(message: orchestrator_pb2.ChatMessage, field: str) -> str:
-    """A message's text: `content`, or its `parts` when they are all text. Images are checked
-    (a malformed one is INVALID_ARGUMENT naming it) and then refused: rendering them through a
-    multimodal model's processor is not built yet, and a prompt must never go out without
-    the images it was written with."""
-    if not message.parts:
-        return message.content
-    if message.content:
-        raise InvalidArgument("must be empty when `parts` holds the content", field=f"{field}.content")
-    texts = []
-    for number, part in enumerate(message.parts):
-        part_field = f"{field}.parts[{number}]"
-        kind = part.WhichOneof("part")
-        if kind == "text":
-            texts.append(part.text)
-        elif kind == "image":
-            image = part.image
-            if image.WhichOneof("source") == "data":
-                decode_image(image.data, image.mime_type, field=f"{part_field}.image")
-            elif not image.uri:
-                raise InvalidArgument("set data or uri", field=f"{part_field}.image")
-            raise FailedPrecondition(
-                f"{part_field} is an image, and this orchestrator renders text only (capability {CAPABILITY_IMAGES})",
-                subject=CAPABILITY_IMAGES,
-                reason="CAPABILITY_MISSING",
-            )
-        else:
-            raise InvalidArgument("set text or image", field=part_field)
-    return "".join(texts)
+def _part(part: orchestrator_pb2.ContentPart, field: str) -> str | ImageInput | ImageUri:
+    """A part of a message's content; images are read and checked when the prompt is rendered."""
+    kind = part.WhichOneof("part")
+    if kind == "text":
+        return part.text
+    if kind != "image":
+        raise InvalidArgument("set text or image", field=field)
+    image = part.image
+    if image.WhichOneof("source") == "data":
+        return ImageInput(image.data, image.mime_type)
+    if not image.uri:
+        raise InvalidArgument("set data or uri", field=f"{field}.image")
+    return ImageUri(image.uri, image.mime_type)
 
 
 def _tool(tool: orchestrator_pb2.Tool, index: int) -> ToolSpec:

@@ -39,6 +39,8 @@ class BatchSpec:
     num_experts_per_token: int
     vocab_size: int
     next_step: int
+    # A vision-language model's image token (None: the trainer's model takes no images).
+    image_token_id: int | None = None
 
 
 class TrainerError(Exception):
@@ -85,6 +87,7 @@ class TrainerFeed:
             num_experts_per_token=spec.num_experts_per_token,
             vocab_size=spec.vocab_size,
             next_step=spec.next_step,
+            image_token_id=spec.image_token_id if spec.HasField("image_token_id") else None,
         )
 
     async def completed_step(self) -> int:

@@ -6,7 +6,7 @@ import grpc
 
 from primerl.router.v1 import router_pb2, router_pb2_grpc
 from primerl_common import security
-from primerl_common.images import CAPABILITY_IMAGES
+from primerl_common.images import ROUTER_CAPABILITY_IMAGES
 from primerl_common.server import ServiceDefinition
 from primerl_router import __version__
 from primerl_router.config import RouterConfig
@@ -14,7 +14,7 @@ from primerl_router.fleet import Fleet
 from primerl_router.forwarding import Forwarder
 from primerl_router.servicer import RouterServicer
 
-__all__ = ["ROLES", "ROUTER_CAPABILITY_IMAGES", "build"]
+__all__ = ["ROLES", "build"]
 
 _SERVICE = router_pb2.DESCRIPTOR.services_by_name["RouterService"]
 # Who may call what (primerl_common.security): the orchestrator (and serving tenants)
@@ -40,9 +40,6 @@ def _add_router_service(servicer: RouterServicer, server: grpc.aio.Server) -> No
     server.add_registered_method_handlers(
         _SERVICE.full_name, {"Generate": grpc.unary_stream_rpc_method_handler(servicer.Generate)}
     )
-
-
-ROUTER_CAPABILITY_IMAGES = f"router.{CAPABILITY_IMAGES}"
 
 
 async def build(config: RouterConfig) -> ServiceDefinition:

@@ -54,7 +54,7 @@ def _parser() -> argparse.ArgumentParser:
         "samples",
         help="show one step's rollouts of a run (prompt, completion, reward, advantage)",
         description="Prints the rollouts of step N as the orchestrator wrote them (output.samples_dir), or writes "
-        "them as an HTML page.",
+        "them as an HTML page (the prompts' images shown from their files in the samples folder).",
     )
     samples.add_argument("run_dir", type=pathlib.Path, help="the run directory of `primerl up`")
     samples.add_argument("--step", type=int, required=True)
@@ -64,7 +64,13 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _samples(run_dir: pathlib.Path, step: int, html_path: pathlib.Path | None) -> int:
-    from primerl_launcher.samples_view import SamplesNotFound, format_samples, read_samples, samples_html
+    from primerl_launcher.samples_view import (
+        SamplesNotFound,
+        find_samples_dir,
+        format_samples,
+        read_samples,
+        write_samples_page,
+    )
 
     try:
         rows = read_samples(run_dir, step)
@@ -74,7 +80,7 @@ def _samples(run_dir: pathlib.Path, step: int, html_path: pathlib.Path | None) -
     if html_path is None:
         print(format_samples(rows))
         return 0
-    html_path.write_text(samples_html(rows, title=f"{run_dir.name}: step {step}"))
+    write_samples_page(rows, html_path, samples_dir=find_samples_dir(run_dir), title=f"{run_dir.name}: step {step}")
     print(f"{len(rows)} samples of step {step}: {html_path}")
     return 0
 

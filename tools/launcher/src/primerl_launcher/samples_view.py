@@ -1,17 +1,20 @@
 """`primerl samples RUN_DIR --step N [--html FILE]`: one step's rollouts as the orchestrator
 wrote them (output.samples_dir/step_<n>.jsonl: prompt, completion, reward, advantage,
-policy version), as text or as an HTML page."""
+policy version, images), as text or as an HTML page (the page code is primerl_common's, shared
+with the orchestrator's per-step pages)."""
 
 from __future__ import annotations
 
-import html
 import json
+import os
 import pathlib
 import tomllib
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["find_samples_dir", "format_samples", "read_samples", "samples_html"]
+from primerl_common.sample_pages import samples_page
+
+__all__ = ["find_samples_dir", "format_samples", "read_samples", "write_samples_page"]
 
 
 class SamplesNotFound(ValueError):
@@ -56,37 +59,14 @@ def format_samples(rows: Sequence[dict[str, Any]], *, max_chars: int = 400) -> s
             "  prompt:     " + clip(row["prompt"]).replace("\n", "\n              "),
             "  completion: " + clip(row["completion"]).replace("\n", "\n              "),
         ]
+        if row.get("images"):
+            lines.append("  images:     " + ", ".join(image["path"] for image in row["images"]))
     return "\n".join(lines)
 
 
-_STYLE = """
-body { font-family: sans-serif; margin: 2em; }
-table { border-collapse: collapse; width: 100%; }
-th, td { border: 1px solid #ccc; padding: 4px 8px; vertical-align: top; text-align: left; }
-td.text { white-space: pre-wrap; font-family: monospace; }
-td.num { text-align: right; }
-.pos { background: #e6f4e6; } .neg { background: #f8e6e6; }
-"""
-
-
-def samples_html(rows: Sequence[dict[str, Any]], *, title: str) -> str:
-    columns = ("environment", "group", "reward", "advantage", "policy version", "prompt", "completion")
-    body = []
-    for row in rows:
-        sign = "pos" if row["advantage"] > 0 else "neg" if row["advantage"] < 0 else ""
-        body.append(
-            f'<tr class="{sign}"><td>{html.escape(row["environment"])}</td>'
-            f"<td>{html.escape(row['group_id'][:8])}</td>"
-            f'<td class="num">{row["reward"]:.3f}</td><td class="num">{row["advantage"]:+.3f}</td>'
-            f'<td class="num">{row["policy_version"]}</td>'
-            f'<td class="text">{html.escape(row["prompt"])}</td>'
-            f'<td class="text">{html.escape(row["completion"])}</td></tr>'
-        )
-    head = "".join(f"<th>{name}</th>" for name in columns)
-    return (
-        f"<!DOCTYPE html>\n<html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
-        f"<style>{_STYLE}</style></head><body><h1>{html.escape(title)}</h1>"
-        f"<p>{len(rows)} samples</p><table><thead><tr>{head}</tr></thead><tbody>\n"
-        + "\n".join(body)
-        + "\n</tbody></table></body></html>\n"
-    )
+def write_samples_page(
+    rows: Sequence[dict[str, Any]], path: pathlib.Path, *, samples_dir: pathlib.Path, title: str
+) -> None:
+    """Writes the page of `rows` to `path`, its images linked relatively from there to `samples_dir`."""
+    samples_href = os.path.relpath(samples_dir.resolve(), path.parent.resolve())
+    path.write_text(samples_page(rows, title=title, samples_href=pathlib.Path(samples_href).as_posix()))

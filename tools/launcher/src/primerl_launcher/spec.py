@@ -35,7 +35,7 @@ __all__ = [
 # In start order: the orchestrator drives the run and needs the others up.
 SERVICES = ("kvstore", "inference", "weight_broadcaster", "router", "trainer", "orchestrator")
 # Launcher model name -> primerl_launcher.tiny_model family.
-TINY_MODELS = {"tiny-dense": "qwen3", "tiny-moe": "qwen3-moe"}
+TINY_MODELS = {"tiny-dense": "qwen3", "tiny-moe": "qwen3-moe", "tiny-vl": "qwen3-vl", "tiny-vl-moe": "qwen3-vl-moe"}
 
 
 class LaunchConfigError(ValueError):
@@ -47,7 +47,8 @@ class LauncherConfig(BaseModel):
 
     model: str | None = Field(
         default=None,
-        description="'tiny-dense' or 'tiny-moe' (made locally, cached) or a Hugging Face model folder; "
+        description="'tiny-dense', 'tiny-moe', 'tiny-vl' or 'tiny-vl-moe' (made locally, cached; the -vl ones "
+        "take images) or a Hugging Face model folder; "
         "filled into every service that needs a model and does not name one",
     )
     tiny_model: dict[str, Any] = Field(
@@ -194,7 +195,7 @@ def parse_launch_file(data: dict[str, Any]) -> LaunchFile:
         model = pathlib.Path(launcher.model)
         if not (model / "config.json").is_file():
             raise LaunchConfigError(
-                f"[launcher] model: {launcher.model!r} is neither {' nor '.join(TINY_MODELS)} "
+                f"[launcher] model: {launcher.model!r} is neither a tiny model ({', '.join(TINY_MODELS)}) "
                 "nor a model folder (no config.json)"
             )
     return LaunchFile(launcher, warm_start, services, added=added, deployment=deployment)
