@@ -189,8 +189,14 @@ async def play(args: argparse.Namespace) -> list[dict[str, Any]]:
         stub = orchestrator_pb2_grpc.OrchestratorServiceStub(channel)
         for index in range(args.tasks):
             task = new_task(args.task_kind, rng, f"{args.task_kind}-{args.seed}-{index}")
-            # Waits while the orchestrator holds dispatch back (staleness, concurrency).
-            started = await stub.StartEpisode(start_request(args.environment, task))
+            try:
+                # Waits while the orchestrator holds dispatch back (staleness, concurrency).
+                started = await stub.StartEpisode(start_request(args.environment, task))
+            except grpc.aio.AioRpcError as error:
+                if error.code() == grpc.StatusCode.FAILED_PRECONDITION and "run is finished" in (error.details() or ""):
+                    print("the run is finished", flush=True)
+                    break
+                raise
             played = await asyncio.gather(
                 *(play_episode(stub, episode, image_size=args.image_size) for episode in started.episodes)
             )

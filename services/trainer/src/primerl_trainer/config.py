@@ -49,6 +49,12 @@ class ModelConfig(Section):
     )
     activation_checkpointing: bool = False
     compile: bool = False
+    train_vision_encoder: bool = Field(
+        default=False,
+        description="vision-language models: train the vision encoder (the ViT and its patch and deepstack "
+        "mergers) with the language model; false: it is frozen (no gradients, no optimizer state), yet "
+        "loaded, checkpointed, exported and published with the rest; a text model refuses true",
+    )
     fp8: bool = Field(
         default=False,
         description="the decoder blocks' linear layers and experts run their products forward and backward in "
@@ -240,6 +246,11 @@ class TrainerConfig(ServiceConfig):
             raise ValueError("sft.stop_at_loss needs sft.dataset")
         if self.model.fp8 and self.lora.enabled:
             raise ValueError("model.fp8 with lora.enabled is not supported yet")
+        if self.model.train_vision_encoder and self.lora.enabled:
+            raise ValueError(
+                "model.train_vision_encoder with lora.enabled is not supported: the LoRA adapters cover the "
+                "language model only; leave model.train_vision_encoder false or set lora.enabled false"
+            )
         if self.model.fp8 and self.model.fp8_backend == "scaled_mm" and self.device == "cpu":
             raise ValueError(
                 "model.fp8 with model.fp8_backend 'scaled_mm' needs a Hopper GPU, not device 'cpu' "

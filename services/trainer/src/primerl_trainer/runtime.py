@@ -95,6 +95,7 @@ def _build(config: TrainerConfig, device: torch.device) -> TrainingRuntime:
         attn_backend=model_config.attn_backend,
         experts_impl=model_config.experts_impl,
     )
+    _set_vision_encoder_trainable(model, config)
     lora_scale = None
     if config.lora.enabled:
         apply_lora(model, config.lora)
@@ -153,6 +154,21 @@ def _build(config: TrainerConfig, device: torch.device) -> TrainingRuntime:
         num_published_tensors=num_tensors,
         num_published_bytes=num_bytes,
     )
+
+
+def _set_vision_encoder_trainable(model: nn.Module, config: TrainerConfig) -> None:
+    """model.train_vision_encoder: whether the vision encoder (a vision-language model's `visual`:
+    the ViT, its patch merger and deepstack mergers) takes gradients. Frozen, the optimizer never
+    sees it (no AdamW state), while checkpoints, exports and publishes hold it as loaded."""
+    train = config.model.train_vision_encoder
+    vision_encoder = getattr(model, "visual", None)
+    if vision_encoder is None:
+        if train:
+            raise ValueError(
+                f"model.train_vision_encoder: {config.model.path} has no vision encoder (a text model); leave it false"
+            )
+        return
+    vision_encoder.requires_grad_(train)
 
 
 def _parallelize(model: nn.Module, dims: ParallelDims, config: TrainerConfig) -> None:
