@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor
 
 from primerl_launcher.tiny_model import IMAGE_TOKEN_ID, VISION_END_TOKEN_ID, VISION_START_TOKEN_ID, make_tiny_model
 from primerl_trainer.batch import MicroBatch
+from primerl_trainer.checkpoint import TrainedParametersChanged
 from primerl_trainer.export import exported_tensors, gather_state_dict
 from primerl_trainer.models import read_hf_state_dict
 from primerl_trainer.runtime import TrainingRuntime, build_runtime, shutdown_runtime
@@ -140,3 +141,24 @@ def test_lora_with_a_trained_vision_encoder_is_refused_naming_both_fields() -> N
 def test_train_vision_encoder_on_a_text_model_is_refused_naming_the_field(dense_dir: pathlib.Path) -> None:
     with pytest.raises(ValueError, match=r"model\.train_vision_encoder: .* has no vision encoder"):
         build_runtime(trainer_config(dense_dir, model={"train_vision_encoder": True}))
+
+
+def test_resuming_with_the_encoder_trained_when_it_was_frozen_is_refused_naming_the_setting(
+    vl_dir: pathlib.Path, tmp_path: pathlib.Path
+) -> None:
+    checkpoint = {"dir": str(tmp_path / "checkpoints"), "interval": 1}
+    runtime = build_runtime(trainer_config(vl_dir, checkpoint=checkpoint))
+    try:
+        runtime.trainer.train_step([image_micro_batch(runtime)])
+        assert runtime.checkpointer is not None
+        runtime.checkpointer.save(runtime.trainer)
+    finally:
+        shutdown_runtime(runtime)
+    # The same settings resume; a trained encoder would need AdamW state the checkpoint lacks.
+    resumed = build_runtime(trainer_config(vl_dir, checkpoint=checkpoint))
+    try:
+        assert resumed.restored_step == 1
+    finally:
+        shutdown_runtime(resumed)
+    with pytest.raises(TrainedParametersChanged, match=r"57 trained now and not then.*model\.train_vision_encoder"):
+        build_runtime(trainer_config(vl_dir, checkpoint=checkpoint, model={"train_vision_encoder": True}))

@@ -137,6 +137,8 @@ class Checkpointer:
         for path in self._complete():
             try:
                 return self._load(trainer, path)
+            except TrainedParametersChanged:
+                raise  # every checkpoint of the run would be passed over: the config is at fault
             except Exception as exc:  # DCP raises CheckpointException on every rank alike
                 logger.warning("checkpoint %s did not load: %s", path, exc, extra={"path": str(path)})
         return None
@@ -154,6 +156,7 @@ class Checkpointer:
             logger.warning(
                 "checkpoint has no RNG state for this rank; keeping the current one", extra={"path": str(path)}
             )
+        _check_same_trained_parameters(state["optimizer"], saved_keys, path)
         dcp.load(state, checkpoint_id=path)
         set_state_dict(
             trainer.model,
@@ -174,6 +177,37 @@ class Checkpointer:
         steps = sorted(p for p in self.root.iterdir() if p.is_dir() and _STEP_DIR.fullmatch(p.name))
         for old in steps[: -self.keep_last]:
             shutil.rmtree(old)
+
+
+class TrainedParametersChanged(ValueError):
+    """The checkpoint's optimizer state is for other parameters than those trained now."""
+
+
+def _check_same_trained_parameters(optimizer_state: dict[str, Any], saved_keys: Any, path: pathlib.Path) -> None:
+    """Refuses a checkpoint whose optimizer state covers other parameters than the trainer
+    trains now (e.g. model.train_vision_encoder changed since it was saved): its AdamW state
+    would not fit, and DCP's own error names neither cause nor setting."""
+    wanted = {name for name in _flat_keys("optimizer.state", optimizer_state.get("state", {}))}
+    saved = {key for key in saved_keys if key.startswith("optimizer.state.")}
+    trained_now, frozen_now = _parameters(wanted - saved), _parameters(saved - wanted)
+    if trained_now or frozen_now:
+        raise TrainedParametersChanged(
+            f"checkpoint {path} was saved training other parameters than are trained now "
+            f"({len(trained_now)} trained now and not then, e.g. {sorted(trained_now)[:2]}; {len(frozen_now)} "
+            f"then and not now, e.g. {sorted(frozen_now)[:2]}): did model.train_vision_encoder (or the LoRA "
+            "settings) change? Resume with the settings it was saved with, or start a new run from its weights"
+        )
+
+
+def _flat_keys(prefix: str, tree: Any) -> list[str]:
+    if isinstance(tree, dict):
+        return [key for name, value in tree.items() for key in _flat_keys(f"{prefix}.{name}", value)]
+    return [prefix]
+
+
+def _parameters(keys: set[str]) -> set[str]:
+    """The parameter names of optimizer.state.<parameter>.<state> keys."""
+    return {key.removeprefix("optimizer.state.").rsplit(".", 1)[0] for key in keys}
 
 
 def _read_marker(marker: pathlib.Path) -> str | None:
