@@ -33,16 +33,17 @@ class StandInTrainer(trainer_pb2_grpc.TrainerServiceServicer):
 class StandInRouter(router_pb2_grpc.RouterServiceServicer):
     """Answers every turn with the same two tokens, sampled by policy version 0."""
 
-    async def Generate(self, request, context):
-        yield router_pb2.GenerateResponse(
-            output=generation_pb2.GenerationOutput(
-                token_ids=[65, 66],
-                logprobs=[-0.1, -0.2],
-                policy_versions=[0, 0],
-                finished=True,
-                finish_reason=generation_pb2.FINISH_REASON_STOP,
-            )
+    def output(self, request: router_pb2.GenerateRequest) -> generation_pb2.GenerationOutput:
+        return generation_pb2.GenerationOutput(
+            token_ids=[65, 66],
+            logprobs=[-0.1, -0.2],
+            policy_versions=[0, 0],
+            finished=True,
+            finish_reason=generation_pb2.FINISH_REASON_STOP,
         )
+
+    async def Generate(self, request, context):
+        yield router_pb2.GenerateResponse(output=self.output(request))
 
 
 async def start_group(stub: orchestrator_pb2_grpc.OrchestratorServiceStub, task_id: str) -> list[str]:

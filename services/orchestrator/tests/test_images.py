@@ -9,11 +9,8 @@ The expected image sizes come from transformers' image processor of the checkpoi
 from __future__ import annotations
 
 import base64
-import contextlib
-import functools
 import io
 import pathlib
-from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
@@ -23,13 +20,13 @@ import torch
 from PIL import Image
 
 from primerl.common.v1 import generation_pb2, service_info_pb2
-from primerl.orchestrator.v1 import orchestrator_pb2, orchestrator_pb2_grpc
-from primerl.router.v1 import router_pb2, router_pb2_grpc
+from primerl.orchestrator.v1 import orchestrator_pb2
+from primerl.router.v1 import router_pb2
 from primerl.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from primerl_common.errors import FailedPrecondition, InvalidArgument, field_violations
 from primerl_common.images import ROUTER_CAPABILITY_IMAGES
 from primerl_common.tensors import tensor_from_proto
-from primerl_common.testing import bare_server, eventually, in_process_service
+from primerl_common.testing import eventually
 from primerl_launcher.tiny_model import (
     IMAGE_TOKEN_ID,
     VISION_END_TOKEN_ID,
@@ -37,13 +34,13 @@ from primerl_launcher.tiny_model import (
     VOCAB_SIZE,
     make_tiny_model,
 )
-from primerl_orchestrator.config import OrchestratorConfig
 from primerl_orchestrator.packing import TrainingSample, pack
 from primerl_orchestrator.prompt_images import ImageInput
 from primerl_orchestrator.rendering import ImageUri, Message, PromptRenderer
 from primerl_orchestrator.samples import EpisodeTokens, Turn
-from primerl_orchestrator.server import build
 
+from .stand_ins import StandInRouter
+from .test_service import orchestrator as served_orchestrator
 from .test_service import refusal
 
 
@@ -218,7 +215,7 @@ class VisionTrainer(trainer_pb2_grpc.TrainerServiceServicer):
         return trainer_pb2.PushBatchResponse(step=1)
 
 
-class VisionRouter(router_pb2_grpc.RouterServiceServicer):
+class VisionRouter(StandInRouter):
     """Answers every turn with two tokens and the prompt as an engine expands it (each image's
     token repeated to the size transformers' processor gives the image); lists the images
     capability or not."""
@@ -234,48 +231,18 @@ class VisionRouter(router_pb2_grpc.RouterServiceServicer):
         )
         return router_pb2.GetServiceInfoResponse(info=info)
 
-    async def Generate(self, request, context):
+    def output(self, request: router_pb2.GenerateRequest) -> generation_pb2.GenerationOutput:
         self.requests.append(request.input)
-        sizes = iter(image_tokens(self._model_dir, image.data) for image in request.input.images)
-        expanded = []
-        for token in request.input.prompt_token_ids:
-            expanded += [token] * next(sizes) if token == IMAGE_TOKEN_ID else [token]
-        yield router_pb2.GenerateResponse(
-            output=generation_pb2.GenerationOutput(
-                token_ids=[65, 66],
-                logprobs=[-0.1, -0.2],
-                policy_versions=[0, 0],
-                finished=True,
-                finish_reason=generation_pb2.FINISH_REASON_STOP,
-                prompt_token_ids=expanded if request.input.images else [],
-            )
-        )
+        output = super().output(request)
+        if request.input.images:
+            sizes = iter(image_tokens(self._model_dir, image.data) for image in request.input.images)
+            for token in request.input.prompt_token_ids:
+                output.prompt_token_ids.extend([token] * next(sizes) if token == IMAGE_TOKEN_ID else [token])
+        return output
 
 
-@contextlib.asynccontextmanager
-async def orchestrator(
-    model_dir: pathlib.Path, trainer: Any, router: VisionRouter
-) -> AsyncIterator[orchestrator_pb2_grpc.OrchestratorServiceStub]:
-    async with (
-        bare_server(functools.partial(trainer_pb2_grpc.add_TrainerServiceServicer_to_server, trainer)) as trainer_at,
-        bare_server(functools.partial(router_pb2_grpc.add_RouterServiceServicer_to_server, router)) as router_at,
-    ):
-        config = OrchestratorConfig(
-            server={"host": "127.0.0.1", "port": 0},
-            peers={"router": router_at, "trainer": trainer_at, "poll_interval_s": 0.05},
-            model={"path": model_dir, "max_model_len": 512},
-            environments=[{"name": "look", "group_size": 2}],
-            run={"batch_size": 2, "max_steps": 1},
-        )
-        async with in_process_service(await build(config), config) as served:
-            stub = orchestrator_pb2_grpc.OrchestratorServiceStub(served.channel)
-
-            async def running() -> bool:
-                status = await stub.GetRunStatus(orchestrator_pb2.GetRunStatusRequest())
-                return status.state == orchestrator_pb2.RUN_STATE_RUNNING
-
-            await eventually(running, timeout_s=30, what="the run is running")
-            yield stub
+def orchestrator(model_dir: pathlib.Path, trainer: Any, router: VisionRouter):
+    return served_orchestrator(model_dir, trainer, router=router, max_model_len=512, max_steps=1)
 
 
 def image_turn(episode_id: str, data: bytes, mime_type: str = "image/png") -> orchestrator_pb2.GenerateRequest:
@@ -290,7 +257,7 @@ def image_turn(episode_id: str, data: bytes, mime_type: str = "image/png") -> or
 
 
 async def start_group(stub) -> list[str]:
-    request = orchestrator_pb2.StartEpisodeRequest(environment="look", task=orchestrator_pb2.Task(task_id="t"))
+    request = orchestrator_pb2.StartEpisodeRequest(environment="guess", task=orchestrator_pb2.Task(task_id="t"))
     return [episode.episode_id for episode in (await stub.StartEpisode(request, timeout=10)).episodes]
 
 

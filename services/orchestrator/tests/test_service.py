@@ -37,18 +37,26 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
 
 @contextlib.asynccontextmanager
 async def orchestrator(
-    model_dir: pathlib.Path, trainer: StandInTrainer, output: dict[str, Any] | None = None, **run: Any
+    model_dir: pathlib.Path,
+    trainer: trainer_pb2_grpc.TrainerServiceServicer,
+    output: dict[str, Any] | None = None,
+    *,
+    router: router_pb2_grpc.RouterServiceServicer | None = None,
+    max_model_len: int = 64,
+    **run: Any,
 ) -> AsyncIterator[orchestrator_pb2_grpc.OrchestratorServiceStub]:
+    """A served orchestrator (environment "guess", groups of 2) with `trainer` and `router` (a
+    StandInRouter by default) as its peers, once its run is running at policy version 0."""
     async with (
         bare_server(functools.partial(trainer_pb2_grpc.add_TrainerServiceServicer_to_server, trainer)) as trainer_at,
         bare_server(
-            functools.partial(router_pb2_grpc.add_RouterServiceServicer_to_server, StandInRouter())
+            functools.partial(router_pb2_grpc.add_RouterServiceServicer_to_server, router or StandInRouter())
         ) as router_at,
     ):
         config = OrchestratorConfig(
             server={"host": "127.0.0.1", "port": 0},
             peers={"router": router_at, "trainer": trainer_at, "poll_interval_s": 0.05},
-            model={"path": model_dir, "max_model_len": 64},
+            model={"path": model_dir, "max_model_len": max_model_len},
             environments=[{"name": "guess", "group_size": 2}],
             run={"batch_size": 2, "max_steps": 3, **run},
             output=output or {},
