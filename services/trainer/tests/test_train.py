@@ -11,11 +11,12 @@ import torch
 
 from primerl_common.errors import InvalidArgument
 from primerl_launcher.tiny_model import make_tiny_model
-from primerl_trainer.batch import BatchSpec, MicroBatch
+from primerl_trainer.batch import BatchSpec
 from primerl_trainer.losses import token_logprobs
 from primerl_trainer.optim import LRScheduleConfig, OptimizerConfig, build_lr_scheduler, build_optimizer
 from primerl_trainer.train import Trainer
 
+from .test_vision_freeze import one_image_micro_batch
 from .tiny_training import (
     SEQ_LEN,
     Sample,
@@ -250,7 +251,7 @@ def test_router_replay_feeds_the_batch_experts_to_the_moe_model(tmp_path_factory
 def test_a_vision_language_step_trains_on_the_images(tmp_path_factory: pytest.TempPathFactory) -> None:
     """A micro-batch with images through the batch spec of the tiny Qwen3-VL: its logprobs are the
     model's with those pixels (other pixels give others), and a step updates the language model."""
-    from primerl_launcher.tiny_model import IMAGE_TOKEN_ID, VISION_END_TOKEN_ID, VISION_START_TOKEN_ID
+    from primerl_launcher.tiny_model import IMAGE_TOKEN_ID
     from primerl_trainer.models import read_hf_config
     from primerl_trainer.runtime import _batch_spec
 
@@ -259,23 +260,14 @@ def test_a_vision_language_step_trains_on_the_images(tmp_path_factory: pytest.Te
     # The trainer service's spec of the checkpoint (its sizes under text_config).
     spec = _batch_spec(model, read_hf_config(vl_dir), types.SimpleNamespace(seq_len=SEQ_LEN, router_replay=False))
     assert (spec.image_token_id, spec.patches_per_image_token) == (IMAGE_TOKEN_ID, 4)
-    # One sample: text, a 4x4-patch image (4 image tokens), text; the last 4 tokens are the completion.
-    prompt = [7, 8, VISION_START_TOKEN_ID, *[IMAGE_TOKEN_ID] * 4, VISION_END_TOKEN_ID, 9, 10]
-    input_ids = torch.tensor([*prompt, 11, 12, 13, 14])
-    num_tokens = input_ids.numel()
-    loss_mask = torch.arange(num_tokens) >= len(prompt)
-    pixels = torch.randn(16, 3 * 2 * 16 * 16, generator=torch.Generator().manual_seed(0))
-    grid = torch.tensor([[1, 4, 4]])
-    micro_batch = MicroBatch(
-        input_ids=input_ids,
-        position_ids=torch.arange(num_tokens),
-        loss_mask=loss_mask,
-        temperatures=torch.ones(num_tokens),
-        advantages=torch.where(loss_mask, 1.0, 0.0),
-        inference_logprobs=torch.zeros(num_tokens),
-        pixel_values=pixels,
-        image_grid_thw=grid,
+    micro_batch = one_image_micro_batch()
+    input_ids, loss_mask, pixels, grid = (
+        micro_batch.input_ids,
+        micro_batch.loss_mask,
+        micro_batch.pixel_values,
+        micro_batch.image_grid_thw,
     )
+    num_tokens = input_ids.numel()
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     trainer = Trainer(model, optimizer, build_lr_scheduler(optimizer, LRScheduleConfig()), spec=spec, device=CPU)
     logprobs, _ = trainer.token_logprobs(micro_batch)

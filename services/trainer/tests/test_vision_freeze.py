@@ -33,11 +33,11 @@ def vl_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     return make_tiny_model(tmp_path_factory.getbasetemp() / "trainer-tiny-vl", family="qwen3-vl")
 
 
-def image_micro_batch(runtime: TrainingRuntime) -> MicroBatch:
-    """The sample with random pixels, scored on policy by the runtime's model, advantage 1."""
+def one_image_micro_batch() -> MicroBatch:
+    """The sample with random pixels, advantage 1 on its completion, inference logprobs 0."""
     num_tokens = INPUT_IDS.numel()
     loss_mask = torch.arange(num_tokens) >= len(PROMPT)
-    micro_batch = MicroBatch(
+    return MicroBatch(
         input_ids=INPUT_IDS,
         position_ids=torch.arange(num_tokens),
         loss_mask=loss_mask,
@@ -47,6 +47,11 @@ def image_micro_batch(runtime: TrainingRuntime) -> MicroBatch:
         pixel_values=torch.randn(16, 3 * 2 * 16 * 16, generator=torch.Generator().manual_seed(0)),
         image_grid_thw=torch.tensor([[1, 4, 4]]),
     )
+
+
+def image_micro_batch(runtime: TrainingRuntime) -> MicroBatch:
+    """The sample, scored on policy by the runtime's model."""
+    micro_batch = one_image_micro_batch()
     logprobs, _ = runtime.trainer.token_logprobs(micro_batch)
     return dataclasses.replace(micro_batch, inference_logprobs=logprobs.detach())
 
