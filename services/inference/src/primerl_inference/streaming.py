@@ -14,6 +14,7 @@ from vllm.exceptions import VLLMValidationError
 from vllm.logprobs import FlatLogprobs, PromptLogprobs, SampleLogprobs
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import RequestOutputKind
+from vllm.v1.engine.exceptions import EngineGenerateError
 from vllm.v1.engine.output_processor import OutputProcessor
 
 from primerl_common.errors import InvalidArgument
@@ -28,7 +29,8 @@ from primerl_inference.generation import (
 __all__ = ["sampling_params", "stream_chunks"]
 
 
-def sampling_params(request: GenerateRequest) -> SamplingParams:
+def sampling_params(request: GenerateRequest, *, bad_words: Sequence[str] = ()) -> SamplingParams:
+    """`bad_words`: tokens never sampled (vision placeholders; see images.py)."""
     sampling = request.sampling
     try:
         return SamplingParams(
@@ -44,6 +46,7 @@ def sampling_params(request: GenerateRequest) -> SamplingParams:
             repetition_penalty=sampling.repetition_penalty,
             presence_penalty=sampling.presence_penalty,
             frequency_penalty=sampling.frequency_penalty,
+            bad_words=list(bad_words) or None,
             logprobs=0,  # the sampled token's own logprob, no alternatives
             prompt_logprobs=0 if request.return_prompt_logprobs else None,
             # Logprobs as flat lists, not a dict and a Logprob object per token: less work for
@@ -54,8 +57,12 @@ def sampling_params(request: GenerateRequest) -> SamplingParams:
         )
     except VLLMValidationError as exc:
         # Limits vLLM has beyond GenerateRequest.validate (e.g. temperature above 2).
-        field = f"input.sampling.{exc.parameter}" if exc.parameter else "input.sampling"
-        raise InvalidArgument(str(exc.args[0]), field=field) from None
+        raise _invalid_argument(exc, default_field="input.sampling") from None
+
+
+def _invalid_argument(exc: VLLMValidationError, *, default_field: str) -> InvalidArgument:
+    field = f"input.sampling.{exc.parameter}" if exc.parameter else default_field
+    return InvalidArgument(str(exc.args[0]), field=field)
 
 
 async def stream_chunks(
@@ -93,7 +100,7 @@ async def stream_chunks(
             if output is None:
                 raise RuntimeError(f"vLLM ended request {engine_request_id} without a finished output")
             if output.prompt_logprobs is not None and prompt_logprobs is None:
-                prompt_logprobs = _prompt_logprobs(request.prompt_token_ids, output.prompt_logprobs)
+                prompt_logprobs = _prompt_logprobs(output.prompt_token_ids, output.prompt_logprobs)
             completion = output.outputs[0]
             # FINAL_ONLY outputs hold the whole completion, DELTA ones the new tokens.
             begin = 0 if request.stream.final_only else batcher.num_tokens
@@ -111,8 +118,9 @@ async def stream_chunks(
                 chunk.finished = True
                 chunk.finish_reason = completion.finish_reason  # "stop", "length" or "abort"
                 chunk.prompt_logprobs = prompt_logprobs
+                chunk.prompt_token_ids = list(output.prompt_token_ids)
                 chunk.stats = GenerationStats(
-                    num_prompt_tokens=len(request.prompt_token_ids),
+                    num_prompt_tokens=len(chunk.prompt_token_ids),
                     num_cached_prompt_tokens=output.num_cached_tokens or 0,
                     num_output_tokens=batcher.num_tokens,
                     time_to_first_token_s=(first_token_at or time.monotonic()) - started,
@@ -122,6 +130,14 @@ async def stream_chunks(
                 return
             if batcher.due():
                 yield batcher.take()
+    except VLLMValidationError as exc:
+        # What vLLM's input processing refuses: a prompt that images expand past max_model_len.
+        raise _invalid_argument(exc, default_field="input.prompt_token_ids") from None
+    except EngineGenerateError as exc:
+        if request.images and isinstance(exc.__cause__, ValueError):
+            # The model's image processor refuses an image (Qwen's: an aspect ratio above 200).
+            raise InvalidArgument(f"the model's processor refused it: {exc.__cause__}", field="input.images") from None
+        raise
     finally:
         if pending is not None:
             pending.cancel()
@@ -168,9 +184,10 @@ def _policy_versions(
     return versions
 
 
-def _prompt_logprobs(prompt_token_ids: tuple[int, ...], steps: PromptLogprobs) -> list[float]:
-    """One per prompt token; the first has no context and is NaN (flat_logprobs with
-    prompt_logprobs=0: one entry per later prompt token, that token's own)."""
+def _prompt_logprobs(prompt_token_ids: Sequence[int], steps: PromptLogprobs) -> list[float]:
+    """One per prompt token as the engine ran it (images expanded); the first has no context
+    and is NaN (flat_logprobs with prompt_logprobs=0: one entry per later prompt token, that
+    token's own)."""
     if not isinstance(steps, FlatLogprobs) or steps.token_ids != list(prompt_token_ids[1:]):
         raise RuntimeError("vLLM returned prompt logprobs that are not one flat entry per prompt token")
     return [float("nan"), *steps.logprobs]

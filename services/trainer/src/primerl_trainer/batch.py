@@ -58,6 +58,9 @@ class BatchSpec:
     # such token (None: the model takes no images).
     image_token_id: int | None = None
     patches_per_image_token: int = 0
+    # Token ids inference never samples (a vision-language model's placeholders,
+    # primerl_common.images.vision_placeholder_token_ids): logprobs leave them out as its do.
+    unsampled_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.seq_len <= 0 or self.vocab_size <= 0:

@@ -44,6 +44,16 @@ class LossOutput:
     sums: dict[str, torch.Tensor]
 
 
+# The logit given to excluded tokens: exp() of it is 0 and, unlike -inf, 0 times it is 0 (entropy).
+_EXCLUDED_LOGIT = -1e30
+
+
+def _scaled(logits: torch.Tensor, temperatures: torch.Tensor, dtype: torch.dtype, excluded: torch.Tensor | None):
+    """A chunk of logits in `dtype`, divided by its temperatures, the `excluded` columns out."""
+    scaled = logits.to(dtype) / temperatures[:, None].to(dtype)
+    return scaled if excluded is None else scaled.index_fill_(1, excluded, _EXCLUDED_LOGIT)
+
+
 class _TokenLogprobs(torch.autograd.Function):
     """logprob[n] = log_softmax(logits[n] / temperatures[n])[targets[n]] and the entropy of that
     distribution, computed over chunks of rows so that no float32 copy of the whole logits
@@ -56,6 +66,7 @@ class _TokenLogprobs(torch.autograd.Function):
         targets: torch.Tensor,
         temperatures: torch.Tensor,
         chunk_size: int,
+        excluded: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         num_rows = logits.shape[0]
         # float64 stays float64 (gradient checks); bf16/fp16 are upcast chunk by chunk.
@@ -65,7 +76,7 @@ class _TokenLogprobs(torch.autograd.Function):
         logsumexp = torch.empty_like(logprobs)
         for start in range(0, num_rows, chunk_size):
             rows = slice(start, start + chunk_size)
-            scaled = logits[rows].to(compute_dtype) / temperatures[rows, None].to(compute_dtype)
+            scaled = _scaled(logits[rows], temperatures[rows], compute_dtype, excluded)
             lse = torch.logsumexp(scaled, dim=-1)
             probs = torch.exp(scaled - lse[:, None])
             logsumexp[rows] = lse
@@ -74,26 +85,26 @@ class _TokenLogprobs(torch.autograd.Function):
             # distribution is sharp.
             entropy[rows] = (probs * (lse[:, None] - scaled)).sum(dim=-1)
         ctx.save_for_backward(logits, targets, temperatures, logsumexp)
-        ctx.chunk_size = chunk_size
+        ctx.chunk_size, ctx.excluded = chunk_size, excluded
         ctx.mark_non_differentiable(entropy)
         return logprobs, entropy
 
     @staticmethod
     def backward(
         ctx: torch.autograd.function.FunctionCtx, grad_logprobs: torch.Tensor, grad_entropy: torch.Tensor | None
-    ) -> tuple[torch.Tensor, None, None, None]:
+    ) -> tuple[torch.Tensor, None, None, None, None]:
         logits, targets, temperatures, logsumexp = ctx.saved_tensors
         grad_logits = torch.empty_like(logits)
         for start in range(0, logits.shape[0], ctx.chunk_size):
             rows = slice(start, start + ctx.chunk_size)
             temperature = temperatures[rows, None].to(logsumexp.dtype)
-            scaled = logits[rows].to(logsumexp.dtype) / temperature
+            scaled = _scaled(logits[rows], temperatures[rows], logsumexp.dtype, ctx.excluded)
             grad_out = grad_logprobs[rows, None]
             # d logprob / d scaled = onehot(target) - softmax(scaled); then the 1/temperature.
             grad = torch.exp(scaled - logsumexp[rows, None]).mul_(-grad_out)
             grad.scatter_add_(1, targets[rows, None], grad_out)
             grad_logits[rows] = grad.div_(temperature)
-        return grad_logits, None, None, None
+        return grad_logits, None, None, None, None
 
 
 def token_logprobs(
@@ -119,19 +130,26 @@ def token_logprobs(
 
 
 def target_logprobs(
-    logits: torch.Tensor, targets: torch.Tensor, temperatures: torch.Tensor, *, chunk_size: int | None = None
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    temperatures: torch.Tensor,
+    *,
+    chunk_size: int | None = None,
+    excluded: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Row by row, without the shift of `token_logprobs`: logprobs[n] = log_softmax(logits[n] /
     temperatures[n])[targets[n]] (differentiable) and the entropy of that distribution, for
     logits [N, V], targets [N] int64 and temperatures [N] > 0 (prediction-aligned terms, as
-    context parallel splits them)."""
+    context parallel splits them). `excluded`: token ids (int64, on the logits' device) the
+    distribution leaves out, as the sampler does (a vision-language model's placeholders); a
+    target among them gets a logprob of about -1e30."""
     num_rows, vocab_size = logits.shape
     assert targets.shape == temperatures.shape == (num_rows,), (logits.shape, targets.shape, temperatures.shape)
     if chunk_size is None:
         chunk_size = max(1, _CHUNK_ELEMENTS // vocab_size)
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
-    return _TokenLogprobs.apply(logits, targets, temperatures, chunk_size)
+    return _TokenLogprobs.apply(logits, targets, temperatures, chunk_size, excluded)
 
 
 def rl_loss(

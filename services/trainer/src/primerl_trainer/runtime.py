@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from primerl_common.images import vision_placeholder_token_ids
 from primerl_trainer.batch import BatchSpec
 from primerl_trainer.checkpoint import Checkpointer
 from primerl_trainer.commands import CommandChannel
@@ -229,4 +230,5 @@ def _batch_spec(model: nn.Module, hf_config: dict, config: TrainerConfig) -> Bat
         moe_layers=moe_layers,
         image_token_id=image_token_id,
         patches_per_image_token=vision.spatial_merge_size**2 if vision is not None else 0,
+        unsampled_token_ids=vision_placeholder_token_ids(hf_config),
     )

@@ -80,6 +80,13 @@ class Trainer:
         self.max_grad_norm = max_grad_norm
         self.step = step
         self._logprob_chunk_size = logprob_chunk_size
+        # Tokens the sampler never draws (a vision-language model's placeholders): scored over the
+        # vocabulary without them, as inference's logprobs are.
+        self._excluded = (
+            torch.tensor(spec.unsampled_token_ids, dtype=torch.int64, device=device)
+            if spec.unsampled_token_ids
+            else None
+        )
         # ParallelConfig.accumulate_unsharded (distributed.fsdp.defer_local_gradient_reduction).
         self.accumulate_unsharded = accumulate_unsharded
         self._dp_group = dp_group
@@ -198,6 +205,7 @@ class Trainer:
             shard.targets.to(self.device, non_blocking=True),
             shard.target_temperatures.to(self.device, non_blocking=True),
             chunk_size=self._logprob_chunk_size,
+            excluded=self._excluded,
         )
 
     def _forward_backward(self, micro_batch: MicroBatch, *, num_loss_tokens: int) -> torch.Tensor:
