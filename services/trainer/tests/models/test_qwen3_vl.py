@@ -216,3 +216,39 @@ def test_fsdp_and_activation_checkpointing_keep_forward_and_gradients(
         copy.load_state_dict(loaded.state_dict())
     model_spec_of(model).parallelize_fn(model, dp_mesh=mesh, param_dtype=None, activation_checkpointing=True)
     assert_sharded_model_matches(reference, model, image_prompt(THREE_IMAGES, seed=5), checkpoint)
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((actual.float() - expected.float()).norm() / expected.float().norm()).item()
+
+
+@pytest.mark.gpu
+def test_on_cuda_float32_equals_transformers_and_bf16_is_as_close_as_transformers_bf16(
+    checkpoint: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Three images on CUDA: float32 logits (and experts) within TOLERANCE of transformers'; in
+    bfloat16 (the GPU training dtype) the own logits no further from the float32 ones than
+    transformers' bfloat16 logits, and every gradient finite."""
+    from transformers import AutoModelForImageTextToText
+
+    # transformers embeds patches with a Conv3d, which cuDNN runs in TF32 by default.
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    inputs = {name: tensor.cuda() for name, tensor in image_prompt(THREE_IMAGES, seed=7).items()}
+    hf = {
+        dtype: AutoModelForImageTextToText.from_pretrained(checkpoint, dtype=dtype, attn_implementation="sdpa")
+        .cuda()
+        .eval()
+        for dtype in (torch.float32, torch.bfloat16)
+    }
+    with torch.no_grad():
+        expected, expert_ids = reference_forward(hf[torch.float32], **inputs)
+        assert_matches(load_model(checkpoint, impl="auto", device="cuda")(**inputs), expected, expert_ids)
+        bf16_inputs = inputs | {"pixel_values": inputs["pixel_values"].to(torch.bfloat16)}
+        hf_error = relative_error(reference_forward(hf[torch.bfloat16], **bf16_inputs)[0], expected)
+    own = load_model(checkpoint, impl="auto", dtype=torch.bfloat16, device="cuda").requires_grad_(True)
+    logits = own(**bf16_inputs).logits
+    own_error = relative_error(logits, expected)
+    print(f"bf16 logits' relative error to float32: own {own_error:.3e}, transformers {hf_error:.3e}")
+    assert own_error <= 1.5 * hf_error + 1e-3, (own_error, hf_error)
+    logits.float().logsumexp(-1).mean().backward()
+    assert all(p.grad is not None and bool(torch.isfinite(p.grad).all()) for p in own.parameters())
