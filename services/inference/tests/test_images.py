@@ -33,7 +33,7 @@ from primerl_launcher.tiny_model import (
     make_tiny_model,
 )
 
-from .serving import Served, final_output, generate, running_service
+from .serving import Served, checkpoint, final_output, generate, running_service, update_weights
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -221,3 +221,19 @@ async def test_images_off_are_refused_and_not_listed(vl_model: pathlib.Path) -> 
     assert reasons == ["CAPABILITY_MISSING"]
     assert len(text_only.token_ids) == 2
     assert not text_only.prompt_token_ids  # only a prompt with images comes back
+
+
+async def test_an_image_seen_before_a_weight_update_is_served_after_it(
+    served_vl: Served, vl_model: pathlib.Path
+) -> None:
+    """vLLM caches an image's processed inputs and its encoder output by the image's hash; an
+    update must neither reuse them (a trained vision tower changes the output) nor leave the
+    engine's two halves disagreeing on what is cached ("Encoder cache miss" killed the engine)."""
+    request = image_input([png(random_images([(40, 56)], seed=11)[0])], max_tokens=2)
+    before = await final_output(served_vl.stub, request)
+    await update_weights(served_vl.stub, checkpoint(vl_model))
+    for _ in range(2):
+        after = await final_output(served_vl.stub, request)
+        assert list(after.prompt_token_ids) == list(before.prompt_token_ids)
+        assert after.policy_versions[0] == before.policy_versions[0] + 1
+    await assert_serves_an_image(served_vl)

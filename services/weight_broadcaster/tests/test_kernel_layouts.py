@@ -1,4 +1,5 @@
-"""The kernel layouts of the hybrid and latent-attention families (Qwen3.5-MoE, Nemotron-H, GLM-5):
+"""The kernel layouts of the hybrid, latent-attention and vision-language families (Qwen3.5-MoE,
+Nemotron-H, GLM-5, Qwen3-VL):
 which rows go where in each fused parameter, which vLLM's parameter table (names and shapes,
 tests/test_family_serving.py) cannot tell apart."""
 
@@ -152,7 +153,46 @@ def test_glm_moe_dsa_fuses_the_latent_down_projections_and_the_indexer_s_key_and
     assert "model.layers.1.mlp.gate.e_score_correction_bias" in kernel
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_5_moe_text", "qwen3_5_moe", "nemotron_h", "glm_moe_dsa"])
+def test_qwen3_vl_moe_transposes_the_hub_s_stacked_experts_and_keeps_the_vision_tower_s_names() -> None:
+    layer, block = "model.language_model.layers.0", "model.visual.blocks.0"
+    hf = random_tensors(
+        {
+            **{f"{layer}.self_attn.{p}_proj.weight": (HIDDEN, HIDDEN) for p in "qkv"},
+            f"{layer}.mlp.gate.weight": (NUM_EXPERTS, HIDDEN),
+            # The hub's layout: gate columns, then up; [E, H, 2*I] and [E, I, H].
+            f"{layer}.mlp.experts.gate_up_proj": (NUM_EXPERTS, HIDDEN, 2 * EXPERT_INTERMEDIATE),
+            f"{layer}.mlp.experts.down_proj": (NUM_EXPERTS, EXPERT_INTERMEDIATE, HIDDEN),
+            f"{block}.attn.qkv.weight": (96, 32),
+            f"{block}.mlp.linear_fc1.weight": (64, 32),
+            "model.visual.merger.linear_fc2.weight": (HIDDEN, 128),
+            "lm_head.weight": (320, HIDDEN),
+        }
+    )
+    kernel = convert(hf, KERNEL, "qwen3_vl_moe").tensors
+    experts = "language_model.model.layers.0.mlp.experts.routed_experts"
+    w13 = kernel[f"{experts}.w13_weight"]
+    assert w13.shape == (NUM_EXPERTS, 2 * EXPERT_INTERMEDIATE, HIDDEN)
+    gate_up = hf[f"{layer}.mlp.experts.gate_up_proj"]
+    for e in range(NUM_EXPERTS):  # gate rows, then up rows: the order vLLM's w1 and w3 shards take
+        assert torch.equal(w13[e, :EXPERT_INTERMEDIATE], gate_up[e, :, :EXPERT_INTERMEDIATE].T)
+        assert torch.equal(w13[e, EXPERT_INTERMEDIATE:], gate_up[e, :, EXPERT_INTERMEDIATE:].T)
+    assert torch.equal(kernel[f"{experts}.w2_weight"], hf[f"{layer}.mlp.experts.down_proj"].transpose(1, 2))
+    assert sorted(kernel) == [
+        "language_model.lm_head.weight",
+        "language_model.model.layers.0.mlp.experts.routed_experts.w13_weight",
+        "language_model.model.layers.0.mlp.experts.routed_experts.w2_weight",
+        "language_model.model.layers.0.mlp.gate.weight",
+        "language_model.model.layers.0.self_attn.qkv_proj.weight",
+        "visual.blocks.0.attn.qkv.weight",
+        "visual.blocks.0.mlp.linear_fc1.weight",
+        "visual.merger.linear_fc2.weight",
+    ]
+    assert kernel["visual.blocks.0.attn.qkv.weight"] is hf[f"{block}.attn.qkv.weight"]
+
+
+@pytest.mark.parametrize(
+    "model_type", ["qwen3_5_moe_text", "qwen3_5_moe", "nemotron_h", "glm_moe_dsa", "qwen3_vl", "qwen3_vl_moe"]
+)
 def test_fp8_is_refused_with_the_reason(model_type: str) -> None:
     hf = {"model.embed_tokens.weight": torch.zeros(4, HIDDEN)}
     with pytest.raises(ValueError, match=rf"no block-FP8 kernel format for model_type '{model_type}'.*not checked"):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hashlib
 import itertools
 import logging
 import os
@@ -300,7 +301,7 @@ class InferenceEngine:
         routed_experts_claimed = False
         with contextlib.ExitStack() as stack:
             salt = stack.enter_context(self._salts.attempt(engine_request_id, version, request.cache_salt))
-            prompt = _engine_prompt(request.prompt_token_ids, images, salt)
+            prompt = _engine_prompt(request, images, salt)
             lora = stack.enter_context(self._adapters.in_use(request.lora_adapter)) if request.lora_adapter else None
             outputs = self._llm.generate(prompt, params, engine_request_id, lora_request=lora)
             chunks = stream_chunks(
@@ -460,13 +461,24 @@ class InferenceEngine:
             return True
 
 
-def _engine_prompt(
-    prompt_token_ids: tuple[int, ...], images: list[Image.Image], salt: str
-) -> TokensInput | TokensPrompt:
-    """The prompt as vLLM takes it: token ids alone, or with the images of their image tokens."""
+def _engine_prompt(request: GenerateRequest, images: list[Image.Image], salt: str) -> TokensInput | TokensPrompt:
+    """The prompt as vLLM takes it: token ids alone, or with the images of their image tokens.
+
+    vLLM keeps an image's processed inputs and its vision encoder's output by the image's id
+    (the frontend's and the engine core's caches agree on what is held). The id given here is
+    the image's sha256 and the request's salt, which names the policy version: an update never
+    reuses an encoder output of the weights before it, and no cache is cleared (clearing the
+    engine core's half alone, as a reload does, leaves the scheduler expecting outputs that are
+    gone: "Encoder cache miss", and the engine dies)."""
     if not images:
-        return tokens_input(list(prompt_token_ids), cache_salt=salt)
-    return TokensPrompt(prompt_token_ids=list(prompt_token_ids), multi_modal_data={"image": images}, cache_salt=salt)
+        return tokens_input(list(request.prompt_token_ids), cache_salt=salt)
+    uuids = [f"{hashlib.sha256(data).hexdigest()}:{salt}" for data, _ in request.images]
+    return TokensPrompt(
+        prompt_token_ids=list(request.prompt_token_ids),
+        multi_modal_data={"image": images},
+        multi_modal_uuids={"image": uuids},
+        cache_salt=salt,
+    )
 
 
 def _size_cpu_kv_cache(vllm_config: VllmConfig, *, max_gib: float) -> None:

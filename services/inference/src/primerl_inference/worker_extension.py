@@ -186,10 +186,11 @@ class WorkerExtension(RoutedExpertsWorkerExtension):
                 logger.exception("loading weights failed after their checks")
                 num_written = num_linears_written + _abandon_reload(touched)
                 return {"failed": f"{type(exc).__name__}: {exc}", "num_layers_written": num_written}
-        # What vLLM's own reload does next: state derived from the old weights goes.
+        # What vLLM's own reload does next: state derived from the old weights goes. Not the
+        # encoder and multimodal caches: cleared here alone, the scheduler and the frontend
+        # still count on what they held ("Encoder cache miss"); their entries are keyed by the
+        # policy version instead (engine._engine_prompt).
         self.model_runner.reset_lora_state()
-        self.model_runner.reset_encoder_cache()
-        self.model_runner.reset_mm_cache()
         return {"num_tensors": len(weights)}
 
 

@@ -35,11 +35,12 @@ class ExpertStacking:
     """Where a family's experts are in HF names.
 
     Per expert (`stacked=False`): `<...experts>.<e>.<gate>.weight`, `<up>`, `<down>`, each
-    [I, H] or [H, I] as a linear layer's weight. Stacked (`stacked=True`, GPT-OSS):
-    `<...experts>.gate_up_proj` [E, H, 2*I] with gate and up columns interleaved, which vLLM
-    keeps interleaved (its activation reads them so), `down_proj` [E, I, H], and the biases
-    `gate_up_proj_bias` [E, 2*I] and `down_proj_bias` [E, H]. `gate=None`: non-gated experts
-    (Nemotron-H's relu^2), whose w13 holds the up rows alone."""
+    [I, H] or [H, I] as a linear layer's weight. Stacked (`stacked=True`, GPT-OSS and
+    Qwen3-VL-MoE): `<...experts>.gate_up_proj` [E, H, 2*I], whose columns become w13's rows in
+    their order (GPT-OSS: gate and up interleaved, which vLLM keeps interleaved as its
+    activation reads them so; Qwen3-VL-MoE: gate columns, then up), `down_proj` [E, I, H], and
+    GPT-OSS's biases `gate_up_proj_bias` [E, 2*I] and `down_proj_bias` [E, H]. `gate=None`:
+    non-gated experts (Nemotron-H's relu^2), whose w13 holds the up rows alone."""
 
     gate: str | None = "gate_proj"
     up: str = "up_proj"
@@ -86,6 +87,15 @@ _QWEN3_5 = (
     Fusion("in_proj_ba", ("in_proj_b", "in_proj_a"), ("linear_attn",)),
 )
 _QWEN3_5_NO_FP8 = "its block-FP8 layout (which DeltaNet projections vLLM quantizes) is not checked here"
+# The hub's multimodal checkpoints, as vLLM's *ForConditionalGeneration mappers name them.
+_LANGUAGE_MODEL_RENAMES = (
+    (r"^model\.language_model\.", "language_model.model."),
+    (r"^lm_head\.", "language_model.lm_head."),
+)
+# Qwen3-VL's vision tower keeps the hub's names (its attention's qkv is fused there already,
+# its MLPs' linear_fc1 / linear_fc2 are not fused by vLLM); only the prefix moves.
+_QWEN3_VL_RENAMES = (*_LANGUAGE_MODEL_RENAMES, (r"^model\.visual\.", "visual."))
+_QWEN3_VL_NO_FP8 = "its block-FP8 layout (which vision tower linears vLLM quantizes) is not checked here"
 
 LAYOUTS: dict[str, KernelLayout] = {
     layout.model_type: layout
@@ -133,12 +143,16 @@ LAYOUTS: dict[str, KernelLayout] = {
             "qwen3_5_moe",
             _QWEN3_5,
             ExpertStacking(),
-            renames=(
-                (r"^model\.language_model\.", "language_model.model."),
-                (r"^lm_head\.", "language_model.lm_head."),
-            ),
+            renames=_LANGUAGE_MODEL_RENAMES,
             fp8_linear=None,
             no_fp8_reason=_QWEN3_5_NO_FP8,
+        ),
+        # Qwen3-VL-MoE: the hub stores each layer's experts stacked and transposed, as GPT-OSS does.
+        *(
+            KernelLayout(
+                model_type, _QWEN3, experts, renames=_QWEN3_VL_RENAMES, fp8_linear=None, no_fp8_reason=_QWEN3_VL_NO_FP8
+            )
+            for model_type, experts in (("qwen3_vl", None), ("qwen3_vl_moe", ExpertStacking(stacked=True)))
         ),
         # One `mixer` per layer (Mamba-2, attention, MLP or MoE); non-gated relu^2 experts; the
         # hub's `backbone.` prefix, `embeddings` and `A_log` renamed as vLLM's mapper does (its
