@@ -333,11 +333,23 @@ def freeze_startup_heap() -> None:
     gc.freeze()
 
 
+def _cancelled_is_no_error(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+    """asyncio's exception handler, less the CancelledError of a task cancelled on purpose:
+    grpc.aio's server cancels the RPC tasks still running when it stops, and a callback that
+    reads such a task's exception gets the CancelledError itself (grpc/grpc#24716 is one case);
+    logged with its traceback it reads as a crash of a clean stop."""
+    if isinstance(context.get("exception"), asyncio.CancelledError):
+        logger.debug("cancelled: %s", context.get("message"))
+        return
+    loop.default_exception_handler(context)
+
+
 async def _serve(build: Callable[[C], Awaitable[ServiceDefinition]], config: C) -> None:
     definition = await build(config)
     freeze_startup_heap()
     service = GrpcService(definition, config)
     loop = asyncio.get_running_loop()
+    loop.set_exception_handler(_cancelled_is_no_error)
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, service.request_stop)
     await service.start()
