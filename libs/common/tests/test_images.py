@@ -6,7 +6,7 @@ import pytest
 from PIL import Image
 
 from primerl_common.errors import InvalidArgument
-from primerl_common.images import decode_image
+from primerl_common.images import decode_image, is_vision_language, vision_placeholder_token_ids
 
 
 def encoded(image_format: str, size: tuple[int, int] = (20, 10), mode: str = "RGB") -> bytes:
@@ -39,3 +39,17 @@ def test_bad_images_are_refused_naming_the_field(data, mime_type, field, words):
         decode_image(data, mime_type, field="input.images[3]", max_pixels=50_000)
     assert error.value.field == field
     assert words in str(error.value)
+
+
+def test_a_vision_language_config_names_its_placeholders_and_a_text_one_none() -> None:
+    vl = {
+        "vision_config": {"depth": 2},
+        "image_token_id": 7,
+        "video_token_id": 8,
+        "vision_start_token_id": 5,
+        "vision_end_token_id": 6,
+    }
+    assert is_vision_language(vl) and vision_placeholder_token_ids(vl) == (5, 6, 7, 8)
+    # A vision tower with no image token (or no tower) takes no images: nothing to keep out.
+    for text in ({"vision_config": {}}, {"image_token_id": 7}, {}):
+        assert not is_vision_language(text) and vision_placeholder_token_ids(text) == ()

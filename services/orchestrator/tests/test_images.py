@@ -35,8 +35,8 @@ from primerl_launcher.tiny_model import (
     make_tiny_model,
 )
 from primerl_orchestrator.packing import TrainingSample, pack
-from primerl_orchestrator.prompt_images import ImageInput
-from primerl_orchestrator.rendering import ImageUri, Message, PromptRenderer
+from primerl_orchestrator.prompt_images import ImageInput, ImageUri
+from primerl_orchestrator.rendering import Message, PromptRenderer
 from primerl_orchestrator.samples import EpisodeTokens, Turn
 
 from .stand_ins import StandInRouter

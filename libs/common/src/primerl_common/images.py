@@ -27,6 +27,7 @@ __all__ = [
     "MIME_TYPES",
     "ROUTER_CAPABILITY_IMAGES",
     "decode_image",
+    "is_vision_language",
     "vision_placeholder_token_ids",
 ]
 
@@ -81,11 +82,17 @@ def decode_image(data: bytes, mime_type: str, *, field: str, max_pixels: int = D
     return image.convert("RGB")
 
 
+def is_vision_language(config: Mapping[str, Any]) -> bool:
+    """Whether a model's config.json is a vision-language model's: a vision tower and its image
+    token (every service that reads the checkpoint decides it so)."""
+    return "vision_config" in config and config.get("image_token_id") is not None
+
+
 def vision_placeholder_token_ids(config: Mapping[str, Any]) -> tuple[int, ...]:
     """The placeholder tokens of a vision-language model's config.json (none for a text model).
     They are never sampled: one in a completion would go into the next turn's prompt as an
     image without pixels. Inference bans them (their logits -inf), so the logprobs it returns
     are over the vocabulary without them, and the trainer scores tokens the same way."""
-    if "vision_config" not in config:
+    if not is_vision_language(config):
         return ()
     return tuple(int(config[key]) for key in _PLACEHOLDER_KEYS if config.get(key) is not None)

@@ -14,7 +14,7 @@ import pathlib
 from typing import TYPE_CHECKING, Any
 
 from primerl_common.errors import InvalidArgument
-from primerl_common.images import CAPABILITY_IMAGES, decode_image, vision_placeholder_token_ids
+from primerl_common.images import CAPABILITY_IMAGES, decode_image, is_vision_language, vision_placeholder_token_ids
 from primerl_inference.capabilities import missing_capability
 from primerl_inference.generation import GenerateRequest
 
@@ -25,8 +25,8 @@ __all__ = ["VisionModel", "is_multimodal"]
 
 
 def is_multimodal(model: pathlib.Path) -> bool:
-    """Whether the checkpoint has a vision tower (a vision_config in its config.json)."""
-    return "vision_config" in json.loads((model / "config.json").read_text())
+    """Whether the checkpoint is a vision-language model's (primerl_common.images.is_vision_language)."""
+    return is_vision_language(json.loads((model / "config.json").read_text()))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,8 +40,6 @@ class VisionModel:
     def of(cls, hf_config: Any, tokenizer: Any, *, max_images_per_prompt: int) -> VisionModel:
         """From the model's config (vLLM's hf_config: the checkpoint's config.json) and tokenizer."""
         config = hf_config.to_dict()
-        if config.get("image_token_id") is None:
-            raise ValueError(f"{type(hf_config).__name__} has a vision tower but no image_token_id")
         placeholders = vision_placeholder_token_ids(config)
         words = tuple(tokenizer.decode([token]) for token in placeholders)
         for token, word in zip(placeholders, words, strict=True):

@@ -25,10 +25,10 @@ from typing import Any
 import torch
 
 from primerl_common.errors import FailedPrecondition, InvalidArgument
-from primerl_common.images import MIME_TYPES, decode_image
+from primerl_common.images import MIME_TYPES, decode_image, is_vision_language
 from primerl_orchestrator.samples import PromptImage
 
-__all__ = ["ImageInput", "ImageProcessor", "expand_image_tokens", "read_image_uri"]
+__all__ = ["ImageInput", "ImageProcessor", "ImageUri", "expand_image_tokens", "read_image_uri"]
 
 # Processed images kept by digest: an episode sends its whole conversation, images included, every turn.
 _CACHE_SIZE = 256
@@ -40,6 +40,14 @@ class ImageInput:
 
     data: bytes
     mime_type: str
+
+
+@dataclass(frozen=True)
+class ImageUri:
+    """An image of a chat message named by a URI, read when the prompt is rendered."""
+
+    uri: str
+    mime_type: str = ""
 
 
 def read_image_uri(uri: str, mime_type: str, *, roots: Sequence[pathlib.Path], field: str) -> ImageInput:
@@ -91,7 +99,7 @@ class ImageProcessor:
             config = json.loads((model_path / "config.json").read_text())
         except (OSError, ValueError):
             return False
-        return "vision_config" in config and "image_token_id" in config
+        return is_vision_language(config)
 
     def process(self, image: ImageInput, *, field: str) -> PromptImage:
         digest = hashlib.sha256(image.data).hexdigest()

@@ -24,7 +24,13 @@ from transformers import AutoTokenizer
 
 from primerl_common.errors import FailedPrecondition, InvalidArgument
 from primerl_common.images import CAPABILITY_IMAGES, decode_image
-from primerl_orchestrator.prompt_images import ImageInput, ImageProcessor, expand_image_tokens, read_image_uri
+from primerl_orchestrator.prompt_images import (
+    ImageInput,
+    ImageProcessor,
+    ImageUri,
+    expand_image_tokens,
+    read_image_uri,
+)
 from primerl_orchestrator.samples import PromptImage
 from primerl_orchestrator.tool_calls import (
     FORMATS,
@@ -39,7 +45,7 @@ from primerl_orchestrator.tool_calls import (
 if TYPE_CHECKING:
     from primerl_orchestrator.config import ModelConfig
 
-__all__ = ["ROLES", "ImageUri", "Message", "PromptRenderer", "RenderedPrompt"]
+__all__ = ["ROLES", "Message", "PromptRenderer", "RenderedPrompt"]
 
 ROLES = ("system", "user", "assistant", "tool")
 AUTO = "auto"
@@ -59,14 +65,6 @@ class Message:
     def text(self) -> str:
         """The message's text, its images left out."""
         return self.content or "".join(part for part in self.parts if isinstance(part, str))
-
-
-@dataclass(frozen=True)
-class ImageUri:
-    """An image of a chat message named by a URI, read when the prompt is rendered."""
-
-    uri: str
-    mime_type: str = ""
 
 
 @dataclass(frozen=True)

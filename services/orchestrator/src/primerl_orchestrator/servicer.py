@@ -17,8 +17,8 @@ from primerl_common.server import ServiceDefinition
 from primerl_orchestrator.environments import Task
 from primerl_orchestrator.episodes import Episode
 from primerl_orchestrator.eval_episodes import EvalEpisode
-from primerl_orchestrator.prompt_images import ImageInput
-from primerl_orchestrator.rendering import ImageUri, Message
+from primerl_orchestrator.prompt_images import ImageInput, ImageUri
+from primerl_orchestrator.rendering import Message
 from primerl_orchestrator.run import Run, RunState
 from primerl_orchestrator.tool_calls import ToolCall, ToolSpec
 
