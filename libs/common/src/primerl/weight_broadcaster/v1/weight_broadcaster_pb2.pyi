@@ -163,7 +163,14 @@ class DeregisterReplicaResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class ReplicaStatus(_message.Message):
-    __slots__ = ("replica_id", "address", "state", "policy_version", "target_policy_version", "last_error", "num_consecutive_failures", "next_retry_at", "last_push_s", "num_bytes_sent_total", "format", "transport", "delta", "num_tensors_last_push", "num_bytes_last_push", "last_push_delta", "last_push_transport", "transport_reason")
+    __slots__ = ("replica_id", "address", "state", "policy_version", "target_policy_version", "last_error", "num_consecutive_failures", "next_retry_at", "last_push_s", "num_bytes_sent_total", "format", "transport", "delta", "num_tensors_last_push", "num_bytes_last_push", "last_push_delta", "last_push_transport", "transport_reason", "adapter_versions")
+    class AdapterVersionsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -182,6 +189,7 @@ class ReplicaStatus(_message.Message):
     LAST_PUSH_DELTA_FIELD_NUMBER: _ClassVar[int]
     LAST_PUSH_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_REASON_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     address: str
     state: ReplicaState
@@ -200,29 +208,41 @@ class ReplicaStatus(_message.Message):
     last_push_delta: bool
     last_push_transport: Transport
     transport_reason: str
-    def __init__(self, replica_id: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[_Union[ReplicaState, str]] = ..., policy_version: _Optional[int] = ..., target_policy_version: _Optional[int] = ..., last_error: _Optional[str] = ..., num_consecutive_failures: _Optional[int] = ..., next_retry_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., last_push_s: _Optional[float] = ..., num_bytes_sent_total: _Optional[int] = ..., format: _Optional[_Union[_tensor_pb2.WeightFormat, str]] = ..., transport: _Optional[_Union[Transport, str]] = ..., delta: _Optional[bool] = ..., num_tensors_last_push: _Optional[int] = ..., num_bytes_last_push: _Optional[int] = ..., last_push_delta: _Optional[bool] = ..., last_push_transport: _Optional[_Union[Transport, str]] = ..., transport_reason: _Optional[str] = ...) -> None: ...
+    adapter_versions: _containers.ScalarMap[str, int]
+    def __init__(self, replica_id: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[_Union[ReplicaState, str]] = ..., policy_version: _Optional[int] = ..., target_policy_version: _Optional[int] = ..., last_error: _Optional[str] = ..., num_consecutive_failures: _Optional[int] = ..., next_retry_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., last_push_s: _Optional[float] = ..., num_bytes_sent_total: _Optional[int] = ..., format: _Optional[_Union[_tensor_pb2.WeightFormat, str]] = ..., transport: _Optional[_Union[Transport, str]] = ..., delta: _Optional[bool] = ..., num_tensors_last_push: _Optional[int] = ..., num_bytes_last_push: _Optional[int] = ..., last_push_delta: _Optional[bool] = ..., last_push_transport: _Optional[_Union[Transport, str]] = ..., transport_reason: _Optional[str] = ..., adapter_versions: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class GetStatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("latest_policy_version", "replicas")
+    __slots__ = ("latest_policy_version", "replicas", "latest_adapter_versions")
+    class LatestAdapterVersionsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     LATEST_POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    LATEST_ADAPTER_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     latest_policy_version: int
     replicas: _containers.RepeatedCompositeFieldContainer[ReplicaStatus]
-    def __init__(self, latest_policy_version: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ...) -> None: ...
+    latest_adapter_versions: _containers.ScalarMap[str, int]
+    def __init__(self, latest_policy_version: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ..., latest_adapter_versions: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class WaitForVersionRequest(_message.Message):
-    __slots__ = ("policy_version", "min_replicas", "timeout_ms")
+    __slots__ = ("policy_version", "min_replicas", "timeout_ms", "adapter_name")
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     MIN_REPLICAS_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_NAME_FIELD_NUMBER: _ClassVar[int]
     policy_version: int
     min_replicas: int
     timeout_ms: int
-    def __init__(self, policy_version: _Optional[int] = ..., min_replicas: _Optional[int] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+    adapter_name: str
+    def __init__(self, policy_version: _Optional[int] = ..., min_replicas: _Optional[int] = ..., timeout_ms: _Optional[int] = ..., adapter_name: _Optional[str] = ...) -> None: ...
 
 class WaitForVersionResponse(_message.Message):
     __slots__ = ("reached", "latest_policy_version", "num_replicas_at_version")
