@@ -76,3 +76,24 @@ def test_membership_reaches_the_policy_and_unknown_ids_are_not_found():
     assert pool.try_pick(request) is not owner
     with pytest.raises(NotFound):
         pool.get(owner.replica_id)
+
+
+async def test_requests_naming_an_adapter_go_where_it_is_at_their_version():
+    pool = make_pool(3)
+    pool.get("r0").apply_load(generation_pb2.LoadReport(policy_version=1, adapter_versions={"run-a": 3}))
+    # The broadcaster pushed a newer one to r1 before r1's next load report says so.
+    pool.get("r1").apply_load(generation_pb2.LoadReport(policy_version=1, adapter_versions={"run-a": 2}))
+    pool.get("r1").apply_broadcaster_state(policy_version=1, updating=False, adapter_versions={"run-a": 4})
+    # r2 holds no adapter: it serves the base model (policy version 1) only.
+    assert {pool.try_pick(RouteRequest(lora_adapter=b"run-a")).replica_id for _ in range(6)} == {"r0", "r1"}
+    # The adapter's version counts, not the base weights'.
+    assert pool.try_pick(RouteRequest(lora_adapter=b"run-a", min_policy_version=4)).replica_id == "r1"
+    assert {pool.try_pick(RouteRequest(min_policy_version=1)).replica_id for _ in range(6)} == {"r0", "r1", "r2"}
+
+    with pytest.raises(FailedPrecondition, match=r"adapter 'run-a' at policy version >= 5 .*r0: policy version 3"):
+        await pool.pick(RouteRequest(lora_adapter=b"run-a", min_policy_version=5))
+    with pytest.raises(FailedPrecondition, match=r"no replica holds LoRA adapter 'run-b'.*r2: no adapter 'run-b'"):
+        await pool.pick(RouteRequest(lora_adapter=b"run-b"))
+    # A replica's load stream ending forgets what it held.
+    pool.get("r1").forget_load()
+    assert pool.try_pick(RouteRequest(lora_adapter=b"run-a", min_policy_version=4)) is None

@@ -30,6 +30,15 @@ def test_updates_match_by_id_then_address_and_late_joiners_get_the_last_state():
     assert late.updating and late.policy_version == 2
 
 
+def test_adapter_versions_the_broadcaster_pushed_count_for_adapter_requests():
+    replicas = [Replica("a", "10.0.0.1:1")]
+    follower = BroadcasterFollower("wb:1", lambda: replicas, on_change=lambda: None)
+    status = update("a", "", wb_pb2.REPLICA_STATE_CURRENT, 3)
+    status.replica.adapter_versions["run-a"] = 7
+    follower.apply(status)
+    assert replicas[0].policy_version == 3 and replicas[0].adapter_versions == {b"run-a": 7}
+
+
 def test_removal_and_disconnection_clear_the_updating_flag():
     replicas = [Replica("a", "10.0.0.1:1"), Replica("b", "10.0.0.2:1")]
     follower = BroadcasterFollower("wb:1", lambda: replicas, on_change=lambda: None)

@@ -107,9 +107,17 @@ class ReplicaPool:
         if request.min_policy_version > 0 and any(reason.startswith("policy version") for reason in reasons.values()):
             metrics.requests_without_replica.labels("policy_version").inc()
             return FailedPrecondition(
-                f"no replica serves policy version >= {request.min_policy_version} (replicas: {summary})",
+                f"no replica serves {_versioned(request)} >= {request.min_policy_version} (replicas: {summary})",
                 subject="min_policy_version",
                 reason="POLICY_VERSION_NOT_SERVED",
+            )
+        if request.lora_adapter and any(reason.startswith("no adapter") for reason in reasons.values()):
+            metrics.requests_without_replica.labels("adapter").inc()
+            name = request.lora_adapter.decode(errors="replace")
+            return FailedPrecondition(
+                f"no replica holds LoRA adapter {name!r} (replicas: {summary})",
+                subject="lora_adapter",
+                reason="ADAPTER_NOT_LOADED",
             )
         if request.num_images and any(reason.endswith(CAPABILITY_IMAGES) for reason in reasons.values()):
             metrics.requests_without_replica.labels("capability").inc()
@@ -120,3 +128,9 @@ class ReplicaPool:
             )
         metrics.requests_without_replica.labels("unavailable").inc()
         return Unavailable(f"no replica can take the request (replicas: {summary})", reason="NO_REPLICA")
+
+
+def _versioned(request: RouteRequest) -> str:
+    if request.lora_adapter:
+        return f"LoRA adapter {request.lora_adapter.decode(errors='replace')!r} at policy version"
+    return "policy version"

@@ -1,5 +1,6 @@
 """One inference replica as the router sees it: identity, health, circuit,
-load, policy version and update state, drain, and its requests in flight.
+load, policy version (and each LoRA adapter's) and update state, drain, and its
+requests in flight.
 
 Plain state and rules, no gRPC: the health checker, the load watcher and the
 weight-broadcaster follower feed it, policies read it, and the forwarding path
@@ -93,6 +94,9 @@ class Replica:
         self.load: generation_pb2.LoadReport | None = None
         self.num_started_since_report = 0
         self.policy_version = UNKNOWN_VERSION
+        # The version of each LoRA adapter it holds, by name (as the request carries it: bytes).
+        # A request naming an adapter goes only where that adapter is, at its version.
+        self.adapter_versions: dict[bytes, int] = {}
         # Update state from the replica's own load report and from the weight broadcaster.
         self.load_updating = False
         self.broadcaster_updating = False
@@ -136,7 +140,7 @@ class Replica:
             not self.draining
             and self.role == (request.role or ROLE_BOTH)
             and self.health.state is not Health.UNHEALTHY
-            and (request.min_policy_version <= 0 or self.policy_version >= request.min_policy_version)
+            and self.serves_version(request)
             and not self.self_draining
             and self.circuit.available()
             and (not request.num_images or CAPABILITY_IMAGES in self.capabilities)
@@ -150,13 +154,27 @@ class Replica:
             return f"role {generation_pb2.ReplicaRole.Name(self.role)}"
         if self.health.state is Health.UNHEALTHY:
             return "unhealthy"
-        if request.min_policy_version > 0 and self.policy_version < request.min_policy_version:
-            return f"policy version {self.policy_version}"
+        if request.lora_adapter and request.lora_adapter not in self.adapter_versions:
+            return f"no adapter {request.lora_adapter.decode(errors='replace')!r}"
+        if not self.serves_version(request):
+            return f"policy version {self.version_for(request)}"
         if not self.circuit.available():
             return "circuit open"
         if request.num_images and CAPABILITY_IMAGES not in self.capabilities:
             return f"no capability {CAPABILITY_IMAGES}" if self.capabilities_known else "capabilities not known yet"
         return "eligible"
+
+    def version_for(self, request: RouteRequest) -> int:
+        """The version the replica would serve `request` at: its adapter's, if it names one."""
+        if request.lora_adapter:
+            return self.adapter_versions.get(request.lora_adapter, UNKNOWN_VERSION)
+        return self.policy_version
+
+    def serves_version(self, request: RouteRequest) -> bool:
+        """Holds the request's adapter (if any) at `min_policy_version` or later."""
+        if request.lora_adapter and request.lora_adapter not in self.adapter_versions:
+            return False
+        return request.min_policy_version <= 0 or self.version_for(request) >= request.min_policy_version
 
     # ------------------------------------------------------------------ requests
 
@@ -220,6 +238,7 @@ class Replica:
         self.load = load
         self.num_started_since_report = 0
         self.policy_version = load.policy_version
+        self.adapter_versions = {name.encode(): version for name, version in load.adapter_versions.items()}
         self.load_updating = load.updating_weights or load.paused
         self.last_seen = time.time()
         self.metrics.apply_load(load)
@@ -237,13 +256,20 @@ class Replica:
         self.capabilities, self.capabilities_known = frozenset(), False
         self.num_started_since_report = 0
         self.policy_version = UNKNOWN_VERSION
+        self.adapter_versions = {}
         self.load_updating = False
         self.metrics.forget_load()
         self.metrics.policy_version.set(UNKNOWN_VERSION)
         self.metrics.updating.set(self.updating)
 
-    def apply_broadcaster_state(self, *, policy_version: int, updating: bool) -> None:
+    def apply_broadcaster_state(
+        self, *, policy_version: int, updating: bool, adapter_versions: dict[str, int] | None = None
+    ) -> None:
+        """What the weight broadcaster says the replica holds; `adapter_versions`: the adapters
+        it pushed there (newer than the last load report's, or not known to it yet)."""
         self.policy_version = policy_version
+        for name, version in (adapter_versions or {}).items():
+            self.adapter_versions[name.encode()] = version
         self.broadcaster_updating = updating
         self.metrics.policy_version.set(policy_version)
         self.metrics.updating.set(self.updating)

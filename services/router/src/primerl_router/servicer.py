@@ -54,6 +54,8 @@ def replica_info(replica: Replica) -> router_pb2.ReplicaInfo:
     # The broadcaster may know the version and update state before the replica's report does.
     info.load.policy_version = replica.policy_version
     info.load.updating_weights = replica.updating
+    info.load.adapter_versions.clear()
+    info.load.adapter_versions.update({name.decode(): v for name, v in replica.adapter_versions.items()})
     if replica.last_seen:
         info.last_seen.CopyFrom(_timestamp(replica.last_seen))
     return info
