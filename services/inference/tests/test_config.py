@@ -44,6 +44,12 @@ def test_example_config_is_valid(model_dir: pathlib.Path) -> None:
     assert config.server.port == 50053
 
 
+def test_a_lora_rank_between_two_vllm_takes_is_rounded_up(model_dir: pathlib.Path) -> None:
+    args = ["--engine.model", str(model_dir), "--engine.max_lora_rank"]
+    assert load_config(InferenceConfig, [*args, "12"]).engine.max_lora_rank == 16
+    assert load_config(InferenceConfig, [*args, "64"]).engine.max_lora_rank == 64
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -54,6 +60,7 @@ def test_example_config_is_valid(model_dir: pathlib.Path) -> None:
         (["--engine.cpu_kv_cache_max_gib", "0"], "engine.cpu_kv_cache_max_gib: Input should be greater than 0"),
         (["--engine.dtype", "int8"], "engine.dtype: Input should be"),
         (["--weights.staging_dir", "/nonexistent"], "weights.staging_dir: Value error, /nonexistent is not a folder"),
+        (["--engine.max_lora_rank", "1024"], "engine.max_lora_rank: Input should be less than or equal to 512"),
     ],
 )
 def test_bad_values_name_the_field(model_dir: pathlib.Path, args: list[str], message: str) -> None:

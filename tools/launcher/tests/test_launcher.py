@@ -182,6 +182,35 @@ def test_wiring_fills_every_link_that_is_unset(tmp_path):
     assert tomllib.loads(_toml.dumps(tables["orchestrator"])) == tables["orchestrator"]
 
 
+def test_a_lora_trainer_publishes_its_adapter_which_replicas_serve_and_rollouts_use(tmp_path):
+    def wired(trainer: dict, **tables: dict) -> dict:
+        launch = parse_launch_file(
+            {
+                "launcher": {"inference_replicas": 2},
+                "orchestrator": {"environments": [{"name": "e"}]},
+                "trainer": trainer,
+                "inference": {},
+                "router": {},
+                "weight_broadcaster": {},
+                **tables,
+            }
+        )
+        wire(launch.services, run_dir=tmp_path, model=tmp_path / "model", host="127.0.0.1")
+        return {name: spec.table for name, spec in launch.services.items()}
+
+    tables = wired({"lora": {"enabled": True, "rank": 12}, "publish": {"adapter_name": "run-a"}})
+    assert tables["trainer"]["publish"]["kind"] == "adapter"
+    assert tables["orchestrator"]["model"]["lora_adapter"] == "run-a"
+    for replica in ("inference-0", "inference-1"):
+        assert tables[replica]["engine"]["enable_lora"] is True and tables[replica]["engine"]["max_lora_rank"] == 12
+    # Merged whole weights, as the file says: nothing adapter-specific is wired.
+    tables = wired({"lora": {"enabled": True}, "publish": {"kind": "full"}})
+    assert "lora_adapter" not in tables["orchestrator"]["model"]
+    assert "enable_lora" not in tables["inference-0"]["engine"]
+    # LoRA off: neither.
+    assert "kind" not in wired({})["trainer"].get("publish", {})
+
+
 def test_under_mtls_every_service_gets_its_own_certificate_and_process_environments_the_environment_one(tmp_path):
     launch = parse_launch_file(
         {

@@ -14,6 +14,9 @@ RoleName = Literal["both", "prefill", "decode"]
 EngineDtype = Literal["auto", "float32", "bfloat16", "float16"]
 
 
+# The max_lora_rank values vLLM accepts (vllm.config.lora.MaxLoRARanks).
+_VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
 class EngineConfig(Section):
     """The one vLLM engine of this process."""
 
@@ -58,8 +61,19 @@ class EngineConfig(Section):
         "hold (vLLM's limit_mm_per_prompt; videos are not taken); 0: images off",
     )
     enable_lora: bool = False
-    max_lora_rank: int = Field(default=16, ge=1)
+    max_lora_rank: int = Field(
+        default=16,
+        ge=1,
+        le=_VLLM_LORA_RANKS[-1],
+        description=f"adapters of rank up to this are taken; vLLM sizes its buffers by one of "
+        f"{', '.join(map(str, _VLLM_LORA_RANKS))}: a rank between two is rounded up",
+    )
     max_loras: int = Field(default=4, ge=1, description="adapters usable in one batch")
+
+    @field_validator("max_lora_rank")
+    @classmethod
+    def _a_rank_vllm_takes(cls, rank: int) -> int:
+        return next(allowed for allowed in _VLLM_LORA_RANKS if allowed >= rank)
 
     @field_validator("model")
     @classmethod

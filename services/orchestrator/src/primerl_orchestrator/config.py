@@ -9,6 +9,7 @@ from typing import Any
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from primerl_common.config import Section, ServerConfig, ServiceConfig, service_settings
+from primerl_common.lora import adapter_name_problem
 from primerl_orchestrator.environments import EXTERNAL, ProcessEnvironment, environment_class, environment_kinds
 from primerl_orchestrator.tool_calls import FORMATS
 
@@ -80,12 +81,25 @@ class ModelConfig(Section):
         description="folders whose images a chat message may name by a file:// URI (vision-language models); "
         "empty: only images sent as bytes or data: URIs",
     )
+    lora_adapter: str = Field(
+        default="",
+        description="the LoRA adapter the run trains (the trainer's publish.adapter_name, publish.kind 'adapter'): "
+        "every turn is generated with it and policy versions are its versions; empty: the base model's whole "
+        "weights (the trainer must publish those)",
+    )
 
     @field_validator("tool_call_format")
     @classmethod
     def _known_format(cls, name: str) -> str:
         if name != "auto" and name not in FORMATS:
             raise ValueError(f"unknown tool-call format {name!r}; known: auto, {', '.join(FORMATS)}")
+        return name
+
+    @field_validator("lora_adapter")
+    @classmethod
+    def _adapter_name(cls, name: str) -> str:
+        if name and (problem := adapter_name_problem(name)) is not None:
+            raise ValueError(problem)
         return name
 
     @field_validator("path")

@@ -110,10 +110,12 @@ class _NothingReceived(Exception):
 class RouterGeneration:
     """`retry_s`: how long a turn is tried again while the router answers UNAVAILABLE before
     any output (it is restarting, or has no replica that can take the turn): such a turn never
-    ran, so trying it again repeats nothing."""
+    ran, so trying it again repeats nothing. `lora_adapter`: every turn is generated with that
+    adapter (the run's), whose versions min_policy_version and the tokens' versions are."""
 
-    def __init__(self, address: str, *, timeout_s: float, retry_s: float = 60.0) -> None:
+    def __init__(self, address: str, *, timeout_s: float, retry_s: float = 60.0, lora_adapter: str = "") -> None:
         self.address = address
+        self.lora_adapter = lora_adapter
         self._timeout_s = timeout_s
         self._retry_s = retry_s
         self._channel = make_channel(address)
@@ -175,6 +177,7 @@ class RouterGeneration:
                 cache_salt=request.cache_salt,
                 return_routed_experts=request.return_routed_experts,
                 min_policy_version=request.min_policy_version,
+                lora_adapter=self.lora_adapter,
                 images=[generation_pb2.ImageData(data=data, mime_type=mime) for data, mime in request.images],
             ),
             routing=router_pb2.RoutingHints(session_key=request.episode_id),

@@ -41,11 +41,14 @@ ROLES = {
 async def build(config: OrchestratorConfig) -> ServiceDefinition:
     peers = config.peers
     renderer = PromptRenderer.from_config(config.model)
-    generation = RouterGeneration(peers.router, timeout_s=peers.generate_timeout_s, retry_s=peers.router_retry_s)
-    trainer = TrainerFeed(peers.trainer)
+    adapter = config.model.lora_adapter
+    generation = RouterGeneration(
+        peers.router, timeout_s=peers.generate_timeout_s, retry_s=peers.router_retry_s, lora_adapter=adapter
+    )
+    trainer = TrainerFeed(peers.trainer, lora_adapter=adapter)
     versions: VersionSource
     if peers.weight_broadcaster is not None:
-        versions = BroadcasterVersions(peers.weight_broadcaster, min_replicas=peers.min_replicas)
+        versions = BroadcasterVersions(peers.weight_broadcaster, min_replicas=peers.min_replicas, adapter_name=adapter)
     else:
         versions = TrainerVersions(trainer, poll_interval_s=peers.poll_interval_s)
     run = Run(config, renderer, generation)

@@ -55,8 +55,12 @@ class StepMismatch(Exception):
 
 
 class TrainerFeed:
-    def __init__(self, address: str, *, push_timeout_s: float = 300.0) -> None:
+    """`lora_adapter`: the adapter this run generates with, which the trainer must be the one
+    training and publishing (rollouts of another policy would be trained as if they were its)."""
+
+    def __init__(self, address: str, *, push_timeout_s: float = 300.0, lora_adapter: str = "") -> None:
         self.address = address
+        self._lora_adapter = lora_adapter
         self._push_timeout_s = push_timeout_s
         self._channel = make_channel(address)
         self._stub = trainer_pb2_grpc.TrainerServiceStub(self._channel)
@@ -79,6 +83,14 @@ class TrainerFeed:
             backoff = min(2 * backoff, _MAX_BACKOFF_S)
         if spec.mode == trainer_pb2.TRAINING_MODE_SFT:
             raise TrainerError(f"the trainer at {self.address} trains on an SFT dataset and takes no batches")
+        if spec.lora_adapter != self._lora_adapter:
+            trains = f"LoRA adapter {spec.lora_adapter!r}" if spec.lora_adapter else "whole weights"
+            generates = f"LoRA adapter {self._lora_adapter!r}" if self._lora_adapter else "the base model"
+            raise TrainerError(
+                f"the trainer at {self.address} trains and publishes {trains}, and model.lora_adapter says "
+                f"rollouts are generated with {generates}: set model.lora_adapter to the trainer's "
+                "publish.adapter_name (publish.kind 'adapter'), or leave both unset"
+            )
         return BatchSpec(
             seq_len=spec.seq_len,
             router_replay=spec.router_replay,

@@ -2,9 +2,11 @@
 
 With a weight broadcaster, a version counts once it is published and served by
 `min_replicas` replicas (WaitForVersion): then min_policy_version on each turn makes the
-router pick such a replica. Without one, the trainer's completed steps are taken as the
-published versions (GetStatus, polled): inference may serve older weights, which the
-per-token versions it reports show and max_off_policy_steps bounds.
+router pick such a replica. A run that trains a LoRA adapter follows that adapter's
+versions, from 0 (its first publish: replicas start without it). Without a broadcaster,
+the trainer's completed steps are taken as the published versions (GetStatus, polled):
+inference may serve older weights, which the per-token versions it reports show and
+max_off_policy_steps bounds.
 """
 
 from __future__ import annotations
@@ -42,8 +44,11 @@ class VersionSource(abc.ABC):
 class BroadcasterVersions(VersionSource):
     served = True
 
-    def __init__(self, address: str, *, min_replicas: int, wait_timeout_ms: int = 10_000) -> None:
+    def __init__(
+        self, address: str, *, min_replicas: int, wait_timeout_ms: int = 10_000, adapter_name: str = ""
+    ) -> None:
         self.address = address
+        self._adapter_name = adapter_name
         self._min_replicas = min_replicas
         self._wait_timeout_ms = wait_timeout_ms
         self._channel = make_channel(address)
@@ -53,13 +58,19 @@ class BroadcasterVersions(VersionSource):
         await self._channel.close()
 
     async def follow(self, on_version: Callable[[int], None]) -> None:
-        # Version 0, the initial weights, is what every replica starts with.
-        version = 0
-        on_version(version)
+        # Version 0, the initial weights, is what every replica starts with; an adapter's version 0
+        # is the trainer's first publish of it.
+        version = -1
+        if not self._adapter_name:
+            version = 0
+            on_version(version)
         backoff = 0.2
         while True:
             request = weight_broadcaster_pb2.WaitForVersionRequest(
-                policy_version=version + 1, min_replicas=self._min_replicas, timeout_ms=self._wait_timeout_ms
+                policy_version=version + 1,
+                min_replicas=self._min_replicas,
+                timeout_ms=self._wait_timeout_ms,
+                adapter_name=self._adapter_name,
             )
             try:
                 reply = await self._stub.WaitForVersion(request, timeout=self._wait_timeout_ms / 1000 + 10)

@@ -61,6 +61,8 @@ class BatchSpec:
     # Token ids inference never samples (a vision-language model's placeholders,
     # primerl_common.images.vision_placeholder_token_ids): logprobs leave them out as its do.
     unsampled_token_ids: tuple[int, ...] = ()
+    # The LoRA adapter published alone (publish.kind "adapter"), which rollouts must use; "" for none.
+    lora_adapter: str = ""
 
     def __post_init__(self) -> None:
         if self.seq_len <= 0 or self.vocab_size <= 0:

@@ -399,7 +399,7 @@ class BroadcasterWatch:
     reports it with the version published before asking: `on_status(latest, published_before=)`.
     A broadcaster that restarted holds nothing (its versions live in RAM, unless it spills them
     to disk) until the trainer publishes again, and until then no replica gets the latest
-    weights."""
+    weights. `adapter_name`: the trainer publishes that adapter alone, whose versions count."""
 
     def __init__(
         self,
@@ -408,8 +408,10 @@ class BroadcasterWatch:
         interval_s: float,
         published_version: Callable[[], int],
         on_status: Callable[..., None],
+        adapter_name: str | None = None,
     ) -> None:
         self.address = address
+        self._adapter_name = adapter_name
         self._interval_s = interval_s
         self._published_version = published_version
         self._on_status = on_status
@@ -425,4 +427,8 @@ class BroadcasterWatch:
                     status = await stub.GetStatus(weight_broadcaster_pb2.GetStatusRequest(), timeout=self._interval_s)
                 except grpc.aio.AioRpcError:
                     continue  # away (restarting): asked again next time
-                self._on_status(status.latest_policy_version, published_before=published)
+                if self._adapter_name is None:
+                    latest = status.latest_policy_version
+                else:
+                    latest = status.latest_adapter_versions.get(self._adapter_name, -1)
+                self._on_status(latest, published_before=published)

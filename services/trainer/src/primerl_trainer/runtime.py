@@ -231,4 +231,5 @@ def _batch_spec(model: nn.Module, hf_config: dict, config: TrainerConfig) -> Bat
         image_token_id=image_token_id,
         patches_per_image_token=vision.spatial_merge_size**2 if vision is not None else 0,
         unsampled_token_ids=vision_placeholder_token_ids(hf_config),
+        lora_adapter=config.publish.adapter_name if config.publish.kind == "adapter" else "",
     )

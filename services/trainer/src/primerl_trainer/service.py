@@ -150,6 +150,7 @@ class TrainingService:
                 interval_s=publish.check_interval_s,
                 published_version=lambda: self._loop.published_version,
                 on_status=self._loop.broadcaster_holds,
+                adapter_name=publish.adapter_name if publish.kind == "adapter" else None,
             )
             self._broadcaster_watch = asyncio.create_task(watch.run(), name="weight-broadcaster watch")
 

@@ -49,6 +49,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
             mode=_MODES[info.mode],
             image_token_id=spec.image_token_id,
             patches_per_image_token=spec.patches_per_image_token,
+            lora_adapter=spec.lora_adapter,
         )
 
     async def PushBatch(

@@ -24,6 +24,7 @@ __all__ = [
     "set_model",
     "set_tls",
     "wire",
+    "wire_lora",
 ]
 
 _UNSPECIFIED_HOSTS = ("", "0.0.0.0", "::", "[::]")
@@ -34,6 +35,8 @@ MODEL_FIELDS = {"orchestrator": "model.path", "trainer": "model.path", "inferenc
 OPERATOR = "operator"
 PROCESS_ENVIRONMENT = "environment"
 PROCESS_ENVIRONMENT_KINDS = ("verifiers",)
+# The trainer's lora.rank when a launch file leaves it unset (primerl_trainer.config.LoRAConfig).
+_DEFAULT_LORA_RANK = 16
 
 
 def get_path(table: Mapping[str, Any], dotted: str) -> Any:
@@ -164,3 +167,24 @@ def wire(
             set_default(spec.table, "tracking.config_dir", str(run_dir / "config"))
         elif name == "trainer" and "weight_broadcaster" in services:
             set_default(spec.table, "publish.weight_broadcaster", addresses["weight_broadcaster"])
+    wire_lora(services)
+
+
+def wire_lora(services: Mapping[str, ServiceSpec]) -> None:
+    """A trainer with LoRA on publishes its adapter alone (a few MB instead of the whole model)
+    where a weight broadcaster pushes it: the replicas then serve it as a LoRA adapter (ranks up
+    to the trainer's) and the orchestrator generates every turn with it. A launch file that sets
+    any of these keeps its own value."""
+    trainer = services.get("trainer")
+    if trainer is None or not get_path(trainer.table, "lora.enabled") or "weight_broadcaster" not in services:
+        return
+    if set_default(trainer.table, "publish.kind", "adapter") != "adapter":
+        return
+    adapter = set_default(trainer.table, "publish.adapter_name", "primerl")
+    rank = get_path(trainer.table, "lora.rank") or _DEFAULT_LORA_RANK
+    for spec in services.values():
+        if spec.service == "inference":
+            set_default(spec.table, "engine.enable_lora", True)
+            set_default(spec.table, "engine.max_lora_rank", rank)
+        elif spec.service == "orchestrator":
+            set_default(spec.table, "model.lora_adapter", adapter)

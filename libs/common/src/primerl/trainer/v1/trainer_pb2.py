@@ -27,7 +27,7 @@ from primerl.common.v1 import service_info_pb2 as primerl_dot_common_dot_v1_dot_
 from primerl.common.v1 import tensor_pb2 as primerl_dot_common_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n primerl/trainer/v1/trainer.proto\x12\x12primerl.trainer.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a$primerl/common/v1/service_info.proto\x1a\x1eprimerl/common/v1/tensor.proto\"\x17\n\x15GetServiceInfoRequest\"F\n\x16GetServiceInfoResponse\x12,\n\x04info\x18\x01 \x01(\x0b\x32\x1e.primerl.common.v1.ServiceInfo\"\x15\n\x13GetBatchSpecRequest\"\xe9\x02\n\x14GetBatchSpecResponse\x12\x0f\n\x07seq_len\x18\x01 \x01(\r\x12\x15\n\rrouter_replay\x18\x02 \x01(\x08\x12\x16\n\x0enum_moe_layers\x18\x03 \x01(\r\x12\x1d\n\x15num_experts_per_token\x18\x04 \x01(\r\x12\x13\n\x0bnum_experts\x18\x05 \x01(\r\x12\x12\n\nvocab_size\x18\x06 \x01(\r\x12\x1a\n\x12max_queued_batches\x18\x07 \x01(\r\x12\x11\n\tnext_step\x18\x08 \x01(\x03\x12\x19\n\x11num_hidden_layers\x18\t \x01(\r\x12.\n\x04mode\x18\n \x01(\x0e\x32 .primerl.trainer.v1.TrainingMode\x12\x1b\n\x0eimage_token_id\x18\x0b \x01(\rH\x00\x88\x01\x01\x12\x1f\n\x17patches_per_image_token\x18\x0c \x01(\rB\x11\n\x0f_image_token_id\"\x9b\x01\n\nBatchBegin\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x19\n\x11num_micro_batches\x18\x02 \x01(\r\x12\x13\n\x0bnum_samples\x18\x03 \x01(\r\x12\x17\n\x0fnum_loss_tokens\x18\x04 \x01(\x04\x12\x1a\n\x12min_policy_version\x18\x05 \x01(\x03\x12\x1a\n\x12max_policy_version\x18\x06 \x01(\x03\"\xfb\x03\n\nMicroBatch\x12,\n\tinput_ids\x18\x01 \x01(\x0b\x32\x19.primerl.common.v1.Tensor\x12/\n\x0cposition_ids\x18\x02 \x01(\x0b\x32\x19.primerl.common.v1.Tensor\x12,\n\tloss_mask\x18\x03 \x01(\x0b\x32\x19.primerl.common.v1.Tensor\x12-\n\nadvantages\x18\x04 \x01(\x0b\x32\x19.primerl.common.v1.Tensor\x12\x35\n\x12inference_logprobs\x18\x05 \x01(\x0b\x32\x19.primerl.common.v1.Tensor\x12/\n\x0ctemperatures\x18\x06 \x01(\x0b\x32\x19.primerl.common.v1.Tensor\x12\x31\n\x0erouted_experts\x18\x07 \x01(\x0b\x32\x19.primerl.common.v1.Tensor\x12\x32\n\x0fpolicy_versions\x18\x08 \x01(\x0b\x32\x19.primerl.common.v1.Tensor\x12/\n\x0cpixel_values\x18\t \x01(\x0b\x32\x19.primerl.common.v1.Tensor\x12\x31\n\x0eimage_grid_thw\x18\n \x01(\x0b\x32\x19.primerl.common.v1.Tensor\"\x82\x01\n\x10PushBatchRequest\x12/\n\x05\x62\x65gin\x18\x01 \x01(\x0b\x32\x1e.primerl.trainer.v1.BatchBeginH\x00\x12\x35\n\x0bmicro_batch\x18\x02 \x01(\x0b\x32\x1e.primerl.trainer.v1.MicroBatchH\x00\x42\x06\n\x04item\"X\n\x11PushBatchResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x19\n\x11num_micro_batches\x18\x02 \x01(\r\x12\x1a\n\x12num_queued_batches\x18\x03 \x01(\r\"\xd3\x01\n\x0bStepMetrics\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12=\n\x07metrics\x18\x02 \x03(\x0b\x32,.primerl.trainer.v1.StepMetrics.MetricsEntry\x12/\n\x0b\x66inished_at\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x16\n\x0epolicy_version\x18\x04 \x01(\x03\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x12\n\x10GetStatusRequest\"\x8f\x02\n\x11GetStatusResponse\x12.\n\x04mode\x18\x01 \x01(\x0e\x32 .primerl.trainer.v1.TrainingMode\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12 \n\x18published_policy_version\x18\x03 \x01(\x03\x12\x1a\n\x12num_queued_batches\x18\x04 \x01(\r\x12\x10\n\x08training\x18\x05 \x01(\x08\x12\x32\n\tlast_step\x18\x06 \x01(\x0b\x32\x1f.primerl.trainer.v1.StepMetrics\x12\x1c\n\x14last_checkpoint_step\x18\x07 \x01(\x03\x12\x1a\n\x12last_publish_error\x18\x08 \x01(\t\"\'\n\x11WatchStepsRequest\x12\x12\n\nafter_step\x18\x01 \x01(\x03\"C\n\x12WatchStepsResponse\x12-\n\x04step\x18\x01 \x01(\x0b\x32\x1f.primerl.trainer.v1.StepMetrics\"\x17\n\x15SaveCheckpointRequest\"4\n\x16SaveCheckpointResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x0c\n\x04path\x18\x02 \x01(\t*Z\n\x0cTrainingMode\x12\x1d\n\x19TRAINING_MODE_UNSPECIFIED\x10\x00\x12\x14\n\x10TRAINING_MODE_RL\x10\x01\x12\x15\n\x11TRAINING_MODE_SFT\x10\x02\x32\xda\x04\n\x0eTrainerService\x12g\n\x0eGetServiceInfo\x12).primerl.trainer.v1.GetServiceInfoRequest\x1a*.primerl.trainer.v1.GetServiceInfoResponse\x12\x61\n\x0cGetBatchSpec\x12\'.primerl.trainer.v1.GetBatchSpecRequest\x1a(.primerl.trainer.v1.GetBatchSpecResponse\x12Z\n\tPushBatch\x12$.primerl.trainer.v1.PushBatchRequest\x1a%.primerl.trainer.v1.PushBatchResponse(\x01\x12X\n\tGetStatus\x12$.primerl.trainer.v1.GetStatusRequest\x1a%.primerl.trainer.v1.GetStatusResponse\x12]\n\nWatchSteps\x12%.primerl.trainer.v1.WatchStepsRequest\x1a&.primerl.trainer.v1.WatchStepsResponse0\x01\x12g\n\x0eSaveCheckpoint\x12).primerl.trainer.v1.SaveCheckpointRequest\x1a*.primerl.trainer.v1.SaveCheckpointResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n primerl/trainer/v1/trainer.proto\x12\x12primerl.trainer.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a$primerl/common/v1/service_info.proto\x1a\x1eprimerl/common/v1/tensor.proto\"\x17\n\x15GetServiceInfoRequest\"F\n\x16GetServiceInfoResponse\x12,\n\x04info\x18\x01 \x01(\x0b\x32\x1e.primerl.common.v1.ServiceInfo\"\x15\n\x13GetBatchSpecRequest\"\xff\x02\n\x14GetBatchSpecResponse\x12\x0f\n\x07seq_len\x18\x01 \x01(\r\x12\x15\n\rrouter_replay\x18\x02 \x01(\x08\x12\x16\n\x0enum_moe_layers\x18\x03 \x01(\r\x12\x1d\n\x15num_experts_per_token\x18\x04 \x01(\r\x12\x13\n\x0bnum_experts\x18\x05 \x01(\r\x12\x12\n\nvocab_size\x18\x06 \x01(\r\x12\x1a\n\x12max_queued_batches\x18\x07 \x01(\r\x12\x11\n\tnext_step\x18\x08 \x01(\x03\x12\x19\n\x11num_hidden_layers\x18\t \x01(\r\x12.\n\x04mode\x18\n \x01(\x0e\x32 .primerl.trainer.v1.TrainingMode\x12\x1b\n\x0eimage_token_id\x18\x0b \x01(\rH\x00\x88\x01\x01\x12\x1f\n\x17patches_per_image_token\x18\x0c \x01(\r\x12\x14\n\x0clora_adapter\x18\r \x01(\tB\x11\n\x0f_image_token_id\"\x9b\x01\n\nBatchBegin\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x19\n\x11num_micro_batches\x18\x02 \x01(\r\x12\x13\n\x0bnum_samples\x18\x03 \x01(\r\x12\x17\n\x0fnum_loss_tokens\x18\x04 \x01(\x04\x12\x1a\n\x12min_policy_version\x18\x05 \x01(\x03\x12\x1a\n\x12max_policy_version\x18\x06 \x01(\x03\"\xfb\x03\n\nMicroBatch\x12,\n\tinput_ids\x18\x01 \x01(\x0b\x32\x19.primerl.common.v1.Tensor\x12/\n\x0cposition_ids\x18\x02 \x01(\x0b\x32\x19.primerl.common.v1.Tensor\x12,\n\tloss_mask\x18\x03 \x01(\x0b\x32\x19.primerl.common.v1.Tensor\x12-\n\nadvantages\x18\x04 \x01(\x0b\x32\x19.primerl.common.v1.Tensor\x12\x35\n\x12inference_logprobs\x18\x05 \x01(\x0b\x32\x19.primerl.common.v1.Tensor\x12/\n\x0ctemperatures\x18\x06 \x01(\x0b\x32\x19.primerl.common.v1.Tensor\x12\x31\n\x0erouted_experts\x18\x07 \x01(\x0b\x32\x19.primerl.common.v1.Tensor\x12\x32\n\x0fpolicy_versions\x18\x08 \x01(\x0b\x32\x19.primerl.common.v1.Tensor\x12/\n\x0cpixel_values\x18\t \x01(\x0b\x32\x19.primerl.common.v1.Tensor\x12\x31\n\x0eimage_grid_thw\x18\n \x01(\x0b\x32\x19.primerl.common.v1.Tensor\"\x82\x01\n\x10PushBatchRequest\x12/\n\x05\x62\x65gin\x18\x01 \x01(\x0b\x32\x1e.primerl.trainer.v1.BatchBeginH\x00\x12\x35\n\x0bmicro_batch\x18\x02 \x01(\x0b\x32\x1e.primerl.trainer.v1.MicroBatchH\x00\x42\x06\n\x04item\"X\n\x11PushBatchResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x19\n\x11num_micro_batches\x18\x02 \x01(\r\x12\x1a\n\x12num_queued_batches\x18\x03 \x01(\r\"\xd3\x01\n\x0bStepMetrics\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12=\n\x07metrics\x18\x02 \x03(\x0b\x32,.primerl.trainer.v1.StepMetrics.MetricsEntry\x12/\n\x0b\x66inished_at\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x16\n\x0epolicy_version\x18\x04 \x01(\x03\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x12\n\x10GetStatusRequest\"\x8f\x02\n\x11GetStatusResponse\x12.\n\x04mode\x18\x01 \x01(\x0e\x32 .primerl.trainer.v1.TrainingMode\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12 \n\x18published_policy_version\x18\x03 \x01(\x03\x12\x1a\n\x12num_queued_batches\x18\x04 \x01(\r\x12\x10\n\x08training\x18\x05 \x01(\x08\x12\x32\n\tlast_step\x18\x06 \x01(\x0b\x32\x1f.primerl.trainer.v1.StepMetrics\x12\x1c\n\x14last_checkpoint_step\x18\x07 \x01(\x03\x12\x1a\n\x12last_publish_error\x18\x08 \x01(\t\"\'\n\x11WatchStepsRequest\x12\x12\n\nafter_step\x18\x01 \x01(\x03\"C\n\x12WatchStepsResponse\x12-\n\x04step\x18\x01 \x01(\x0b\x32\x1f.primerl.trainer.v1.StepMetrics\"\x17\n\x15SaveCheckpointRequest\"4\n\x16SaveCheckpointResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x0c\n\x04path\x18\x02 \x01(\t*Z\n\x0cTrainingMode\x12\x1d\n\x19TRAINING_MODE_UNSPECIFIED\x10\x00\x12\x14\n\x10TRAINING_MODE_RL\x10\x01\x12\x15\n\x11TRAINING_MODE_SFT\x10\x02\x32\xda\x04\n\x0eTrainerService\x12g\n\x0eGetServiceInfo\x12).primerl.trainer.v1.GetServiceInfoRequest\x1a*.primerl.trainer.v1.GetServiceInfoResponse\x12\x61\n\x0cGetBatchSpec\x12\'.primerl.trainer.v1.GetBatchSpecRequest\x1a(.primerl.trainer.v1.GetBatchSpecResponse\x12Z\n\tPushBatch\x12$.primerl.trainer.v1.PushBatchRequest\x1a%.primerl.trainer.v1.PushBatchResponse(\x01\x12X\n\tGetStatus\x12$.primerl.trainer.v1.GetStatusRequest\x1a%.primerl.trainer.v1.GetStatusResponse\x12]\n\nWatchSteps\x12%.primerl.trainer.v1.WatchStepsRequest\x1a&.primerl.trainer.v1.WatchStepsResponse0\x01\x12g\n\x0eSaveCheckpoint\x12).primerl.trainer.v1.SaveCheckpointRequest\x1a*.primerl.trainer.v1.SaveCheckpointResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,8 +36,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_STEPMETRICS_METRICSENTRY']._loaded_options = None
   _globals['_STEPMETRICS_METRICSENTRY']._serialized_options = b'8\001'
-  _globals['_TRAININGMODE']._serialized_start=2231
-  _globals['_TRAININGMODE']._serialized_end=2321
+  _globals['_TRAININGMODE']._serialized_start=2253
+  _globals['_TRAININGMODE']._serialized_end=2343
   _globals['_GETSERVICEINFOREQUEST']._serialized_start=159
   _globals['_GETSERVICEINFOREQUEST']._serialized_end=182
   _globals['_GETSERVICEINFORESPONSE']._serialized_start=184
@@ -45,31 +45,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETBATCHSPECREQUEST']._serialized_start=256
   _globals['_GETBATCHSPECREQUEST']._serialized_end=277
   _globals['_GETBATCHSPECRESPONSE']._serialized_start=280
-  _globals['_GETBATCHSPECRESPONSE']._serialized_end=641
-  _globals['_BATCHBEGIN']._serialized_start=644
-  _globals['_BATCHBEGIN']._serialized_end=799
-  _globals['_MICROBATCH']._serialized_start=802
-  _globals['_MICROBATCH']._serialized_end=1309
-  _globals['_PUSHBATCHREQUEST']._serialized_start=1312
-  _globals['_PUSHBATCHREQUEST']._serialized_end=1442
-  _globals['_PUSHBATCHRESPONSE']._serialized_start=1444
-  _globals['_PUSHBATCHRESPONSE']._serialized_end=1532
-  _globals['_STEPMETRICS']._serialized_start=1535
-  _globals['_STEPMETRICS']._serialized_end=1746
-  _globals['_STEPMETRICS_METRICSENTRY']._serialized_start=1700
-  _globals['_STEPMETRICS_METRICSENTRY']._serialized_end=1746
-  _globals['_GETSTATUSREQUEST']._serialized_start=1748
-  _globals['_GETSTATUSREQUEST']._serialized_end=1766
-  _globals['_GETSTATUSRESPONSE']._serialized_start=1769
-  _globals['_GETSTATUSRESPONSE']._serialized_end=2040
-  _globals['_WATCHSTEPSREQUEST']._serialized_start=2042
-  _globals['_WATCHSTEPSREQUEST']._serialized_end=2081
-  _globals['_WATCHSTEPSRESPONSE']._serialized_start=2083
-  _globals['_WATCHSTEPSRESPONSE']._serialized_end=2150
-  _globals['_SAVECHECKPOINTREQUEST']._serialized_start=2152
-  _globals['_SAVECHECKPOINTREQUEST']._serialized_end=2175
-  _globals['_SAVECHECKPOINTRESPONSE']._serialized_start=2177
-  _globals['_SAVECHECKPOINTRESPONSE']._serialized_end=2229
-  _globals['_TRAINERSERVICE']._serialized_start=2324
-  _globals['_TRAINERSERVICE']._serialized_end=2926
+  _globals['_GETBATCHSPECRESPONSE']._serialized_end=663
+  _globals['_BATCHBEGIN']._serialized_start=666
+  _globals['_BATCHBEGIN']._serialized_end=821
+  _globals['_MICROBATCH']._serialized_start=824
+  _globals['_MICROBATCH']._serialized_end=1331
+  _globals['_PUSHBATCHREQUEST']._serialized_start=1334
+  _globals['_PUSHBATCHREQUEST']._serialized_end=1464
+  _globals['_PUSHBATCHRESPONSE']._serialized_start=1466
+  _globals['_PUSHBATCHRESPONSE']._serialized_end=1554
+  _globals['_STEPMETRICS']._serialized_start=1557
+  _globals['_STEPMETRICS']._serialized_end=1768
+  _globals['_STEPMETRICS_METRICSENTRY']._serialized_start=1722
+  _globals['_STEPMETRICS_METRICSENTRY']._serialized_end=1768
+  _globals['_GETSTATUSREQUEST']._serialized_start=1770
+  _globals['_GETSTATUSREQUEST']._serialized_end=1788
+  _globals['_GETSTATUSRESPONSE']._serialized_start=1791
+  _globals['_GETSTATUSRESPONSE']._serialized_end=2062
+  _globals['_WATCHSTEPSREQUEST']._serialized_start=2064
+  _globals['_WATCHSTEPSREQUEST']._serialized_end=2103
+  _globals['_WATCHSTEPSRESPONSE']._serialized_start=2105
+  _globals['_WATCHSTEPSRESPONSE']._serialized_end=2172
+  _globals['_SAVECHECKPOINTREQUEST']._serialized_start=2174
+  _globals['_SAVECHECKPOINTREQUEST']._serialized_end=2197
+  _globals['_SAVECHECKPOINTRESPONSE']._serialized_start=2199
+  _globals['_SAVECHECKPOINTRESPONSE']._serialized_end=2251
+  _globals['_TRAINERSERVICE']._serialized_start=2346
+  _globals['_TRAINERSERVICE']._serialized_end=2948
 # @@protoc_insertion_point(module_scope)

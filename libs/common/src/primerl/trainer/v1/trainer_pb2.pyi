@@ -36,7 +36,7 @@ class GetBatchSpecRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetBatchSpecResponse(_message.Message):
-    __slots__ = ("seq_len", "router_replay", "num_moe_layers", "num_experts_per_token", "num_experts", "vocab_size", "max_queued_batches", "next_step", "num_hidden_layers", "mode", "image_token_id", "patches_per_image_token")
+    __slots__ = ("seq_len", "router_replay", "num_moe_layers", "num_experts_per_token", "num_experts", "vocab_size", "max_queued_batches", "next_step", "num_hidden_layers", "mode", "image_token_id", "patches_per_image_token", "lora_adapter")
     SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
     ROUTER_REPLAY_FIELD_NUMBER: _ClassVar[int]
     NUM_MOE_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -49,6 +49,7 @@ class GetBatchSpecResponse(_message.Message):
     MODE_FIELD_NUMBER: _ClassVar[int]
     IMAGE_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     PATCHES_PER_IMAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTER_FIELD_NUMBER: _ClassVar[int]
     seq_len: int
     router_replay: bool
     num_moe_layers: int
@@ -61,7 +62,8 @@ class GetBatchSpecResponse(_message.Message):
     mode: TrainingMode
     image_token_id: int
     patches_per_image_token: int
-    def __init__(self, seq_len: _Optional[int] = ..., router_replay: _Optional[bool] = ..., num_moe_layers: _Optional[int] = ..., num_experts_per_token: _Optional[int] = ..., num_experts: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_queued_batches: _Optional[int] = ..., next_step: _Optional[int] = ..., num_hidden_layers: _Optional[int] = ..., mode: _Optional[_Union[TrainingMode, str]] = ..., image_token_id: _Optional[int] = ..., patches_per_image_token: _Optional[int] = ...) -> None: ...
+    lora_adapter: str
+    def __init__(self, seq_len: _Optional[int] = ..., router_replay: _Optional[bool] = ..., num_moe_layers: _Optional[int] = ..., num_experts_per_token: _Optional[int] = ..., num_experts: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_queued_batches: _Optional[int] = ..., next_step: _Optional[int] = ..., num_hidden_layers: _Optional[int] = ..., mode: _Optional[_Union[TrainingMode, str]] = ..., image_token_id: _Optional[int] = ..., patches_per_image_token: _Optional[int] = ..., lora_adapter: _Optional[str] = ...) -> None: ...
 
 class BatchBegin(_message.Message):
     __slots__ = ("step", "num_micro_batches", "num_samples", "num_loss_tokens", "min_policy_version", "max_policy_version")
