@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from primerl_common.config import Section, ServerConfig, ServiceConfig, service_settings
+from primerl_common.lora import adapter_name_problem
 from primerl_common.stripes import DEFAULT_STREAMS
 from primerl_trainer.config_types import (
     AttentionBackend,
@@ -114,7 +115,11 @@ class PublishConfig(Section):
     kind: Literal["full", "adapter"] = Field(
         default="full", description="full: all weights (LoRA merged in); adapter: the LoRA adapter alone"
     )
-    adapter_name: str = "primerl"
+    adapter_name: str = Field(
+        default="primerl",
+        description="with kind 'adapter': the name replicas serve the adapter under (the orchestrator's "
+        "model.lora_adapter); its versions are this trainer's steps",
+    )
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         default="auto", description="dtype of the published tensors; auto: the checkpoint's (config.json)"
     )
@@ -139,6 +144,13 @@ class PublishConfig(Section):
     check_interval_s: float = Field(
         default=2.0, gt=0, description="how often the broadcaster is asked whether it lost the latest version"
     )
+
+    @field_validator("adapter_name")
+    @classmethod
+    def _adapter_name(cls, name: str) -> str:
+        if (problem := adapter_name_problem(name)) is not None:
+            raise ValueError(problem)
+        return name
 
 
 class LoRAConfig(Section):
@@ -185,8 +197,14 @@ class ExportConfig(Section):
         description="on stop, write the final weights here as a Hugging Face model folder (config, safetensors, "
         "tokenizer copied from model.path), replaced whole; unset: no export",
     )
+    adapter_dir: str | None = Field(
+        default=None,
+        description="on stop, write the LoRA adapter here as a PEFT adapter folder (adapter_config.json, "
+        "adapter_model.safetensors) for the base model at model.path, replaced whole; beside or instead of "
+        "hf_dir; needs lora.enabled; unset: no adapter export",
+    )
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
-        default="auto", description="dtype of the exported weights; auto: the checkpoint's (config.json)"
+        default="auto", description="dtype of the exported weights (and adapter); auto: the checkpoint's (config.json)"
     )
     max_shard_bytes: int = Field(default=5 * 1024**3, gt=0, description="safetensors files are cut at this size")
 
@@ -236,6 +254,8 @@ class TrainerConfig(ServiceConfig):
     def _check_combinations(self) -> TrainerConfig:
         if self.publish.kind == "adapter" and not self.lora.enabled:
             raise ValueError("publish.kind 'adapter' needs lora.enabled")
+        if self.export.adapter_dir is not None and not self.lora.enabled:
+            raise ValueError("export.adapter_dir (a PEFT adapter export) needs lora.enabled")
         if self.publish.transport == "collective" and self.publish.kind != "full":
             raise ValueError("publish.transport 'collective' carries publish.kind 'full' only")
         if self.sft.dataset is not None and self.mode != "sft":

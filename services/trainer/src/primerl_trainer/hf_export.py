@@ -15,13 +15,14 @@ Collective: every rank gathers its shards (export.gather_state_dict); rank 0 wri
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import pathlib
 import shutil
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -31,7 +32,15 @@ from torch import nn
 from primerl_common.weights.manifest import group_by_size
 from primerl_trainer.export import exported_tensors, gather_state_dict
 
-__all__ = ["EXPORT_INFO_FILE", "export_dtype", "export_hf_model", "write_hf_folder"]
+__all__ = [
+    "EXPORT_INFO_FILE",
+    "export_dtype",
+    "export_hf_model",
+    "staged_folder",
+    "write_export_info",
+    "write_hf_folder",
+    "write_json",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -96,20 +105,32 @@ def write_hf_folder(
     it whole. Holds at most one shard's tensors at a time."""
     source = pathlib.Path(source_dir)
     out = pathlib.Path(out_dir)
+    with staged_folder(out) as staging:
+        _copy_model_files(source, staging, dtype=dtype)
+        weight_map = _write_shards(tensors, staging, max_shard_bytes=max_shard_bytes)
+        write_export_info(staging, step=step, source=source, num_tensors=len(weight_map))
+    logger.info("exported the weights of step %d as a Hugging Face folder", step, extra={"path": str(out)})
+    return out
+
+
+@contextlib.contextmanager
+def staged_folder(out: pathlib.Path) -> Iterator[pathlib.Path]:
+    """A hidden empty sibling folder of `out` to fill; renamed to `out` (replacing it whole) when
+    the block ends without an exception, deleted when it raises: never half a folder at `out`."""
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = pathlib.Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.partial-"))
     try:
-        _copy_model_files(source, staging, dtype=dtype)
-        weight_map = _write_shards(tensors, staging, max_shard_bytes=max_shard_bytes)
-        info = {"step": step, "source": str(source.resolve()), "num_tensors": len(weight_map)}
-        _write_json(staging / EXPORT_INFO_FILE, info)
+        yield staging
         staging.chmod(0o755)
         _replace_folder(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    logger.info("exported the weights of step %d as a Hugging Face folder", step, extra={"path": str(out)})
-    return out
+
+
+def write_export_info(folder: pathlib.Path, *, step: int, source: pathlib.Path, num_tensors: int) -> None:
+    """primerl_export.json: which step of which source model the folder holds."""
+    write_json(folder / EXPORT_INFO_FILE, {"step": step, "source": str(source.resolve()), "num_tensors": num_tensors})
 
 
 def _copy_model_files(source: pathlib.Path, staging: pathlib.Path, *, dtype: torch.dtype) -> None:
@@ -133,7 +154,7 @@ def _copy_model_files(source: pathlib.Path, staging: pathlib.Path, *, dtype: tor
     config["dtype"] = dtype_name
     if "torch_dtype" in config:
         config["torch_dtype"] = dtype_name
-    _write_json(staging / "config.json", config)
+    write_json(staging / "config.json", config)
 
 
 def _write_shards(
@@ -160,7 +181,7 @@ def _write_shards(
         os.replace(staging / f".shard-{index}", staging / file_name)
         weight_map |= dict.fromkeys(names, file_name)
     index_data = {"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
-    _write_json(staging / "model.safetensors.index.json", index_data)
+    write_json(staging / "model.safetensors.index.json", index_data)
     return weight_map
 
 
@@ -173,12 +194,12 @@ def _replace_folder(staging: pathlib.Path, out: pathlib.Path) -> None:
         os.replace(staging, out)
         return
     if not out.is_dir():
-        raise ValueError(f"export.hf_dir {out} exists and is not a folder")
+        raise ValueError(f"{out} exists and is not a folder")
     old = pathlib.Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.old-"))
     os.replace(out, old / out.name)
     os.replace(staging, out)
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _write_json(path: pathlib.Path, data: dict[str, Any]) -> None:
+def write_json(path: pathlib.Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")

@@ -33,6 +33,7 @@ from primerl_trainer.commands import Command, CommandKind
 from primerl_trainer.export import exported_tensors, gather_state_dict, meta_state_dict
 from primerl_trainer.hf_export import export_dtype, export_hf_model
 from primerl_trainer.models import read_hf_config
+from primerl_trainer.peft_export import check_peft_exportable, export_peft_adapter
 from primerl_trainer.publish import AdapterInfo, PublishError, WeightPublisher, publish_requests, tensor_headers
 from primerl_trainer.runtime import TrainingRuntime
 from primerl_trainer.sft_data import SFTDataset
@@ -72,7 +73,11 @@ class StepExecutor:
         self.trainer = runtime.trainer
         self.publisher = publisher
         self.publishing = runtime.config.publish.weight_broadcaster is not None
-        self.exporting = runtime.config.export.hf_dir is not None
+        export = runtime.config.export
+        self.exporting = export.hf_dir is not None or export.adapter_dir is not None
+        if export.adapter_dir is not None:  # refused now rather than when the trainer stops
+            model_type = str(read_hf_config(runtime.config.model.path).get("model_type", ""))
+            check_peft_exportable(self.trainer.model, model_type=model_type)
 
     def train(self, command: Command) -> dict[str, float]:
         expected = self.trainer.step + 1
@@ -144,20 +149,34 @@ class StepExecutor:
         assert self.runtime.checkpointer is not None
         return str(self.runtime.checkpointer.save(self.trainer))
 
-    def export_hf(self) -> None:
-        """Write the current weights as a Hugging Face folder (export.hf_dir); rank 0 writes."""
+    def export(self) -> None:
+        """Write the current weights as a Hugging Face folder (export.hf_dir) and the LoRA adapter
+        as a PEFT folder (export.adapter_dir), whichever are set; rank 0 writes."""
         config = self.runtime.config
-        assert config.export.hf_dir is not None
-        export_hf_model(
-            self.trainer.model,
-            source_dir=config.model.path,
-            out_dir=config.export.hf_dir,
-            dtype=export_dtype(config.export.dtype, read_hf_config(config.model.path)),
-            lora_scale=self.runtime.lora_scale,
-            is_destination=self.runtime.rank == 0,
-            step=self.trainer.step,
-            max_shard_bytes=config.export.max_shard_bytes,
-        )
+        dtype = export_dtype(config.export.dtype, read_hf_config(config.model.path))
+        is_rank0 = self.runtime.rank == 0
+        if config.export.hf_dir is not None:
+            export_hf_model(
+                self.trainer.model,
+                source_dir=config.model.path,
+                out_dir=config.export.hf_dir,
+                dtype=dtype,
+                lora_scale=self.runtime.lora_scale,
+                is_destination=is_rank0,
+                step=self.trainer.step,
+                max_shard_bytes=config.export.max_shard_bytes,
+            )
+        if config.export.adapter_dir is not None:
+            export_peft_adapter(
+                self.trainer.model,
+                source_dir=config.model.path,
+                out_dir=config.export.adapter_dir,
+                rank=config.lora.rank,
+                alpha=config.lora.alpha,
+                dtype=dtype,
+                is_destination=is_rank0,
+                step=self.trainer.step,
+            )
 
 
 def follow(runtime: TrainingRuntime) -> None:
@@ -167,7 +186,7 @@ def follow(runtime: TrainingRuntime) -> None:
         command = runtime.channel.receive()
         if command.kind == CommandKind.STOP:
             if executor.exporting:
-                executor.export_hf()
+                executor.export()
             return
         if command.kind == CommandKind.TRAIN:
             executor.train(command)
@@ -226,9 +245,11 @@ class TrainingLoop:
         self.published_version = -1
         self.last_publish_error = ""
         # A resumed run republishes its weights: the broadcaster may have lost them, or never had them.
+        # An adapter is published at once even at step 0: replicas start with the base model alone,
+        # and rollouts that name the adapter wait for it.
         self._publish_due_at: float | None = None
         self._backoff_s = config.publish.initial_backoff_s
-        if publisher is not None and runtime.restored_step:
+        if publisher is not None and (runtime.restored_step or runtime.publish_kind == "adapter"):
             self._publish_due_at = time.monotonic()
 
     # Called from the event loop.
@@ -312,7 +333,7 @@ class TrainingLoop:
                 self.runtime.channel.send(command)
                 if command.kind == CommandKind.STOP:
                     if self._executor.exporting:
-                        self._executor.export_hf()
+                        self._executor.export()
                     return
                 self._execute(command, batch)
         except BaseException as exc:
