@@ -64,6 +64,65 @@ async def publish(
     return await stub.PublishWeights(requests())
 
 
+def lora_tensors(
+    seed: int, *, rank: int = 8, modules: tuple[str, ...] = ("q_proj", "v_proj")
+) -> dict[str, torch.Tensor]:
+    """A LoRA in PEFT names on the attention `modules` of the 4 layers of the launcher's tiny
+    dense model (hidden 256; q_proj out 256, v_proj out 128)."""
+    out_features = {"q_proj": 256, "k_proj": 128, "v_proj": 128, "o_proj": 256}
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(4):
+        for module in modules:
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            tensors[f"{prefix}.lora_A.weight"] = 0.1 * torch.randn(rank, 256, generator=generator)
+            tensors[f"{prefix}.lora_B.weight"] = 0.1 * torch.randn(out_features[module], rank, generator=generator)
+    return tensors
+
+
+async def publish_adapter(
+    stub: weight_broadcaster_pb2_grpc.WeightBroadcasterServiceStub,
+    name: str,
+    policy_version: int,
+    tensors: dict[str, torch.Tensor],
+    **begin: object,
+) -> pb2.PublishWeightsResponse:
+    """A PUBLISH_KIND_ADAPTER publish (rank 8, alpha 16 unless `begin` says otherwise)."""
+    fields = {
+        "policy_version": policy_version,
+        "kind": pb2.PUBLISH_KIND_ADAPTER,
+        "num_tensors": len(tensors),
+        "num_bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
+        "adapter_name": name,
+        "adapter_rank": 8,
+        "adapter_alpha": 16.0,
+        **begin,
+    }
+
+    async def requests():
+        yield pb2.PublishWeightsRequest(begin=pb2.PublishBegin(**fields))  # type: ignore[arg-type]
+        for chunk in iter_tensor_chunks(tensors.items()):
+            yield pb2.PublishWeightsRequest(chunk=chunk)
+
+    return await stub.PublishWeights(requests())
+
+
+async def wait_for_adapter(
+    stub: weight_broadcaster_pb2_grpc.WeightBroadcasterServiceStub,
+    name: str,
+    policy_version: int,
+    min_replicas: int,
+    *,
+    timeout_s: float = 30.0,
+) -> pb2.WaitForVersionResponse:
+    request = pb2.WaitForVersionRequest(
+        adapter_name=name, policy_version=policy_version, min_replicas=min_replicas, timeout_ms=int(timeout_s * 1000)
+    )
+    reply = await stub.WaitForVersion(request)
+    assert reply.reached, reply
+    return reply
+
+
 async def wait_for(
     stub: weight_broadcaster_pb2_grpc.WeightBroadcasterServiceStub,
     policy_version: int,

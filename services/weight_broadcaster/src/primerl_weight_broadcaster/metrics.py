@@ -9,7 +9,7 @@ from prometheus_client import Counter, Gauge
 
 from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2 as pb2
 
-__all__ = ["forget_replica", "pushed", "shm_fallback", "transport_name"]
+__all__ = ["adapter_push_failed", "adapter_pushed", "forget_replica", "pushed", "shm_fallback", "transport_name"]
 
 _TRANSPORTS = {
     pb2.TRANSPORT_GRPC: "grpc",
@@ -33,6 +33,15 @@ _shm_fallbacks = Counter(
     ("replica_id",),
 )
 
+_adapter_pushes = Counter(
+    "primerl_weight_broadcaster_adapter_pushes", "LoRA adapter versions that landed on a replica.", ("replica_id",)
+)
+_adapter_push_failures = Counter(
+    "primerl_weight_broadcaster_adapter_push_failures",
+    "LoRA adapter pushes (or listings of a replica's adapters) that failed and are retried.",
+    ("replica_id",),
+)
+
 
 def transport_name(transport: int) -> str:
     """ "grpc", "shared_fs", "nccl" or "shm"."""
@@ -50,11 +59,20 @@ def shm_fallback(replica_id: str) -> None:
     _shm_fallbacks.labels(replica_id).inc()
 
 
+def adapter_pushed(replica_id: str) -> None:
+    _adapter_pushes.labels(replica_id).inc()
+
+
+def adapter_push_failed(replica_id: str) -> None:
+    _adapter_push_failures.labels(replica_id).inc()
+
+
 def forget_replica(replica_id: str) -> None:
     """Removes a deregistered replica's series."""
     for name in _TRANSPORTS.values():
         for metric in (_pushes, _replica_transport):
             with contextlib.suppress(KeyError):
                 metric.remove(replica_id, name)
-    with contextlib.suppress(KeyError):
-        _shm_fallbacks.remove(replica_id)
+    for metric in (_shm_fallbacks, _adapter_pushes, _adapter_push_failures):
+        with contextlib.suppress(KeyError):
+            metric.remove(replica_id)

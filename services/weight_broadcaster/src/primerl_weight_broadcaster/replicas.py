@@ -20,6 +20,9 @@ broadcaster has one and the replica can join it, else gRPC. A push over shared m
 fails is made again at once over gRPC as a full update (all or nothing either way: a replica
 applies an update whole or not at all); a replica that could not read the folder gets gRPC
 until it restarts. The pick, and why, is in the replica's status and in metrics.py.
+
+LoRA adapters (adapters.py) ride on the same task: after each probe, `AdapterSync` pushes
+the adapters the replica lacks over LoadAdapter, with a backoff of their own.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from primerl_common.client import make_channel
 from primerl_common.errors import error_details, field_violations
 from primerl_common.stripes import DEFAULT_STREAMS, stripe_channel_options
 from primerl_weight_broadcaster import metrics
+from primerl_weight_broadcaster.adapters import AdapterStore, AdapterSync
 from primerl_weight_broadcaster.collective import CollectiveHost, replica_update
 from primerl_weight_broadcaster.formats import format_name
 from primerl_weight_broadcaster.shared_fs import SharedFolders
@@ -117,6 +121,8 @@ class Replica:
     shm_failed: str = ""
     last_push_transport: int = pb2.TRANSPORT_UNSPECIFIED
     transport_reason: str = ""
+    # The version of each LoRA adapter its process holds (adapters.py).
+    adapter_versions: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def to_proto(self) -> pb2.ReplicaStatus:
         status = pb2.ReplicaStatus(
@@ -137,6 +143,7 @@ class Replica:
             last_push_delta=self.last_push_delta,
             last_push_transport=self.last_push_transport,
             transport_reason=self.transport_reason,
+            adapter_versions=self.adapter_versions,
         )
         if self.next_retry_at:
             status.next_retry_at.FromNanoseconds(int(self.next_retry_at * 1e9))
@@ -161,6 +168,15 @@ class _Worker:
         self.wake = asyncio.Event()
         # The `begin` that makes the replica join the next version's collective group.
         self.collective: inference_pb2.WeightUpdateBegin | None = None
+        self.adapters = AdapterSync(
+            replica.replica_id,
+            self._stub,
+            replicas.adapters,
+            retry_initial_s=self._settings.retry_initial_s,
+            retry_max_s=self._settings.retry_max_s,
+            timeout_s=self._settings.push_timeout_s,
+            on_change=lambda held: self._set(adapter_versions=held),
+        )
         self.task = asyncio.create_task(self._run(), name=f"replica-{replica.replica_id}")
 
     async def close(self) -> None:
@@ -190,6 +206,8 @@ class _Worker:
                     continue
                 await self._probe()
                 probed = True
+                # Adapters first: a few MB, and their failures back off on their own.
+                await self.adapters.sync(replica.instance_id, replica.capabilities)
                 if latest is None or replica.policy_version >= latest.policy_version:
                     # Nothing published yet counts as current: there is nothing newer to serve (a
                     # version broadcast without data to the broadcaster comes with the next one).
@@ -223,6 +241,8 @@ class _Worker:
                 # as a new process on its checkpoint's weights: its version is unknown until it answers.
                 version = replica.policy_version if probed else -1
                 replica.reachable = probed
+                if not probed:
+                    self.adapters.forget()
                 self._set(
                     state=pb2.REPLICA_STATE_FAILED,
                     policy_version=version,
@@ -502,8 +522,10 @@ class ReplicaSet:
         shared: SharedFolders | None = None,
         collective: CollectiveHost | None = None,
         shm: SharedMemory | None = None,
+        adapters: AdapterStore | None = None,
     ) -> None:
         self.store = store
+        self.adapters = adapters or AdapterStore()
         self.settings = settings
         self.shared = shared
         self.collective = collective
@@ -565,6 +587,9 @@ class ReplicaSet:
     def num_at_version(self, policy_version: int) -> int:
         return sum(1 for r in self.replicas() if r.policy_version >= policy_version)
 
+    def num_holding(self, adapter_name: str, policy_version: int) -> int:
+        return sum(1 for r in self.replicas() if r.adapter_versions.get(adapter_name, -1) >= policy_version)
+
     async def register(self, replica: Replica) -> Replica:
         """Adds a replica (replacing one registered under the same id) and starts its task."""
         old = self._workers.pop(replica.replica_id, None)
@@ -585,7 +610,7 @@ class ReplicaSet:
         return True
 
     def published(self) -> None:
-        """A new version is stored: wake every replica's task."""
+        """A new version (or adapter version) is stored: wake every replica's task."""
         for worker in self._workers.values():
             worker.wake.set()
         self._notify()

@@ -9,6 +9,7 @@ from primerl_common import security
 from primerl_common.server import ServiceDefinition
 from primerl_common.weights.shared_memory import ATTRIBUTE_BOOT_ID, boot_id
 from primerl_weight_broadcaster import __version__
+from primerl_weight_broadcaster.adapters import AdapterStore
 from primerl_weight_broadcaster.collective import CollectiveHost, CollectiveSettings
 from primerl_weight_broadcaster.config import WeightBroadcasterConfig
 from primerl_weight_broadcaster.replicas import PushSettings, Replica, ReplicaSet
@@ -43,6 +44,9 @@ async def build(config: WeightBroadcasterConfig) -> ServiceDefinition:
     spill = None if config.store.spill_folder is None else SpillFolder(config.store.spill_folder)
     # Reads the newest spilled version, if any (checksums included): off the event loop.
     store = await asyncio.to_thread(WeightStore, spill)
+    # Each adapter's latest version, beside the spilled versions (spill.py leaves the folder alone).
+    adapter_folder = None if spill is None else spill.root / "adapters"
+    adapters = await asyncio.to_thread(AdapterStore, adapter_folder)
     folder = config.shared_fs.folder
     shared = None if folder is None else SharedFolders(folder, keep_versions=config.shared_fs.keep_versions)
     collective = None
@@ -54,7 +58,7 @@ async def build(config: WeightBroadcasterConfig) -> ServiceDefinition:
             shm = SharedMemory(config.shm.folder, keep_versions=config.shm.keep_versions)
         except OSError as exc:  # a read-only or full tmpfs: replicas get gRPC
             logger.warning("no same-host transport: cannot make a folder in %s (%s)", config.shm.folder, exc)
-    replicas = ReplicaSet(store, PushSettings(**config.push.model_dump()), shared, collective, shm)
+    replicas = ReplicaSet(store, PushSettings(**config.push.model_dump()), shared, collective, shm, adapters)
 
     async def register_configured() -> None:
         for replica in config.replicas:

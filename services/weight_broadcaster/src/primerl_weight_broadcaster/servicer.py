@@ -19,6 +19,7 @@ from primerl_common.observability import policy_version_var
 from primerl_common.server import ServiceDefinition
 from primerl_common.stripes import PUBLISH_STRIPED, StripeSession, StripeSessions, check_stripe_fields
 from primerl_common.tensors import TensorAssembler
+from primerl_weight_broadcaster.adapters import check_adapter_begin, check_adapter_name, published_adapter
 from primerl_weight_broadcaster.collective import check_tensor_list
 from primerl_weight_broadcaster.config import PublishLimitsConfig
 from primerl_weight_broadcaster.replicas import Replica, ReplicaSet
@@ -31,6 +32,7 @@ logger = logging.getLogger(__name__)
 
 CAPABILITIES = (
     "publish.full",
+    "publish.adapter",
     PUBLISH_STRIPED,
     "format.hf",
     "format.kernel",
@@ -102,8 +104,12 @@ class WeightBroadcasterServicer(weight_broadcaster_pb2_grpc.WeightBroadcasterSer
             raise InvalidArgument("the first message must be `begin`", field="begin")
         begin = first.begin
         policy_version_var.set(begin.policy_version)
+        if begin.kind == pb2.PUBLISH_KIND_ADAPTER:
+            return await self._publish_adapter(requests, begin, caller_key(context))
         if begin.kind not in (pb2.PUBLISH_KIND_UNSPECIFIED, pb2.PUBLISH_KIND_FULL):
-            raise InvalidArgument("only PUBLISH_KIND_FULL is supported", field="begin.kind")
+            raise InvalidArgument(
+                "supported: PUBLISH_KIND_FULL, PUBLISH_KIND_ADAPTER (over PublishWeights)", field="begin.kind"
+            )
         _check_announced(begin, self._limits)
         striped = check_stripe_fields(
             begin.stripe_session,
@@ -119,6 +125,40 @@ class WeightBroadcasterServicer(weight_broadcaster_pb2_grpc.WeightBroadcasterSer
         with self._receiving.hold(caller_key(context)):
             received = await _receive(requests, _Budget(begin, self._limits), self._replicas.shm_receiver(begin))
             return await self._store_version(begin, _joined([received], begin))
+
+    async def _publish_adapter(
+        self, requests: AsyncIterator[pb2.PublishWeightsRequest], begin: pb2.PublishBegin, caller: str
+    ) -> pb2.PublishWeightsResponse:
+        """A LoRA adapter's new version (adapters.py): checked whole before it is stored; the
+        full weights' versions are not involved."""
+        check_adapter_begin(begin)
+        _check_announced(begin, self._limits)
+        adapters = self._replicas.adapters
+        adapters.check_version(begin.adapter_name, begin.policy_version)  # before receiving its bytes
+        with self._receiving.hold(caller):
+            received = _joined([await _receive(requests, _Budget(begin, self._limits))], begin)
+            adapter = published_adapter(begin, received.tensors)
+            async with self._publishing:
+                adapters.make_latest(adapter)
+                self._replicas.published()
+                await asyncio.to_thread(adapters.spill, adapter)
+        num_bytes = sum(t.numel() * t.element_size() for t in adapter.tensors.values())
+        logger.info(
+            "adapter %s version %d published: rank %d, alpha %g, modules %s, %d tensors, %.2f MiB",
+            adapter.name,
+            adapter.policy_version,
+            adapter.rank,
+            adapter.alpha,
+            ",".join(adapter.target_modules),
+            len(adapter.tensors),
+            num_bytes / 2**20,
+        )
+        return pb2.PublishWeightsResponse(
+            policy_version=adapter.policy_version,
+            num_tensors=len(adapter.tensors),
+            num_bytes=num_bytes,
+            num_changed_tensors=len(adapter.tensors),
+        )
 
     async def _receive_stripe(
         self, requests: AsyncIterator[pb2.PublishWeightsRequest], begin: pb2.PublishBegin, caller: str
@@ -180,6 +220,8 @@ class WeightBroadcasterServicer(weight_broadcaster_pb2_grpc.WeightBroadcasterSer
     async def PublishCollective(
         self, request: pb2.PublishCollectiveRequest, context: grpc.aio.ServicerContext
     ) -> pb2.PublishCollectiveResponse:
+        if request.begin.kind == pb2.PUBLISH_KIND_ADAPTER:
+            raise InvalidArgument("an adapter is published over PublishWeights", field="begin.kind")
         if self._replicas.collective is None:
             raise FailedPrecondition(
                 "collective publishes need the broadcaster's collective.backend, which is not configured",
@@ -284,27 +326,36 @@ class WeightBroadcasterServicer(weight_broadcaster_pb2_grpc.WeightBroadcasterSer
         return pb2.GetStatusResponse(
             latest_policy_version=self._replicas.latest_policy_version,
             replicas=[replica.to_proto() for replica in self._replicas.replicas()],
+            latest_adapter_versions=self._replicas.adapters.latest_versions(),
         )
 
     async def WaitForVersion(
         self, request: pb2.WaitForVersionRequest, context: grpc.aio.ServicerContext
     ) -> pb2.WaitForVersionResponse:
-        version, min_replicas = request.policy_version, request.min_replicas
+        version, min_replicas, adapter = request.policy_version, request.min_replicas, request.adapter_name
         timeout_s = request.timeout_ms / 1000 if request.timeout_ms else context.time_remaining()
+        if adapter:
+            check_adapter_name(adapter, field="adapter_name")
+
+        def latest() -> int:
+            if adapter:
+                return self._replicas.adapters.latest_version(adapter)
+            return self._replicas.latest_policy_version
+
+        def num_at_version() -> int:
+            if adapter:
+                return self._replicas.num_holding(adapter, version)
+            return self._replicas.num_at_version(version)
 
         def reached() -> bool:
-            return self._replicas.latest_policy_version >= version and (
-                min_replicas == 0 or self._replicas.num_at_version(version) >= min_replicas
-            )
+            return latest() >= version and (min_replicas == 0 or num_at_version() >= min_replicas)
 
         # Answer a little before the call's own deadline, so the client gets the state reached.
         if timeout_s is not None and not request.timeout_ms:
             timeout_s = max(timeout_s - 0.05, 0.0)
         await self._replicas.wait_until(lambda: reached() or self._draining, timeout_s)
         return pb2.WaitForVersionResponse(
-            reached=reached(),
-            latest_policy_version=self._replicas.latest_policy_version,
-            num_replicas_at_version=self._replicas.num_at_version(version),
+            reached=reached(), latest_policy_version=latest(), num_replicas_at_version=num_at_version()
         )
 
     async def WatchReplicas(

@@ -1,0 +1,250 @@
+"""LoRA adapter publishes (PUBLISH_KIND_ADAPTER) and their push to replicas: the broadcaster
+in process, replicas as stand-ins that serve the inference.v1 surface a push uses and keep what
+they are sent (pushes to real vLLM replicas: tests/test_adapter_push.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import pathlib
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+import torch
+
+from primerl.common.v1 import generation_pb2, service_info_pb2
+from primerl.inference.v1 import inference_pb2, inference_pb2_grpc
+from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2 as pb2
+from primerl_common.errors import field_violations
+from primerl_common.tensors import TensorAssembler
+from primerl_common.testing import bare_server, eventually
+
+from .helpers import lora_tensors, publish, publish_adapter, running_broadcaster, wait_for, wait_for_adapter
+
+FULL = {"layer.0.weight": torch.ones(4, 4)}
+
+
+class StandInReplica(inference_pb2_grpc.InferenceServiceServicer):
+    """An inference replica without an engine: it takes full updates and LoRA adapters as the
+    real one does (a replacement needs a greater version) and keeps them."""
+
+    def __init__(self, *, lora: bool = True) -> None:
+        self.instance_id = uuid.uuid4().hex
+        self.lora = lora
+        self.policy_version = 0
+        self.adapters: dict[str, tuple[inference_pb2.AdapterSpec, dict[str, torch.Tensor]]] = {}
+        self.num_load_calls = 0
+        self.fail_loads = 0  # the next loads answered UNAVAILABLE
+
+    def restart(self) -> None:
+        self.instance_id, self.adapters, self.policy_version = uuid.uuid4().hex, {}, 0
+
+    def versions(self) -> dict[str, int]:
+        return {name: spec.policy_version for name, (spec, _) in self.adapters.items()}
+
+    async def GetServiceInfo(self, request, context):
+        info = service_info_pb2.ServiceInfo(service_name="inference", instance_id=self.instance_id)
+        info.capabilities.extend(["weights.format.hf", *(["lora"] if self.lora else [])])
+        return inference_pb2.GetServiceInfoResponse(info=info)
+
+    async def GetLoad(self, request, context):
+        return inference_pb2.GetLoadResponse(load=generation_pb2.LoadReport(policy_version=self.policy_version))
+
+    async def UpdateWeights(self, request_iterator, context):
+        begin = None
+        async for request in request_iterator:
+            begin = begin or request.begin
+        self.policy_version = begin.policy_version
+        return inference_pb2.UpdateWeightsResponse(policy_version=begin.policy_version)
+
+    async def LoadAdapter(self, request_iterator, context):
+        self.num_load_calls += 1
+        requests = aiter(request_iterator)
+        spec = (await anext(requests)).spec
+        assembler, tensors = TensorAssembler(), {}
+        async for request in requests:
+            if (item := assembler.feed(request.chunk)) is not None:
+                tensors[item[0]] = item[1]
+        assembler.finish()
+        if self.fail_loads:
+            self.fail_loads -= 1
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "busy")
+        held = self.adapters.get(spec.name)
+        if held is not None and spec.policy_version <= held[0].policy_version:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "not newer")
+        self.adapters[spec.name] = (spec, tensors)
+        return inference_pb2.LoadAdapterResponse(name=spec.name, replaced=held is not None)
+
+    async def ListAdapters(self, request, context):
+        return inference_pb2.ListAdaptersResponse(adapters=[spec for spec, _ in self.adapters.values()])
+
+
+@contextlib.asynccontextmanager
+async def serving(replica: StandInReplica) -> AsyncIterator[str]:
+    async with bare_server(functools.partial(inference_pb2_grpc.add_InferenceServiceServicer_to_server, replica)) as a:
+        yield a
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[name], b[name]) for name in a)
+
+
+async def status(stub) -> pb2.GetStatusResponse:
+    return await stub.GetStatus(pb2.GetStatusRequest())
+
+
+async def test_each_adapter_version_reaches_every_replica_and_late_ones():
+    first, second, late = StandInReplica(), StandInReplica(), StandInReplica()
+    async with (
+        serving(first) as first_address,
+        serving(second) as second_address,
+        serving(late) as late_address,
+        running_broadcaster(
+            replicas=[{"replica_id": "a", "address": first_address}, {"replica_id": "b", "address": second_address}]
+        ) as stub,
+    ):
+        watch = stub.WatchReplicas(pb2.WatchReplicasRequest())
+        await publish(stub, 1, FULL)
+        reply = await publish_adapter(stub, "math", 1, lora_tensors(1))
+        assert (reply.policy_version, reply.num_tensors) == (1, 16)
+        await publish_adapter(stub, "math", 2, lora_tensors(2))
+        reached = await wait_for_adapter(stub, "math", 2, 2)
+        assert (reached.latest_policy_version, reached.num_replicas_at_version) == (2, 2)
+        await wait_for(stub, 1, 2)  # full weights pushed as before
+
+        for replica in (first, second):
+            spec, tensors = replica.adapters["math"]
+            assert (spec.policy_version, spec.rank, spec.alpha) == (2, 8, 16.0)
+            assert list(spec.target_modules) == ["q_proj", "v_proj"] and same(tensors, lora_tensors(2))
+        state = await status(stub)
+        assert state.latest_policy_version == 1  # an adapter is not a full version
+        assert dict(state.latest_adapter_versions) == {"math": 2}
+        assert {r.replica_id: dict(r.adapter_versions) for r in state.replicas} == {"a": {"math": 2}, "b": {"math": 2}}
+
+        # Full versions keep their own count: 2 is free, 1 is stale.
+        assert (await publish(stub, 2, FULL)).policy_version == 2
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await publish(stub, 1, FULL)
+        assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+        await stub.RegisterReplica(pb2.RegisterReplicaRequest(replica_id="late", address=late_address))
+        await wait_for_adapter(stub, "math", 2, 3)
+        assert same(late.adapters["math"][1], lora_tensors(2)) and late.num_load_calls == 1
+
+        events = []
+        async for event in watch:
+            events.append(event)
+            if event.replica.replica_id == "late" and dict(event.replica.adapter_versions) == {"math": 2}:
+                break
+        assert any(dict(e.replica.adapter_versions) == {"math": 1} for e in events)
+        watch.cancel()
+
+
+async def test_bad_adapter_publishes_are_refused_naming_the_field_and_store_nothing():
+    good = lora_tensors(1)
+    unpaired = {k: v for k, v in good.items() if "layers.3.self_attn.v_proj.lora_B" not in k}
+    cases = [
+        ({"adapter_name": ""}, good, "begin.adapter_name"),
+        ({"adapter_name": "../etc"}, good, "begin.adapter_name"),
+        ({"adapter_name": ".hidden"}, good, "begin.adapter_name"),
+        ({"adapter_name": "x" * 65}, good, "begin.adapter_name"),
+        ({"adapter_rank": 0}, good, "begin.adapter_rank"),
+        ({"adapter_alpha": 0.0}, good, "begin.adapter_alpha"),
+        ({"adapter_rank": 4}, good, "begin.adapter_rank"),  # the tensors are of rank 8
+        ({"num_stripes": 2, "stripe_session": "s"}, good, "begin.num_stripes"),
+        ({"num_bytes": 100}, good, "begin.num_bytes"),  # more arrive than announced
+        ({}, {**good, "model.layers.0.self_attn.q_proj.weight": torch.ones(8, 256)}, "chunk.header.name"),
+        ({}, {k.replace("base_model.model.", ""): v for k, v in good.items()}, "chunk.header.name"),
+        ({}, unpaired, "chunk.header.name"),
+    ]
+    async with running_broadcaster(publish_limits={"max_bytes": 1 << 20}) as stub:
+        await publish_adapter(stub, "math", 3, good)
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await publish_adapter(stub, "math", 4, good, num_bytes=2 << 20)  # as for full publishes
+        assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "publish.max_bytes" in error.value.details()
+        for begin, tensors, field in cases:
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                await publish_adapter(stub, begin.pop("adapter_name", "math"), 4, tensors, **begin)
+            assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (field, error.value.details())
+            assert field in field_violations(error.value), (field, error.value.details())
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await publish_adapter(stub, "math", 3, good)
+        assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "not newer than the latest published 3 of adapter 'math'" in error.value.details()
+
+        collective = pb2.PublishCollectiveRequest(
+            begin=pb2.PublishBegin(policy_version=5, kind=pb2.PUBLISH_KIND_ADAPTER)
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await stub.PublishCollective(collective)
+        assert "begin.kind" in field_violations(error.value)
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await stub.WaitForVersion(pb2.WaitForVersionRequest(adapter_name="a/b", policy_version=1))
+        assert "adapter_name" in field_violations(error.value)
+
+        state = await status(stub)
+        assert dict(state.latest_adapter_versions) == {"math": 3} and state.latest_policy_version == -1
+        reply = await stub.WaitForVersion(
+            pb2.WaitForVersionRequest(adapter_name="code", policy_version=0, timeout_ms=50)
+        )
+        assert not reply.reached and reply.latest_policy_version == -1
+        assert "publish.adapter" in (await stub.GetServiceInfo(pb2.GetServiceInfoRequest())).info.capabilities
+
+
+async def test_failed_and_refused_loads_restarts_and_replicas_without_lora():
+    replica, no_lora = StandInReplica(), StandInReplica(lora=False)
+    replica.fail_loads = 2
+    async with (
+        serving(replica) as address,
+        serving(no_lora) as no_lora_address,
+        running_broadcaster(
+            replicas=[{"replica_id": "r", "address": address}, {"replica_id": "n", "address": no_lora_address}]
+        ) as stub,
+    ):
+        await publish_adapter(stub, "math", 1, lora_tensors(1))
+        await publish(stub, 1, FULL)
+        await wait_for(stub, 1, 2)  # the failing adapter push holds no full push back
+        await wait_for_adapter(stub, "math", 1, 1)  # retried with backoff
+        assert replica.num_load_calls == 3 and no_lora.num_load_calls == 0
+
+        # A restarted replica holds no adapter: it is pushed again.
+        replica.restart()
+        await eventually(lambda: "math" in replica.adapters, what="the adapter pushed again")
+        await wait_for(stub, 1, 2)
+
+        # Another broadcaster process pushed it a newer version: "not newer" is taken as held.
+        tensors = replica.adapters["math"][1]
+        replica.adapters["math"] = (inference_pb2.AdapterSpec(name="math", policy_version=7), tensors)
+        await publish_adapter(stub, "math", 5, lora_tensors(5))
+        reply = await wait_for_adapter(stub, "math", 5, 1)
+        assert reply.latest_policy_version == 5
+        state = {r.replica_id: dict(r.adapter_versions) for r in (await status(stub)).replicas}
+        assert state == {"r": {"math": 7}, "n": {}}
+
+
+async def test_a_restarted_broadcaster_still_pushes_its_adapters(tmp_path: pathlib.Path):
+    store = {"spill_folder": tmp_path / "spill"}
+    async with running_broadcaster(store=store) as stub:
+        await publish(stub, 1, FULL)
+        await publish_adapter(stub, "math", 1, lora_tensors(1))
+        await publish_adapter(stub, "math", 2, lora_tensors(2))
+        await publish_adapter(stub, "code", 1, lora_tensors(3, rank=4, modules=("o_proj",)), adapter_rank=4)
+    assert sorted(p.name for p in (tmp_path / "spill" / "adapters" / "math").iterdir()) == ["v0000000002"]
+
+    replica = StandInReplica()
+    async with (
+        serving(replica) as address,
+        running_broadcaster(replicas=[{"replica_id": "r", "address": address}], store=store) as stub,
+    ):
+        state = await status(stub)
+        assert dict(state.latest_adapter_versions) == {"math": 2, "code": 1} and state.latest_policy_version == 1
+        await wait_for_adapter(stub, "math", 2, 1)
+        await wait_for_adapter(stub, "code", 1, 1)
+        assert same(replica.adapters["math"][1], lora_tensors(2))
+        assert list(replica.adapters["code"][0].target_modules) == ["o_proj"]
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await publish_adapter(stub, "math", 2, lora_tensors(2))
+        assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
