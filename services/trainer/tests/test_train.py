@@ -12,6 +12,7 @@ import torch
 from primerl_common.errors import InvalidArgument
 from primerl_launcher.tiny_model import make_tiny_model
 from primerl_trainer.batch import BatchSpec
+from primerl_trainer.config import PublishConfig
 from primerl_trainer.losses import token_logprobs
 from primerl_trainer.optim import LRScheduleConfig, OptimizerConfig, build_lr_scheduler, build_optimizer
 from primerl_trainer.train import Trainer
@@ -263,7 +264,8 @@ def test_a_vision_language_step_trains_on_the_images(tmp_path_factory: pytest.Te
     vl_dir = make_tiny_model(tmp_path_factory.getbasetemp() / "trainer-tiny-vl", family="qwen3-vl")
     model = load_tiny_model(vl_dir)
     # The trainer service's spec of the checkpoint (its sizes under text_config).
-    spec = _batch_spec(model, read_hf_config(vl_dir), types.SimpleNamespace(seq_len=SEQ_LEN, router_replay=False))
+    config = types.SimpleNamespace(seq_len=SEQ_LEN, router_replay=False, publish=PublishConfig())
+    spec = _batch_spec(model, read_hf_config(vl_dir), config)
     assert (spec.image_token_id, spec.patches_per_image_token) == (IMAGE_TOKEN_ID, 4)
     micro_batch = one_image_micro_batch()
     input_ids, loss_mask, pixels, grid = (

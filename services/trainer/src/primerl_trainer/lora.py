@@ -30,6 +30,10 @@ Targets (`LoRAConfig.target_modules`), by module:
                       kv_b_proj; its output projection is o); the sparse-attention indexers are frozen
 The routers stay frozen and untouched. Unknown names are ignored with a warning.
 
+Several runs on one model (runs.py): the modules are built at the largest rank of any run, and a
+run's step sets each module's `scale` and `active_rank` (the rank of the run, whose A and B are the
+leading rows and columns; `initial_lora_tensors` gives a run's zero-padded start).
+
 Export: `merge_lora` turns a stream of (own name, full tensor) from the model's state dict into
 merged weights under the base names; `lora_adapter_tensors` into the adapter alone under PEFT's
 names (`base_model.model.<HF module>.lora_A.weight` [rank, in], `lora_B.weight` [out, rank]).
@@ -59,8 +63,10 @@ __all__ = [
     "ExpertsLoRA",
     "LinearLoRA",
     "apply_lora",
+    "initial_lora_tensors",
     "is_lora_key",
     "lora_adapter_tensors",
+    "lora_parametrizations",
     "merge_lora",
 ]
 
@@ -94,7 +100,8 @@ _MIXTRAL_EXPERT_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
 class LinearLoRA(nn.Module):
-    """Parametrization W [out, in] -> W + scale * B @ A, A [rank, in], B [out, rank]."""
+    """Parametrization W [out, in] -> W + scale * B @ A, A [rank, in], B [out, rank] (their first
+    `active_rank` rows and columns when it is set)."""
 
     def __init__(
         self,
@@ -108,11 +115,22 @@ class LinearLoRA(nn.Module):
     ) -> None:
         super().__init__()
         self.scale = alpha / rank
+        # Multi-tenant runs (runs.py): the rank of the run being trained, whose A and B are the first
+        # rows and columns of these (the rest zero); None: all of them.
+        self.active_rank: int | None = None
         self.lora_A = nn.Parameter(_kaiming_uniform((rank, in_features), generator=generator, like=like))
         self.lora_B = nn.Parameter(torch.zeros(out_features, rank, dtype=like.dtype, device=like.device))
 
+    @property
+    def rank(self) -> int:
+        return self.lora_A.shape[0]
+
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
-        return weight + self.scale * (self.lora_B @ self.lora_A).to(weight.dtype)
+        a, b = self.lora_A, self.lora_B
+        if self.active_rank is not None:
+            # Contiguous: the products then run the kernels of a model built at that rank.
+            a, b = a[: self.active_rank].contiguous(), b[:, : self.active_rank].contiguous()
+        return weight + self.scale * (b @ a).to(weight.dtype)
 
 
 class ExpertsLoRA(nn.Module):
@@ -132,6 +150,7 @@ class ExpertsLoRA(nn.Module):
     ) -> None:
         super().__init__()
         self.scale = alpha / rank
+        self.active_rank: int | None = None  # as LinearLoRA's
         self.projections = tuple(projections)
         for name, out_features in projections.items():
             a = _kaiming_uniform((num_experts, rank, in_features), generator=generator, like=like)
@@ -139,8 +158,17 @@ class ExpertsLoRA(nn.Module):
             b = torch.zeros(num_experts, out_features, rank, dtype=like.dtype, device=like.device)
             self.register_parameter(f"{name}_lora_B", nn.Parameter(b))
 
+    @property
+    def rank(self) -> int:
+        return getattr(self, f"{self.projections[0]}_lora_A").shape[-2]
+
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
-        deltas = [getattr(self, f"{name}_lora_B") @ getattr(self, f"{name}_lora_A") for name in self.projections]
+        deltas = []
+        for name in self.projections:
+            a, b = getattr(self, f"{name}_lora_A"), getattr(self, f"{name}_lora_B")
+            if self.active_rank is not None:
+                a, b = a[:, : self.active_rank].contiguous(), b[..., : self.active_rank].contiguous()
+            deltas.append(b @ a)
         return weight + self.scale * torch.cat(deltas, dim=1).to(weight.dtype)
 
 
@@ -209,6 +237,31 @@ def apply_lora(model: nn.Module, config: LoRAConfig, *, seed: int = 0) -> list[s
         extra={"targets": sorted(targets)},
     )
     return adapted
+
+
+def lora_parametrizations(model: nn.Module) -> dict[str, LinearLoRA | ExpertsLoRA]:
+    """The model's LoRA parametrizations by module name (`<module>.parametrizations.<param>.0`),
+    in the order `apply_lora` created them (and drew their A)."""
+    return {name: module for name, module in model.named_modules() if isinstance(module, LinearLoRA | ExpertsLoRA)}
+
+
+def initial_lora_tensors(model: nn.Module, *, rank: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """The LoRA tensors `apply_lora(rank=rank, seed=seed)` would start from (the same values of
+    A, B zero), zero-padded to the rank the model's LoRA modules have: A's rows and B's columns
+    past `rank` are zero. By parameter name, in named_parameters' order, as full tensors on the
+    CPU in the parameters' dtype."""
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for module_name, lora in lora_parametrizations(model).items():
+        if rank > lora.rank:
+            raise ValueError(f"rank {rank} exceeds the rank {lora.rank} of the model's LoRA modules")
+        for name, param in lora.named_parameters():
+            padded = torch.zeros(param.shape, dtype=param.dtype)
+            if name.endswith("lora_A"):  # [rank, in] or [E, rank, in]
+                shape = (*param.shape[:-2], rank, param.shape[-1])
+                padded[..., :rank, :] = _kaiming_uniform(shape, generator=generator, like=padded)
+            tensors[f"{module_name}.{name}"] = padded
+    return tensors
 
 
 def is_lora_key(key: str) -> bool:
