@@ -1,30 +1,52 @@
-"""LoRA adapters known to the engine, by name.
+"""LoRA adapters known to the engine, by name, and their loading, replacing and unloading.
 
 An adapter is loaded from a PEFT folder: one the replica can read (`AdapterSpec.path`) or
 one written here from tensors that came with the request. vLLM selects an adapter per
 request with a `LoRARequest`; the registry hands those out and counts the requests that
-use each adapter, so that one in use is never unloaded or replaced under them.
+use each adapter, so that one in use is never unloaded.
+
+Replacing an adapter (a newer policy version of it, from a run that trains it) lands in place
+while requests use it, the way weight_updates.py swaps full weights: scheduling pauses with
+running requests kept, vLLM loads the new tensors under the same adapter id
+(`LoRARequest.load_inplace`), the engine's version stamp names the new version
+(engine_versions.py), scheduling resumes. Running requests go on with the new adapter from
+the next step, their later tokens tagged with its version. A load vLLM refuses leaves the old
+adapter, and its version, serving.
+
+Requests carry a LoRARequest whose path is a link this registry keeps to the current
+version's folder: vLLM reloads an adapter from the path a running request carries when it
+dropped it from its cache (more adapters loaded than `max_loras`), and must then load the
+version the stamp names, not the one the request started with.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import itertools
 import json
+import logging
+import os
 import pathlib
 import shutil
-from collections.abc import AsyncIterable, Iterator
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterator
 
 import torch
 from safetensors.torch import save_file
 from vllm.lora.request import LoRARequest
+from vllm.v1.engine.async_llm import AsyncLLM
 
 from primerl.common.v1 import tensor_pb2
 from primerl_common.errors import FailedPrecondition, InvalidArgument, NotFound
 from primerl_common.tensors import TensorAssembler
+from primerl_inference.engine_versions import check_adapter_name, engine_version_stamp
+from primerl_inference.liveness import EngineLiveness
+from primerl_inference.version_salts import ServedAt, VersionSalts
 
-__all__ = ["AdapterRegistry", "AdapterSpec", "receive_adapter_tensors"]
+__all__ = ["AdapterRegistry", "AdapterSpec", "LoadedAdapter", "receive_adapter_tensors"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,87 +56,196 @@ class AdapterSpec:
     rank: int = 0
     alpha: float = 0.0
     target_modules: tuple[str, ...] = ()
-    policy_version: int = 0  # informational
+    # Tokens sampled with the adapter are tagged with it; a replacement needs a greater one
+    # (0 and 0: unversioned adapters, replaced at will).
+    policy_version: int = 0
 
 
 @dataclasses.dataclass
-class _Adapter:
+class LoadedAdapter:
     spec: AdapterSpec
-    lora_request: LoRARequest
-    owned_folder: pathlib.Path | None  # written here, deleted with the adapter
+    lora_request: LoRARequest  # what requests run with; its path is the link to `folder`
+    load: int  # numbers every load of every adapter, replacements included (version_salts.py)
+    folder: pathlib.Path
+    owned: bool  # `folder` was written here, deleted with the adapter
     num_users: int = 0
+
+    def served_at(self, base_version: int) -> ServedAt:
+        return ServedAt(base_version, self.spec.name, self.spec.policy_version, self.load)
 
 
 class AdapterRegistry:
-    def __init__(self, root: pathlib.Path, *, max_rank: int) -> None:
+    """The adapters of one engine. Loads and unloads hold `control_lock`, the engine's lock over
+    what changes its state; `base_version()` is the base weights' policy version (for the
+    engine's version stamp), `may_resume()` whether scheduling resumes after a replacement
+    (not while the engine's caller paused it, nor while the weights are incomplete)."""
+
+    def __init__(
+        self,
+        llm: AsyncLLM,
+        root: pathlib.Path,
+        *,
+        max_rank: int,
+        control_lock: asyncio.Lock,
+        liveness: EngineLiveness,
+        salts: VersionSalts,
+        base_version: Callable[[], int],
+        may_resume: Callable[[], bool],
+    ) -> None:
+        self._llm = llm
         self._root = root
+        self._links = root / "current"
+        self._links.mkdir(parents=True, exist_ok=True)
         self._max_rank = max_rank
-        self._adapters: dict[str, _Adapter] = {}
+        self._control_lock = control_lock
+        self._liveness = liveness
+        self._salts = salts
+        self._base_version = base_version
+        self._may_resume = may_resume
+        self._adapters: dict[str, LoadedAdapter] = {}
         self._lora_ids = itertools.count(1)  # vLLM adapter ids must be > 0
+        self._loads = itertools.count(1)
         self._folder_numbers = itertools.count()
 
     def specs(self) -> list[AdapterSpec]:
         return [adapter.spec for adapter in self._adapters.values()]
 
+    def versions(self) -> dict[str, int]:
+        """The policy version of each loaded adapter, by name."""
+        return {name: adapter.spec.policy_version for name, adapter in self._adapters.items()}
+
+    def policy_version(self, name: str) -> int:
+        return self._get(name).spec.policy_version
+
     @contextlib.contextmanager
-    def in_use(self, name: str) -> Iterator[LoRARequest]:
-        """The LoRARequest of adapter `name`, counted as used until the block exits."""
-        adapter = self._adapters.get(name)
-        if adapter is None:
-            raise NotFound(f"no LoRA adapter named {name!r} is loaded", reason="ADAPTER_NOT_FOUND")
+    def in_use(self, name: str) -> Iterator[LoadedAdapter]:
+        """Adapter `name`, counted as used until the block exits (a replacement keeps the
+        count: the requests go on with the new version)."""
+        adapter = self._get(name)
         adapter.num_users += 1
         try:
-            yield adapter.lora_request
+            yield adapter
         finally:
             adapter.num_users -= 1
 
-    def prepare(self, spec: AdapterSpec, tensors: dict[str, torch.Tensor]) -> tuple[LoRARequest, pathlib.Path | None]:
-        """Checks `spec`, writes the PEFT folder when `tensors` are given, and returns the
-        LoRARequest that loads it (replacing an adapter of the same name, in place) with the
-        folder written, if any. Nothing is registered until `commit`."""
-        if not spec.name:
-            raise InvalidArgument("must not be empty", field="spec.name")
+    def check(self, spec: AdapterSpec) -> None:
+        """Refuses `spec` before its tensors are received: a bad name, or a version not newer
+        than the loaded one's."""
+        check_adapter_name(spec.name)
+        if spec.policy_version < 0:
+            raise InvalidArgument(f"must be >= 0, got {spec.policy_version}", field="spec.policy_version")
         current = self._adapters.get(spec.name)
-        if current is not None and current.num_users:
+        if current is None:
+            return
+        old, new = current.spec.policy_version, spec.policy_version
+        if not (new > old or new == old == 0):
             raise FailedPrecondition(
-                f"adapter {spec.name!r} is used by {current.num_users} running requests", subject=spec.name
+                f"adapter {spec.name!r} policy version {new} is not newer than the loaded {old}",
+                subject="spec.policy_version",
+                reason="ADAPTER_VERSION_NOT_NEWER",
             )
-        if spec.path:
-            if tensors:
-                raise InvalidArgument("either a path or tensors, not both", field="spec.path")
-            if not (pathlib.Path(spec.path) / "adapter_config.json").is_file():
-                raise InvalidArgument(f"{spec.path} has no adapter_config.json (not PEFT)", field="spec.path")
-            folder, owned = pathlib.Path(spec.path), None
-        else:
-            folder = owned = self._write_peft_folder(spec, tensors)
-        lora_id = current.lora_request.lora_int_id if current else next(self._lora_ids)
-        request = LoRARequest(spec.name, lora_id, str(folder), load_inplace=current is not None)
-        return request, owned
 
-    def commit(self, spec: AdapterSpec, request: LoRARequest, owned_folder: pathlib.Path | None) -> bool:
-        """Registers a loaded adapter; True when it replaced one of the same name."""
-        previous = self._adapters.pop(spec.name, None)
-        if previous is not None and previous.owned_folder not in (None, owned_folder):
-            shutil.rmtree(previous.owned_folder, ignore_errors=True)
-        self._adapters[spec.name] = _Adapter(spec, request, owned_folder)
-        return previous is not None
+    async def load(self, spec: AdapterSpec, tensors: dict[str, torch.Tensor]) -> bool:
+        """Loads adapter `spec.name` from spec.path or `tensors` (PEFT names), in place of a
+        loaded one of the same name while requests use it; True when it replaced one."""
+        async with self._control_lock:
+            self.check(spec)  # again: another load may have come first
+            current = self._adapters.get(spec.name)
+            folder, owned = self._folder_of(spec, tensors)
+            lora_id = current.lora_request.lora_int_id if current is not None else next(self._lora_ids)
+            load = next(self._loads)
+            registered = False
+            try:
+                async with self._scheduling_paused():
+                    try:
+                        await self._llm.add_lora(
+                            LoRARequest(spec.name, lora_id, str(folder), load_inplace=current is not None)
+                        )
+                    except Exception as exc:
+                        self._liveness.check()
+                        # vLLM reports a malformed adapter (unknown module, rank above the limit,
+                        # mismatched shapes) as an error of the call, having kept the one it had.
+                        raise InvalidArgument(f"vLLM could not load the adapter: {exc}", field="spec") from None
+                    await self._stamp({**self.versions(), spec.name: spec.policy_version})
+                    self._register(spec, lora_id, load, folder, owned)
+                    registered = True
+                    # Those admitted before that have no token yet start again under the new load.
+                    await self._salts.restart_unstarted_with_adapter(spec.name, load)
+            except BaseException:
+                if owned and not registered:
+                    shutil.rmtree(folder, ignore_errors=True)
+                raise
+            done = "replaced in place" if current is not None else "loaded"
+            logger.info("LoRA adapter %r at policy version %d %s", spec.name, spec.policy_version, done)
+            return current is not None
 
-    def remove(self, name: str) -> LoRARequest | None:
-        """Forgets adapter `name` (None if unknown); refuses one that running requests use."""
+    @contextlib.asynccontextmanager
+    async def _scheduling_paused(self) -> AsyncIterator[None]:
+        """Running requests stay and go on, from the next step, with what changed meanwhile."""
+        with self._liveness.translated():
+            await self._llm.pause_generation(mode="keep", clear_cache=False)
+            try:
+                yield
+            finally:
+                if self._may_resume():
+                    await self._llm.resume_generation()
+
+    def _register(self, spec: AdapterSpec, lora_id: int, load: int, folder: pathlib.Path, owned: bool) -> None:
+        """Makes what vLLM loaded from `folder` adapter `spec.name`: new, or in place of the one
+        loaded (its users and its LoRARequest kept, the link pointed at the new folder)."""
+        link = self._links / str(lora_id)
+        _point(link, folder)
+        current = self._adapters.get(spec.name)
+        if current is None:
+            lora_request = LoRARequest(spec.name, lora_id, str(link))
+            self._adapters[spec.name] = LoadedAdapter(spec, lora_request, load, folder, owned)
+            return
+        if current.owned:
+            shutil.rmtree(current.folder, ignore_errors=True)
+        current.spec, current.load, current.folder, current.owned = spec, load, folder, owned
+
+    async def unload(self, name: str) -> bool:
+        """Forgets adapter `name` (False if unknown); refuses one that running requests use."""
+        async with self._control_lock:
+            adapter = self._adapters.get(name)
+            if adapter is None:
+                return False
+            if adapter.num_users:
+                raise FailedPrecondition(
+                    f"adapter {name!r} is used by {adapter.num_users} running requests", subject=name
+                )
+            with self._liveness.translated():
+                await self._llm.remove_lora(adapter.lora_request.lora_int_id)
+                del self._adapters[name]
+                await self._stamp(self.versions())
+            self._delete_files(adapter)
+            return True
+
+    @staticmethod
+    def _delete_files(adapter: LoadedAdapter) -> None:
+        pathlib.Path(adapter.lora_request.lora_path).unlink(missing_ok=True)
+        if adapter.owned:
+            shutil.rmtree(adapter.folder, ignore_errors=True)
+
+    async def _stamp(self, versions: dict[str, int]) -> None:
+        await self._llm.update_weight_version(engine_version_stamp(self._base_version(), versions))
+
+    def _get(self, name: str) -> LoadedAdapter:
         adapter = self._adapters.get(name)
         if adapter is None:
-            return None
-        if adapter.num_users:
-            raise FailedPrecondition(f"adapter {name!r} is used by {adapter.num_users} running requests", subject=name)
-        del self._adapters[name]
-        if adapter.owned_folder is not None:
-            shutil.rmtree(adapter.owned_folder, ignore_errors=True)
-        return adapter.lora_request
+            raise NotFound(f"no LoRA adapter named {name!r} is loaded", reason="ADAPTER_NOT_FOUND")
+        return adapter
 
-    def discard(self, owned_folder: pathlib.Path | None) -> None:
-        """Deletes a folder `prepare` wrote for an adapter that then failed to load."""
-        if owned_folder is not None and all(a.owned_folder != owned_folder for a in self._adapters.values()):
-            shutil.rmtree(owned_folder, ignore_errors=True)
+    def _folder_of(self, spec: AdapterSpec, tensors: dict[str, torch.Tensor]) -> tuple[pathlib.Path, bool]:
+        """The PEFT folder to load `spec` from, and whether it was written here."""
+        if not spec.path:
+            return self._write_peft_folder(spec, tensors), True
+        if tensors:
+            raise InvalidArgument("either a path or tensors, not both", field="spec.path")
+        folder = pathlib.Path(spec.path).absolute()
+        if not (folder / "adapter_config.json").is_file():
+            raise InvalidArgument(f"{spec.path} has no adapter_config.json (not PEFT)", field="spec.path")
+        return folder, False
 
     def _write_peft_folder(self, spec: AdapterSpec, tensors: dict[str, torch.Tensor]) -> pathlib.Path:
         if not tensors:
@@ -125,7 +256,7 @@ class AdapterRegistry:
             raise InvalidArgument(f"must be > 0, got {spec.alpha}", field="spec.alpha")
         if not spec.target_modules:
             raise InvalidArgument("must name the adapted modules (e.g. q_proj)", field="spec.target_modules")
-        folder = self._root / f"{next(self._folder_numbers)}-{spec.name.replace('/', '_')}"
+        folder = self._root / f"{next(self._folder_numbers)}"
         folder.mkdir(parents=True)
         config = {
             "peft_type": "LORA",
@@ -138,6 +269,14 @@ class AdapterRegistry:
         (folder / "adapter_config.json").write_text(json.dumps(config, indent=2))
         save_file({name: t.contiguous() for name, t in tensors.items()}, str(folder / "adapter_model.safetensors"))
         return folder
+
+
+def _point(link: pathlib.Path, folder: pathlib.Path) -> None:
+    """Makes `link` a symbolic link to `folder`, in one step for a reader (a rename)."""
+    staged = link.with_name(f"{link.name}.new")
+    staged.unlink(missing_ok=True)
+    staged.symlink_to(folder, target_is_directory=True)
+    os.replace(staged, link)
 
 
 async def receive_adapter_tensors(chunks: AsyncIterable[tensor_pb2.TensorChunk]) -> dict[str, torch.Tensor]:

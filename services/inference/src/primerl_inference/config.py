@@ -17,6 +17,7 @@ EngineDtype = Literal["auto", "float32", "bfloat16", "float16"]
 # The max_lora_rank values vLLM accepts (vllm.config.lora.MaxLoRARanks).
 _VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
+
 class EngineConfig(Section):
     """The one vLLM engine of this process."""
 

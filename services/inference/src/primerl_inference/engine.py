@@ -38,7 +38,7 @@ from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
 from vllm.v1.engine.async_llm import AsyncLLM
 
 from primerl.common.v1 import tensor_pb2
-from primerl_common.errors import FailedPrecondition, InvalidArgument, Unavailable
+from primerl_common.errors import FailedPrecondition, Unavailable
 from primerl_common.images import CAPABILITY_IMAGES
 from primerl_common.vllm_vision import qwen_vision_processors
 from primerl_inference.adapters import AdapterRegistry, AdapterSpec, receive_adapter_tensors
@@ -50,6 +50,7 @@ from primerl_inference.capabilities import (
     missing_capability,
 )
 from primerl_inference.config import InferenceConfig
+from primerl_inference.engine_versions import engine_version_stamp
 from primerl_inference.generation import GenerateRequest, GenerationChunk, PolicyVersionChanged
 from primerl_inference.images import VisionModel, is_multimodal
 from primerl_inference.kv_cache_size import cpu_kv_cache_bytes, cpu_kv_cache_env_set, kv_bytes_per_token
@@ -59,7 +60,7 @@ from primerl_inference.load import EngineStats, LoadReport
 from primerl_inference.routed_experts import RoutedExpertsUnavailableError
 from primerl_inference.routed_experts.client import RoutedExpertsClient
 from primerl_inference.streaming import sampling_params, stream_chunks
-from primerl_inference.version_salts import VersionSalts
+from primerl_inference.version_salts import ServedAt, VersionSalts
 from primerl_inference.weight_updates import WeightUpdater, load_weight_tables
 from primerl_inference.weights import WeightTable, default_staging_dir
 
@@ -95,8 +96,6 @@ class InferenceEngine:
         self._llm = llm
         self._config = config
         self._stats = stats
-        self._adapter_dir = pathlib.Path(tempfile.mkdtemp(prefix="primerl-adapters-"))
-        self._adapters = AdapterRegistry(self._adapter_dir, max_rank=config.engine.max_lora_rank)
         self._vocab_size = llm.model_config.get_vocab_size()
         self._max_model_len = llm.model_config.max_model_len
         self._request_numbers = itertools.count()
@@ -118,6 +117,18 @@ class InferenceEngine:
             liveness=self.liveness,
             set_serving=self._serving_changed,
             on_new_version=self._salts.restart_unstarted,
+            weight_version=lambda base: engine_version_stamp(base, self._adapters.versions()),
+        )
+        self._adapter_dir = pathlib.Path(tempfile.mkdtemp(prefix="primerl-adapters-"))
+        self._adapters = AdapterRegistry(
+            llm,
+            self._adapter_dir,
+            max_rank=config.engine.max_lora_rank,
+            control_lock=self._control_lock,
+            liveness=self.liveness,
+            salts=self._salts,
+            base_version=lambda: self.policy_version,
+            may_resume=lambda: not self._paused and self.weight_updater.out_of_service is None,
         )
         self._draining = False
         # Router replay (R3): None when the model has no experts or capture is off or
@@ -176,7 +187,7 @@ class InferenceEngine:
         # disable_log_stats: no default stat loggers; EngineStats alone turns statistics on.
         llm = AsyncLLM.from_vllm_config(vllm_config, stat_loggers=[stats.factory], disable_log_stats=True)
         await llm.collective_rpc("primerl_exit_with_parent", args=(os.getpid(),))
-        await llm.update_weight_version(str(config.replica.initial_policy_version))
+        await llm.update_weight_version(engine_version_stamp(config.replica.initial_policy_version, {}))
         await llm.collective_rpc("primerl_set_policy_version", args=(config.replica.initial_policy_version,))
         weight_tables = await load_weight_tables(llm, engine.model, vllm_config.model_config.dtype)
         routed_experts = await _install_routed_experts_capture(llm) if engine.capture_routed_experts else None
@@ -270,8 +281,8 @@ class InferenceEngine:
         chunk has `finished` set. Closing the iterator early aborts the request in the engine.
 
         KV is reused only within one policy version (version_salts.py): the request is salted
-        with the version served when it is admitted, and started again under the new one's
-        salt, its tokens dropped, when an update lands before its first token."""
+        with the versions served when it is admitted (the base's, its adapter's), and started
+        again under the new salt, its tokens dropped, when one changes before its first token."""
         images = self._admit(request)
         if request.kv_transfer == "prefill":
             # The prompt's KV goes to the pool as it is computed; stop at the first token.
@@ -279,9 +290,8 @@ class InferenceEngine:
             request = dataclasses.replace(request, sampling=prefill_only)
         params = sampling_params(request, bad_words=self._vision.placeholder_words if self._vision else ())
         for attempt in range(1, _MAX_VERSION_RESTARTS + 2):
-            version = self.policy_version
             try:
-                async for chunk in self._generate_at(request, images, params, version):
+                async for chunk in self._generate_at(request, images, params):
                     yield chunk
                 return
             except PolicyVersionChanged as changed:
@@ -293,20 +303,21 @@ class InferenceEngine:
         )
 
     async def _generate_at(
-        self, request: GenerateRequest, images: list[Image.Image], params: SamplingParams, version: int
+        self, request: GenerateRequest, images: list[Image.Image], params: SamplingParams
     ) -> AsyncIterator[GenerationChunk]:
-        """One attempt of `request` (`images`: its images decoded), salted with policy version `version`."""
+        """One attempt of `request` (`images`: its images decoded), salted with the versions
+        served now (its adapter's and the base's)."""
         # Unique per call, whatever the client chose: the version lookup below goes by it.
         engine_request_id = f"{request.request_id}-{next(self._request_numbers)}"
         routed_experts_claimed = False
         with contextlib.ExitStack() as stack:
-            salt = stack.enter_context(self._salts.attempt(engine_request_id, version, request.cache_salt))
+            adapter = stack.enter_context(self._adapters.in_use(request.lora_adapter)) if request.lora_adapter else None
+            served = adapter.served_at(self.policy_version) if adapter else ServedAt(self.policy_version)
+            salt = stack.enter_context(self._salts.attempt(engine_request_id, served, request.cache_salt))
             prompt = _engine_prompt(request, images, salt)
-            lora = stack.enter_context(self._adapters.in_use(request.lora_adapter)) if request.lora_adapter else None
+            lora = adapter.lora_request if adapter else None
             outputs = self._llm.generate(prompt, params, engine_request_id, lora_request=lora)
-            chunks = stream_chunks(
-                request, engine_request_id, outputs, self._llm.output_processor, salted_version=version
-            )
+            chunks = stream_chunks(request, engine_request_id, outputs, self._llm.output_processor, salted=served)
             try:
                 # UNAVAILABLE where the engine dies under the request, or where it ends aborted
                 # because the replica went out of service (a weight load failed part-way).
@@ -315,7 +326,7 @@ class InferenceEngine:
                         async for chunk in chunks:
                             if self._salts.restarting(engine_request_id):
                                 if chunk.finished:
-                                    raise PolicyVersionChanged(version, self.policy_version)
+                                    raise PolicyVersionChanged(served.policy_version, self._policy_version_of(request))
                                 continue  # tokens sampled before the update, on their way out
                             if chunk.finish_reason == "abort":
                                 self._check_in_service()
@@ -331,6 +342,10 @@ class InferenceEngine:
                     self._background_tasks.add(task)
                     task.add_done_callback(self._background_tasks.discard)
 
+    def _policy_version_of(self, request: GenerateRequest) -> int:
+        """What the request's tokens would be tagged with now: its adapter's version, or the base's."""
+        return self._adapters.policy_version(request.lora_adapter) if request.lora_adapter else self.policy_version
+
     def _check_in_service(self) -> None:
         self.liveness.check()
         if (why := self.weight_updater.out_of_service) is not None:
@@ -342,10 +357,12 @@ class InferenceEngine:
         if self._draining:
             raise Unavailable("the replica is draining; send the request to another one", reason="DRAINING")
         request.validate(vocab_size=self._vocab_size, max_model_len=self._max_model_len)
-        if request.min_policy_version > self.policy_version:
+        if request.lora_adapter and not self._config.engine.enable_lora:
+            raise missing_capability(CAPABILITY_LORA, "LoRA")
+        if request.min_policy_version > (served := self._policy_version_of(request)):
+            what = f"adapter {request.lora_adapter!r} at" if request.lora_adapter else "the replica serves"
             raise FailedPrecondition(
-                f"the replica serves policy version {self.policy_version}, "
-                f"the request needs at least {request.min_policy_version}",
+                f"{what} policy version {served}, the request needs at least {request.min_policy_version}",
                 subject="min_policy_version",
                 reason="POLICY_VERSION_TOO_OLD",
             )
@@ -355,8 +372,6 @@ class InferenceEngine:
             raise missing_capability(CAPABILITY_ROUTED_EXPERTS, "routed-expert capture")
         if request.kv_transfer and request.kv_transfer not in self._kv_transfer_modes:
             raise missing_capability(CAPABILITY_KV_TRANSFER, f"the {request.kv_transfer} half of a KV hand-off")
-        if request.lora_adapter and not self._config.engine.enable_lora:
-            raise missing_capability(CAPABILITY_LORA, "LoRA")
         if self._vision is not None:
             return self._vision.images_of(request)
         if request.images:
@@ -434,31 +449,16 @@ class InferenceEngine:
         return self._adapters.specs()
 
     async def load_adapter(self, spec: AdapterSpec, chunks: AsyncIterable[tensor_pb2.TensorChunk]) -> bool:
-        """Loads (or replaces) adapter `spec.name` from spec.path or from the PEFT-named
-        tensors in `chunks`; True when one of the same name was replaced."""
+        """Loads (or replaces, in place while requests use it) adapter `spec.name` from
+        spec.path or from the PEFT-named tensors in `chunks`; True when one of the same name
+        was replaced (adapters.py)."""
         if not self._config.engine.enable_lora:
             raise missing_capability(CAPABILITY_LORA, "LoRA")
-        tensors = await receive_adapter_tensors(chunks)
-        async with self._control_lock:
-            lora_request, owned_folder = self._adapters.prepare(spec, tensors)
-            try:
-                await self._llm.add_lora(lora_request)
-            except Exception as exc:
-                self._adapters.discard(owned_folder)
-                self.liveness.check()
-                # vLLM reports a malformed adapter (unknown module, rank above the limit,
-                # mismatched shapes) as an error of the call.
-                raise InvalidArgument(f"vLLM could not load the adapter: {exc}", field="spec") from None
-            return self._adapters.commit(spec, lora_request, owned_folder)
+        self._adapters.check(spec)
+        return await self._adapters.load(spec, await receive_adapter_tensors(chunks))
 
     async def unload_adapter(self, name: str) -> bool:
-        async with self._control_lock:
-            lora_request = self._adapters.remove(name)
-            if lora_request is None:
-                return False
-            with self.liveness.translated():
-                await self._llm.remove_lora(lora_request.lora_int_id)
-            return True
+        return await self._adapters.unload(name)
 
 
 def _engine_prompt(request: GenerateRequest, images: list[Image.Image], salt: str) -> TokensInput | TokensPrompt:

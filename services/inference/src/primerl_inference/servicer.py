@@ -125,13 +125,13 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         if mode is None:
             raise InvalidArgument("must be PAUSE_MODE_KEEP, PAUSE_MODE_WAIT or PAUSE_MODE_ABORT", field="mode")
         await self._engine.pause(mode)
-        return inference_pb2.PauseGenerationResponse(load=load_to_proto(self._engine.load_report()))
+        return inference_pb2.PauseGenerationResponse(load=self._load())
 
     async def ResumeGeneration(
         self, request: inference_pb2.ResumeGenerationRequest, context: grpc.aio.ServicerContext
     ) -> inference_pb2.ResumeGenerationResponse:
         await self._engine.resume()
-        return inference_pb2.ResumeGenerationResponse(load=load_to_proto(self._engine.load_report()))
+        return inference_pb2.ResumeGenerationResponse(load=self._load())
 
     async def ResetPrefixCache(
         self, request: inference_pb2.ResetPrefixCacheRequest, context: grpc.aio.ServicerContext
@@ -141,20 +141,25 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
     async def GetLoad(
         self, request: inference_pb2.GetLoadRequest, context: grpc.aio.ServicerContext
     ) -> inference_pb2.GetLoadResponse:
-        return inference_pb2.GetLoadResponse(load=load_to_proto(self._engine.load_report()))
+        return inference_pb2.GetLoadResponse(load=self._load())
 
     async def WatchLoad(
         self, request: inference_pb2.WatchLoadRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[inference_pb2.WatchLoadResponse]:
         interval_s = (request.interval_ms or self._watch_interval_ms) / 1000
         while True:
-            report = self._engine.load_report()
-            yield inference_pb2.WatchLoadResponse(load=load_to_proto(report))
-            if report.draining:
+            load = self._load()
+            yield inference_pb2.WatchLoadResponse(load=load)
+            if load.draining:
                 # The last report says so; a stream that went on would hold a graceful stop for
                 # its whole grace period.
                 return
             await asyncio.sleep(interval_s)
+
+    def _load(self) -> generation_pb2.LoadReport:
+        load = load_to_proto(self._engine.load_report())
+        load.adapter_versions.update({spec.name: spec.policy_version for spec in self._engine.adapters()})
+        return load
 
     async def LoadAdapter(
         self, request_iterator: AsyncIterable[inference_pb2.LoadAdapterRequest], context: grpc.aio.ServicerContext

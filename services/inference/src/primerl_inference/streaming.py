@@ -18,6 +18,7 @@ from vllm.v1.engine.exceptions import EngineGenerateError
 from vllm.v1.engine.output_processor import OutputProcessor
 
 from primerl_common.errors import InvalidArgument
+from primerl_inference.engine_versions import parse_engine_version_stamp
 from primerl_inference.generation import (
     GenerateRequest,
     GenerationChunk,
@@ -25,6 +26,7 @@ from primerl_inference.generation import (
     PolicyVersionChanged,
     StreamBatcher,
 )
+from primerl_inference.version_salts import ServedAt
 
 __all__ = ["sampling_params", "stream_chunks"]
 
@@ -71,12 +73,13 @@ async def stream_chunks(
     outputs: AsyncIterator[RequestOutput],
     output_processor: OutputProcessor,
     *,
-    salted_version: int | None = None,
+    salted: ServedAt | None = None,
 ) -> AsyncIterator[GenerationChunk]:
     """The chunks of one request, from `outputs` (AsyncLLM.generate of `request` under
     `engine_request_id`). Closing this iterator before the last chunk aborts the request.
-    `salted_version`: the policy version its cache salt names; PolicyVersionChanged (the
-    request aborted, none of its tokens yielded) when its first token is sampled at another."""
+    Its tokens are tagged with the policy version of its LoRA adapter, or of the base weights
+    without one. `salted`: the versions its cache salt names; PolicyVersionChanged (the
+    request aborted, none of its tokens yielded) when its first token is sampled at others."""
     started = time.monotonic()
     first_token_at: float | None = None
     batcher = StreamBatcher(request.stream)
@@ -108,9 +111,10 @@ async def stream_chunks(
             if token_ids:
                 first_token_at = first_token_at or time.monotonic()
                 logprobs = _sampled_logprobs(completion.logprobs, len(token_ids))
-                versions = _policy_versions(output_processor, engine_request_id, completion, begin, len(token_ids))
-                if begin == 0 and salted_version is not None and versions[0] != salted_version:
-                    raise PolicyVersionChanged(salted_version, versions[0])
+                spans = _version_spans(output_processor, engine_request_id, completion, begin, len(token_ids))
+                if begin == 0 and salted is not None:
+                    _check_first_token(salted, spans[0][0])
+                versions = _policy_versions(spans, request.lora_adapter)
                 batcher.add(token_ids, logprobs, versions)
             if output.finished:
                 finished = True
@@ -157,10 +161,11 @@ def _sampled_logprobs(logprobs: SampleLogprobs | None, count: int) -> list[float
     return logprobs.logprobs
 
 
-def _policy_versions(
+def _version_spans(
     output_processor: OutputProcessor, engine_request_id: str, completion: CompletionOutput, begin: int, count: int
-) -> list[int]:
-    """Policy version of output tokens `begin .. begin+count` of a request.
+) -> list[tuple[str, int]]:
+    """(engine version stamp, number of tokens) of each run of output tokens `begin ..
+    begin+count` of a request sampled under one stamp (engine_versions.py).
 
     vLLM's output processor records, per request, where each weight-version span starts
     (from the versions the engine core stamps on its outputs). Finished outputs carry the
@@ -174,14 +179,29 @@ def _policy_versions(
     end = begin + count
     if not starts or starts[0][1] > begin:
         raise RuntimeError(f"token {begin} of request {engine_request_id} has no weight version")
-    # One list repetition per span that overlaps the range (a span runs to the next one's start).
-    versions: list[int] = []
-    for index, (version, start) in enumerate(starts):
+    spans = []
+    for index, (stamp, start) in enumerate(starts):  # a span runs to the next one's start
         span_end = starts[index + 1][1] if index + 1 < len(starts) else end
         overlap = min(span_end, end) - max(start, begin)
         if overlap > 0:
-            versions += [int(version)] * overlap
+            spans.append((stamp, overlap))
+    return spans
+
+
+def _policy_versions(spans: Sequence[tuple[str, int]], adapter: str) -> list[int]:
+    """The policy version of each token of `spans`: its adapter's at the step that sampled it,
+    the base weights' for a request without adapter."""
+    versions: list[int] = []
+    for stamp, count in spans:
+        versions += [parse_engine_version_stamp(stamp).policy_version(adapter)] * count
     return versions
+
+
+def _check_first_token(salted: ServedAt, stamp: str) -> None:
+    """PolicyVersionChanged when the first token was sampled at other versions than the salt names."""
+    at = parse_engine_version_stamp(stamp)
+    if at.base != salted.base or (salted.adapter and at.policy_version(salted.adapter) != salted.adapter_version):
+        raise PolicyVersionChanged(salted.policy_version, at.policy_version(salted.adapter))
 
 
 def _prompt_logprobs(prompt_token_ids: Sequence[int], steps: PromptLogprobs) -> list[float]:

@@ -22,39 +22,71 @@ namespace older than its weights (a request running across an update computes it
 blocks with the newer weights under its old salt; they stay local, where no new request is
 given that salt). Requests running when an update lands keep their KV and go on (their
 tokens carry the versions that sampled them); that is the in-flight case, not reuse.
+
+A request with a LoRA adapter is computed with two sets of weights, the base's and the
+adapter's, and either may change (an adapter is replaced in place, adapters.py). Its policy
+version is the adapter's (the pool namespace its salt names, what its tokens are tagged with),
+and the rest of its salt names the base version and the adapter's load (a number that changes
+with every replacement, of unversioned adapters too): a request admitted after either changed
+never looks up KV computed before. The same reasoning holds with the pair in place of the one
+version: both change only while scheduling is paused, before the stamp that names them, and
+an update or replacement before the first token starts the request again.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from vllm.v1.engine.async_llm import AsyncLLM
 
 from primerl_common.kvpool.keys import served_cache_salt
 
-__all__ = ["VersionSalts"]
+__all__ = ["ServedAt", "VersionSalts"]
 
 logger = logging.getLogger(__name__)
 
 
+@dataclasses.dataclass(frozen=True)
+class ServedAt:
+    """The weights a request is admitted at: the base version and, with a LoRA adapter, that
+    adapter's name, version and load number (adapters.py)."""
+
+    base: int
+    adapter: str = ""
+    adapter_version: int = 0
+    adapter_load: int = 0
+
+    @property
+    def policy_version(self) -> int:
+        """What its tokens are tagged with and its pool namespace names."""
+        return self.adapter_version if self.adapter else self.base
+
+    def cache_salt(self, caller_salt: str) -> str:
+        if not self.adapter:
+            return served_cache_salt(self.base, caller_salt)
+        within = f"base{self.base}.load{self.adapter_load}"
+        return served_cache_salt(self.adapter_version, f"{within}:{caller_salt}" if caller_salt else within)
+
+
 class VersionSalts:
-    """The requests in the engine (engine request ids) with the version their salt names."""
+    """The requests in the engine (engine request ids) with the versions their salt names."""
 
     def __init__(self, llm: AsyncLLM) -> None:
         self._llm = llm
-        self._salted_versions: dict[str, int] = {}
+        self._salted: dict[str, ServedAt] = {}
         self._restarting: set[str] = set()
 
     @contextlib.contextmanager
-    def attempt(self, engine_request_id: str, version: int, caller_salt: str) -> Iterator[str]:
-        """The cache salt of one attempt at a request admitted at `version`, tracked while it runs."""
-        self._salted_versions[engine_request_id] = version
+    def attempt(self, engine_request_id: str, served: ServedAt, caller_salt: str) -> Iterator[str]:
+        """The cache salt of one attempt at a request admitted at `served`, tracked while it runs."""
+        self._salted[engine_request_id] = served
         try:
-            yield served_cache_salt(version, caller_salt)
+            yield served.cache_salt(caller_salt)
         finally:
-            self._salted_versions.pop(engine_request_id, None)
+            self._salted.pop(engine_request_id, None)
             self._restarting.discard(engine_request_id)
 
     def restarting(self, engine_request_id: str) -> bool:
@@ -62,18 +94,27 @@ class VersionSalts:
         return engine_request_id in self._restarting
 
     async def restart_unstarted(self, new_version: int) -> None:
-        """Aborts the attempts salted with an older version that have no token yet, to be
+        """Aborts the attempts salted with an older base version that have no token yet, to be
         started again (called while scheduling is paused for the update): they would otherwise
         run to their end before their first token's version was seen."""
+        await self._restart(lambda served: served.base < new_version, f"policy version {new_version}")
+
+    async def restart_unstarted_with_adapter(self, name: str, load: int) -> None:
+        """`restart_unstarted` for adapter `name` replaced by its load number `load`."""
+        await self._restart(
+            lambda served: served.adapter == name and served.adapter_load < load, f"the replacement of adapter {name!r}"
+        )
+
+    async def _restart(self, salted_before: Callable[[ServedAt], bool], change: str) -> None:
         unstarted = [
             request_id
-            for request_id, version in self._salted_versions.items()
-            if version < new_version and self._has_no_token(request_id)
+            for request_id, served in self._salted.items()
+            if salted_before(served) and self._has_no_token(request_id)
         ]
         if not unstarted:
             return
         self._restarting.update(unstarted)
-        logger.info("%d requests admitted before policy version %d start again under it", len(unstarted), new_version)
+        logger.info("%d requests admitted before %s start again", len(unstarted), change)
         try:
             await self._llm.abort(unstarted)
         except Exception:  # they then run on until their first token's version is seen

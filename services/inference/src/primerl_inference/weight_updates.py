@@ -104,7 +104,8 @@ class WeightUpdater:
     resume, adapters), and leaves scheduling paused when `is_paused()` says the engine's
     caller paused it. `set_serving` is told when the replica goes out of service (a load
     that failed after writing) and back; `on_new_version`, with each new version once it is
-    stamped, before scheduling resumes."""
+    stamped, before scheduling resumes. `weight_version`: the engine's version stamp for a
+    base version (engine_versions.py; it names the loaded adapters' versions too)."""
 
     def __init__(
         self,
@@ -119,8 +120,10 @@ class WeightUpdater:
         liveness: EngineLiveness,
         set_serving: Callable[[bool], Awaitable[None]],
         on_new_version: Callable[[int], Awaitable[None]] | None = None,
+        weight_version: Callable[[int], str] = str,
     ) -> None:
         self._llm = llm
+        self._weight_version = weight_version
         self._liveness = liveness
         self._set_serving = set_serving
         self._on_new_version = on_new_version
@@ -384,7 +387,7 @@ class WeightUpdater:
             await self._settle(outcomes, update, field)
             await self._llm.collective_rpc("primerl_set_policy_version", args=(update.policy_version,))
             # From the next step on, the engine stamps its outputs with the new version.
-            await self._llm.update_weight_version(str(update.policy_version))
+            await self._llm.update_weight_version(self._weight_version(update.policy_version))
             self._policy_version = update.policy_version
             metrics.policy_version.set(update.policy_version)
             if self._on_new_version is not None:

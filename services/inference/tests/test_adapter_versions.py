@@ -1,0 +1,171 @@
+"""Policy versions of LoRA adapters through the service (a real vLLM engine, tiny dense model,
+float32, LoRA on, behind a real gRPC server): a newer version replaces an adapter in place
+under running requests, whose later tokens carry it; stale versions are refused; requests with
+an adapter are checked and tagged with the adapter's version, those without with the base's."""
+
+import pathlib
+
+import grpc
+import pytest
+import pytest_asyncio
+import torch
+from google.rpc import error_details_pb2
+
+from primerl.common.v1 import generation_pb2
+from primerl.inference.v1 import inference_pb2
+from primerl_common.errors import InvalidArgument, error_details, field_violations
+from primerl_inference.engine_versions import check_adapter_name, engine_version_stamp, parse_engine_version_stamp
+
+from .serving import (
+    checkpoint,
+    final_output,
+    perturbed_model,
+    policy_version,
+    running_service,
+    update_weights,
+)
+from .test_adapters import adapter_spec, adapter_stream, adapter_tensors, generation_input
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+PROMPT = list(range(32, 72))
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def stub(model_dir: pathlib.Path):
+    async with running_service(model=model_dir, dtype="float32", enable_lora=True, max_lora_rank=8) as served:
+        yield served.stub
+
+
+async def load_adapter(stub, name: str, version: int, seed: int) -> inference_pb2.LoadAdapterResponse:
+    return await stub.LoadAdapter(adapter_stream(adapter_spec(name, policy_version=version), adapter_tensors(seed)))
+
+
+async def refused_load(stub, name: str, version: int, tensors: dict[str, torch.Tensor]) -> grpc.aio.AioRpcError:
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        await stub.LoadAdapter(adapter_stream(adapter_spec(name, policy_version=version), tensors))
+    return error.value
+
+
+def reasons(error: grpc.aio.AioRpcError) -> list[str]:
+    return [d.reason for d in error_details(error) if isinstance(d, error_details_pb2.ErrorInfo)]
+
+
+async def test_the_version_stamp_reads_back() -> None:
+    stamp = engine_version_stamp(7, {"math-v2": 3, "code_1.5": 12})
+
+    assert engine_version_stamp(7, {}) == "7"  # what vLLM is told without adapters, as before
+    versions = parse_engine_version_stamp(stamp)
+    assert (versions.policy_version(), versions.policy_version("math-v2"), versions.policy_version("code_1.5")) == (
+        7,
+        3,
+        12,
+    )
+    with pytest.raises(RuntimeError):
+        versions.policy_version("absent")
+    for name in ("", "a;b", "a=1", "org/math", "with space", "x" * 65):
+        with pytest.raises(InvalidArgument, match=r"spec\.name"):
+            check_adapter_name(name)
+
+
+async def test_a_newer_version_replaces_the_adapter_under_a_running_request(
+    stub,
+) -> None:
+    v2 = adapter_tensors(seed=1)
+    await load_adapter(stub, "policy", version=1, seed=0)
+    long_input = generation_pb2.GenerationInput(
+        prompt_token_ids=PROMPT,
+        sampling=generation_pb2.SamplingParams(temperature=1.0, max_tokens=64, seed=7, ignore_eos=True),
+        stream=generation_pb2.StreamOptions(every_n_tokens=4),
+        lora_adapter="policy",
+    )
+    responses = aiter(stub.Generate(inference_pb2.GenerateRequest(input=long_input)))
+    outputs = [(await anext(responses)).output]  # running, at version 1
+    with pytest.raises(grpc.aio.AioRpcError) as unload_in_use:
+        await stub.UnloadAdapter(inference_pb2.UnloadAdapterRequest(name="policy"))
+    replaced = await stub.LoadAdapter(adapter_stream(adapter_spec("policy", policy_version=2), v2))
+    outputs += [response.output async for response in responses]
+    after = await final_output(stub, generation_input("policy"))
+    # The same sample from version 2 loaded afresh (not in place), under another name.
+    await stub.LoadAdapter(adapter_stream(adapter_spec("fresh", policy_version=2), v2))
+    fresh = await final_output(stub, generation_input("fresh"))
+    await stub.UnloadAdapter(inference_pb2.UnloadAdapterRequest(name="fresh"))
+    await stub.UnloadAdapter(inference_pb2.UnloadAdapterRequest(name="policy"))
+
+    assert unload_in_use.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert replaced.replaced
+    versions = [v for output in outputs for v in output.policy_versions]
+    assert outputs[-1].finished and outputs[-1].finish_reason == generation_pb2.FINISH_REASON_LENGTH
+    assert len(versions) == 64
+    assert versions == sorted(versions) and set(versions) == {1, 2}  # 1 up to the swap, 2 after
+    assert set(after.policy_versions) == {2}
+    assert list(after.token_ids) == list(fresh.token_ids)
+    assert list(after.logprobs) == pytest.approx(list(fresh.logprobs), abs=1e-6)
+
+
+async def test_a_stale_or_failed_replacement_leaves_the_adapter_serving(stub) -> None:
+    await load_adapter(stub, "stale", version=3, seed=2)
+    before = await final_output(stub, generation_input("stale"))
+
+    stale = [await refused_load(stub, "stale", version, adapter_tensors(seed=3)) for version in (2, 3)]
+    broken = await refused_load(stub, "stale", 4, {"bogus.lora_A.weight": torch.zeros(8, 8)})
+    bad_name = await refused_load(stub, "stale;4", 4, adapter_tensors(seed=3))
+    after = await final_output(stub, generation_input("stale"))
+    listed = (await stub.ListAdapters(inference_pb2.ListAdaptersRequest())).adapters
+    await stub.UnloadAdapter(inference_pb2.UnloadAdapterRequest(name="stale"))
+
+    for error in stale:
+        assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert reasons(error) == ["ADAPTER_VERSION_NOT_NEWER"]
+        assert "not newer than the loaded 3" in error.details()
+    assert broken.code() == grpc.StatusCode.INVALID_ARGUMENT and "spec" in field_violations(broken)
+    assert bad_name.code() == grpc.StatusCode.INVALID_ARGUMENT and "spec.name" in field_violations(bad_name)
+    assert [(a.name, a.policy_version) for a in listed] == [("stale", 3)]
+    assert list(after.token_ids) == list(before.token_ids) and set(after.policy_versions) == {3}
+    assert list(after.logprobs) == pytest.approx(list(before.logprobs), abs=1e-6)
+
+
+async def test_min_policy_version_and_load_reports_are_per_adapter(stub) -> None:
+    await load_adapter(stub, "tenant", version=5, seed=4)
+    await stub.LoadAdapter(adapter_stream(adapter_spec("unversioned"), adapter_tensors(seed=5)))
+    base = await policy_version(stub)
+
+    served = await final_output(stub, generation_input("tenant", min_policy_version=5))
+    too_new = inference_pb2.GenerateRequest(input=generation_input("tenant", min_policy_version=6))
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        async for _ in stub.Generate(too_new):
+            pass
+    load = (await stub.GetLoad(inference_pb2.GetLoadRequest())).load
+    listed = (await stub.ListAdapters(inference_pb2.ListAdaptersRequest())).adapters
+    # Unversioned adapters are replaced at will.
+    assert (await stub.LoadAdapter(adapter_stream(adapter_spec("unversioned"), adapter_tensors(seed=6)))).replaced
+    for name in ("tenant", "unversioned"):
+        await stub.UnloadAdapter(inference_pb2.UnloadAdapterRequest(name=name))
+    unloaded = (await stub.GetLoad(inference_pb2.GetLoadRequest())).load
+
+    assert set(served.policy_versions) == {5}
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert reasons(refused.value) == ["POLICY_VERSION_TOO_OLD"]
+    assert "adapter 'tenant' at policy version 5" in refused.value.details()
+    assert load.policy_version == base and dict(load.adapter_versions) == {"tenant": 5, "unversioned": 0}
+    assert sorted((a.name, a.policy_version) for a in listed) == [("tenant", 5), ("unversioned", 0)]
+    assert not unloaded.adapter_versions
+
+
+async def test_a_full_update_keeps_adapter_versions_and_tags_base_requests_with_its_own(
+    stub, model_dir: pathlib.Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    perturbed = perturbed_model(model_dir, tmp_path_factory.mktemp("perturbed") / "dense", seed=2)
+    await load_adapter(stub, "kept", version=7, seed=0)
+    version = await policy_version(stub)
+
+    await update_weights(stub, perturbed)
+    load = (await stub.GetLoad(inference_pb2.GetLoadRequest())).load
+    base = await final_output(stub, generation_input())
+    with_adapter = await final_output(stub, generation_input("kept"))
+    await update_weights(stub, checkpoint(model_dir))
+    await stub.UnloadAdapter(inference_pb2.UnloadAdapterRequest(name="kept"))
+
+    assert load.policy_version == version + 1 and dict(load.adapter_versions) == {"kept": 7}
+    assert set(base.policy_versions) == {version + 1}
+    assert set(with_adapter.policy_versions) == {7}
