@@ -7,7 +7,7 @@ versions. Checked through the services' own APIs while the run goes on, then in 
 metrics: no whole-weights version is ever published, the replica serves the adapter at the
 versions the broadcaster published, and the trainer's logprobs of the sampled tokens match
 vLLM's with the adapter applied (float32 on both sides; the learning rate is high enough that
-the adapter moves the policy by far more than that bound within the first steps).
+the adapter changes greedy tokens within two steps, so the base model would fail the bound).
 """
 
 from __future__ import annotations
@@ -132,7 +132,8 @@ def test_a_lora_run_publishes_and_serves_the_adapter_alone(tmp_path: pathlib.Pat
     for record in records:
         trainer = record["trainer"]
         assert trainer["published"] == 1.0 and trainer["num_samples"] >= 1
-        # vLLM applied the adapter the trainer had: its logprobs are the trainer's.
-        assert abs(record["mismatch_kl"]) < 1e-4, record
+        # vLLM applied the adapter the trainer had: ~4e-12 measured (logprobs within ~3e-6), where
+        # the adapter moves logprobs by ~0.1-1 (greedy tokens differ from the first one).
+        assert abs(record["mismatch_kl"]) < 1e-9, record
     # Rollouts were sampled by adapter versions (the orchestrator followed them), not stuck at 0.
     assert records[-1]["orchestrator"]["max_policy_version"] >= MAX_STEPS - 2

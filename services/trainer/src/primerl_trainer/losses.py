@@ -183,8 +183,9 @@ def rl_loss(
             below &= advantages < 0
         keep = loss_mask & ~(above | below)
         detached_log_ratio = log_ratio.detach()
-        # 0 off the loss mask, where the log-ratio is 0.
-        mismatch_kl = torch.exp(detached_log_ratio) - detached_log_ratio - 1
+        # 0 off the loss mask, where the log-ratio is 0. expm1(x) - x, not exp(x) - x - 1: in
+        # float32 the latter cancels to 0 or rounding noise for |x| below ~1e-3.
+        mismatch_kl = torch.expm1(detached_log_ratio) - detached_log_ratio
     policy_loss = torch.where(keep, -advantages * ratio, 0.0).sum()
     kl_loss = log_ratio.square().sum()
     loss = (policy_loss + config.kl_coef * kl_loss) / num_loss_tokens

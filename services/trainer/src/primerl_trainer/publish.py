@@ -208,13 +208,14 @@ class WeightPublisher:
         self, requests: Iterable[weight_broadcaster_pb2.PublishWeightsRequest]
     ) -> weight_broadcaster_pb2.PublishWeightsResponse:
         """Stream `requests` (`begin` first) to PublishWeights, striped over the publisher's
-        streams; raises PublishError. `requests` is consumed to its end whatever happens."""
+        streams (an adapter, a few MB, takes one); raises PublishError. `requests` is consumed to
+        its end whatever happens."""
         requests = iter(requests)
         first = next(requests, None)
         if first is None or not first.HasField("begin"):
             raise ValueError("a publish stream starts with `begin`")
         begins = [first]
-        stripes = self._stripes()
+        stripes = 1 if first.begin.kind == weight_broadcaster_pb2.PUBLISH_KIND_ADAPTER else self._stripes()
         if stripes > 1:
             session, begins = uuid.uuid4().hex, []
             for index in range(stripes):

@@ -189,6 +189,9 @@ class RunPeers:
     trainer: str
     replicas: dict[str, str]
     weight_broadcaster: str | None = None
+    # The LoRA adapter the run trains (orchestrator model.lora_adapter): the versions that count
+    # are its versions; "" for whole weights.
+    lora_adapter: str = ""
 
 
 _ROLE_NAMES = {
@@ -364,7 +367,8 @@ class RunMonitor:
         parts.append(f"off-policy {status.off_policy_steps_max}/{status.max_off_policy_steps}")
         parts.append(f"dropped {status.num_dropped_off_policy_total}")
         parts.append(f"{self.tokens_per_s:,.0f} tok/s")
-        parts.append("versions " + " ".join(f"{name}={v}" for name, v in self.versions.items()))
+        of = f" (adapter {self.peers.lora_adapter})" if self.peers.lora_adapter else ""
+        parts.append(f"versions{of} " + " ".join(f"{name}={v}" for name, v in self.versions.items()))
         if self.shows_replica_groups():
             parts.append(describe_replica_groups(self.groups))
         if self.stall.shows_groups(status):
@@ -414,7 +418,8 @@ class RunMonitor:
         for name, reply in zip(names, replies, strict=True):
             if isinstance(reply, BaseException):
                 continue
-            self.versions[name] = reply.load.policy_version
+            adapter = self.peers.lora_adapter
+            self.versions[name] = reply.load.adapter_versions.get(adapter, -1) if adapter else reply.load.policy_version
             self.loads[name] = reply.load
             total += reply.load.num_generated_tokens_total
         if names and not any(isinstance(reply, BaseException) for reply in replies):
@@ -430,6 +435,7 @@ class RunMonitor:
                 policy_version=version,
                 min_replicas=len(self.peers.replicas),
                 timeout_ms=int(self.finish_timeout_s * 1000),
+                adapter_name=self.peers.lora_adapter,
             )
             # Retried while the broadcaster is away (restarting): a new one is sent the version again.
             reply = await call_with_retry(
@@ -437,8 +443,9 @@ class RunMonitor:
                 deadline_s=self.finish_timeout_s,
             )
         if not reply.reached:
+            of = f" of LoRA adapter {self.peers.lora_adapter!r}" if self.peers.lora_adapter else ""
             raise RunFailed(
-                f"policy version {version} reached only {reply.num_replicas_at_version} of "
+                f"policy version {version}{of} reached only {reply.num_replicas_at_version} of "
                 f"{len(self.peers.replicas)} replicas within {self.finish_timeout_s:.0f}s"
             )
 

@@ -392,6 +392,7 @@ class Launcher:
             trainer=get_path(orchestrator.table, "peers.trainer"),
             replicas={name: address_of(spec) for name, spec in services.items() if spec.service == "inference"},
             weight_broadcaster=address_of(services["weight_broadcaster"]) if "weight_broadcaster" in services else None,
+            lora_adapter=get_path(orchestrator.table, "model.lora_adapter") or "",
         )
         monitor = RunMonitor(
             peers,
