@@ -146,3 +146,14 @@ async def until_while_running(
         assert time.monotonic() < give_up_at, f"gave up waiting for {what}:\n{printed(out)}"
         await asyncio.sleep(0.2)
     return value
+
+
+def services_of(launcher: subprocess.Popen[str], run_dir: pathlib.Path, out: pathlib.Path, *, timeout_s: float) -> dict:
+    """What the launcher started, once every service is SERVING (services.json)."""
+
+    async def services() -> dict | None:
+        return read_services(run_dir)
+
+    return asyncio.run(
+        until_while_running(services, launcher=launcher, out=out, timeout_s=timeout_s, what="the services")
+    )

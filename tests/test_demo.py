@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import pathlib
-import subprocess
 
 import grpc
 import pytest
@@ -60,17 +58,6 @@ max_tokens = 4
 {live_runs.inference_engine(max_model_len=256, max_num_seqs=16, kv_cache_gib=1)}
 {live_runs.router_and_broadcaster(no_replica_wait_s=60.0, router_load=router_load)}[kvstore]
 """
-
-
-def services_of(launcher: subprocess.Popen[str], run_dir: pathlib.Path, out: pathlib.Path) -> dict:
-    """What the launcher started, once every service is SERVING (services.json)."""
-
-    async def services() -> dict | None:
-        return live_runs.read_services(run_dir)
-
-    return asyncio.run(
-        live_runs.until_while_running(services, launcher=launcher, out=out, timeout_s=300, what="the services")
-    )
 
 
 async def until(predicate, *, timeout_s: float, what: str):
@@ -163,7 +150,7 @@ def test_primerl_up_runs_rl_through_all_six_services(tmp_path):
     config, run_dir, out = tmp_path / "launch.toml", tmp_path / "run", tmp_path / "launcher.out"
     config.write_text(launch_file())
     with live_runs.primerl_up(config, run_dir, out) as launcher:
-        services = services_of(launcher, run_dir, out)
+        services = live_runs.services_of(launcher, run_dir, out, timeout_s=300)
         assert set(services) == {"orchestrator", "trainer", "router", "weight_broadcaster", "kvstore", *REPLICAS}
         seen = asyncio.run(drive(services))
         assert launcher.wait(240) == 0, out.read_text()

@@ -100,13 +100,7 @@ def test_a_lora_run_publishes_and_serves_the_adapter_alone(tmp_path: pathlib.Pat
     config, run_dir, out = tmp_path / "lora.toml", tmp_path / "run", tmp_path / "launcher.out"
     config.write_text(launch_file())
     with live_runs.primerl_up(config, run_dir, out) as launcher:
-
-        async def services():
-            return live_runs.read_services(run_dir)
-
-        started = asyncio.run(
-            live_runs.until_while_running(services, launcher=launcher, out=out, timeout_s=600, what="the services")
-        )
+        started = live_runs.services_of(launcher, run_dir, out, timeout_s=600)
         seen = asyncio.run(watch_adapter_versions(started, launcher=launcher, out=out))
         assert launcher.wait(600) == 0, live_runs.printed(out)
 

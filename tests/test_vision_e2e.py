@@ -12,7 +12,6 @@ this random model), and each step's sample page shows the pictures the environme
 
 from __future__ import annotations
 
-import asyncio
 import pathlib
 import re
 import subprocess
@@ -45,13 +44,7 @@ def test_the_vision_example_trains_on_images_and_shows_them(tmp_path: pathlib.Pa
     config, run_dir, out = tmp_path / "vision.toml", tmp_path / "run", tmp_path / "launcher.out"
     config.write_text(launch_file())
     with live_runs.primerl_up(config, run_dir, out) as launcher:
-
-        async def services():
-            return live_runs.read_services(run_dir)
-
-        started = asyncio.run(
-            live_runs.until_while_running(services, launcher=launcher, out=out, timeout_s=600, what="the services")
-        )
+        started = live_runs.services_of(launcher, run_dir, out, timeout_s=600)
         environment = subprocess.run(
             [
                 sys.executable,

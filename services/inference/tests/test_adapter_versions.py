@@ -14,7 +14,8 @@ from google.rpc import error_details_pb2
 from primerl.common.v1 import generation_pb2
 from primerl.inference.v1 import inference_pb2
 from primerl_common.errors import InvalidArgument, error_details, field_violations
-from primerl_inference.engine_versions import check_adapter_name, engine_version_stamp, parse_engine_version_stamp
+from primerl_common.lora import check_adapter_name
+from primerl_inference.engine_versions import engine_version_stamp, parse_engine_version_stamp
 
 from .serving import (
     checkpoint,
@@ -65,7 +66,7 @@ async def test_the_version_stamp_reads_back() -> None:
         versions.policy_version("absent")
     for name in ("", "a;b", "a=1", "org/math", "with space", "x" * 65):
         with pytest.raises(InvalidArgument, match=r"spec\.name"):
-            check_adapter_name(name)
+            check_adapter_name(name, field="spec.name")
 
 
 async def test_a_newer_version_replaces_the_adapter_under_a_running_request(

@@ -39,8 +39,9 @@ from vllm.v1.engine.async_llm import AsyncLLM
 
 from primerl.common.v1 import tensor_pb2
 from primerl_common.errors import FailedPrecondition, InvalidArgument, NotFound
+from primerl_common.lora import check_adapter_name
 from primerl_common.tensors import TensorAssembler
-from primerl_inference.engine_versions import check_adapter_name, engine_version_stamp
+from primerl_inference.engine_versions import engine_version_stamp
 from primerl_inference.liveness import EngineLiveness
 from primerl_inference.version_salts import ServedAt, VersionSalts
 
@@ -131,7 +132,7 @@ class AdapterRegistry:
     def check(self, spec: AdapterSpec) -> None:
         """Refuses `spec` before its tensors are received: a bad name, or a version not newer
         than the loaded one's."""
-        check_adapter_name(spec.name)
+        check_adapter_name(spec.name, field="spec.name")
         if spec.policy_version < 0:
             raise InvalidArgument(f"must be >= 0, got {spec.policy_version}", field="spec.policy_version")
         current = self._adapters.get(spec.name)

@@ -4,6 +4,7 @@ error for a request that needs one it lacks."""
 from __future__ import annotations
 
 from primerl_common.errors import FailedPrecondition
+from primerl_common.lora import CAPABILITY_LORA
 
 __all__ = [
     "CAPABILITY_KV_TRANSFER",
@@ -23,7 +24,6 @@ __all__ = [
 CAPABILITY_PROMPT_LOGPROBS = "generate.prompt_logprobs"
 CAPABILITY_ROUTED_EXPERTS = "generate.routed_experts"
 CAPABILITY_KV_TRANSFER = "generate.kv_transfer"
-CAPABILITY_LORA = "lora"
 CAPABILITY_WEIGHTS_HF = "weights.format.hf"
 CAPABILITY_WEIGHTS_KERNEL = "weights.format.kernel"
 CAPABILITY_WEIGHTS_DELTA = "weights.delta"

@@ -17,20 +17,10 @@ import functools
 import types
 from collections.abc import Mapping
 
-from primerl_common.errors import InvalidArgument
-from primerl_common.lora import adapter_name_problem
-
-__all__ = ["EngineVersions", "check_adapter_name", "engine_version_stamp", "parse_engine_version_stamp"]
+__all__ = ["EngineVersions", "engine_version_stamp", "parse_engine_version_stamp"]
 
 _ENTRY_SEPARATOR = ";"
 _VERSION_SEPARATOR = "="
-
-
-def check_adapter_name(name: str, *, field: str = "spec.name") -> None:
-    """InvalidArgument unless `name` may name an adapter: primerl_common.lora's names hold none
-    of the stamp's separators, so any of them reads back."""
-    if (problem := adapter_name_problem(name)) is not None:
-        raise InvalidArgument(problem, field=field)
 
 
 @dataclasses.dataclass(frozen=True)

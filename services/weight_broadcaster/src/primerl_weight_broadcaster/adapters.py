@@ -35,35 +35,25 @@ from primerl.common.v1 import tensor_pb2
 from primerl.inference.v1 import inference_pb2, inference_pb2_grpc
 from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2 as pb2
 from primerl_common.errors import FailedPrecondition, InvalidArgument
-from primerl_common.lora import ADAPTER_NAME_PATTERN, adapter_name_problem
+from primerl_common.lora import ADAPTER_NAME_PATTERN, CAPABILITY_LORA, check_adapter_name
 from primerl_common.tensors import iter_tensor_chunks
 from primerl_common.weights.manifest import ManifestError, load_tensors, read_manifest, write_weights
 from primerl_weight_broadcaster import metrics
 
 __all__ = [
-    "CAPABILITY_REPLICA_LORA",
     "AdapterStore",
     "AdapterSync",
     "PublishedAdapter",
     "check_adapter_begin",
-    "check_adapter_name",
     "published_adapter",
 ]
 
 logger = logging.getLogger(__name__)
 
-# What an inference replica lists when it loads LoRA adapters.
-CAPABILITY_REPLICA_LORA = "lora"
 _PEFT_NAME = re.compile(r"base_model\.model\.(?P<module>.+)\.lora_(?P<part>[AB])\.weight")
 _VERSION_FOLDER = re.compile(r"v(?P<version>\d+)")
 # Longest LoadAdapter call: a hung replica holds its task (and its full-weight pushes) no longer.
 _LOAD_TIMEOUT_S = 60.0
-
-
-def check_adapter_name(name: str, *, field: str) -> None:
-    """A name as every service checks them (primerl_common.lora), safe as a folder name too."""
-    if (problem := adapter_name_problem(name)) is not None:
-        raise InvalidArgument(problem, field=field)
 
 
 def check_adapter_begin(begin: pb2.PublishBegin) -> None:
@@ -278,7 +268,7 @@ class AdapterSync:
         """Pushes every adapter the replica process `instance_id` lacks; failures are logged and
         retried later (with backoff), never raised."""
         adapters = self._store.latest()
-        if CAPABILITY_REPLICA_LORA not in capabilities:
+        if CAPABILITY_LORA not in capabilities:
             if adapters and self._no_lora_logged != instance_id:
                 self._no_lora_logged = instance_id
                 logger.warning("replica %s: no adapter pushed: it does not load LoRA adapters", self._replica_id)

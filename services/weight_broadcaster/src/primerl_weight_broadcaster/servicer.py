@@ -15,11 +15,12 @@ from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2 as pb2
 from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2_grpc
 from primerl_common.admission import ConcurrencyLimit, caller_key, check_limit
 from primerl_common.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from primerl_common.lora import check_adapter_name
 from primerl_common.observability import policy_version_var
 from primerl_common.server import ServiceDefinition
 from primerl_common.stripes import PUBLISH_STRIPED, StripeSession, StripeSessions, check_stripe_fields
 from primerl_common.tensors import TensorAssembler
-from primerl_weight_broadcaster.adapters import check_adapter_begin, check_adapter_name, published_adapter
+from primerl_weight_broadcaster.adapters import check_adapter_begin, published_adapter
 from primerl_weight_broadcaster.collective import check_tensor_list
 from primerl_weight_broadcaster.config import PublishLimitsConfig
 from primerl_weight_broadcaster.replicas import Replica, ReplicaSet
