@@ -7,7 +7,7 @@ from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Mapping as _Mapping
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -17,9 +17,20 @@ class TrainingMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TRAINING_MODE_UNSPECIFIED: _ClassVar[TrainingMode]
     TRAINING_MODE_RL: _ClassVar[TrainingMode]
     TRAINING_MODE_SFT: _ClassVar[TrainingMode]
+
+class RunState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    RUN_STATE_UNSPECIFIED: _ClassVar[RunState]
+    RUN_STATE_ACTIVE: _ClassVar[RunState]
+    RUN_STATE_PAUSED: _ClassVar[RunState]
+    RUN_STATE_FAILED: _ClassVar[RunState]
 TRAINING_MODE_UNSPECIFIED: TrainingMode
 TRAINING_MODE_RL: TrainingMode
 TRAINING_MODE_SFT: TrainingMode
+RUN_STATE_UNSPECIFIED: RunState
+RUN_STATE_ACTIVE: RunState
+RUN_STATE_PAUSED: RunState
+RUN_STATE_FAILED: RunState
 
 class GetServiceInfoRequest(_message.Message):
     __slots__ = ()
@@ -32,8 +43,10 @@ class GetServiceInfoResponse(_message.Message):
     def __init__(self, info: _Optional[_Union[_service_info_pb2.ServiceInfo, _Mapping]] = ...) -> None: ...
 
 class GetBatchSpecRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("run_id",)
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    def __init__(self, run_id: _Optional[str] = ...) -> None: ...
 
 class GetBatchSpecResponse(_message.Message):
     __slots__ = ("seq_len", "router_replay", "num_moe_layers", "num_experts_per_token", "num_experts", "vocab_size", "max_queued_batches", "next_step", "num_hidden_layers", "mode", "image_token_id", "patches_per_image_token", "lora_adapter")
@@ -66,20 +79,22 @@ class GetBatchSpecResponse(_message.Message):
     def __init__(self, seq_len: _Optional[int] = ..., router_replay: _Optional[bool] = ..., num_moe_layers: _Optional[int] = ..., num_experts_per_token: _Optional[int] = ..., num_experts: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_queued_batches: _Optional[int] = ..., next_step: _Optional[int] = ..., num_hidden_layers: _Optional[int] = ..., mode: _Optional[_Union[TrainingMode, str]] = ..., image_token_id: _Optional[int] = ..., patches_per_image_token: _Optional[int] = ..., lora_adapter: _Optional[str] = ...) -> None: ...
 
 class BatchBegin(_message.Message):
-    __slots__ = ("step", "num_micro_batches", "num_samples", "num_loss_tokens", "min_policy_version", "max_policy_version")
+    __slots__ = ("step", "num_micro_batches", "num_samples", "num_loss_tokens", "min_policy_version", "max_policy_version", "run_id")
     STEP_FIELD_NUMBER: _ClassVar[int]
     NUM_MICRO_BATCHES_FIELD_NUMBER: _ClassVar[int]
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     NUM_LOSS_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MIN_POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     MAX_POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
     step: int
     num_micro_batches: int
     num_samples: int
     num_loss_tokens: int
     min_policy_version: int
     max_policy_version: int
-    def __init__(self, step: _Optional[int] = ..., num_micro_batches: _Optional[int] = ..., num_samples: _Optional[int] = ..., num_loss_tokens: _Optional[int] = ..., min_policy_version: _Optional[int] = ..., max_policy_version: _Optional[int] = ...) -> None: ...
+    run_id: str
+    def __init__(self, step: _Optional[int] = ..., num_micro_batches: _Optional[int] = ..., num_samples: _Optional[int] = ..., num_loss_tokens: _Optional[int] = ..., min_policy_version: _Optional[int] = ..., max_policy_version: _Optional[int] = ..., run_id: _Optional[str] = ...) -> None: ...
 
 class MicroBatch(_message.Message):
     __slots__ = ("input_ids", "position_ids", "loss_mask", "advantages", "inference_logprobs", "temperatures", "routed_experts", "policy_versions", "pixel_values", "image_grid_thw")
@@ -143,8 +158,10 @@ class StepMetrics(_message.Message):
     def __init__(self, step: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., finished_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., policy_version: _Optional[int] = ...) -> None: ...
 
 class GetStatusRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("run_id",)
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    def __init__(self, run_id: _Optional[str] = ...) -> None: ...
 
 class GetStatusResponse(_message.Message):
     __slots__ = ("mode", "step", "published_policy_version", "num_queued_batches", "training", "last_step", "last_checkpoint_step", "last_publish_error")
@@ -167,10 +184,12 @@ class GetStatusResponse(_message.Message):
     def __init__(self, mode: _Optional[_Union[TrainingMode, str]] = ..., step: _Optional[int] = ..., published_policy_version: _Optional[int] = ..., num_queued_batches: _Optional[int] = ..., training: _Optional[bool] = ..., last_step: _Optional[_Union[StepMetrics, _Mapping]] = ..., last_checkpoint_step: _Optional[int] = ..., last_publish_error: _Optional[str] = ...) -> None: ...
 
 class WatchStepsRequest(_message.Message):
-    __slots__ = ("after_step",)
+    __slots__ = ("after_step", "run_id")
     AFTER_STEP_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
     after_step: int
-    def __init__(self, after_step: _Optional[int] = ...) -> None: ...
+    run_id: str
+    def __init__(self, after_step: _Optional[int] = ..., run_id: _Optional[str] = ...) -> None: ...
 
 class WatchStepsResponse(_message.Message):
     __slots__ = ("step",)
@@ -179,8 +198,10 @@ class WatchStepsResponse(_message.Message):
     def __init__(self, step: _Optional[_Union[StepMetrics, _Mapping]] = ...) -> None: ...
 
 class SaveCheckpointRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("run_id",)
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    def __init__(self, run_id: _Optional[str] = ...) -> None: ...
 
 class SaveCheckpointResponse(_message.Message):
     __slots__ = ("step", "path")
@@ -189,3 +210,121 @@ class SaveCheckpointResponse(_message.Message):
     step: int
     path: str
     def __init__(self, step: _Optional[int] = ..., path: _Optional[str] = ...) -> None: ...
+
+class RunSpec(_message.Message):
+    __slots__ = ("lora_rank", "lora_alpha", "seed", "mode", "learning_rate", "weight_decay", "max_grad_norm", "warmup_steps")
+    LORA_RANK_FIELD_NUMBER: _ClassVar[int]
+    LORA_ALPHA_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
+    MAX_GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
+    WARMUP_STEPS_FIELD_NUMBER: _ClassVar[int]
+    lora_rank: int
+    lora_alpha: float
+    seed: int
+    mode: TrainingMode
+    learning_rate: float
+    weight_decay: float
+    max_grad_norm: float
+    warmup_steps: int
+    def __init__(self, lora_rank: _Optional[int] = ..., lora_alpha: _Optional[float] = ..., seed: _Optional[int] = ..., mode: _Optional[_Union[TrainingMode, str]] = ..., learning_rate: _Optional[float] = ..., weight_decay: _Optional[float] = ..., max_grad_norm: _Optional[float] = ..., warmup_steps: _Optional[int] = ...) -> None: ...
+
+class Run(_message.Message):
+    __slots__ = ("run_id", "owner", "spec", "state", "step", "next_step", "num_queued_batches", "published_policy_version", "last_checkpoint_step", "error", "created_at")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    NEXT_STEP_FIELD_NUMBER: _ClassVar[int]
+    NUM_QUEUED_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    PUBLISHED_POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LAST_CHECKPOINT_STEP_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    owner: str
+    spec: RunSpec
+    state: RunState
+    step: int
+    next_step: int
+    num_queued_batches: int
+    published_policy_version: int
+    last_checkpoint_step: int
+    error: str
+    created_at: _timestamp_pb2.Timestamp
+    def __init__(self, run_id: _Optional[str] = ..., owner: _Optional[str] = ..., spec: _Optional[_Union[RunSpec, _Mapping]] = ..., state: _Optional[_Union[RunState, str]] = ..., step: _Optional[int] = ..., next_step: _Optional[int] = ..., num_queued_batches: _Optional[int] = ..., published_policy_version: _Optional[int] = ..., last_checkpoint_step: _Optional[int] = ..., error: _Optional[str] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
+class CreateRunResponse(_message.Message):
+    __slots__ = ("run",)
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    run: Run
+    def __init__(self, run: _Optional[_Union[Run, _Mapping]] = ...) -> None: ...
+
+class CreateRunRequest(_message.Message):
+    __slots__ = ("run_id", "spec", "owner")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    spec: RunSpec
+    owner: str
+    def __init__(self, run_id: _Optional[str] = ..., spec: _Optional[_Union[RunSpec, _Mapping]] = ..., owner: _Optional[str] = ...) -> None: ...
+
+class GetRunResponse(_message.Message):
+    __slots__ = ("run",)
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    run: Run
+    def __init__(self, run: _Optional[_Union[Run, _Mapping]] = ...) -> None: ...
+
+class GetRunRequest(_message.Message):
+    __slots__ = ("run_id",)
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    def __init__(self, run_id: _Optional[str] = ...) -> None: ...
+
+class ListRunsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListRunsResponse(_message.Message):
+    __slots__ = ("runs",)
+    RUNS_FIELD_NUMBER: _ClassVar[int]
+    runs: _containers.RepeatedCompositeFieldContainer[Run]
+    def __init__(self, runs: _Optional[_Iterable[_Union[Run, _Mapping]]] = ...) -> None: ...
+
+class PauseRunResponse(_message.Message):
+    __slots__ = ("run",)
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    run: Run
+    def __init__(self, run: _Optional[_Union[Run, _Mapping]] = ...) -> None: ...
+
+class PauseRunRequest(_message.Message):
+    __slots__ = ("run_id",)
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    def __init__(self, run_id: _Optional[str] = ...) -> None: ...
+
+class ResumeRunResponse(_message.Message):
+    __slots__ = ("run",)
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    run: Run
+    def __init__(self, run: _Optional[_Union[Run, _Mapping]] = ...) -> None: ...
+
+class ResumeRunRequest(_message.Message):
+    __slots__ = ("run_id",)
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    def __init__(self, run_id: _Optional[str] = ...) -> None: ...
+
+class DeleteRunRequest(_message.Message):
+    __slots__ = ("run_id",)
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    def __init__(self, run_id: _Optional[str] = ...) -> None: ...
+
+class DeleteRunResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

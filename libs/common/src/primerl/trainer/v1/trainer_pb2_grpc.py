@@ -71,6 +71,36 @@ class TrainerServiceStub:
                 request_serializer=primerl_dot_trainer_dot_v1_dot_trainer__pb2.SaveCheckpointRequest.SerializeToString,
                 response_deserializer=primerl_dot_trainer_dot_v1_dot_trainer__pb2.SaveCheckpointResponse.FromString,
                 _registered_method=True)
+        self.CreateRun = channel.unary_unary(
+                '/primerl.trainer.v1.TrainerService/CreateRun',
+                request_serializer=primerl_dot_trainer_dot_v1_dot_trainer__pb2.CreateRunRequest.SerializeToString,
+                response_deserializer=primerl_dot_trainer_dot_v1_dot_trainer__pb2.CreateRunResponse.FromString,
+                _registered_method=True)
+        self.GetRun = channel.unary_unary(
+                '/primerl.trainer.v1.TrainerService/GetRun',
+                request_serializer=primerl_dot_trainer_dot_v1_dot_trainer__pb2.GetRunRequest.SerializeToString,
+                response_deserializer=primerl_dot_trainer_dot_v1_dot_trainer__pb2.GetRunResponse.FromString,
+                _registered_method=True)
+        self.ListRuns = channel.unary_unary(
+                '/primerl.trainer.v1.TrainerService/ListRuns',
+                request_serializer=primerl_dot_trainer_dot_v1_dot_trainer__pb2.ListRunsRequest.SerializeToString,
+                response_deserializer=primerl_dot_trainer_dot_v1_dot_trainer__pb2.ListRunsResponse.FromString,
+                _registered_method=True)
+        self.PauseRun = channel.unary_unary(
+                '/primerl.trainer.v1.TrainerService/PauseRun',
+                request_serializer=primerl_dot_trainer_dot_v1_dot_trainer__pb2.PauseRunRequest.SerializeToString,
+                response_deserializer=primerl_dot_trainer_dot_v1_dot_trainer__pb2.PauseRunResponse.FromString,
+                _registered_method=True)
+        self.ResumeRun = channel.unary_unary(
+                '/primerl.trainer.v1.TrainerService/ResumeRun',
+                request_serializer=primerl_dot_trainer_dot_v1_dot_trainer__pb2.ResumeRunRequest.SerializeToString,
+                response_deserializer=primerl_dot_trainer_dot_v1_dot_trainer__pb2.ResumeRunResponse.FromString,
+                _registered_method=True)
+        self.DeleteRun = channel.unary_unary(
+                '/primerl.trainer.v1.TrainerService/DeleteRun',
+                request_serializer=primerl_dot_trainer_dot_v1_dot_trainer__pb2.DeleteRunRequest.SerializeToString,
+                response_deserializer=primerl_dot_trainer_dot_v1_dot_trainer__pb2.DeleteRunResponse.FromString,
+                _registered_method=True)
 
 
 class TrainerServiceServicer:
@@ -133,6 +163,60 @@ class TrainerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CreateRun(self, request, context):
+        """Runs: a trainer with runs.max_concurrent_runs > 0 trains many runs on one
+        backbone, each a LoRA adapter with its own optimizer, learning-rate
+        schedule, step count, checkpoints and published adapter (named by the run
+        id, versioned by the run's steps). The RPCs above then take a run_id and
+        act on that run (INVALID_ARGUMENT without one); a trainer of one run
+        refuses a run_id (FAILED_PRECONDITION, reason RUNS_DISABLED).
+
+        A run belongs to the caller that creates it (its identity's name: a
+        tenant's certificate or bearer token). Only the owner, or an operator, may
+        read, steer or feed a run: any other caller gets PERMISSION_DENIED, for
+        every RPC that names the run. A tenant's quotas (runs, tokens per step,
+        LoRA rank) refuse with RESOURCE_EXHAUSTED naming the quota.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetRun(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListRuns(self, request, context):
+        """The caller's runs (every run for an operator).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PauseRun(self, request, context):
+        """A paused run keeps its queued batches and takes pushes up to its queue's
+        capacity, but trains none until resumed. Resuming a failed run restores it
+        from its latest checkpoint (FAILED_PRECONDITION when it has none).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ResumeRun(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteRun(self, request, context):
+        """Removes the run, its queued batches and its checkpoints (after the step in
+        progress, if it is that run's).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TrainerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -165,6 +249,36 @@ def add_TrainerServiceServicer_to_server(servicer, server):
                     servicer.SaveCheckpoint,
                     request_deserializer=primerl_dot_trainer_dot_v1_dot_trainer__pb2.SaveCheckpointRequest.FromString,
                     response_serializer=primerl_dot_trainer_dot_v1_dot_trainer__pb2.SaveCheckpointResponse.SerializeToString,
+            ),
+            'CreateRun': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateRun,
+                    request_deserializer=primerl_dot_trainer_dot_v1_dot_trainer__pb2.CreateRunRequest.FromString,
+                    response_serializer=primerl_dot_trainer_dot_v1_dot_trainer__pb2.CreateRunResponse.SerializeToString,
+            ),
+            'GetRun': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetRun,
+                    request_deserializer=primerl_dot_trainer_dot_v1_dot_trainer__pb2.GetRunRequest.FromString,
+                    response_serializer=primerl_dot_trainer_dot_v1_dot_trainer__pb2.GetRunResponse.SerializeToString,
+            ),
+            'ListRuns': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListRuns,
+                    request_deserializer=primerl_dot_trainer_dot_v1_dot_trainer__pb2.ListRunsRequest.FromString,
+                    response_serializer=primerl_dot_trainer_dot_v1_dot_trainer__pb2.ListRunsResponse.SerializeToString,
+            ),
+            'PauseRun': grpc.unary_unary_rpc_method_handler(
+                    servicer.PauseRun,
+                    request_deserializer=primerl_dot_trainer_dot_v1_dot_trainer__pb2.PauseRunRequest.FromString,
+                    response_serializer=primerl_dot_trainer_dot_v1_dot_trainer__pb2.PauseRunResponse.SerializeToString,
+            ),
+            'ResumeRun': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResumeRun,
+                    request_deserializer=primerl_dot_trainer_dot_v1_dot_trainer__pb2.ResumeRunRequest.FromString,
+                    response_serializer=primerl_dot_trainer_dot_v1_dot_trainer__pb2.ResumeRunResponse.SerializeToString,
+            ),
+            'DeleteRun': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteRun,
+                    request_deserializer=primerl_dot_trainer_dot_v1_dot_trainer__pb2.DeleteRunRequest.FromString,
+                    response_serializer=primerl_dot_trainer_dot_v1_dot_trainer__pb2.DeleteRunResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -336,6 +450,168 @@ class TrainerService:
             '/primerl.trainer.v1.TrainerService/SaveCheckpoint',
             primerl_dot_trainer_dot_v1_dot_trainer__pb2.SaveCheckpointRequest.SerializeToString,
             primerl_dot_trainer_dot_v1_dot_trainer__pb2.SaveCheckpointResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateRun(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/primerl.trainer.v1.TrainerService/CreateRun',
+            primerl_dot_trainer_dot_v1_dot_trainer__pb2.CreateRunRequest.SerializeToString,
+            primerl_dot_trainer_dot_v1_dot_trainer__pb2.CreateRunResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetRun(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/primerl.trainer.v1.TrainerService/GetRun',
+            primerl_dot_trainer_dot_v1_dot_trainer__pb2.GetRunRequest.SerializeToString,
+            primerl_dot_trainer_dot_v1_dot_trainer__pb2.GetRunResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListRuns(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/primerl.trainer.v1.TrainerService/ListRuns',
+            primerl_dot_trainer_dot_v1_dot_trainer__pb2.ListRunsRequest.SerializeToString,
+            primerl_dot_trainer_dot_v1_dot_trainer__pb2.ListRunsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PauseRun(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/primerl.trainer.v1.TrainerService/PauseRun',
+            primerl_dot_trainer_dot_v1_dot_trainer__pb2.PauseRunRequest.SerializeToString,
+            primerl_dot_trainer_dot_v1_dot_trainer__pb2.PauseRunResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResumeRun(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/primerl.trainer.v1.TrainerService/ResumeRun',
+            primerl_dot_trainer_dot_v1_dot_trainer__pb2.ResumeRunRequest.SerializeToString,
+            primerl_dot_trainer_dot_v1_dot_trainer__pb2.ResumeRunResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteRun(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/primerl.trainer.v1.TrainerService/DeleteRun',
+            primerl_dot_trainer_dot_v1_dot_trainer__pb2.DeleteRunRequest.SerializeToString,
+            primerl_dot_trainer_dot_v1_dot_trainer__pb2.DeleteRunResponse.FromString,
             options,
             channel_credentials,
             insecure,
