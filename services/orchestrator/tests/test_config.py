@@ -57,6 +57,8 @@ name = "guess"
         ('[[environments]]\nname = "a"\n[environments.sampling]\ntemperature = 0', "temperature"),
         ('[[environments]]\nname = "a"\n[environments.sampling]\ntemperature = 2.4', "temperature"),
         ('[[environments]]\nname = "a"\noptions = {x = 1}', "options are for built-in environments"),
+        ('[peers]\nrun_id = "no/slash"\n[[environments]]\nname = "a"', r"peers\.run_id.*not an adapter name"),
+        ('[peers]\nrun_id = "-dash-first"\n[[environments]]\nname = "a"', r"peers\.run_id.*not an adapter name"),
     ],
 )
 def test_bad_configs_name_the_problem(tmp_path, model_dir, body, message):
@@ -69,3 +71,22 @@ def test_model_folder_needs_a_tokenizer(tmp_path):
         load_config(
             OrchestratorConfig, write(tmp_path, f'[model]\npath = "{tmp_path}"\n[[environments]]\nname = "a"\n')
         )
+
+
+def run_config(tmp_path, model_dir, *, run_id: str, lora_adapter: str | None = None) -> OrchestratorConfig:
+    adapter = "" if lora_adapter is None else f'lora_adapter = "{lora_adapter}"\n'
+    text = f'[model]\npath = "{model_dir}"\n{adapter}[peers]\nrun_id = "{run_id}"\n[[environments]]\nname = "a"\n'
+    return load_config(OrchestratorConfig, write(tmp_path, text))
+
+
+def test_a_run_generates_with_and_follows_the_adapter_named_by_its_run_id(tmp_path, model_dir):
+    assert run_config(tmp_path, model_dir, run_id="run-a").lora_adapter == "run-a"
+    assert run_config(tmp_path, model_dir, run_id="run-a", lora_adapter="run-a").lora_adapter == "run-a"
+    # A trainer of one run: model.lora_adapter, or the base model.
+    assert run_config(tmp_path, model_dir, run_id="", lora_adapter="mine").lora_adapter == "mine"
+    assert run_config(tmp_path, model_dir, run_id="").lora_adapter == ""
+
+
+def test_a_run_id_and_another_lora_adapter_name_both_fields(tmp_path, model_dir):
+    with pytest.raises(ConfigError, match=r"model\.lora_adapter 'other' is not peers\.run_id 'run-a'"):
+        run_config(tmp_path, model_dir, run_id="run-a", lora_adapter="other")

@@ -33,6 +33,12 @@ __all__ = [
 class PeersConfig(Section):
     router: str = Field(default="localhost:50054", description="host:port of the router (router.v1 Generate)")
     trainer: str = Field(default="localhost:50052", description="host:port of the trainer (trainer.v1 PushBatch)")
+    run_id: str = Field(
+        default="",
+        description="the run this orchestrator feeds on a trainer with runs (trainer.v1 CreateRun): every trainer "
+        "call names it, and its LoRA adapter (named by the run id) is what turns are generated with and whose "
+        "versions are the policy versions; empty: a trainer of one run",
+    )
     weight_broadcaster: str | None = Field(
         default=None,
         description="host:port of the weight broadcaster, whose published versions open dispatch; unset: the "
@@ -61,6 +67,14 @@ class PeersConfig(Section):
     )
     kv_namespace_sweep_s: float = Field(default=5.0, gt=0, description="how often namespaces are checked for removal")
 
+    @field_validator("run_id")
+    @classmethod
+    def _run_id_names_an_adapter(cls, run_id: str) -> str:
+        # The run id names the run's adapter on the replicas (primerl_common.lora.check_adapter_name).
+        if run_id and (problem := adapter_name_problem(run_id)) is not None:
+            raise ValueError(problem)
+        return run_id
+
 
 class ModelConfig(Section):
     path: pathlib.Path = Field(description="model folder with the tokenizer and its chat template (config.json)")
@@ -85,7 +99,8 @@ class ModelConfig(Section):
         default="",
         description="the LoRA adapter the run trains (the trainer's publish.adapter_name, publish.kind 'adapter'): "
         "every turn is generated with it and policy versions are its versions; empty: the base model's whole "
-        "weights (the trainer must publish those)",
+        "weights (the trainer must publish those), or with peers.run_id set the run's adapter (the run id, the "
+        "only other value allowed then)",
     )
 
     @field_validator("tool_call_format")
@@ -379,6 +394,12 @@ class OrchestratorConfig(ServiceConfig):
                 f"run.max_off_policy_steps {self.run.max_off_policy_steps} < run.max_async_level "
                 f"{self.run.max_async_level}: rollouts started at the allowed lag would be dropped"
             )
+        run_id, adapter = self.peers.run_id, self.model.lora_adapter
+        if run_id and adapter and adapter != run_id:
+            raise ValueError(
+                f"model.lora_adapter {adapter!r} is not peers.run_id {run_id!r}: a run on a trainer with runs "
+                "trains the adapter named by its run id; leave model.lora_adapter unset or set it to the run id"
+            )
         self._check_evals(names)
         if self.output.metrics_jsonl is None:
             if self.tracking.wandb.enabled and self.tracking.wandb.dir is None:
@@ -388,6 +409,13 @@ class OrchestratorConfig(ServiceConfig):
                     "tracking.tensorboard.log_dir is unset and so is output.metrics_jsonl (its default's folder)"
                 )
         return self
+
+    @property
+    def lora_adapter(self) -> str:
+        """The LoRA adapter every turn is generated with, whose published versions are the policy
+        versions: the run's (named by peers.run_id) on a trainer with runs, else model.lora_adapter
+        ('' : the base model's whole weights)."""
+        return self.peers.run_id or self.model.lora_adapter
 
     def _check_evals(self, environments: list[str]) -> None:
         names = [e.name for e in self.evals]

@@ -118,7 +118,11 @@ class BatchLoop:
             )
         assert self._tracker is not None
         if self._tracker.enabled and config.tracking.trainer_metrics:
-            self._spawn(watch_trainer_steps(config.peers.trainer, self._tracker, after_step=step - 1))
+            self._spawn(
+                watch_trainer_steps(
+                    config.peers.trainer, self._tracker, after_step=step - 1, run_id=config.peers.run_id
+                )
+            )
 
         last_step_at = time.monotonic()
         while True:

@@ -41,11 +41,11 @@ ROLES = {
 async def build(config: OrchestratorConfig) -> ServiceDefinition:
     peers = config.peers
     renderer = PromptRenderer.from_config(config.model)
-    adapter = config.model.lora_adapter
+    adapter = config.lora_adapter
     generation = RouterGeneration(
         peers.router, timeout_s=peers.generate_timeout_s, retry_s=peers.router_retry_s, lora_adapter=adapter
     )
-    trainer = TrainerFeed(peers.trainer, lora_adapter=adapter)
+    trainer = TrainerFeed(peers.trainer, lora_adapter=adapter, run_id=peers.run_id)
     versions: VersionSource
     if peers.weight_broadcaster is not None:
         versions = BroadcasterVersions(peers.weight_broadcaster, min_replicas=peers.min_replicas, adapter_name=adapter)
@@ -112,6 +112,7 @@ async def build(config: OrchestratorConfig) -> ServiceDefinition:
             "environments": ",".join(env.name for env in config.environments),
             "router": peers.router,
             "trainer": peers.trainer,
+            **({"run_id": peers.run_id} if peers.run_id else {}),
             "max_steps": str(config.run.max_steps),
         },
         on_start=[start],

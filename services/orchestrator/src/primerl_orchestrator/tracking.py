@@ -212,14 +212,16 @@ class Tracker:
         self._writers = []
 
 
-async def watch_trainer_steps(address: str, tracker: Tracker, *, after_step: int = 0) -> None:
-    """Logs the trainer's step metrics (WatchSteps) until cancelled, reconnecting."""
+async def watch_trainer_steps(address: str, tracker: Tracker, *, after_step: int = 0, run_id: str = "") -> None:
+    """Logs the trainer's step metrics (WatchSteps; those of run `run_id` on a trainer with
+    runs) until cancelled, reconnecting."""
     last = after_step
     async with make_channel(address) as channel:
         stub = trainer_pb2_grpc.TrainerServiceStub(channel)
         while True:
+            request = trainer_pb2.WatchStepsRequest(after_step=last, run_id=run_id)
             try:
-                async for response in stub.WatchSteps(trainer_pb2.WatchStepsRequest(after_step=last)):
+                async for response in stub.WatchSteps(request):
                     step = response.step.step
                     if step > last:
                         tracker.log_trainer_step(step, dict(response.step.metrics))

@@ -6,6 +6,9 @@ unreachable (UNAVAILABLE, e.g. restarting). A retry told STEP_ALREADY_QUEUED or
 STEP_ALREADY_TRAINED means an earlier attempt got through: the step is done. A trainer that
 expects another step (STEP_OUT_OF_ORDER: it restarted from an older checkpoint and lost its
 queue, or another orchestrator fed it) raises StepMismatch with the step it expects.
+
+On a trainer with runs (many LoRA runs on one backbone), every call names the run this
+orchestrator feeds (`run_id`): its batch spec, steps and queue are that run's.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from google.rpc import error_details_pb2
 
 from primerl.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from primerl_common.client import make_channel
-from primerl_common.errors import error_details
+from primerl_common.errors import error_details, field_violations
 from primerl_common.tensors import tensor_to_proto
 from primerl_orchestrator.packing import PackedBatch
 
@@ -56,14 +59,24 @@ class StepMismatch(Exception):
 
 class TrainerFeed:
     """`lora_adapter`: the adapter this run generates with, which the trainer must be the one
-    training and publishing (rollouts of another policy would be trained as if they were its)."""
+    training and publishing (rollouts of another policy would be trained as if they were its).
+    `run_id`: the run fed on a trainer with runs (its adapter is named by it); '' for a trainer
+    of one run."""
 
-    def __init__(self, address: str, *, push_timeout_s: float = 300.0, lora_adapter: str = "") -> None:
+    def __init__(
+        self, address: str, *, push_timeout_s: float = 300.0, lora_adapter: str = "", run_id: str = ""
+    ) -> None:
         self.address = address
+        self.run_id = run_id
         self._lora_adapter = lora_adapter
         self._push_timeout_s = push_timeout_s
         self._channel = make_channel(address)
         self._stub = trainer_pb2_grpc.TrainerServiceStub(self._channel)
+
+    @property
+    def _trainer(self) -> str:
+        """The trainer (and the run) as error messages name it."""
+        return f"the trainer at {self.address}" + (f" (run {self.run_id!r})" if self.run_id else "")
 
     async def close(self) -> None:
         await self._channel.close()
@@ -73,21 +86,27 @@ class TrainerFeed:
         backoff = 0.2
         while True:
             try:
-                spec = await self._stub.GetBatchSpec(trainer_pb2.GetBatchSpecRequest(), timeout=10)
+                spec = await self._stub.GetBatchSpec(trainer_pb2.GetBatchSpecRequest(run_id=self.run_id), timeout=10)
                 break
             except grpc.aio.AioRpcError as exc:
                 if exc.code() not in _RETRIED:
+                    self._raise_for_runs(exc)
                     raise
-                logger.info("waiting for the trainer at %s (%s)", self.address, exc.code().name)
+                logger.info("waiting for %s (%s)", self._trainer, exc.code().name)
             await asyncio.sleep(backoff)
             backoff = min(2 * backoff, _MAX_BACKOFF_S)
         if spec.mode == trainer_pb2.TRAINING_MODE_SFT:
-            raise TrainerError(f"the trainer at {self.address} trains on an SFT dataset and takes no batches")
+            raise TrainerError(f"{self._trainer} trains on an SFT dataset and takes no batches")
         if spec.lora_adapter != self._lora_adapter:
             trains = f"LoRA adapter {spec.lora_adapter!r}" if spec.lora_adapter else "whole weights"
             generates = f"LoRA adapter {self._lora_adapter!r}" if self._lora_adapter else "the base model"
+            if self.run_id:
+                raise TrainerError(
+                    f"{self._trainer} trains and publishes {trains}, and rollouts are generated with "
+                    f"{generates}: a run's rollouts must be generated with its adapter, named by its run id"
+                )
             raise TrainerError(
-                f"the trainer at {self.address} trains and publishes {trains}, and model.lora_adapter says "
+                f"{self._trainer} trains and publishes {trains}, and model.lora_adapter says "
                 f"rollouts are generated with {generates}: set model.lora_adapter to the trainer's "
                 "publish.adapter_name (publish.kind 'adapter'), or leave both unset"
             )
@@ -104,12 +123,35 @@ class TrainerFeed:
 
     async def completed_step(self) -> int:
         """Optimizer steps the trainer has completed: the latest policy version it made."""
-        status = await self._stub.GetStatus(trainer_pb2.GetStatusRequest(), timeout=10)
+        try:
+            status = await self._stub.GetStatus(trainer_pb2.GetStatusRequest(run_id=self.run_id), timeout=10)
+        except grpc.aio.AioRpcError as exc:
+            self._raise_for_runs(exc)
+            raise
         return status.step
+
+    def _raise_for_runs(self, exc: grpc.aio.AioRpcError) -> None:
+        """TrainerError when `exc` says the trainer and peers.run_id disagree about runs: a retry
+        would fail the same way."""
+        code, reason, _, _ = _failure(exc)
+        if code == grpc.StatusCode.FAILED_PRECONDITION and reason == "RUNS_DISABLED":
+            raise TrainerError(
+                f"the trainer at {self.address} trains one run and takes no run id: unset peers.run_id "
+                f"(now {self.run_id!r})"
+            ) from None
+        if code == grpc.StatusCode.INVALID_ARGUMENT and not self.run_id and "run_id" in field_violations(exc):
+            raise TrainerError(
+                f"the trainer at {self.address} trains many runs: set peers.run_id to the run this orchestrator "
+                f"feeds ({exc.details()})"
+            ) from None
+        if code == grpc.StatusCode.NOT_FOUND and self.run_id:
+            raise TrainerError(
+                f"{self._trainer}: {exc.details()}; create the run first (trainer.v1 CreateRun)"
+            ) from None
 
     async def push(self, step: int, batch: PackedBatch) -> None:
         """Queues `batch` as the trainer's step `step`; returns once the trainer holds it."""
-        requests = _push_requests(step, batch)
+        requests = _push_requests(step, batch, run_id=self.run_id)
         backoff = 0.2
         attempt = 0
         while True:
@@ -137,8 +179,9 @@ class TrainerFeed:
                     raise StepMismatch(step, int(metadata["next_step"])) from None
                 # LIMIT_EXCEEDED: the batch is past one of the trainer's batch_limits; it would be again.
                 if code not in _RETRIED or reason == "LIMIT_EXCEEDED":
+                    self._raise_for_runs(exc)
                     raise TrainerError(
-                        f"the trainer refused the batch of step {step}: {code.name}: {exc.details()}"
+                        f"{self._trainer} refused the batch of step {step}: {code.name}: {exc.details()}"
                     ) from None
                 delay = retry_after_s if retry_after_s is not None else backoff
                 logger.info("trainer busy or away (%s); pushing step %d again in %.1fs", code.name, step, delay)
@@ -146,8 +189,9 @@ class TrainerFeed:
             backoff = min(2 * backoff, _MAX_BACKOFF_S)
 
 
-def _push_requests(step: int, batch: PackedBatch) -> list[trainer_pb2.PushBatchRequest]:
+def _push_requests(step: int, batch: PackedBatch, *, run_id: str = "") -> list[trainer_pb2.PushBatchRequest]:
     begin = trainer_pb2.BatchBegin(
+        run_id=run_id,
         step=step,
         num_micro_batches=len(batch.micro_batches),
         num_samples=batch.num_samples,

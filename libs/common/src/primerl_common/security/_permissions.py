@@ -36,6 +36,7 @@ __all__ = [
     "TRAINER",
     "WEIGHT_BROADCASTER",
     "AuthorizationInterceptor",
+    "check_owner",
     "method_roles",
 ]
 
@@ -85,6 +86,20 @@ def method_roles(descriptor: Any, roles: Mapping[str, Collection[str]]) -> dict[
     table = {f"/{descriptor.full_name}/{name}": frozenset(allowed) for name, allowed in roles.items()}
     table.setdefault(f"/{descriptor.full_name}/GetServiceInfo", ANY)
     return table
+
+
+def check_owner(caller: Caller, owner: str, *, what: str, reason: str) -> None:
+    """What a tenant owns (a run on the trainer, its adapter on the replicas) is for it alone:
+    raises PermissionDenied (`reason`) unless `caller` is `owner`, an operator, or LOCAL (plaintext
+    has no identities). An empty `owner`: owned by no one, open to any caller. `what` names the
+    thing in the message ("run 'a1'")."""
+    if not owner or caller.name == owner or "*" in caller.roles or OPERATOR in caller.roles:
+        return
+    raise PermissionDenied(
+        f"{what} is not {caller.describe()}'s: only its owner or an operator may use it",
+        reason=reason,
+        metadata={"caller": caller.name},
+    )
 
 
 def _allows(allowed: frozenset[str], caller: Caller) -> bool:

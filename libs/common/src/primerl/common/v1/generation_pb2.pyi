@@ -164,7 +164,7 @@ class GenerationOutput(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., offset: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., policy_versions: _Optional[_Iterable[int]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., routed_experts: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., stats: _Optional[_Union[GenerationStats, _Mapping]] = ..., replica_id: _Optional[str] = ..., routed_experts_start: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("num_waiting", "num_running", "kv_cache_usage", "policy_version", "updating_weights", "paused", "draining", "role", "num_prompt_tokens_total", "num_generated_tokens_total", "num_prefix_cache_hit_tokens_total", "num_kv_pool_hit_tokens_total", "adapter_versions")
+    __slots__ = ("num_waiting", "num_running", "kv_cache_usage", "policy_version", "updating_weights", "paused", "draining", "role", "num_prompt_tokens_total", "num_generated_tokens_total", "num_prefix_cache_hit_tokens_total", "num_kv_pool_hit_tokens_total", "adapter_versions", "adapter_owners")
     class AdapterVersionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -172,6 +172,13 @@ class LoadReport(_message.Message):
         key: str
         value: int
         def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class AdapterOwnersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
@@ -185,6 +192,7 @@ class LoadReport(_message.Message):
     NUM_PREFIX_CACHE_HIT_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_POOL_HIT_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_OWNERS_FIELD_NUMBER: _ClassVar[int]
     num_waiting: int
     num_running: int
     kv_cache_usage: float
@@ -198,4 +206,5 @@ class LoadReport(_message.Message):
     num_prefix_cache_hit_tokens_total: int
     num_kv_pool_hit_tokens_total: int
     adapter_versions: _containers.ScalarMap[str, int]
-    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., policy_version: _Optional[int] = ..., updating_weights: _Optional[bool] = ..., paused: _Optional[bool] = ..., draining: _Optional[bool] = ..., role: _Optional[_Union[ReplicaRole, str]] = ..., num_prompt_tokens_total: _Optional[int] = ..., num_generated_tokens_total: _Optional[int] = ..., num_prefix_cache_hit_tokens_total: _Optional[int] = ..., num_kv_pool_hit_tokens_total: _Optional[int] = ..., adapter_versions: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    adapter_owners: _containers.ScalarMap[str, str]
+    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., policy_version: _Optional[int] = ..., updating_weights: _Optional[bool] = ..., paused: _Optional[bool] = ..., draining: _Optional[bool] = ..., role: _Optional[_Union[ReplicaRole, str]] = ..., num_prompt_tokens_total: _Optional[int] = ..., num_generated_tokens_total: _Optional[int] = ..., num_prefix_cache_hit_tokens_total: _Optional[int] = ..., num_kv_pool_hit_tokens_total: _Optional[int] = ..., adapter_versions: _Optional[_Mapping[str, int]] = ..., adapter_owners: _Optional[_Mapping[str, str]] = ...) -> None: ...

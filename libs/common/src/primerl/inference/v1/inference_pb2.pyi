@@ -168,20 +168,22 @@ class WatchLoadResponse(_message.Message):
     def __init__(self, load: _Optional[_Union[_generation_pb2.LoadReport, _Mapping]] = ...) -> None: ...
 
 class AdapterSpec(_message.Message):
-    __slots__ = ("name", "path", "rank", "alpha", "target_modules", "policy_version")
+    __slots__ = ("name", "path", "rank", "alpha", "target_modules", "policy_version", "owner")
     NAME_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     ALPHA_FIELD_NUMBER: _ClassVar[int]
     TARGET_MODULES_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
     name: str
     path: str
     rank: int
     alpha: float
     target_modules: _containers.RepeatedScalarFieldContainer[str]
     policy_version: int
-    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., rank: _Optional[int] = ..., alpha: _Optional[float] = ..., target_modules: _Optional[_Iterable[str]] = ..., policy_version: _Optional[int] = ...) -> None: ...
+    owner: str
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., rank: _Optional[int] = ..., alpha: _Optional[float] = ..., target_modules: _Optional[_Iterable[str]] = ..., policy_version: _Optional[int] = ..., owner: _Optional[str] = ...) -> None: ...
 
 class LoadAdapterRequest(_message.Message):
     __slots__ = ("spec", "chunk")

@@ -28,7 +28,7 @@ from primerl.common.v1 import tensor_pb2 as primerl_dot_common_dot_v1_dot_tensor
 from primerl.inference.v1 import inference_pb2 as primerl_dot_inference_dot_v1_dot_inference__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n6primerl/weight_broadcaster/v1/weight_broadcaster.proto\x12\x1dprimerl.weight_broadcaster.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a$primerl/common/v1/service_info.proto\x1a\x1eprimerl/common/v1/tensor.proto\x1a$primerl/inference/v1/inference.proto\"\x17\n\x15GetServiceInfoRequest\"F\n\x16GetServiceInfoResponse\x12,\n\x04info\x18\x01 \x01(\x0b\x32\x1e.primerl.common.v1.ServiceInfo\"\xb8\x02\n\x0cPublishBegin\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x38\n\x04kind\x18\x02 \x01(\x0e\x32*.primerl.weight_broadcaster.v1.PublishKind\x12\x13\n\x0bnum_tensors\x18\x03 \x01(\r\x12\x11\n\tnum_bytes\x18\x04 \x01(\x04\x12\x14\n\x0ctrainer_step\x18\x05 \x01(\x03\x12\x14\n\x0c\x61\x64\x61pter_name\x18\x06 \x01(\t\x12\x14\n\x0c\x61\x64\x61pter_rank\x18\x07 \x01(\r\x12\x15\n\radapter_alpha\x18\x08 \x01(\x02\x12\x12\n\nmodel_type\x18\t \x01(\t\x12\x16\n\x0estripe_session\x18\n \x01(\t\x12\x13\n\x0bnum_stripes\x18\x0b \x01(\r\x12\x14\n\x0cstripe_index\x18\x0c \x01(\r\"\x8e\x01\n\x15PublishWeightsRequest\x12<\n\x05\x62\x65gin\x18\x01 \x01(\x0b\x32+.primerl.weight_broadcaster.v1.PublishBeginH\x00\x12/\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x1e.primerl.common.v1.TensorChunkH\x00\x42\x06\n\x04item\"\x9b\x01\n\x18PublishCollectiveRequest\x12:\n\x05\x62\x65gin\x18\x01 \x01(\x0b\x32+.primerl.weight_broadcaster.v1.PublishBegin\x12\x30\n\x07tensors\x18\x02 \x03(\x0b\x32\x1f.primerl.common.v1.TensorHeader\x12\x11\n\tnew_group\x18\x03 \x01(\x08\"y\n\x19PublishCollectiveResponse\x12\x34\n\x05group\x18\x01 \x01(\x0b\x32%.primerl.inference.v1.CollectiveGroup\x12\x13\n\x0breplica_ids\x18\x02 \x03(\t\x12\x11\n\tsend_data\x18\x03 \x01(\x08\"u\n\x16PublishWeightsResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x13\n\x0bnum_tensors\x18\x02 \x01(\r\x12\x11\n\tnum_bytes\x18\x03 \x01(\x04\x12\x1b\n\x13num_changed_tensors\x18\x04 \x01(\r\"\xd2\x01\n\x16RegisterReplicaRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12/\n\x06\x66ormat\x18\x03 \x01(\x0e\x32\x1f.primerl.common.v1.WeightFormat\x12;\n\ttransport\x18\x04 \x01(\x0e\x32(.primerl.weight_broadcaster.v1.Transport\x12\r\n\x05\x64\x65lta\x18\x05 \x01(\x08\x12\x16\n\x0epolicy_version\x18\x06 \x01(\x03\"w\n\x17RegisterReplicaResponse\x12=\n\x07replica\x18\x01 \x01(\x0b\x32,.primerl.weight_broadcaster.v1.ReplicaStatus\x12\x1d\n\x15latest_policy_version\x18\x02 \x01(\x03\".\n\x18\x44\x65registerReplicaRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\"\x1b\n\x19\x44\x65registerReplicaResponse\"\x8b\x06\n\rReplicaStatus\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12:\n\x05state\x18\x03 \x01(\x0e\x32+.primerl.weight_broadcaster.v1.ReplicaState\x12\x16\n\x0epolicy_version\x18\x04 \x01(\x03\x12\x1d\n\x15target_policy_version\x18\x05 \x01(\x03\x12\x12\n\nlast_error\x18\x06 \x01(\t\x12 \n\x18num_consecutive_failures\x18\x07 \x01(\r\x12\x31\n\rnext_retry_at\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x13\n\x0blast_push_s\x18\t \x01(\x01\x12\x1c\n\x14num_bytes_sent_total\x18\n \x01(\x04\x12/\n\x06\x66ormat\x18\x0b \x01(\x0e\x32\x1f.primerl.common.v1.WeightFormat\x12;\n\ttransport\x18\x0c \x01(\x0e\x32(.primerl.weight_broadcaster.v1.Transport\x12\r\n\x05\x64\x65lta\x18\r \x01(\x08\x12\x1d\n\x15num_tensors_last_push\x18\x0e \x01(\r\x12\x1b\n\x13num_bytes_last_push\x18\x0f \x01(\x04\x12\x17\n\x0flast_push_delta\x18\x10 \x01(\x08\x12\x45\n\x13last_push_transport\x18\x11 \x01(\x0e\x32(.primerl.weight_broadcaster.v1.Transport\x12\x18\n\x10transport_reason\x18\x12 \x01(\t\x12[\n\x10\x61\x64\x61pter_versions\x18\x13 \x03(\x0b\x32\x41.primerl.weight_broadcaster.v1.ReplicaStatus.AdapterVersionsEntry\x1a\x36\n\x14\x41\x64\x61pterVersionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\x12\n\x10GetStatusRequest\"\x9e\x02\n\x11GetStatusResponse\x12\x1d\n\x15latest_policy_version\x18\x01 \x01(\x03\x12>\n\x08replicas\x18\x02 \x03(\x0b\x32,.primerl.weight_broadcaster.v1.ReplicaStatus\x12l\n\x17latest_adapter_versions\x18\x03 \x03(\x0b\x32K.primerl.weight_broadcaster.v1.GetStatusResponse.LatestAdapterVersionsEntry\x1a<\n\x1aLatestAdapterVersionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"o\n\x15WaitForVersionRequest\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x14\n\x0cmin_replicas\x18\x02 \x01(\r\x12\x12\n\ntimeout_ms\x18\x03 \x01(\r\x12\x14\n\x0c\x61\x64\x61pter_name\x18\x04 \x01(\t\"i\n\x16WaitForVersionResponse\x12\x0f\n\x07reached\x18\x01 \x01(\x08\x12\x1d\n\x15latest_policy_version\x18\x02 \x01(\x03\x12\x1f\n\x17num_replicas_at_version\x18\x03 \x01(\r\"\x16\n\x14WatchReplicasRequest\"\x86\x01\n\x15WatchReplicasResponse\x12=\n\x07replica\x18\x01 \x01(\x0b\x32,.primerl.weight_broadcaster.v1.ReplicaStatus\x12\x0f\n\x07removed\x18\x02 \x01(\x08\x12\x1d\n\x15latest_policy_version\x18\x03 \x01(\x03*\\\n\x0bPublishKind\x12\x1c\n\x18PUBLISH_KIND_UNSPECIFIED\x10\x00\x12\x15\n\x11PUBLISH_KIND_FULL\x10\x01\x12\x18\n\x14PUBLISH_KIND_ADAPTER\x10\x02*\x8e\x01\n\tTransport\x12\x19\n\x15TRANSPORT_UNSPECIFIED\x10\x00\x12\x12\n\x0eTRANSPORT_GRPC\x10\x01\x12\x17\n\x13TRANSPORT_SHARED_FS\x10\x02\x12\x12\n\x0eTRANSPORT_NCCL\x10\x03\x12\x11\n\rTRANSPORT_SHM\x10\x04\x12\x12\n\x0eTRANSPORT_AUTO\x10\x05*\x98\x01\n\x0cReplicaState\x12\x1d\n\x19REPLICA_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15REPLICA_STATE_CURRENT\x10\x01\x12\x1a\n\x16REPLICA_STATE_UPDATING\x10\x02\x12\x18\n\x14REPLICA_STATE_BEHIND\x10\x03\x12\x18\n\x14REPLICA_STATE_FAILED\x10\x04\x32\x9c\x08\n\x18WeightBroadcasterService\x12}\n\x0eGetServiceInfo\x12\x34.primerl.weight_broadcaster.v1.GetServiceInfoRequest\x1a\x35.primerl.weight_broadcaster.v1.GetServiceInfoResponse\x12\x7f\n\x0ePublishWeights\x12\x34.primerl.weight_broadcaster.v1.PublishWeightsRequest\x1a\x35.primerl.weight_broadcaster.v1.PublishWeightsResponse(\x01\x12\x86\x01\n\x11PublishCollective\x12\x37.primerl.weight_broadcaster.v1.PublishCollectiveRequest\x1a\x38.primerl.weight_broadcaster.v1.PublishCollectiveResponse\x12\x80\x01\n\x0fRegisterReplica\x12\x35.primerl.weight_broadcaster.v1.RegisterReplicaRequest\x1a\x36.primerl.weight_broadcaster.v1.RegisterReplicaResponse\x12\x86\x01\n\x11\x44\x65registerReplica\x12\x37.primerl.weight_broadcaster.v1.DeregisterReplicaRequest\x1a\x38.primerl.weight_broadcaster.v1.DeregisterReplicaResponse\x12n\n\tGetStatus\x12/.primerl.weight_broadcaster.v1.GetStatusRequest\x1a\x30.primerl.weight_broadcaster.v1.GetStatusResponse\x12}\n\x0eWaitForVersion\x12\x34.primerl.weight_broadcaster.v1.WaitForVersionRequest\x1a\x35.primerl.weight_broadcaster.v1.WaitForVersionResponse\x12|\n\rWatchReplicas\x12\x33.primerl.weight_broadcaster.v1.WatchReplicasRequest\x1a\x34.primerl.weight_broadcaster.v1.WatchReplicasResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n6primerl/weight_broadcaster/v1/weight_broadcaster.proto\x12\x1dprimerl.weight_broadcaster.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a$primerl/common/v1/service_info.proto\x1a\x1eprimerl/common/v1/tensor.proto\x1a$primerl/inference/v1/inference.proto\"\x17\n\x15GetServiceInfoRequest\"F\n\x16GetServiceInfoResponse\x12,\n\x04info\x18\x01 \x01(\x0b\x32\x1e.primerl.common.v1.ServiceInfo\"\xcf\x02\n\x0cPublishBegin\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x38\n\x04kind\x18\x02 \x01(\x0e\x32*.primerl.weight_broadcaster.v1.PublishKind\x12\x13\n\x0bnum_tensors\x18\x03 \x01(\r\x12\x11\n\tnum_bytes\x18\x04 \x01(\x04\x12\x14\n\x0ctrainer_step\x18\x05 \x01(\x03\x12\x14\n\x0c\x61\x64\x61pter_name\x18\x06 \x01(\t\x12\x14\n\x0c\x61\x64\x61pter_rank\x18\x07 \x01(\r\x12\x15\n\radapter_alpha\x18\x08 \x01(\x02\x12\x12\n\nmodel_type\x18\t \x01(\t\x12\x16\n\x0estripe_session\x18\n \x01(\t\x12\x13\n\x0bnum_stripes\x18\x0b \x01(\r\x12\x14\n\x0cstripe_index\x18\x0c \x01(\r\x12\x15\n\radapter_owner\x18\r \x01(\t\"\x8e\x01\n\x15PublishWeightsRequest\x12<\n\x05\x62\x65gin\x18\x01 \x01(\x0b\x32+.primerl.weight_broadcaster.v1.PublishBeginH\x00\x12/\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x1e.primerl.common.v1.TensorChunkH\x00\x42\x06\n\x04item\"\x9b\x01\n\x18PublishCollectiveRequest\x12:\n\x05\x62\x65gin\x18\x01 \x01(\x0b\x32+.primerl.weight_broadcaster.v1.PublishBegin\x12\x30\n\x07tensors\x18\x02 \x03(\x0b\x32\x1f.primerl.common.v1.TensorHeader\x12\x11\n\tnew_group\x18\x03 \x01(\x08\"y\n\x19PublishCollectiveResponse\x12\x34\n\x05group\x18\x01 \x01(\x0b\x32%.primerl.inference.v1.CollectiveGroup\x12\x13\n\x0breplica_ids\x18\x02 \x03(\t\x12\x11\n\tsend_data\x18\x03 \x01(\x08\"u\n\x16PublishWeightsResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x13\n\x0bnum_tensors\x18\x02 \x01(\r\x12\x11\n\tnum_bytes\x18\x03 \x01(\x04\x12\x1b\n\x13num_changed_tensors\x18\x04 \x01(\r\"\xd2\x01\n\x16RegisterReplicaRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12/\n\x06\x66ormat\x18\x03 \x01(\x0e\x32\x1f.primerl.common.v1.WeightFormat\x12;\n\ttransport\x18\x04 \x01(\x0e\x32(.primerl.weight_broadcaster.v1.Transport\x12\r\n\x05\x64\x65lta\x18\x05 \x01(\x08\x12\x16\n\x0epolicy_version\x18\x06 \x01(\x03\"w\n\x17RegisterReplicaResponse\x12=\n\x07replica\x18\x01 \x01(\x0b\x32,.primerl.weight_broadcaster.v1.ReplicaStatus\x12\x1d\n\x15latest_policy_version\x18\x02 \x01(\x03\".\n\x18\x44\x65registerReplicaRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\"\x1b\n\x19\x44\x65registerReplicaResponse\"\x8b\x06\n\rReplicaStatus\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12:\n\x05state\x18\x03 \x01(\x0e\x32+.primerl.weight_broadcaster.v1.ReplicaState\x12\x16\n\x0epolicy_version\x18\x04 \x01(\x03\x12\x1d\n\x15target_policy_version\x18\x05 \x01(\x03\x12\x12\n\nlast_error\x18\x06 \x01(\t\x12 \n\x18num_consecutive_failures\x18\x07 \x01(\r\x12\x31\n\rnext_retry_at\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x13\n\x0blast_push_s\x18\t \x01(\x01\x12\x1c\n\x14num_bytes_sent_total\x18\n \x01(\x04\x12/\n\x06\x66ormat\x18\x0b \x01(\x0e\x32\x1f.primerl.common.v1.WeightFormat\x12;\n\ttransport\x18\x0c \x01(\x0e\x32(.primerl.weight_broadcaster.v1.Transport\x12\r\n\x05\x64\x65lta\x18\r \x01(\x08\x12\x1d\n\x15num_tensors_last_push\x18\x0e \x01(\r\x12\x1b\n\x13num_bytes_last_push\x18\x0f \x01(\x04\x12\x17\n\x0flast_push_delta\x18\x10 \x01(\x08\x12\x45\n\x13last_push_transport\x18\x11 \x01(\x0e\x32(.primerl.weight_broadcaster.v1.Transport\x12\x18\n\x10transport_reason\x18\x12 \x01(\t\x12[\n\x10\x61\x64\x61pter_versions\x18\x13 \x03(\x0b\x32\x41.primerl.weight_broadcaster.v1.ReplicaStatus.AdapterVersionsEntry\x1a\x36\n\x14\x41\x64\x61pterVersionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\x12\n\x10GetStatusRequest\"\x9e\x02\n\x11GetStatusResponse\x12\x1d\n\x15latest_policy_version\x18\x01 \x01(\x03\x12>\n\x08replicas\x18\x02 \x03(\x0b\x32,.primerl.weight_broadcaster.v1.ReplicaStatus\x12l\n\x17latest_adapter_versions\x18\x03 \x03(\x0b\x32K.primerl.weight_broadcaster.v1.GetStatusResponse.LatestAdapterVersionsEntry\x1a<\n\x1aLatestAdapterVersionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"o\n\x15WaitForVersionRequest\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x14\n\x0cmin_replicas\x18\x02 \x01(\r\x12\x12\n\ntimeout_ms\x18\x03 \x01(\r\x12\x14\n\x0c\x61\x64\x61pter_name\x18\x04 \x01(\t\"i\n\x16WaitForVersionResponse\x12\x0f\n\x07reached\x18\x01 \x01(\x08\x12\x1d\n\x15latest_policy_version\x18\x02 \x01(\x03\x12\x1f\n\x17num_replicas_at_version\x18\x03 \x01(\r\"\x16\n\x14WatchReplicasRequest\"\x86\x01\n\x15WatchReplicasResponse\x12=\n\x07replica\x18\x01 \x01(\x0b\x32,.primerl.weight_broadcaster.v1.ReplicaStatus\x12\x0f\n\x07removed\x18\x02 \x01(\x08\x12\x1d\n\x15latest_policy_version\x18\x03 \x01(\x03*\\\n\x0bPublishKind\x12\x1c\n\x18PUBLISH_KIND_UNSPECIFIED\x10\x00\x12\x15\n\x11PUBLISH_KIND_FULL\x10\x01\x12\x18\n\x14PUBLISH_KIND_ADAPTER\x10\x02*\x8e\x01\n\tTransport\x12\x19\n\x15TRANSPORT_UNSPECIFIED\x10\x00\x12\x12\n\x0eTRANSPORT_GRPC\x10\x01\x12\x17\n\x13TRANSPORT_SHARED_FS\x10\x02\x12\x12\n\x0eTRANSPORT_NCCL\x10\x03\x12\x11\n\rTRANSPORT_SHM\x10\x04\x12\x12\n\x0eTRANSPORT_AUTO\x10\x05*\x98\x01\n\x0cReplicaState\x12\x1d\n\x19REPLICA_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15REPLICA_STATE_CURRENT\x10\x01\x12\x1a\n\x16REPLICA_STATE_UPDATING\x10\x02\x12\x18\n\x14REPLICA_STATE_BEHIND\x10\x03\x12\x18\n\x14REPLICA_STATE_FAILED\x10\x04\x32\x9c\x08\n\x18WeightBroadcasterService\x12}\n\x0eGetServiceInfo\x12\x34.primerl.weight_broadcaster.v1.GetServiceInfoRequest\x1a\x35.primerl.weight_broadcaster.v1.GetServiceInfoResponse\x12\x7f\n\x0ePublishWeights\x12\x34.primerl.weight_broadcaster.v1.PublishWeightsRequest\x1a\x35.primerl.weight_broadcaster.v1.PublishWeightsResponse(\x01\x12\x86\x01\n\x11PublishCollective\x12\x37.primerl.weight_broadcaster.v1.PublishCollectiveRequest\x1a\x38.primerl.weight_broadcaster.v1.PublishCollectiveResponse\x12\x80\x01\n\x0fRegisterReplica\x12\x35.primerl.weight_broadcaster.v1.RegisterReplicaRequest\x1a\x36.primerl.weight_broadcaster.v1.RegisterReplicaResponse\x12\x86\x01\n\x11\x44\x65registerReplica\x12\x37.primerl.weight_broadcaster.v1.DeregisterReplicaRequest\x1a\x38.primerl.weight_broadcaster.v1.DeregisterReplicaResponse\x12n\n\tGetStatus\x12/.primerl.weight_broadcaster.v1.GetStatusRequest\x1a\x30.primerl.weight_broadcaster.v1.GetStatusResponse\x12}\n\x0eWaitForVersion\x12\x34.primerl.weight_broadcaster.v1.WaitForVersionRequest\x1a\x35.primerl.weight_broadcaster.v1.WaitForVersionResponse\x12|\n\rWatchReplicas\x12\x33.primerl.weight_broadcaster.v1.WatchReplicasRequest\x1a\x34.primerl.weight_broadcaster.v1.WatchReplicasResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,52 +39,52 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REPLICASTATUS_ADAPTERVERSIONSENTRY']._serialized_options = b'8\001'
   _globals['_GETSTATUSRESPONSE_LATESTADAPTERVERSIONSENTRY']._loaded_options = None
   _globals['_GETSTATUSRESPONSE_LATESTADAPTERVERSIONSENTRY']._serialized_options = b'8\001'
-  _globals['_PUBLISHKIND']._serialized_start=3070
-  _globals['_PUBLISHKIND']._serialized_end=3162
-  _globals['_TRANSPORT']._serialized_start=3165
-  _globals['_TRANSPORT']._serialized_end=3307
-  _globals['_REPLICASTATE']._serialized_start=3310
-  _globals['_REPLICASTATE']._serialized_end=3462
+  _globals['_PUBLISHKIND']._serialized_start=3093
+  _globals['_PUBLISHKIND']._serialized_end=3185
+  _globals['_TRANSPORT']._serialized_start=3188
+  _globals['_TRANSPORT']._serialized_end=3330
+  _globals['_REPLICASTATE']._serialized_start=3333
+  _globals['_REPLICASTATE']._serialized_end=3485
   _globals['_GETSERVICEINFOREQUEST']._serialized_start=230
   _globals['_GETSERVICEINFOREQUEST']._serialized_end=253
   _globals['_GETSERVICEINFORESPONSE']._serialized_start=255
   _globals['_GETSERVICEINFORESPONSE']._serialized_end=325
   _globals['_PUBLISHBEGIN']._serialized_start=328
-  _globals['_PUBLISHBEGIN']._serialized_end=640
-  _globals['_PUBLISHWEIGHTSREQUEST']._serialized_start=643
-  _globals['_PUBLISHWEIGHTSREQUEST']._serialized_end=785
-  _globals['_PUBLISHCOLLECTIVEREQUEST']._serialized_start=788
-  _globals['_PUBLISHCOLLECTIVEREQUEST']._serialized_end=943
-  _globals['_PUBLISHCOLLECTIVERESPONSE']._serialized_start=945
-  _globals['_PUBLISHCOLLECTIVERESPONSE']._serialized_end=1066
-  _globals['_PUBLISHWEIGHTSRESPONSE']._serialized_start=1068
-  _globals['_PUBLISHWEIGHTSRESPONSE']._serialized_end=1185
-  _globals['_REGISTERREPLICAREQUEST']._serialized_start=1188
-  _globals['_REGISTERREPLICAREQUEST']._serialized_end=1398
-  _globals['_REGISTERREPLICARESPONSE']._serialized_start=1400
-  _globals['_REGISTERREPLICARESPONSE']._serialized_end=1519
-  _globals['_DEREGISTERREPLICAREQUEST']._serialized_start=1521
-  _globals['_DEREGISTERREPLICAREQUEST']._serialized_end=1567
-  _globals['_DEREGISTERREPLICARESPONSE']._serialized_start=1569
-  _globals['_DEREGISTERREPLICARESPONSE']._serialized_end=1596
-  _globals['_REPLICASTATUS']._serialized_start=1599
-  _globals['_REPLICASTATUS']._serialized_end=2378
-  _globals['_REPLICASTATUS_ADAPTERVERSIONSENTRY']._serialized_start=2324
-  _globals['_REPLICASTATUS_ADAPTERVERSIONSENTRY']._serialized_end=2378
-  _globals['_GETSTATUSREQUEST']._serialized_start=2380
-  _globals['_GETSTATUSREQUEST']._serialized_end=2398
-  _globals['_GETSTATUSRESPONSE']._serialized_start=2401
-  _globals['_GETSTATUSRESPONSE']._serialized_end=2687
-  _globals['_GETSTATUSRESPONSE_LATESTADAPTERVERSIONSENTRY']._serialized_start=2627
-  _globals['_GETSTATUSRESPONSE_LATESTADAPTERVERSIONSENTRY']._serialized_end=2687
-  _globals['_WAITFORVERSIONREQUEST']._serialized_start=2689
-  _globals['_WAITFORVERSIONREQUEST']._serialized_end=2800
-  _globals['_WAITFORVERSIONRESPONSE']._serialized_start=2802
-  _globals['_WAITFORVERSIONRESPONSE']._serialized_end=2907
-  _globals['_WATCHREPLICASREQUEST']._serialized_start=2909
-  _globals['_WATCHREPLICASREQUEST']._serialized_end=2931
-  _globals['_WATCHREPLICASRESPONSE']._serialized_start=2934
-  _globals['_WATCHREPLICASRESPONSE']._serialized_end=3068
-  _globals['_WEIGHTBROADCASTERSERVICE']._serialized_start=3465
-  _globals['_WEIGHTBROADCASTERSERVICE']._serialized_end=4517
+  _globals['_PUBLISHBEGIN']._serialized_end=663
+  _globals['_PUBLISHWEIGHTSREQUEST']._serialized_start=666
+  _globals['_PUBLISHWEIGHTSREQUEST']._serialized_end=808
+  _globals['_PUBLISHCOLLECTIVEREQUEST']._serialized_start=811
+  _globals['_PUBLISHCOLLECTIVEREQUEST']._serialized_end=966
+  _globals['_PUBLISHCOLLECTIVERESPONSE']._serialized_start=968
+  _globals['_PUBLISHCOLLECTIVERESPONSE']._serialized_end=1089
+  _globals['_PUBLISHWEIGHTSRESPONSE']._serialized_start=1091
+  _globals['_PUBLISHWEIGHTSRESPONSE']._serialized_end=1208
+  _globals['_REGISTERREPLICAREQUEST']._serialized_start=1211
+  _globals['_REGISTERREPLICAREQUEST']._serialized_end=1421
+  _globals['_REGISTERREPLICARESPONSE']._serialized_start=1423
+  _globals['_REGISTERREPLICARESPONSE']._serialized_end=1542
+  _globals['_DEREGISTERREPLICAREQUEST']._serialized_start=1544
+  _globals['_DEREGISTERREPLICAREQUEST']._serialized_end=1590
+  _globals['_DEREGISTERREPLICARESPONSE']._serialized_start=1592
+  _globals['_DEREGISTERREPLICARESPONSE']._serialized_end=1619
+  _globals['_REPLICASTATUS']._serialized_start=1622
+  _globals['_REPLICASTATUS']._serialized_end=2401
+  _globals['_REPLICASTATUS_ADAPTERVERSIONSENTRY']._serialized_start=2347
+  _globals['_REPLICASTATUS_ADAPTERVERSIONSENTRY']._serialized_end=2401
+  _globals['_GETSTATUSREQUEST']._serialized_start=2403
+  _globals['_GETSTATUSREQUEST']._serialized_end=2421
+  _globals['_GETSTATUSRESPONSE']._serialized_start=2424
+  _globals['_GETSTATUSRESPONSE']._serialized_end=2710
+  _globals['_GETSTATUSRESPONSE_LATESTADAPTERVERSIONSENTRY']._serialized_start=2650
+  _globals['_GETSTATUSRESPONSE_LATESTADAPTERVERSIONSENTRY']._serialized_end=2710
+  _globals['_WAITFORVERSIONREQUEST']._serialized_start=2712
+  _globals['_WAITFORVERSIONREQUEST']._serialized_end=2823
+  _globals['_WAITFORVERSIONRESPONSE']._serialized_start=2825
+  _globals['_WAITFORVERSIONRESPONSE']._serialized_end=2930
+  _globals['_WATCHREPLICASREQUEST']._serialized_start=2932
+  _globals['_WATCHREPLICASREQUEST']._serialized_end=2954
+  _globals['_WATCHREPLICASRESPONSE']._serialized_start=2957
+  _globals['_WATCHREPLICASRESPONSE']._serialized_end=3091
+  _globals['_WEIGHTBROADCASTERSERVICE']._serialized_start=3488
+  _globals['_WEIGHTBROADCASTERSERVICE']._serialized_end=4540
 # @@protoc_insertion_point(module_scope)

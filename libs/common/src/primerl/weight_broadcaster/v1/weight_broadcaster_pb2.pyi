@@ -61,7 +61,7 @@ class GetServiceInfoResponse(_message.Message):
     def __init__(self, info: _Optional[_Union[_service_info_pb2.ServiceInfo, _Mapping]] = ...) -> None: ...
 
 class PublishBegin(_message.Message):
-    __slots__ = ("policy_version", "kind", "num_tensors", "num_bytes", "trainer_step", "adapter_name", "adapter_rank", "adapter_alpha", "model_type", "stripe_session", "num_stripes", "stripe_index")
+    __slots__ = ("policy_version", "kind", "num_tensors", "num_bytes", "trainer_step", "adapter_name", "adapter_rank", "adapter_alpha", "model_type", "stripe_session", "num_stripes", "stripe_index", "adapter_owner")
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     NUM_TENSORS_FIELD_NUMBER: _ClassVar[int]
@@ -74,6 +74,7 @@ class PublishBegin(_message.Message):
     STRIPE_SESSION_FIELD_NUMBER: _ClassVar[int]
     NUM_STRIPES_FIELD_NUMBER: _ClassVar[int]
     STRIPE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_OWNER_FIELD_NUMBER: _ClassVar[int]
     policy_version: int
     kind: PublishKind
     num_tensors: int
@@ -86,7 +87,8 @@ class PublishBegin(_message.Message):
     stripe_session: str
     num_stripes: int
     stripe_index: int
-    def __init__(self, policy_version: _Optional[int] = ..., kind: _Optional[_Union[PublishKind, str]] = ..., num_tensors: _Optional[int] = ..., num_bytes: _Optional[int] = ..., trainer_step: _Optional[int] = ..., adapter_name: _Optional[str] = ..., adapter_rank: _Optional[int] = ..., adapter_alpha: _Optional[float] = ..., model_type: _Optional[str] = ..., stripe_session: _Optional[str] = ..., num_stripes: _Optional[int] = ..., stripe_index: _Optional[int] = ...) -> None: ...
+    adapter_owner: str
+    def __init__(self, policy_version: _Optional[int] = ..., kind: _Optional[_Union[PublishKind, str]] = ..., num_tensors: _Optional[int] = ..., num_bytes: _Optional[int] = ..., trainer_step: _Optional[int] = ..., adapter_name: _Optional[str] = ..., adapter_rank: _Optional[int] = ..., adapter_alpha: _Optional[float] = ..., model_type: _Optional[str] = ..., stripe_session: _Optional[str] = ..., num_stripes: _Optional[int] = ..., stripe_index: _Optional[int] = ..., adapter_owner: _Optional[str] = ...) -> None: ...
 
 class PublishWeightsRequest(_message.Message):
     __slots__ = ("begin", "chunk")
