@@ -1,7 +1,9 @@
-"""Policy versions of LoRA adapters through the service (a real vLLM engine, tiny dense model,
-float32, LoRA on, behind a real gRPC server): a newer version replaces an adapter in place
-under running requests, whose later tokens carry it; stale versions are refused; requests with
-an adapter are checked and tagged with the adapter's version, those without with the base's."""
+"""Policy versions and owners of LoRA adapters through the service (a real vLLM engine, tiny
+dense model, float32, LoRA on, behind a real gRPC server): a newer version replaces an adapter
+in place under running requests, whose later tokens carry it; stale versions are refused;
+requests with an adapter are checked and tagged with the adapter's version, those without with
+the base's. An adapter's owner is reported, kept by replacements, and the only caller (with
+operators) its requests are served to."""
 
 import pathlib
 
@@ -13,11 +15,14 @@ from google.rpc import error_details_pb2
 
 from primerl.common.v1 import generation_pb2
 from primerl.inference.v1 import inference_pb2
+from primerl_common import security
 from primerl_common.errors import InvalidArgument, error_details, field_violations
 from primerl_common.lora import check_adapter_name
 from primerl_inference.engine_versions import engine_version_stamp, parse_engine_version_stamp
+from primerl_inference.servicer import generate_request_from_proto
 
 from .serving import (
+    Served,
     checkpoint,
     final_output,
     perturbed_model,
@@ -33,9 +38,14 @@ PROMPT = list(range(32, 72))
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def stub(model_dir: pathlib.Path):
+async def served_lora(model_dir: pathlib.Path):
     async with running_service(model=model_dir, dtype="float32", enable_lora=True, max_lora_rank=8) as served:
-        yield served.stub
+        yield served
+
+
+@pytest.fixture
+def stub(served_lora: Served):
+    return served_lora.stub
 
 
 async def load_adapter(stub, name: str, version: int, seed: int) -> inference_pb2.LoadAdapterResponse:
@@ -45,6 +55,12 @@ async def load_adapter(stub, name: str, version: int, seed: int) -> inference_pb
 async def refused_load(stub, name: str, version: int, tensors: dict[str, torch.Tensor]) -> grpc.aio.AioRpcError:
     with pytest.raises(grpc.aio.AioRpcError) as error:
         await stub.LoadAdapter(adapter_stream(adapter_spec(name, policy_version=version), tensors))
+    return error.value
+
+
+async def refused_load_of(stub, spec: inference_pb2.AdapterSpec) -> grpc.aio.AioRpcError:
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        await stub.LoadAdapter(adapter_stream(spec, adapter_tensors(seed=9)))
     return error.value
 
 
@@ -170,3 +186,76 @@ async def test_a_full_update_keeps_adapter_versions_and_tags_base_requests_with_
     assert load.policy_version == version + 1 and dict(load.adapter_versions) == {"kept": 7}
     assert set(base.policy_versions) == {version + 1}
     assert set(with_adapter.policy_versions) == {7}
+
+
+async def test_an_adapter_owner_is_reported_and_kept_by_replacements(stub) -> None:
+    await stub.LoadAdapter(adapter_stream(adapter_spec("run-a", policy_version=1, owner="alice"), adapter_tensors(0)))
+    await load_adapter(stub, "shared", version=1, seed=1)
+    before = await final_output(stub, generation_input("run-a"))
+
+    other = await refused_load_of(stub, adapter_spec("run-a", policy_version=2, owner="bob"))
+    unowned = await refused_load_of(stub, adapter_spec("run-a", policy_version=2))
+    listed = (await stub.ListAdapters(inference_pb2.ListAdaptersRequest())).adapters
+    load = (await stub.GetLoad(inference_pb2.GetLoadRequest())).load
+    after = await final_output(stub, generation_input("run-a"))
+    same_owner = await stub.LoadAdapter(
+        adapter_stream(adapter_spec("run-a", policy_version=2, owner="alice"), adapter_tensors(2))
+    )
+    for name in ("run-a", "shared"):
+        await stub.UnloadAdapter(inference_pb2.UnloadAdapterRequest(name=name))
+    unloaded = (await stub.GetLoad(inference_pb2.GetLoadRequest())).load
+
+    for error in (other, unowned):
+        assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert reasons(error) == ["ADAPTER_OWNER_MISMATCH"]
+    assert "owned by 'alice'" in other.details() and "'bob'" in other.details()
+    assert "owned by 'alice'" in unowned.details() and "no one" in unowned.details()
+    assert sorted((a.name, a.policy_version, a.owner) for a in listed) == [("run-a", 1, "alice"), ("shared", 1, "")]
+    assert dict(load.adapter_owners) == {"run-a": "alice"}  # only adapters that have an owner
+    assert dict(load.adapter_versions) == {"run-a": 1, "shared": 1}
+    assert list(after.token_ids) == list(before.token_ids) and set(after.policy_versions) == {1}
+    assert same_owner.replaced
+    assert not unloaded.adapter_owners
+
+
+async def test_an_owned_adapter_serves_its_owner_operators_and_routers_only(served_lora: Served) -> None:
+    """In plaintext every caller is LOCAL (all roles): the engine is asked as the identities an
+    mTLS replica would find (the servicer passes `caller_of(context)`)."""
+    stub, engine = served_lora.stub, served_lora.engine
+    await stub.LoadAdapter(adapter_stream(adapter_spec("run-b", policy_version=3, owner="alice"), adapter_tensors(3)))
+    await load_adapter(stub, "open", version=1, seed=4)
+    alice = security.Caller(name="alice", roles=frozenset({security.TENANT}))
+    bob = security.Caller(name="bob", roles=frozenset({security.TENANT}))
+    operator = security.Caller(name="ops", roles=frozenset({security.OPERATOR}))
+    # The router forwards its callers' requests under its own identity, having checked the owner.
+    router = security.Caller(name="router", roles=frozenset({security.ROUTER}))
+
+    async def final(adapter: str, caller: security.Caller, **fields: object) -> list[int]:
+        request = generate_request_from_proto(generation_input(adapter, **fields))
+        chunks = [chunk async for chunk in engine.generate(request, caller=caller)]
+        return chunks[-1].policy_versions
+
+    refusals = []
+    # A version the adapter does not have yet: refused as not bob's all the same (nothing about
+    # the adapter is told to him).
+    for fields in ({}, {"min_policy_version": 9}):
+        with pytest.raises(security.PermissionDenied) as refused:
+            await final("run-b", bob, **fields)
+        refusals.append(refused.value)
+    num_unfinished = engine.llm.get_num_unfinished_requests()
+    served = {
+        name: await final("run-b", caller) for name, caller in (("alice", alice), ("ops", operator), ("router", router))
+    }
+    served["local"] = await final("run-b", security.LOCAL)
+    open_to_bob = await final("open", bob)
+    through_the_service = await final_output(stub, generation_input("run-b"))  # plaintext: LOCAL
+    for name in ("run-b", "open"):
+        await stub.UnloadAdapter(inference_pb2.UnloadAdapterRequest(name=name))
+
+    for refusal in refusals:
+        assert refusal.reason == "NOT_ADAPTER_OWNER"
+        assert "adapter 'run-b' is not bob" in refusal.message
+    assert num_unfinished == 0  # refused before anything reached vLLM
+    assert all(set(versions) == {3} for versions in served.values())
+    assert set(open_to_bob) == {1}
+    assert set(through_the_service.policy_versions) == {3}

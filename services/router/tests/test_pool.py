@@ -4,6 +4,7 @@ import pytest
 
 from primerl.common.v1 import generation_pb2
 from primerl_common.errors import FailedPrecondition, NotFound, Unavailable
+from primerl_common.security import LOCAL, OPERATOR, TENANT, Caller, PermissionDenied
 from primerl_router.policies import make_policy
 from primerl_router.pool import ReplicaPool
 from primerl_router.replica import Replica
@@ -97,3 +98,55 @@ async def test_requests_naming_an_adapter_go_where_it_is_at_their_version():
     # A replica's load stream ending forgets what it held.
     pool.get("r1").forget_load()
     assert pool.try_pick(RouteRequest(lora_adapter=b"run-a", min_policy_version=4)) is None
+
+
+def test_an_owned_adapter_is_for_its_owner_and_operators_only():
+    pool = make_pool(2)
+    # r0 says who owns run-a; r1's report names no owner for it: r0's still counts.
+    pool.get("r0").apply_load(
+        generation_pb2.LoadReport(adapter_versions={"run-a": 1, "shared": 1}, adapter_owners={"run-a": "alice"})
+    )
+    pool.get("r1").apply_load(generation_pb2.LoadReport(adapter_versions={"run-a": 1, "shared": 1}))
+    alice, bob = Caller("alice", frozenset({TENANT})), Caller("bob", frozenset({TENANT}))
+    operator = Caller("launcher", frozenset({OPERATOR}))
+    run_a = RouteRequest(lora_adapter=b"run-a")
+    with pytest.raises(PermissionDenied, match=r"adapter 'run-a' is not bob \[roles tenant\]'s") as refused:
+        pool.check_adapter_owner(run_a, bob)
+    assert refused.value.reason == "NOT_ADAPTER_OWNER"
+    for caller in (alice, operator, LOCAL):
+        pool.check_adapter_owner(run_a, caller)
+    # An adapter without owner, and the base model, are anyone's.
+    pool.check_adapter_owner(RouteRequest(lora_adapter=b"shared"), bob)
+    pool.check_adapter_owner(RouteRequest(), bob)
+
+    # The owner outlives r0's load stream (the broadcaster may still say run-a is there) and a
+    # report that does not list run-a; a report that lists it without owner speaks for it.
+    pool.get("r0").forget_load()
+    pool.get("r0").apply_broadcaster_state(policy_version=1, updating=False, adapter_versions={"run-a": 2})
+    with pytest.raises(PermissionDenied):
+        pool.check_adapter_owner(run_a, bob)
+    pool.get("r0").apply_load(generation_pb2.LoadReport(adapter_versions={"shared": 1}))
+    with pytest.raises(PermissionDenied):
+        pool.check_adapter_owner(run_a, bob)
+    pool.get("r0").apply_load(generation_pb2.LoadReport(adapter_versions={"run-a": 1}))
+    pool.check_adapter_owner(run_a, bob)
+
+    # An adapter the broadcaster has just pushed is its owner's from then, before any load report.
+    pool.get("r1").apply_broadcaster_state(
+        policy_version=1, updating=False, adapter_versions={"run-c": 1}, adapter_owners={"run-c": "alice"}
+    )
+    with pytest.raises(PermissionDenied):
+        pool.check_adapter_owner(RouteRequest(lora_adapter=b"run-c"), bob)
+    pool.check_adapter_owner(RouteRequest(lora_adapter=b"run-c"), alice)
+
+
+def test_an_adapter_whose_replicas_disagree_on_its_owner_is_for_operators_only():
+    pool = make_pool(2)
+    pool.get("r0").apply_load(
+        generation_pb2.LoadReport(adapter_versions={"run-a": 1}, adapter_owners={"run-a": "alice"})
+    )
+    pool.get("r1").apply_load(generation_pb2.LoadReport(adapter_versions={"run-a": 1}, adapter_owners={"run-a": "eve"}))
+    for name in ("alice", "eve"):
+        with pytest.raises(PermissionDenied):
+            pool.check_adapter_owner(RouteRequest(lora_adapter=b"run-a"), Caller(name, frozenset({TENANT})))
+    pool.check_adapter_owner(RouteRequest(lora_adapter=b"run-a"), Caller("launcher", frozenset({OPERATOR})))

@@ -61,6 +61,8 @@ def config_toml(config: TrainerConfig) -> str:
 
 
 def _toml(value: object) -> str:
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{json.dumps(k)} = {_toml(v)}" for k, v in value.items()) + "}"
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, str | list):
@@ -155,11 +157,12 @@ async def push(
 
 
 async def watch(
-    stub: trainer_pb2_grpc.TrainerServiceStub, *, after_step: int, count: int, timeout_s: float = 60
+    stub: trainer_pb2_grpc.TrainerServiceStub, *, after_step: int, count: int, timeout_s: float = 60, run_id: str = ""
 ) -> list[trainer_pb2.StepMetrics]:
-    """The next `count` finished steps after `after_step`."""
+    """The next `count` finished steps after `after_step` (of the run `run_id`, on a trainer with runs)."""
     steps = []
-    call = stub.WatchSteps(trainer_pb2.WatchStepsRequest(after_step=after_step), timeout=timeout_s)
+    request = trainer_pb2.WatchStepsRequest(after_step=after_step, run_id=run_id)
+    call = stub.WatchSteps(request, timeout=timeout_s)
     async for response in call:
         steps.append(response.step)
         if len(steps) == count:

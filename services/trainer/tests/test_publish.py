@@ -99,7 +99,7 @@ def test_lora_streams_merged_weights_or_the_adapter(
     runtime = build_runtime(config)
     try:
         runtime.trainer.train_step(rl_batches[0])
-        adapter = AdapterInfo("policy", 2, 4.0) if kind == "adapter" else None
+        adapter = AdapterInfo("policy", 2, 4.0, owner="alice") if kind == "adapter" else None
         begin, tensors, _ = _assemble(_stream(runtime, adapter=adapter))
         state = _full_state_dict(runtime)
     finally:
@@ -109,6 +109,7 @@ def test_lora_streams_merged_weights_or_the_adapter(
     if kind == "adapter":
         assert begin.kind == weight_broadcaster_pb2.PUBLISH_KIND_ADAPTER
         assert (begin.adapter_name, begin.adapter_rank, begin.adapter_alpha) == ("policy", 2, 4.0)
+        assert begin.adapter_owner == "alice"
         assert all(name.startswith("base_model.model.model.layers.") for name in tensors)
         name = "base_model.model.model.layers.2.mlp.experts.5.up_proj.lora_B.weight"
         assert torch.equal(tensors[name], state["layers.2.moe.experts.parametrizations.w13.0.up_lora_B"][5])

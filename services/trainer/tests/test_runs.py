@@ -25,10 +25,10 @@ from primerl_trainer.optim import LRScheduleConfig, OptimizerConfig, build_lr_sc
 from primerl_trainer.runs import RunConfig, RunSet
 from primerl_trainer.train import Trainer
 
-from .tiny_training import batch_spec, load_tiny_model, make_samples, pack_into
+from .tiny_training import LORA_TARGETS as TARGETS
+from .tiny_training import batch_spec, load_tiny_model, make_samples, pack_into, train_lora_alone
 
 CPU = torch.device("cpu")
-TARGETS = ["q", "k", "v", "o", "gate", "up", "down"]
 MAX_RANK = 8
 NUM_STEPS = 10
 ATOL = 1e-5
@@ -73,32 +73,10 @@ def batches(dense_dir: pathlib.Path) -> dict[str, list[list[MicroBatch]]]:
     return out
 
 
-def _solo(dense_dir: pathlib.Path, config: RunConfig, run_batches: list[list[MicroBatch]]):
-    """The run trained alone, the single-run way: apply_lora at its rank and seed, one Trainer."""
-    model = load_tiny_model(dense_dir)
-    apply_lora(
-        model, LoRAConfig(enabled=True, rank=config.rank, alpha=config.alpha, target_modules=TARGETS), seed=config.seed
-    )
-    optimizer = build_optimizer(model, config.optimizer)
-    trainer = Trainer(
-        model,
-        optimizer,
-        build_lr_scheduler(optimizer, config.schedule),
-        spec=batch_spec(model),
-        device=CPU,
-        mode=config.mode,
-        loss_config=config.loss,
-        max_grad_norm=config.optimizer.max_grad_norm,
-    )
-    losses = [trainer.train_step(batch)["loss"] for batch in run_batches]
-    adapter = {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
-    return losses, adapter
-
-
 @pytest.fixture(scope="module")
 def solo(dense_dir: pathlib.Path, batches: dict[str, list[list[MicroBatch]]]):
     """Each run's losses and final adapter, trained alone on a fresh model."""
-    return {run_id: _solo(dense_dir, config, batches[run_id]) for run_id, config in CONFIGS.items()}
+    return {run_id: train_lora_alone(dense_dir, config, batches[run_id]) for run_id, config in CONFIGS.items()}
 
 
 def _run_set(dense_dir: pathlib.Path) -> RunSet:
@@ -372,7 +350,7 @@ def test_runs_on_an_fsdp2_sharded_model(dense_dir: pathlib.Path, batches) -> Non
         runs.train_step("a", batches["a"][num_steps])
         runs.load_state_dict("a", saved["a"])
         for run_id in losses:
-            solo_losses, solo_adapter = _solo(dense_dir, CONFIGS[run_id], batches[run_id][:num_steps])
+            solo_losses, solo_adapter = train_lora_alone(dense_dir, CONFIGS[run_id], batches[run_id][:num_steps])
             assert losses[run_id] == pytest.approx(solo_losses, rel=0, abs=ATOL), run_id
             for name, tensor in runs.adapter_tensors(run_id).items():
                 torch.testing.assert_close(tensor, solo_adapter[name], rtol=0, atol=ATOL, msg=name)

@@ -13,8 +13,12 @@ import torch
 
 from primerl_launcher.tiny_model import make_tiny_model
 from primerl_trainer.batch import BatchSpec, MicroBatch
+from primerl_trainer.config import LoRAConfig
+from primerl_trainer.lora import apply_lora
 from primerl_trainer.models import load_model
-from primerl_trainer.optim import LRScheduleConfig, OptimizerConfig
+from primerl_trainer.optim import LRScheduleConfig, OptimizerConfig, build_lr_scheduler, build_optimizer
+from primerl_trainer.runs import RunConfig
+from primerl_trainer.train import Trainer
 
 if TYPE_CHECKING:
     import pytest
@@ -54,6 +58,34 @@ def load_tiny_model(model_dir: pathlib.Path) -> torch.nn.Module:
 
 def batch_spec(model: torch.nn.Module) -> BatchSpec:
     return BatchSpec(seq_len=SEQ_LEN, vocab_size=model.args.vocab_size)
+
+
+# Every linear layer of the tiny dense model (lora.target_modules' default).
+LORA_TARGETS = ["q", "k", "v", "o", "gate", "up", "down"]
+
+
+def train_lora_alone(
+    model_dir: pathlib.Path, config: RunConfig, batches: list[list[MicroBatch]]
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """A LoRA run trained alone, the single-run way (apply_lora at its rank and seed, one Trainer):
+    its losses and final LoRA tensors, which a run of a RunSet must equal."""
+    model = load_tiny_model(model_dir)
+    lora = LoRAConfig(enabled=True, rank=config.rank, alpha=config.alpha, target_modules=LORA_TARGETS)
+    apply_lora(model, lora, seed=config.seed)
+    optimizer = build_optimizer(model, config.optimizer)
+    trainer = Trainer(
+        model,
+        optimizer,
+        build_lr_scheduler(optimizer, config.schedule),
+        spec=batch_spec(model),
+        device=torch.device("cpu"),
+        mode=config.mode,
+        loss_config=config.loss,
+        max_grad_norm=config.optimizer.max_grad_norm,
+    )
+    losses = [trainer.train_step(batch)["loss"] for batch in batches]
+    adapter = {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
+    return losses, adapter
 
 
 @dataclass(frozen=True)

@@ -14,12 +14,13 @@ import grpc
 import pytest
 import torch
 
-from primerl.common.v1 import generation_pb2, service_info_pb2
+from primerl.common.v1 import generation_pb2, service_info_pb2, tensor_pb2
 from primerl.inference.v1 import inference_pb2, inference_pb2_grpc
 from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2 as pb2
-from primerl_common.errors import field_violations
+from primerl_common.errors import error_details, field_violations
 from primerl_common.tensors import TensorAssembler
 from primerl_common.testing import bare_server, eventually
+from primerl_common.weights.manifest import write_weights
 
 from .helpers import lora_tensors, publish, publish_adapter, running_broadcaster, wait_for, wait_for_adapter
 
@@ -28,7 +29,7 @@ FULL = {"layer.0.weight": torch.ones(4, 4)}
 
 class StandInReplica(inference_pb2_grpc.InferenceServiceServicer):
     """An inference replica without an engine: it takes full updates and LoRA adapters as the
-    real one does (a replacement needs a greater version) and keeps them."""
+    real one does (a replacement needs a greater version and keeps the owner) and keeps them."""
 
     def __init__(self, *, lora: bool = True) -> None:
         self.instance_id = uuid.uuid4().hex
@@ -74,6 +75,8 @@ class StandInReplica(inference_pb2_grpc.InferenceServiceServicer):
         held = self.adapters.get(spec.name)
         if held is not None and spec.policy_version <= held[0].policy_version:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "not newer")
+        if held is not None and spec.owner != held[0].owner:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "another owner")
         self.adapters[spec.name] = (spec, tensors)
         return inference_pb2.LoadAdapterResponse(name=spec.name, replaced=held is not None)
 
@@ -150,6 +153,9 @@ async def test_bad_adapter_publishes_are_refused_naming_the_field_and_store_noth
         ({"adapter_name": "../etc"}, good, "begin.adapter_name"),
         ({"adapter_name": ".hidden"}, good, "begin.adapter_name"),
         ({"adapter_name": "x" * 65}, good, "begin.adapter_name"),
+        ({"adapter_owner": "../bob"}, good, "begin.adapter_owner"),
+        ({"adapter_owner": "-bob"}, good, "begin.adapter_owner"),
+        ({"adapter_owner": "b" * 65}, good, "begin.adapter_owner"),
         ({"adapter_rank": 0}, good, "begin.adapter_rank"),
         ({"adapter_alpha": 0.0}, good, "begin.adapter_alpha"),
         ({"adapter_rank": 4}, good, "begin.adapter_rank"),  # the tensors are of rank 8
@@ -248,3 +254,87 @@ async def test_a_restarted_broadcaster_still_pushes_its_adapters(tmp_path: pathl
         with pytest.raises(grpc.aio.AioRpcError) as error:
             await publish_adapter(stub, "math", 2, lora_tensors(2))
         assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+async def test_an_owned_adapter_reaches_every_replica_with_its_owner_and_keeps_it():
+    replica, late = StandInReplica(), StandInReplica()
+    async with (
+        serving(replica) as address,
+        serving(late) as late_address,
+        running_broadcaster(replicas=[{"replica_id": "r", "address": address}]) as stub,
+    ):
+        await publish_adapter(stub, "math", 1, lora_tensors(1), adapter_owner="alice")
+        await wait_for_adapter(stub, "math", 1, 1)
+        spec, tensors = replica.adapters["math"]
+        assert (spec.owner, spec.policy_version) == ("alice", 1) and same(tensors, lora_tensors(1))
+
+        # Another tenant's publish of the same name (or an ownerless one) is refused before
+        # anything is received, whatever its version: the first owner's adapter stays.
+        for owner, shown in (("bob", "'bob'"), ("", "no owner")):
+            for version in (2, 1):
+                with pytest.raises(grpc.aio.AioRpcError) as error:
+                    await publish_adapter(stub, "math", version, lora_tensors(9), adapter_owner=owner)
+                assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+                assert f"adapter 'math' belongs to 'alice', not to {shown}" in error.value.details()
+                info = error_details(error.value)[0]
+                assert info.reason == "ADAPTER_OWNER_MISMATCH"
+                assert (info.metadata["adapter_owner"], info.metadata["requested_owner"]) == ("alice", owner)
+        assert dict((await status(stub)).latest_adapter_versions) == {"math": 1}
+
+        # Its owner publishes on; another name is free for anyone.
+        await publish_adapter(stub, "math", 2, lora_tensors(2), adapter_owner="alice")
+        await publish_adapter(stub, "code", 1, lora_tensors(3), adapter_owner="bob")
+        await wait_for_adapter(stub, "math", 2, 1)
+        await wait_for_adapter(stub, "code", 1, 1)
+        await stub.RegisterReplica(pb2.RegisterReplicaRequest(replica_id="late", address=late_address))
+        await wait_for_adapter(stub, "math", 2, 2)
+        await wait_for_adapter(stub, "code", 1, 2)
+        for held in (replica, late):
+            assert {name: (spec.owner, spec.policy_version) for name, (spec, _) in held.adapters.items()} == {
+                "math": ("alice", 2),
+                "code": ("bob", 1),
+            }
+            assert same(held.adapters["math"][1], lora_tensors(2))
+        # Its status says whose each adapter a replica holds is (routers serve it to them alone).
+        for held in (await status(stub)).replicas:
+            assert dict(held.adapter_owners) == {"math": "alice", "code": "bob"}
+
+        # A restarted replica gets them again, owners included.
+        replica.restart()
+        await eventually(lambda: len(replica.adapters) == 2, what="the adapters pushed again")
+        assert {name: spec.owner for name, (spec, _) in replica.adapters.items()} == {"math": "alice", "code": "bob"}
+
+
+async def test_a_restarted_broadcaster_keeps_each_adapters_owner(tmp_path: pathlib.Path):
+    store = {"spill_folder": tmp_path / "spill"}
+    async with running_broadcaster(store=store) as stub:
+        await publish_adapter(stub, "math", 1, lora_tensors(1), adapter_owner="alice")
+        await publish_adapter(stub, "math", 2, lora_tensors(2), adapter_owner="alice")
+        await publish_adapter(stub, "open", 1, lora_tensors(3))
+    # A version spilled before adapters had owners: it has none.
+    write_weights(
+        tmp_path / "spill" / "adapters" / "old" / "v0000000004",
+        lora_tensors(4).items(),
+        policy_version=4,
+        weight_format=tensor_pb2.WEIGHT_FORMAT_HF,
+        metadata={"rank": 8, "alpha": 16.0},
+    )
+
+    replica = StandInReplica()
+    async with (
+        serving(replica) as address,
+        running_broadcaster(replicas=[{"replica_id": "r", "address": address}], store=store) as stub,
+    ):
+        assert dict((await status(stub)).latest_adapter_versions) == {"math": 2, "open": 1, "old": 4}
+        for name, version in (("math", 2), ("open", 1), ("old", 4)):
+            await wait_for_adapter(stub, name, version, 1)
+        owners = {name: (spec.owner, spec.policy_version) for name, (spec, _) in replica.adapters.items()}
+        assert owners == {"math": ("alice", 2), "open": ("", 1), "old": ("", 4)}
+        assert same(replica.adapters["old"][1], lora_tensors(4))
+
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await publish_adapter(stub, "math", 3, lora_tensors(3), adapter_owner="bob")
+        assert error_details(error.value)[0].reason == "ADAPTER_OWNER_MISMATCH"
+        await publish_adapter(stub, "math", 3, lora_tensors(3), adapter_owner="alice")
+        await wait_for_adapter(stub, "math", 3, 1)
+        assert replica.adapters["math"][0].owner == "alice"

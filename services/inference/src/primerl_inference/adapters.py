@@ -17,6 +17,9 @@ Requests carry a LoRARequest whose path is a link this registry keeps to the cur
 version's folder: vLLM reloads an adapter from the path a running request carries when it
 dropped it from its cache (more adapters loaded than `max_loras`), and must then load the
 version the stamp names, not the one the request started with.
+
+An adapter may have an owner (a tenant's run): requests naming it are served only to that
+identity or an operator (`check_user`), and a replacement must keep it.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from vllm.lora.request import LoRARequest
 from vllm.v1.engine.async_llm import AsyncLLM
 
 from primerl.common.v1 import tensor_pb2
+from primerl_common import security
 from primerl_common.errors import FailedPrecondition, InvalidArgument, NotFound
 from primerl_common.lora import check_adapter_name
 from primerl_common.tensors import TensorAssembler
@@ -60,6 +64,7 @@ class AdapterSpec:
     # Tokens sampled with the adapter are tagged with it; a replacement needs a greater one
     # (0 and 0: unversioned adapters, replaced at will).
     policy_version: int = 0
+    owner: str = ""  # the identity requests with it are served to (and operators); "": any caller
 
 
 @dataclasses.dataclass
@@ -115,13 +120,39 @@ class AdapterRegistry:
         """The policy version of each loaded adapter, by name."""
         return {name: adapter.spec.policy_version for name, adapter in self._adapters.items()}
 
+    def owners(self) -> dict[str, str]:
+        """The owner of each loaded adapter that has one, by name."""
+        return {name: adapter.spec.owner for name, adapter in self._adapters.items() if adapter.spec.owner}
+
     def policy_version(self, name: str) -> int:
         return self._get(name).spec.policy_version
 
+    def check_user(self, name: str, caller: security.Caller) -> None:
+        """Refuses `caller` a request with adapter `name` (PERMISSION_DENIED) unless it is the
+        adapter's owner or an operator, or the adapter has no owner; NOT_FOUND if not loaded.
+        A router is trusted: it calls under its own identity for its callers, and refuses them
+        an adapter that is not theirs itself (primerl_router.pool, from the replicas' load
+        reports), before it forwards anything."""
+        owner = self._get(name).spec.owner
+        if security.ROUTER in caller.roles:
+            return
+        try:
+            security.check_owner(caller, owner, what=f"adapter {name!r}", reason="NOT_ADAPTER_OWNER")
+        except security.PermissionDenied:
+            logger.warning(
+                "refused adapter %r to %s: owned by %r",
+                name,
+                caller.describe(),
+                owner,
+                extra={"caller": caller.name, "refusal": "NOT_ADAPTER_OWNER"},
+            )
+            raise
+
     @contextlib.contextmanager
-    def in_use(self, name: str) -> Iterator[LoadedAdapter]:
-        """Adapter `name`, counted as used until the block exits (a replacement keeps the
-        count: the requests go on with the new version)."""
+    def in_use(self, name: str, caller: security.Caller) -> Iterator[LoadedAdapter]:
+        """Adapter `name`, for `caller` (`check_user`), counted as used until the block exits
+        (a replacement keeps the count: the requests go on with the new version)."""
+        self.check_user(name, caller)
         adapter = self._get(name)
         adapter.num_users += 1
         try:
@@ -130,14 +161,22 @@ class AdapterRegistry:
             adapter.num_users -= 1
 
     def check(self, spec: AdapterSpec) -> None:
-        """Refuses `spec` before its tensors are received: a bad name, or a version not newer
-        than the loaded one's."""
+        """Refuses `spec` before its tensors are received: a bad name, another owner than the
+        loaded one's, or a version not newer than the loaded one's."""
         check_adapter_name(spec.name, field="spec.name")
         if spec.policy_version < 0:
             raise InvalidArgument(f"must be >= 0, got {spec.policy_version}", field="spec.policy_version")
         current = self._adapters.get(spec.name)
         if current is None:
             return
+        if spec.owner != current.spec.owner:
+            raise FailedPrecondition(
+                f"adapter {spec.name!r} is owned by {_shown(current.spec.owner)}; "
+                f"a replacement owned by {_shown(spec.owner)} would change its owner",
+                subject="spec.owner",
+                reason="ADAPTER_OWNER_MISMATCH",
+                metadata={"owner": current.spec.owner, "requested_owner": spec.owner},
+            )
         old, new = current.spec.policy_version, spec.policy_version
         if not (new > old or new == old == 0):
             raise FailedPrecondition(
@@ -270,6 +309,10 @@ class AdapterRegistry:
         (folder / "adapter_config.json").write_text(json.dumps(config, indent=2))
         save_file({name: t.contiguous() for name, t in tensors.items()}, str(folder / "adapter_model.safetensors"))
         return folder
+
+
+def _shown(owner: str) -> str:
+    return repr(owner) if owner else "no one"
 
 
 def _point(link: pathlib.Path, folder: pathlib.Path) -> None:

@@ -38,10 +38,11 @@ from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
 from vllm.v1.engine.async_llm import AsyncLLM
 
 from primerl.common.v1 import tensor_pb2
+from primerl_common import security
 from primerl_common.errors import FailedPrecondition, Unavailable
 from primerl_common.images import CAPABILITY_IMAGES
 from primerl_common.vllm_vision import qwen_vision_processors
-from primerl_inference.adapters import AdapterRegistry, AdapterSpec, receive_adapter_tensors
+from primerl_inference.adapters import AdapterRegistry, AdapterSpec, LoadedAdapter, receive_adapter_tensors
 from primerl_inference.capabilities import (
     CAPABILITY_KV_TRANSFER,
     CAPABILITY_LORA,
@@ -276,14 +277,17 @@ class InferenceEngine:
 
     # ------------------------------------------------------------------ generation
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerationChunk]:
+    async def generate(
+        self, request: GenerateRequest, *, caller: security.Caller = security.LOCAL
+    ) -> AsyncIterator[GenerationChunk]:
         """Streams the completion of `request` in chunks as its stream policy asks; the last
         chunk has `finished` set. Closing the iterator early aborts the request in the engine.
+        An adapter with an owner is used only for that owner or an operator (`caller`).
 
         KV is reused only within one policy version (version_salts.py): the request is salted
         with the versions served when it is admitted (the base's, its adapter's), and started
         again under the new salt, its tokens dropped, when one changes before its first token."""
-        images = self._admit(request)
+        images = self._admit(request, caller)
         if request.kv_transfer == "prefill":
             # The prompt's KV goes to the pool as it is computed; stop at the first token.
             prefill_only = dataclasses.replace(request.sampling, max_tokens=1, min_tokens=0)
@@ -291,7 +295,7 @@ class InferenceEngine:
         params = sampling_params(request, bad_words=self._vision.placeholder_words if self._vision else ())
         for attempt in range(1, _MAX_VERSION_RESTARTS + 2):
             try:
-                async for chunk in self._generate_at(request, images, params):
+                async for chunk in self._generate_at(request, caller, images, params):
                     yield chunk
                 return
             except PolicyVersionChanged as changed:
@@ -303,7 +307,7 @@ class InferenceEngine:
         )
 
     async def _generate_at(
-        self, request: GenerateRequest, images: list[Image.Image], params: SamplingParams
+        self, request: GenerateRequest, caller: security.Caller, images: list[Image.Image], params: SamplingParams
     ) -> AsyncIterator[GenerationChunk]:
         """One attempt of `request` (`images`: its images decoded), salted with the versions
         served now (its adapter's and the base's)."""
@@ -311,7 +315,10 @@ class InferenceEngine:
         engine_request_id = f"{request.request_id}-{next(self._request_numbers)}"
         routed_experts_claimed = False
         with contextlib.ExitStack() as stack:
-            adapter = stack.enter_context(self._adapters.in_use(request.lora_adapter)) if request.lora_adapter else None
+            adapter: LoadedAdapter | None = None
+            if request.lora_adapter:
+                # The owner checked again: a restart may find the adapter unloaded and loaded anew.
+                adapter = stack.enter_context(self._adapters.in_use(request.lora_adapter, caller))
             served = adapter.served_at(self.policy_version) if adapter else ServedAt(self.policy_version)
             salt = stack.enter_context(self._salts.attempt(engine_request_id, served, request.cache_salt))
             prompt = _engine_prompt(request, images, salt)
@@ -351,14 +358,17 @@ class InferenceEngine:
         if (why := self.weight_updater.out_of_service) is not None:
             raise Unavailable(why, reason="WEIGHTS_INCOMPLETE")
 
-    def _admit(self, request: GenerateRequest) -> list[Image.Image]:
-        """Raises what the request is refused with; returns its images, decoded."""
+    def _admit(self, request: GenerateRequest, caller: security.Caller) -> list[Image.Image]:
+        """Raises what the request of `caller` is refused with; returns its images, decoded."""
         self._check_in_service()
         if self._draining:
             raise Unavailable("the replica is draining; send the request to another one", reason="DRAINING")
         request.validate(vocab_size=self._vocab_size, max_model_len=self._max_model_len)
         if request.lora_adapter and not self._config.engine.enable_lora:
             raise missing_capability(CAPABILITY_LORA, "LoRA")
+        if request.lora_adapter:
+            # Before anything that tells about the adapter (its version).
+            self._adapters.check_user(request.lora_adapter, caller)
         if request.min_policy_version > (served := self._policy_version_of(request)):
             what = f"adapter {request.lora_adapter!r} at" if request.lora_adapter else "the replica serves"
             raise FailedPrecondition(
@@ -447,6 +457,10 @@ class InferenceEngine:
 
     def adapters(self) -> list[AdapterSpec]:
         return self._adapters.specs()
+
+    def adapter_owners(self) -> dict[str, str]:
+        """The owner of each loaded adapter that has one, by name."""
+        return self._adapters.owners()
 
     async def load_adapter(self, spec: AdapterSpec, chunks: AsyncIterable[tensor_pb2.TensorChunk]) -> bool:
         """Loads (or replaces, in place while requests use it) adapter `spec.name` from

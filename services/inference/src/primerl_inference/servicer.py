@@ -14,6 +14,7 @@ from google.protobuf.message import DecodeError
 
 from primerl.common.v1 import generation_pb2, tensor_pb2
 from primerl.inference.v1 import inference_pb2, inference_pb2_grpc
+from primerl_common import security
 from primerl_common.errors import InvalidArgument, ServiceError
 from primerl_common.observability import policy_version_var
 from primerl_common.server import ServiceDefinition
@@ -79,8 +80,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
     ) -> AsyncIterator[inference_pb2.GenerateResponse]:
         policy_version_var.set(self._engine.policy_version)
         generate_request = generate_request_from_proto(request.input)
+        caller = security.caller_of(context)
         # aclosing: when the client goes away the request is aborted in the engine at once.
-        async with contextlib.aclosing(self._engine.generate(generate_request)) as chunks:
+        async with contextlib.aclosing(self._engine.generate(generate_request, caller=caller)) as chunks:
             async for chunk in chunks:
                 response = inference_pb2.GenerateResponse()
                 fill_output(
@@ -159,6 +161,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
     def _load(self) -> generation_pb2.LoadReport:
         load = load_to_proto(self._engine.load_report())
         load.adapter_versions.update({spec.name: spec.policy_version for spec in self._engine.adapters()})
+        load.adapter_owners.update(self._engine.adapter_owners())
         return load
 
     async def LoadAdapter(
@@ -362,6 +365,7 @@ def adapter_spec_from_proto(spec: inference_pb2.AdapterSpec) -> AdapterSpec:
         alpha=spec.alpha,
         target_modules=tuple(spec.target_modules),
         policy_version=spec.policy_version,
+        owner=spec.owner,
     )
 
 
@@ -373,4 +377,5 @@ def adapter_spec_to_proto(spec: AdapterSpec) -> inference_pb2.AdapterSpec:
         alpha=spec.alpha,
         target_modules=list(spec.target_modules),
         policy_version=spec.policy_version,
+        owner=spec.owner,
     )

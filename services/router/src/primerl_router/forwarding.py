@@ -17,12 +17,13 @@ from collections.abc import Sequence
 
 import grpc
 
+from primerl_common import security
 from primerl_router import metrics
 from primerl_router.config import RoutingConfig
 from primerl_router.disaggregation import Disaggregation
 from primerl_router.fleet import Fleet
 from primerl_router.replica import Replica
-from primerl_router.request import parse_route_request
+from primerl_router.request import RouteRequest, parse_route_request
 
 __all__ = ["Forwarder"]
 
@@ -51,15 +52,23 @@ class Forwarder:
         self._fleet = fleet
         self._max_attempts = config.max_attempts
         self._wait_s = config.no_replica_wait_s
-        self._disaggregation = Disaggregation(self.generate) if config.disaggregate else None
+        self._disaggregation = Disaggregation(self._generate_half) if config.disaggregate else None
 
     async def generate(self, request: bytes, context: grpc.aio.ServicerContext) -> None:
-        invocation_metadata = context.invocation_metadata()
-        route = parse_route_request(request, invocation_metadata)
+        """A client's Generate: refused unless the caller may use the adapter it names."""
+        route = parse_route_request(request, context.invocation_metadata())
+        if route.lora_adapter:
+            self._fleet.pool.check_adapter_owner(route, security.caller_of(context))
         if not route.role and self._disaggregation is not None:
-            # Its two halves come back through here, each with its role set.
             return await self._disaggregation.generate(request, context)
-        metadata = _trace_context(invocation_metadata)
+        await self._route(request, route, context)
+
+    async def _generate_half(self, request: bytes, context: grpc.aio.ServicerContext) -> None:
+        """One half of a disaggregated request (its role set; the whole was checked by generate)."""
+        await self._route(request, parse_route_request(request, context.invocation_metadata()), context)
+
+    async def _route(self, request: bytes, route: RouteRequest, context: grpc.aio.ServicerContext) -> None:
+        metadata = _trace_context(context.invocation_metadata())
         tried: list[Replica] = []
         failure: grpc.aio.AioRpcError | None = None
         while len(tried) < self._max_attempts:

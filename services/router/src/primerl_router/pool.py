@@ -1,17 +1,20 @@
 """The registered replicas and the choice of one per request.
 
-`pick` filters the replicas down to those that may take the request and lets
-the routing policy choose; when none may, it waits (bounded) for one to
-become eligible: a replica finishing its weight update to the version a
-request needs, one coming back from a failed health check.
+`check_adapter_owner` refuses, before any choice, a request for a LoRA adapter owned by
+another identity than its caller. `pick` filters the replicas down to those that may take
+the request and lets the routing policy choose; when none may, it waits (bounded) for one
+to become eligible: a replica finishing its weight update to the version a request needs,
+one coming back from a failed health check.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Iterator, Sequence
 
+from primerl_common import security
 from primerl_common.errors import FailedPrecondition, NotFound, Unavailable
 from primerl_common.images import CAPABILITY_IMAGES
 from primerl_router import metrics
@@ -20,6 +23,8 @@ from primerl_router.replica import Replica
 from primerl_router.request import RouteRequest
 
 __all__ = ["ReplicaPool"]
+
+logger = logging.getLogger(__name__)
 
 # An open circuit turns half open with time, not with an event: waiters look again this often.
 _RECHECK_S = 0.1
@@ -64,6 +69,23 @@ class ReplicaPool:
         if self._num_waiters:
             self._changed.set()
             self._changed = asyncio.Event()
+
+    def check_adapter_owner(self, request: RouteRequest, caller: security.Caller) -> None:
+        """Raises PermissionDenied (NOT_ADAPTER_OWNER) when the request's LoRA adapter is owned, by
+        any replica's report, by another identity than `caller` (operators may use any adapter).
+        Replicas that name different owners leave it to operators alone."""
+        if not request.lora_adapter:
+            return
+        owners = {
+            replica.adapter_owners[request.lora_adapter]
+            for replica in self._replicas.values()
+            if request.lora_adapter in replica.adapter_owners
+        }
+        name = request.lora_adapter.decode(errors="replace")
+        if len(owners) > 1:
+            logger.warning("replicas disagree on the owner of adapter %r: %s", name, ", ".join(sorted(owners)))
+        for owner in sorted(owners):  # the caller must be each of them: with two, only an operator is
+            security.check_owner(caller, owner, what=f"adapter {name!r}", reason="NOT_ADAPTER_OWNER")
 
     def try_pick(self, request: RouteRequest, exclude: Sequence[Replica] = ()) -> Replica | None:
         """The replica for `request` now, or None when none may take it."""

@@ -97,6 +97,9 @@ class Replica:
         # The version of each LoRA adapter it holds, by name (as the request carries it: bytes).
         # A request naming an adapter goes only where that adapter is, at its version.
         self.adapter_versions: dict[bytes, int] = {}
+        # The owner of each adapter that has one, by name, from the load reports: the router
+        # serves an owned adapter to its owner (or an operator) only (ReplicaPool.check_adapter_owner).
+        self.adapter_owners: dict[bytes, str] = {}
         # Update state from the replica's own load report and from the weight broadcaster.
         self.load_updating = False
         self.broadcaster_updating = False
@@ -239,6 +242,12 @@ class Replica:
         self.num_started_since_report = 0
         self.policy_version = load.policy_version
         self.adapter_versions = {name.encode(): version for name, version in load.adapter_versions.items()}
+        # The report speaks for the adapters it lists; an owner it does not mention stays known
+        # (one forgotten while the broadcaster says the adapter is there would open it to anyone).
+        kept = {
+            name: owner for name, owner in self.adapter_owners.items() if name.decode() not in load.adapter_versions
+        }
+        self.adapter_owners = kept | {name.encode(): owner for name, owner in load.adapter_owners.items() if owner}
         self.load_updating = load.updating_weights or load.paused
         self.last_seen = time.time()
         self.metrics.apply_load(load)
@@ -257,19 +266,28 @@ class Replica:
         self.num_started_since_report = 0
         self.policy_version = UNKNOWN_VERSION
         self.adapter_versions = {}
+        # adapter_owners stay: an owner only narrows who may use an adapter (see apply_load).
         self.load_updating = False
         self.metrics.forget_load()
         self.metrics.policy_version.set(UNKNOWN_VERSION)
         self.metrics.updating.set(self.updating)
 
     def apply_broadcaster_state(
-        self, *, policy_version: int, updating: bool, adapter_versions: dict[str, int] | None = None
+        self,
+        *,
+        policy_version: int,
+        updating: bool,
+        adapter_versions: dict[str, int] | None = None,
+        adapter_owners: dict[str, str] | None = None,
     ) -> None:
         """What the weight broadcaster says the replica holds; `adapter_versions`: the adapters
-        it pushed there (newer than the last load report's, or not known to it yet)."""
+        it pushed there (newer than the last load report's, or not known to it yet), and the
+        owners of those that have one (known here as soon as they are pushed)."""
         self.policy_version = policy_version
         for name, version in (adapter_versions or {}).items():
             self.adapter_versions[name.encode()] = version
+        for name, owner in (adapter_owners or {}).items():
+            self.adapter_owners[name.encode()] = owner
         self.broadcaster_updating = updating
         self.metrics.policy_version.set(policy_version)
         self.metrics.updating.set(self.updating)

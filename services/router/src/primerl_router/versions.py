@@ -106,4 +106,7 @@ def _apply_status(replica: Replica, status: wb_pb2.ReplicaStatus, *, removed: bo
     version = status.policy_version if version_known else replica.policy_version
     updating = not removed and status.state == wb_pb2.REPLICA_STATE_UPDATING
     adapter_versions = {} if removed else dict(status.adapter_versions)
-    replica.apply_broadcaster_state(policy_version=version, updating=updating, adapter_versions=adapter_versions)
+    adapter_owners = {} if removed else dict(status.adapter_owners)
+    replica.apply_broadcaster_state(
+        policy_version=version, updating=updating, adapter_versions=adapter_versions, adapter_owners=adapter_owners
+    )

@@ -14,6 +14,10 @@ one does the same. Sharded
 (FSDP2) state is written by each rank and can be loaded onto another number of ranks (DCP
 reshards it), except the RNG states, which are per rank: a rank the checkpoint has none for
 keeps its own.
+
+`CheckpointFolder` keeps these rules for one such folder, whatever its checkpoints hold:
+`Checkpointer` (the single-run trainer) and `run_checkpoint.RunCheckpoints` (one folder per
+LoRA run of a `RunSet`) both write and read their checkpoints through it.
 """
 
 from __future__ import annotations
@@ -24,8 +28,8 @@ import pathlib
 import pickle
 import re
 import shutil
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -35,70 +39,72 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from primerl_common.durable import replace_atomically
 from primerl_trainer.train import Trainer
 
-__all__ = ["LATEST_FILE", "Checkpointer"]
+__all__ = ["LATEST_FILE", "CheckpointFolder", "Checkpointer", "TrainedParametersChanged", "on_rank_zero"]
 
 logger = logging.getLogger(__name__)
 
 LATEST_FILE = "latest"
 _STEP_DIR = re.compile(r"step_(\d{8})")
 
+_T = TypeVar("_T")
 
-class Checkpointer:
-    """Saves a `Trainer`'s state into `root` and restores the latest one. Every rank calls every
-    method (they are collective); only rank 0 writes the marker and deletes old checkpoints."""
 
-    def __init__(self, root: str | os.PathLike[str], *, interval: int = 0, keep_last: int | None = None) -> None:
-        if interval < 0:
-            raise ValueError(f"interval must be >= 0, got {interval}")
+class CheckpointFolder:
+    """A folder of step checkpoints (`step_XXXXXXXX` folders and the `latest` marker) and the rules
+    of the module docstring: a save becomes the latest only once complete, a damaged one is passed
+    over for the newest complete one, `keep_last` prunes. What a checkpoint holds is its caller's:
+    `save` and `load_newest` take the function that writes or reads one folder. Every rank calls
+    every method (they are collective); only rank 0 writes the marker and deletes old checkpoints.
+    Other files in the folder are left alone."""
+
+    def __init__(self, root: str | os.PathLike[str], *, keep_last: int | None = None) -> None:
         if keep_last is not None and keep_last <= 0:
             raise ValueError(f"keep_last must be positive, got {keep_last}")
         self.root = pathlib.Path(root)
-        self.interval = interval
         self.keep_last = keep_last
 
-    def maybe_save(self, trainer: Trainer) -> pathlib.Path | None:
-        """Save when the trainer's step is a multiple of the interval; return the folder if saved."""
-        if self.interval and trainer.step % self.interval == 0:
-            return self.save(trainer)
-        return None
+    @property
+    def marker(self) -> pathlib.Path:
+        return self.root / LATEST_FILE
 
-    def save(self, trainer: Trainer) -> pathlib.Path:
-        """Write the trainer's state for its current step and make it the latest; return its folder."""
-        if not trainer.optimizer.state:
-            # DCP would initialise the optimizer's state with a fake step to save it, which
-            # would shift Adam's bias correction for the rest of the run.
-            raise ValueError(f"step {trainer.step}: nothing to checkpoint before the optimizer's first update")
-        path = self.root / _step_dir_name(trainer.step)
-        if _read_marker(self.root / LATEST_FILE) == path.name and _damage(path) is None:
+    def save(self, step: int, write: Callable[[pathlib.Path], None]) -> pathlib.Path:
+        """Write `step`'s checkpoint with `write(folder)` (collective, e.g. `dcp.save`) and make it
+        the latest; return its folder. The latest step saved again is a no-op."""
+        path = self.root / _step_dir_name(step)
+        if _read_marker(self.marker) == path.name and _damage(path) is None:
             return path
-        if _rank() == 0:
-            # Left over from a save that crashed before it became the latest.
-            shutil.rmtree(path, ignore_errors=True)
-        _barrier()
-        dcp.save(_state_dict(trainer), checkpoint_id=path)
-        if _rank() == 0:
-            replace_atomically(self.root / LATEST_FILE, path.name + "\n")
-            self._delete_old()
-        _barrier()
-        logger.info("saved checkpoint", extra={"step": trainer.step, "path": str(path)})
+        # Left over from a save that crashed before it became the latest.
+        on_rank_zero(lambda: shutil.rmtree(path, ignore_errors=True))
+        write(path)
+        on_rank_zero(lambda: self._make_latest(path))
+        logger.info("saved checkpoint", extra={"step": step, "path": str(path)})
         return path
 
     def latest_path(self) -> pathlib.Path | None:
         """The newest complete checkpoint: the folder `latest` names, else (damaged) the newest
         complete other one. None when there is no checkpoint yet; ValueError when `latest` names
         one and none is complete (a run that had some must not start over unnoticed)."""
-        return next(self._complete(), None)
+        return next(self.complete(), None)
 
-    def _complete(self) -> Iterator[pathlib.Path]:
+    def load_newest(self, read: Callable[[pathlib.Path], _T], *, fatal: tuple[type[Exception], ...] = ()) -> _T | None:
+        """`read` (collective, e.g. around `dcp.load`) of the newest complete checkpoint it reads;
+        None if there is none yet. One it fails on is passed over for the next, with a warning,
+        but for the errors in `fatal`, which every checkpoint would raise alike."""
+        for path in self.complete():
+            try:
+                return read(path)
+            except fatal:
+                raise
+            except Exception as exc:  # DCP raises CheckpointException on every rank alike
+                logger.warning("checkpoint %s did not load: %s", path, exc, extra={"path": str(path)})
+        return None
+
+    def complete(self) -> Iterator[pathlib.Path]:
         """The complete checkpoints, `latest`'s first, then the others newest first; each one
         passed over is logged with why. Raises ValueError once none is left, if any was there."""
-        marker = self.root / LATEST_FILE
+        marker = self.marker
         name = _read_marker(marker)
-        folders = []
-        if self.root.is_dir():
-            folders = sorted(
-                (p for p in self.root.iterdir() if p.is_dir() and _STEP_DIR.fullmatch(p.name)), reverse=True
-            )
+        folders = sorted(self._step_folders(), reverse=True)
         why_not: list[str] = []
         candidates = []
         if name is not None and _STEP_DIR.fullmatch(name):
@@ -131,17 +137,54 @@ class Checkpointer:
             # No marker: no save ever finished (the first one crashed), so nothing is lost.
             logger.warning("no complete checkpoint in %s: %s", self.root, "; ".join(why_not))
 
+    def _step_folders(self) -> list[pathlib.Path]:
+        if not self.root.is_dir():
+            return []
+        return [p for p in self.root.iterdir() if p.is_dir() and _STEP_DIR.fullmatch(p.name)]
+
+    def _make_latest(self, path: pathlib.Path) -> None:
+        replace_atomically(self.marker, path.name + "\n")
+        if self.keep_last is not None:
+            for old in sorted(self._step_folders())[: -self.keep_last]:
+                shutil.rmtree(old)
+
+
+class Checkpointer:
+    """Saves a `Trainer`'s state into `root` and restores the latest one. Every rank calls every
+    method (they are collective); only rank 0 writes the marker and deletes old checkpoints."""
+
+    def __init__(self, root: str | os.PathLike[str], *, interval: int = 0, keep_last: int | None = None) -> None:
+        if interval < 0:
+            raise ValueError(f"interval must be >= 0, got {interval}")
+        self._folder = CheckpointFolder(root, keep_last=keep_last)
+        self.root = self._folder.root
+        self.interval = interval
+        self.keep_last = keep_last
+
+    def maybe_save(self, trainer: Trainer) -> pathlib.Path | None:
+        """Save when the trainer's step is a multiple of the interval; return the folder if saved."""
+        if self.interval and trainer.step % self.interval == 0:
+            return self.save(trainer)
+        return None
+
+    def save(self, trainer: Trainer) -> pathlib.Path:
+        """Write the trainer's state for its current step and make it the latest; return its folder."""
+        if not trainer.optimizer.state:
+            # DCP would initialise the optimizer's state with a fake step to save it, which
+            # would shift Adam's bias correction for the rest of the run.
+            raise ValueError(f"step {trainer.step}: nothing to checkpoint before the optimizer's first update")
+        return self._folder.save(trainer.step, lambda path: dcp.save(_state_dict(trainer), checkpoint_id=path))
+
+    def latest_path(self) -> pathlib.Path | None:
+        """`CheckpointFolder.latest_path` of `root`."""
+        return self._folder.latest_path()
+
     def load_latest(self, trainer: Trainer) -> int | None:
         """Restore the newest complete checkpoint into `trainer` (in place); return its step, or
         None if there is none yet. One that DCP fails to read is passed over for the next."""
-        for path in self._complete():
-            try:
-                return self._load(trainer, path)
-            except TrainedParametersChanged:
-                raise  # every checkpoint of the run would be passed over: the config is at fault
-            except Exception as exc:  # DCP raises CheckpointException on every rank alike
-                logger.warning("checkpoint %s did not load: %s", path, exc, extra={"path": str(path)})
-        return None
+        # A change of the trained parameters would pass over every checkpoint of the run: the
+        # config is at fault.
+        return self._folder.load_newest(lambda path: self._load(trainer, path), fatal=(TrainedParametersChanged,))
 
     def _load(self, trainer: Trainer, path: pathlib.Path) -> int:
         saved_keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata.keys()
@@ -170,13 +213,6 @@ class Checkpointer:
             _set_rng_state(state[rng_key], trainer.device)
         logger.info("restored checkpoint", extra={"step": trainer.step, "path": str(path)})
         return trainer.step
-
-    def _delete_old(self) -> None:
-        if self.keep_last is None:
-            return
-        steps = sorted(p for p in self.root.iterdir() if p.is_dir() and _STEP_DIR.fullmatch(p.name))
-        for old in steps[: -self.keep_last]:
-            shutil.rmtree(old)
 
 
 class TrainedParametersChanged(ValueError):
@@ -282,6 +318,14 @@ def _distributed() -> bool:
 
 def _rank() -> int:
     return dist.get_rank() if _distributed() else 0
+
+
+def on_rank_zero(action: Callable[[], object]) -> None:
+    """Run `action` on rank 0 alone, then wait until it is done on every rank (collective): what
+    rank 0 changes in a shared folder, every rank sees once this returns."""
+    if _rank() == 0:
+        action()
+    _barrier()
 
 
 def _barrier() -> None:

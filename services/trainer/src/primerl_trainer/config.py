@@ -29,6 +29,8 @@ __all__ = [
     "ModelConfig",
     "ParallelConfig",
     "PublishConfig",
+    "RunQuota",
+    "RunsConfig",
     "SFTConfig",
     "TrainerConfig",
 ]
@@ -223,6 +225,40 @@ class BatchLimitsConfig(Section):
     )
 
 
+class RunQuota(Section):
+    """What one tenant may hold on a trainer with runs; past a limit CreateRun (or PushBatch) is
+    refused RESOURCE_EXHAUSTED naming it."""
+
+    max_runs: int = Field(default=4, gt=0, description="runs a tenant may have at once (paused and failed count)")
+    max_tokens_per_step: int = Field(default=2**22, gt=0, description="tokens of one batch of one of its runs")
+    max_lora_rank: int = Field(default=64, gt=0, description="LoRA rank a run may ask for")
+
+
+class RunsConfig(Section):
+    """Multi-tenant LoRA: many runs on one backbone (trainer.v1 CreateRun), each a LoRA adapter of
+    its own with its own optimizer, schedule, steps, checkpoints (checkpoint.dir/runs/<run id>) and
+    published adapter (named by the run id). Needs lora.enabled: the backbone's LoRA modules are
+    built at lora.rank, the largest rank a run may have."""
+
+    max_concurrent_runs: int = Field(
+        default=0, ge=0, description="runs the trainer holds at once (0: a trainer of one run, no run API)"
+    )
+    quota: RunQuota = Field(default_factory=RunQuota, description="every tenant's quota unless tenant_quotas names it")
+    tenant_quotas: dict[str, RunQuota] = Field(
+        default_factory=dict, description="tenant identity name -> its quota, in place of quota"
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_concurrent_runs > 0
+
+    def quota_of(self, tenant: str) -> tuple[RunQuota, str]:
+        """The tenant's quota and the config field it comes from (for refusals to name)."""
+        if tenant in self.tenant_quotas:
+            return self.tenant_quotas[tenant], f"runs.tenant_quotas.{tenant}"
+        return self.quota, "runs.quota"
+
+
 class TrainerConfig(ServiceConfig):
     """primerl trainer: PyTorch training of the policy: own Qwen3/Qwen3-MoE models, RL and SFT losses,
     router replay, FSDP2, checkpoints.
@@ -249,9 +285,12 @@ class TrainerConfig(ServiceConfig):
     lora: LoRAConfig = LoRAConfig()
     sft: SFTConfig = SFTConfig()
     export: ExportConfig = ExportConfig()
+    runs: RunsConfig = RunsConfig()
 
     @model_validator(mode="after")
     def _check_combinations(self) -> TrainerConfig:
+        if self.runs.enabled:
+            self._check_runs()
         if self.publish.kind == "adapter" and not self.lora.enabled:
             raise ValueError("publish.kind 'adapter' needs lora.enabled")
         if self.export.adapter_dir is not None and not self.lora.enabled:
@@ -277,3 +316,15 @@ class TrainerConfig(ServiceConfig):
                 "(model.fp8_backend 'emulated' computes the same numbers on the CPU)"
             )
         return self
+
+    def _check_runs(self) -> None:
+        """runs.max_concurrent_runs > 0: every run is a LoRA adapter, trained on pushed batches
+        and published alone."""
+        if not self.lora.enabled:
+            raise ValueError("runs.max_concurrent_runs > 0 needs lora.enabled (each run is a LoRA adapter)")
+        if self.sft.dataset is not None:
+            raise ValueError("runs.max_concurrent_runs > 0 trains pushed batches: unset sft.dataset")
+        if self.publish.weight_broadcaster is not None and self.publish.kind != "adapter":
+            raise ValueError("runs.max_concurrent_runs > 0 publishes each run's adapter: set publish.kind 'adapter'")
+        if self.export.hf_dir is not None or self.export.adapter_dir is not None:
+            raise ValueError("runs.max_concurrent_runs > 0: export.hf_dir and export.adapter_dir are for one run")

@@ -22,6 +22,8 @@ from primerl_trainer.models import HFCausalLM, model_spec_of
 
 __all__ = [
     "PublishKind",
+    "count_tensors",
+    "exported_adapter_tensors",
     "exported_tensors",
     "gather_state_dict",
     "gather_to_rank0",
@@ -139,16 +141,10 @@ def exported_tensors(
     `dtype` but for the model's float32 buffers: tensors it does not train and holds in float32
     whatever its dtype because its checkpoint stores them so (the routers' correction biases,
     which decide between experts whose scores differ by less than bfloat16 resolves)."""
-    to_hf = hf_converter(model)
     if kind == "adapter":
-        base_shapes = {
-            key.removesuffix(".original").replace(".parametrizations.", "."): (value.shape, value.dtype)
-            for key, value in model.state_dict().items()
-            if key.endswith(".original")
-        }
-        for name, tensor in lora_adapter_tensors(source, base_shapes=base_shapes, to_hf=to_hf):
-            yield name, tensor.to(dtype)
+        yield from exported_adapter_tensors(model, source, dtype=dtype)
         return
+    to_hf = hf_converter(model)
     weights = merge_lora(source, scale=lora_scale) if lora_scale is not None else source
     float32_buffers = {name for name, buffer in model.named_buffers() if buffer.dtype == torch.float32}
     for own_name, tensor in weights:
@@ -156,13 +152,34 @@ def exported_tensors(
             yield name, exported if own_name in float32_buffers else exported.to(dtype)
 
 
+def exported_adapter_tensors(
+    model: nn.Module, source: NamedTensors, *, dtype: torch.dtype
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The adapter under PEFT's names, in `dtype`, from `source`'s LoRA entries (own state-dict
+    names, gathered or meta) of any rank up to the one the model's LoRA modules are built at: the
+    model's own, or one run's (runs.py) cut to the run's rank. The names come from the model's
+    adapted weights, never from the LoRA tensors' shapes."""
+    base_shapes = {
+        key.removesuffix(".original").replace(".parametrizations.", "."): (value.shape, value.dtype)
+        for key, value in model.state_dict().items()
+        if key.endswith(".original")
+    }
+    for name, tensor in lora_adapter_tensors(source, base_shapes=base_shapes, to_hf=hf_converter(model)):
+        yield name, tensor.to(dtype)
+
+
+def count_tensors(named_tensors: NamedTensors) -> tuple[int, int]:
+    """(number of tensors, bytes) of `named_tensors`; meta tensors count the bytes they describe."""
+    num_tensors = num_bytes = 0
+    for _, tensor in named_tensors:
+        num_tensors += 1
+        num_bytes += tensor.numel() * tensor.element_size()
+    return num_tensors, num_bytes
+
+
 def plan_export(
     model: nn.Module, *, kind: PublishKind, dtype: torch.dtype, lora_scale: float | None
 ) -> tuple[int, int]:
     """(number of tensors, bytes) a publish sends: what PublishBegin announces."""
-    num_tensors = num_bytes = 0
     source = meta_state_dict(model, kind=kind)
-    for _, tensor in exported_tensors(model, source, kind=kind, dtype=dtype, lora_scale=lora_scale):
-        num_tensors += 1
-        num_bytes += tensor.numel() * tensor.element_size()
-    return num_tensors, num_bytes
+    return count_tensors(exported_tensors(model, source, kind=kind, dtype=dtype, lora_scale=lora_scale))

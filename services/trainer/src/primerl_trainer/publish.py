@@ -23,6 +23,7 @@ import threading
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 import torch
@@ -93,6 +94,8 @@ class AdapterInfo:
     name: str
     rank: int
     alpha: float
+    # The identity the adapter belongs to (a run's owner); "": served to any caller.
+    owner: str = ""
 
 
 def publish_requests(
@@ -132,6 +135,7 @@ def _begin(
     )
     if adapter is not None:
         begin.adapter_name, begin.adapter_rank, begin.adapter_alpha = adapter.name, adapter.rank, adapter.alpha
+        begin.adapter_owner = adapter.owner
     return begin
 
 
@@ -396,25 +400,23 @@ def _put(buffer: queue.Queue[object], item: object, failed: Callable[[], bool]) 
 
 
 class BroadcasterWatch:
-    """Asks the broadcaster for its latest version every `interval_s` (on the event loop) and
-    reports it with the version published before asking: `on_status(latest, published_before=)`.
-    A broadcaster that restarted holds nothing (its versions live in RAM, unless it spills them
-    to disk) until the trainer publishes again, and until then no replica gets the latest
-    weights. `adapter_name`: the trainer publishes that adapter alone, whose versions count."""
+    """Asks the broadcaster for its status every `interval_s` (on the event loop) and reports it
+    with what was published before asking: `on_status(status, published_before)`, where
+    `published_before` is what `published()` returned. A broadcaster that restarted holds
+    nothing (its versions live in RAM, unless it spills them to disk) until the trainer
+    publishes again, and until then no replica gets the latest weights."""
 
     def __init__(
         self,
         address: str,
         *,
         interval_s: float,
-        published_version: Callable[[], int],
-        on_status: Callable[..., None],
-        adapter_name: str | None = None,
+        published: Callable[[], Any],
+        on_status: Callable[[weight_broadcaster_pb2.GetStatusResponse, Any], None],
     ) -> None:
         self.address = address
-        self._adapter_name = adapter_name
         self._interval_s = interval_s
-        self._published_version = published_version
+        self._published = published
         self._on_status = on_status
 
     async def run(self) -> None:
@@ -423,13 +425,9 @@ class BroadcasterWatch:
             while True:
                 await asyncio.sleep(self._interval_s)
                 # Read before asking: a publish that completes meanwhile is not mistaken for a loss.
-                published = self._published_version()
+                published = self._published()
                 try:
                     status = await stub.GetStatus(weight_broadcaster_pb2.GetStatusRequest(), timeout=self._interval_s)
                 except grpc.aio.AioRpcError:
                     continue  # away (restarting): asked again next time
-                if self._adapter_name is None:
-                    latest = status.latest_policy_version
-                else:
-                    latest = status.latest_adapter_versions.get(self._adapter_name, -1)
-                self._on_status(latest, published_before=published)
+                self._on_status(status, published)

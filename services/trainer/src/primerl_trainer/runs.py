@@ -105,9 +105,19 @@ class RunSet:
     """The runs trained on one LoRA model. `model` has LoRA applied at the largest rank a run may
     have (`max_rank`) and nothing else trainable; it may be sharded by FSDP2 (every rank then
     calls every method with the same arguments: they are collective). `trainer_options` go to
-    the `Trainer` every run's step goes through (dp_group, cp_group, logprob_chunk_size, ...)."""
+    the `Trainer` every run's step goes through (dp_group, cp_group, logprob_chunk_size, ...);
+    or `trainer`, the model's Trainer already built, is that one (its optimizer, schedule, step
+    and loss settings are then replaced by each run's as it steps)."""
 
-    def __init__(self, model: nn.Module, *, spec: BatchSpec, device: torch.device, **trainer_options: Any) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        spec: BatchSpec,
+        device: torch.device,
+        trainer: Trainer | None = None,
+        **trainer_options: Any,
+    ) -> None:
         self.model = model
         self.spec = spec
         self.device = device
@@ -127,12 +137,15 @@ class RunSet:
             extra = sorted(trainable - set(self._params))[:3]
             raise ValueError(f"only the LoRA tensors may be trainable with several runs; also trainable: {extra}")
         self._trainer_options = trainer_options
-        self._trainer: Trainer | None = None
+        self._trainer = trainer
         self._runs: dict[str, _Run] = {}
 
     @property
     def run_ids(self) -> list[str]:
         return list(self._runs)
+
+    def config_of(self, run_id: str) -> RunConfig:
+        return self._run(run_id).config
 
     def step_of(self, run_id: str) -> int:
         return self._run(run_id).step

@@ -122,7 +122,8 @@ def _build(config: TrainerConfig, device: torch.device) -> TrainingRuntime:
         accumulate_unsharded=config.parallel.accumulate_unsharded,
     )
     checkpointer = restored_step = None
-    if config.checkpoint.dir is not None:
+    # With runs, each run checkpoints under checkpoint.dir/runs (run_service.py).
+    if config.checkpoint.dir is not None and not config.runs.enabled:
         checkpointer = Checkpointer(
             config.checkpoint.dir, interval=config.checkpoint.interval, keep_last=config.checkpoint.keep_last
         )

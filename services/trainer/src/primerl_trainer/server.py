@@ -9,6 +9,7 @@ from primerl_common import security
 from primerl_common.server import ServiceDefinition
 from primerl_trainer import __version__
 from primerl_trainer.config import TrainerConfig
+from primerl_trainer.run_service import RunService
 from primerl_trainer.runtime import TrainingRuntime, build_runtime, shutdown_runtime
 from primerl_trainer.service import TrainingService
 from primerl_trainer.servicer import TrainerServicer
@@ -17,13 +18,22 @@ from primerl_trainer.sft_data import SFTDataset, load_sft_samples
 __all__ = ["ROLES", "build"]
 
 # Who may call what (primerl_common.security): the orchestrator pushes batches, operators
-# checkpoint on demand, anyone authenticated reads status and step metrics.
+# checkpoint on demand, anyone authenticated reads status and step metrics. Tenants create and
+# steer their runs (runs.max_concurrent_runs > 0); every RPC that names a run is then refused
+# unless the caller owns it or is an operator (run_service.py).
+_TENANTS = {security.TENANT, security.OPERATOR}
 ROLES = {
-    "GetBatchSpec": {security.ORCHESTRATOR, security.OPERATOR},
+    "GetBatchSpec": {security.ORCHESTRATOR, security.OPERATOR, security.TENANT},
     "PushBatch": {security.ORCHESTRATOR},
     "GetStatus": security.ANY,
     "WatchSteps": security.ANY,
-    "SaveCheckpoint": {security.OPERATOR},
+    "SaveCheckpoint": _TENANTS,
+    "CreateRun": _TENANTS,
+    "GetRun": security.ANY,
+    "ListRuns": security.ANY,
+    "PauseRun": _TENANTS,
+    "ResumeRun": _TENANTS,
+    "DeleteRun": _TENANTS,
 }
 
 
@@ -31,7 +41,12 @@ async def build(config: TrainerConfig) -> ServiceDefinition:
     # Before the model: a bad dataset line fails the start at once.
     sft_dataset = _sft_dataset(config)
     runtime = build_runtime(config)
-    service = TrainingService(runtime, sft_dataset=sft_dataset)
+    service: TrainingService | RunService
+    try:
+        service = RunService(runtime) if config.runs.enabled else TrainingService(runtime, sft_dataset=sft_dataset)
+    except BaseException:
+        shutdown_runtime(runtime)
+        raise
 
     async def stop() -> None:
         await service.stop()
@@ -85,6 +100,8 @@ def _capabilities(runtime: TrainingRuntime) -> list[str]:
         capabilities.append("trainer.router_replay")
     if config.lora.enabled:
         capabilities.append("trainer.lora")
+    if config.runs.enabled:
+        capabilities.append("trainer.runs")
     if config.publish.weight_broadcaster is not None:
         capabilities.append(f"trainer.publish.{config.publish.kind}")
     return capabilities

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2 as wb_pb2
 from primerl_common.admission import check_limit
 from primerl_common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
 from primerl_trainer.batch import BatchSpec, MicroBatch, TrainingMode, validate_batch
@@ -31,7 +32,17 @@ from primerl_trainer.publish import BroadcasterWatch
 from primerl_trainer.runtime import TrainingRuntime
 from primerl_trainer.sft_data import SFTDataset
 
-__all__ = ["BatchHeader", "IncomingBatch", "QueueInfo", "TrainerStatus", "TrainingService", "training_failed"]
+__all__ = [
+    "BatchHeader",
+    "IncomingBatch",
+    "QueueInfo",
+    "TrainerStatus",
+    "TrainingService",
+    "check_next_step",
+    "log_queued",
+    "queued_batch",
+    "training_failed",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -74,9 +85,17 @@ class TrainerStatus:
 class IncomingBatch:
     """A batch being read from a PushBatch stream, admitted by its header."""
 
-    def __init__(self, header: BatchHeader, limits: BatchLimitsConfig | None = None) -> None:
+    def __init__(
+        self,
+        header: BatchHeader,
+        limits: BatchLimitsConfig | None = None,
+        *,
+        token_quota: tuple[int, str] | None = None,
+    ) -> None:
+        """`token_quota`: (most tokens, the config field that sets it) of a tenant's run's batch."""
         self.header = header
         self.limits = limits or BatchLimitsConfig()
+        self.token_quota = token_quota
         self.micro_batches: list[MicroBatch] = []
         self.num_tokens = 0
         self.num_bytes = 0
@@ -100,6 +119,15 @@ class IncomingBatch:
             config_field="batch_limits.max_bytes",
             what=f"bytes up to micro-batch {self.next_index}",
         )
+        if self.token_quota is not None:
+            limit, config_field = self.token_quota
+            check_limit(
+                self.num_tokens,
+                limit,
+                field="micro_batch.input_ids",
+                config_field=config_field,
+                what=f"tokens of the run's step up to micro-batch {self.next_index}",
+            )
 
     def add(self, micro_batch: MicroBatch) -> None:
         if len(self.micro_batches) >= self.header.num_micro_batches:
@@ -145,12 +173,20 @@ class TrainingService:
         self._loop.start()
         publish = self.runtime.config.publish
         if publish.weight_broadcaster is not None:
+            adapter = publish.adapter_name if publish.kind == "adapter" else None
+
+            def on_status(status: wb_pb2.GetStatusResponse, published_before: int) -> None:
+                if adapter is None:
+                    latest = status.latest_policy_version
+                else:
+                    latest = status.latest_adapter_versions.get(adapter, -1)
+                self._loop.broadcaster_holds(latest, published_before=published_before)
+
             watch = BroadcasterWatch(
                 publish.weight_broadcaster,
                 interval_s=publish.check_interval_s,
-                published_version=lambda: self._loop.published_version,
-                on_status=self._loop.broadcaster_holds,
-                adapter_name=publish.adapter_name if publish.kind == "adapter" else None,
+                published=lambda: self._loop.published_version,
+                on_status=on_status,
             )
             self._broadcaster_watch = asyncio.create_task(watch.run(), name="weight-broadcaster watch")
 
@@ -197,44 +233,13 @@ class TrainingService:
 
     def commit_batch(self, batch: IncomingBatch) -> tuple[int, int]:
         """Validate the whole batch and queue it; returns (step, queued batches)."""
-        header = batch.header
-        if len(batch.micro_batches) != header.num_micro_batches:
-            raise InvalidArgument(
-                f"{len(batch.micro_batches)} micro-batches arrived, {header.num_micro_batches} were announced",
-                field="begin.num_micro_batches",
-            )
-        num_loss_tokens = validate_batch(
-            batch.micro_batches, self.spec, mode=self.mode, num_loss_tokens=header.num_loss_tokens or None
-        )
-        if header.num_samples:
-            num_samples = sum(int((mb.position_ids == 0).sum()) for mb in batch.micro_batches)
-            if num_samples != header.num_samples:
-                raise InvalidArgument(
-                    f"announced {header.num_samples} samples, the micro-batches' position_ids start {num_samples}",
-                    field="begin.num_samples",
-                )
-        if header.min_policy_version > header.max_policy_version:
-            raise InvalidArgument(
-                f"min_policy_version {header.min_policy_version} > max_policy_version {header.max_policy_version}",
-                field="begin.min_policy_version",
-            )
+        queued = queued_batch(batch, self.spec, mode=self.mode)
         # Again: another stream may have queued this step, or the loop may have failed, meanwhile.
-        self._check_admission(header)
-        queued = QueuedBatch(
-            step=header.step,
-            micro_batches=batch.micro_batches,
-            num_loss_tokens=num_loss_tokens,
-            num_samples=header.num_samples,
-            policy_versions=_policy_versions(batch.micro_batches, header),
-        )
+        self._check_admission(batch.header)
         num_queued = self._loop.submit(queued)
         self._next_step += 1
-        logger.info(
-            "queued the batch of step %d",
-            header.step,
-            extra={"step": header.step, "num_micro_batches": len(batch.micro_batches), "num_queued": num_queued},
-        )
-        return header.step, num_queued
+        log_queued(queued, num_queued)
+        return queued.step, num_queued
 
     def _check_admission(self, header: BatchHeader) -> None:
         if not self._accepting:
@@ -250,31 +255,13 @@ class TrainingService:
                 reason="SELF_FED",
                 subject="sft.dataset",
             )
-        expected = self._next_step
-        if header.step < expected:
-            completed = self._loop.completed_step
-            trained = header.step <= completed
-            raise FailedPrecondition(
-                f"the batch of step {header.step} was pushed before and is "
-                f"{'trained' if trained else 'queued'} (trained steps: {completed}, next expected step {expected}); "
-                "refused so that no step is trained twice",
-                reason="STEP_ALREADY_TRAINED" if trained else "STEP_ALREADY_QUEUED",
-                subject="begin.step",
-                metadata={"next_step": str(expected)},
-            )
-        if header.step > expected:
-            raise FailedPrecondition(
-                f"expected the batch of step {expected}, got step {header.step}: steps are trained in order",
-                reason="STEP_OUT_OF_ORDER",
-                subject="begin.step",
-                metadata={"next_step": str(expected)},
-            )
-        if self._loop.num_queued >= self.max_queued_batches:
-            raise ResourceExhausted(
-                f"{self._loop.num_queued} batches are queued, the most the trainer holds (max_queued_batches); "
-                "nothing was queued, push again later",
-                retry_after_s=1.0,
-            )
+        check_next_step(
+            header.step,
+            expected=self._next_step,
+            completed=self._loop.completed_step,
+            num_queued=self._loop.num_queued,
+            max_queued=self.max_queued_batches,
+        )
 
     # Queries.
 
@@ -331,6 +318,74 @@ class TrainingService:
     def _wake_watchers(self) -> None:
         self._wakeup.set()
         self._wakeup = asyncio.Event()
+
+
+def queued_batch(batch: IncomingBatch, spec: BatchSpec, *, mode: TrainingMode) -> QueuedBatch:
+    """The whole batch read from a PushBatch stream, validated (InvalidArgument naming the field),
+    as the training loop takes it."""
+    header = batch.header
+    if len(batch.micro_batches) != header.num_micro_batches:
+        raise InvalidArgument(
+            f"{len(batch.micro_batches)} micro-batches arrived, {header.num_micro_batches} were announced",
+            field="begin.num_micro_batches",
+        )
+    num_loss_tokens = validate_batch(
+        batch.micro_batches, spec, mode=mode, num_loss_tokens=header.num_loss_tokens or None
+    )
+    if header.num_samples:
+        num_samples = sum(int((mb.position_ids == 0).sum()) for mb in batch.micro_batches)
+        if num_samples != header.num_samples:
+            raise InvalidArgument(
+                f"announced {header.num_samples} samples, the micro-batches' position_ids start {num_samples}",
+                field="begin.num_samples",
+            )
+    if header.min_policy_version > header.max_policy_version:
+        raise InvalidArgument(
+            f"min_policy_version {header.min_policy_version} > max_policy_version {header.max_policy_version}",
+            field="begin.min_policy_version",
+        )
+    return QueuedBatch(
+        step=header.step,
+        micro_batches=batch.micro_batches,
+        num_loss_tokens=num_loss_tokens,
+        num_samples=header.num_samples,
+        policy_versions=_policy_versions(batch.micro_batches, header),
+    )
+
+
+def log_queued(batch: QueuedBatch, num_queued: int, *, run_id: str = "") -> None:
+    extra = {"step": batch.step, "num_micro_batches": len(batch.micro_batches), "num_queued": num_queued}
+    if run_id:
+        extra["run_id"] = run_id
+    logger.info("queued the batch of step %d%s", batch.step, f" of run {run_id}" if run_id else "", extra=extra)
+
+
+def check_next_step(step: int, *, expected: int, completed: int, num_queued: int, max_queued: int) -> None:
+    """A batch for `step` is taken only as the next one expected (`expected`: the completed steps,
+    plus the one in progress and those queued, plus one), and while the queue has room."""
+    if step < expected:
+        trained = step <= completed
+        raise FailedPrecondition(
+            f"the batch of step {step} was pushed before and is "
+            f"{'trained' if trained else 'queued'} (trained steps: {completed}, next expected step {expected}); "
+            "refused so that no step is trained twice",
+            reason="STEP_ALREADY_TRAINED" if trained else "STEP_ALREADY_QUEUED",
+            subject="begin.step",
+            metadata={"next_step": str(expected)},
+        )
+    if step > expected:
+        raise FailedPrecondition(
+            f"expected the batch of step {expected}, got step {step}: steps are trained in order",
+            reason="STEP_OUT_OF_ORDER",
+            subject="begin.step",
+            metadata={"next_step": str(expected)},
+        )
+    if num_queued >= max_queued:
+        raise ResourceExhausted(
+            f"{num_queued} batches are queued, the most the trainer holds (max_queued_batches); "
+            "nothing was queued, push again later",
+            retry_after_s=1.0,
+        )
 
 
 def _policy_versions(micro_batches: list[MicroBatch], header: BatchHeader) -> tuple[int, int] | None:

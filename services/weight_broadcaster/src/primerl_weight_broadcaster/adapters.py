@@ -9,6 +9,12 @@ adapter's latest version is also written to `<spill_folder>/adapters/<name>/v<ve
 primerl_common.weights.manifest folder, written aside and renamed into place) and loaded back
 at start, so a restarted broadcaster still pushes it.
 
+An adapter may belong to an identity (`PublishBegin.adapter_owner`, a run's owner on a trainer
+with runs): replicas then serve it to that identity alone. The owner goes with each version
+(its spilled folder too, so a restarted broadcaster keeps it) into every LoadAdapter push, and
+binds the name: a publish of the same adapter by another owner (or by none, for an owned one)
+is refused, so that one tenant cannot replace another's adapter.
+
 Replicas get adapters over inference.v1 `LoadAdapter` (the spec, then the tensors as
 chunks), whatever transport their full weights take: adapters are a few MB. Each replica's
 task (replicas.py `_Worker`) calls `AdapterSync.sync` after every probe; it learns what a
@@ -26,7 +32,7 @@ import re
 import shutil
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 
 import grpc
 import torch
@@ -59,6 +65,7 @@ _LOAD_TIMEOUT_S = 60.0
 def check_adapter_begin(begin: pb2.PublishBegin) -> None:
     """The fields of an adapter publish's `begin`, checked before anything is received."""
     check_adapter_name(begin.adapter_name, field="begin.adapter_name")
+    _check_owner_name(begin.adapter_owner)
     if begin.adapter_rank <= 0:
         raise InvalidArgument("must be > 0 for an adapter", field="begin.adapter_rank")
     if not begin.adapter_alpha > 0:
@@ -66,6 +73,19 @@ def check_adapter_begin(begin: pb2.PublishBegin) -> None:
     if begin.num_stripes > 1 or begin.stripe_session:
         # Adapters are a few MB: one stream carries them fast enough.
         raise InvalidArgument("an adapter is published over a single stream", field="begin.num_stripes")
+
+
+def _check_owner_name(owner: str) -> None:
+    """An owner is an identity's name: the characters of an adapter name ("": no owner)."""
+    if owner and ADAPTER_NAME_PATTERN.fullmatch(owner) is None:
+        raise InvalidArgument(
+            f"{owner!r} is not an identity name: 1-64 of A-Z a-z 0-9 . _ -, starting with a letter or digit",
+            field="begin.adapter_owner",
+        )
+
+
+def _shown_owner(owner: str) -> str:
+    return repr(owner) if owner else "no owner"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +98,7 @@ class PublishedAdapter:
     alpha: float
     target_modules: tuple[str, ...]
     tensors: dict[str, torch.Tensor]
+    owner: str = ""  # the identity replicas serve it to alone; "": any caller
 
     def spec(self) -> inference_pb2.AdapterSpec:
         return inference_pb2.AdapterSpec(
@@ -86,6 +107,7 @@ class PublishedAdapter:
             alpha=self.alpha,
             target_modules=list(self.target_modules),
             policy_version=self.policy_version,
+            owner=self.owner,
         )
 
     def requests(self) -> list[inference_pb2.LoadAdapterRequest]:
@@ -128,6 +150,7 @@ def published_adapter(begin: pb2.PublishBegin, tensors: dict[str, torch.Tensor])
         alpha=begin.adapter_alpha,
         target_modules=tuple(sorted({module.rsplit(".", 1)[-1] for module in parts})),
         tensors=tensors,
+        owner=begin.adapter_owner,
     )
 
 
@@ -153,6 +176,24 @@ class AdapterStore:
     def latest_versions(self) -> dict[str, int]:
         return {name: adapter.policy_version for name, adapter in self._latest.items()}
 
+    def owners_of(self, names: Iterable[str]) -> dict[str, str]:
+        """The owner of each of the adapters `names` that has one."""
+        return {name: adapter.owner for name in names if (adapter := self._latest.get(name)) and adapter.owner}
+
+    def check_owner(self, name: str, owner: str) -> None:
+        """Refuses a publish of adapter `name` by another owner than its latest version's: one
+        tenant may not replace another's adapter (nor make it anyone's, nor claim an open one)."""
+        adapter = self._latest.get(name)
+        if adapter is None or adapter.owner == owner:
+            return
+        raise FailedPrecondition(
+            f"adapter {name!r} belongs to {_shown_owner(adapter.owner)}, not to {_shown_owner(owner)}: "
+            "an adapter keeps its owner, publish it under another name",
+            subject="begin.adapter_owner",
+            reason="ADAPTER_OWNER_MISMATCH",
+            metadata={"adapter_name": name, "adapter_owner": adapter.owner, "requested_owner": owner},
+        )
+
     def latest_version(self, name: str) -> int:
         """-1 when the adapter was never published."""
         adapter = self._latest.get(name)
@@ -172,9 +213,15 @@ class AdapterStore:
                 metadata={"latest_policy_version": str(latest), "adapter_name": name},
             )
 
+    def check_publish(self, name: str, policy_version: int, owner: str) -> None:
+        """Refuses a publish of another owner first (a trainer takes "not newer" at its own
+        version as already held), then a version not newer than the latest."""
+        self.check_owner(name, owner)
+        self.check_version(name, policy_version)
+
     def make_latest(self, adapter: PublishedAdapter) -> None:
         """Stores `adapter` as its name's latest (on the event loop: pushes read it)."""
-        self.check_version(adapter.name, adapter.policy_version)
+        self.check_publish(adapter.name, adapter.policy_version, adapter.owner)
         self._latest[adapter.name] = adapter
 
     def spill(self, adapter: PublishedAdapter) -> None:
@@ -193,7 +240,7 @@ class AdapterStore:
                     adapter.tensors.items(),
                     policy_version=adapter.policy_version,
                     weight_format=tensor_pb2.WEIGHT_FORMAT_HF,
-                    metadata={"rank": adapter.rank, "alpha": adapter.alpha},
+                    metadata={"rank": adapter.rank, "alpha": adapter.alpha, "owner": adapter.owner},
                 )
             except (OSError, RuntimeError) as exc:
                 logger.error("spilling adapter %s version %d failed: %s", adapter.name, adapter.policy_version, exc)
@@ -205,7 +252,8 @@ class AdapterStore:
 
 
 def _load_latest(folder: pathlib.Path) -> PublishedAdapter | None:
-    """The newest complete version in an adapter's folder; None when there is none."""
+    """The newest complete version in an adapter's folder; None when there is none. A version
+    spilled before adapters had owners has none."""
     versions = sorted(
         (int(match["version"]) for entry in folder.iterdir() if (match := _VERSION_FOLDER.fullmatch(entry.name))),
         reverse=True,
@@ -219,12 +267,16 @@ def _load_latest(folder: pathlib.Path) -> PublishedAdapter | None:
                 adapter_name=folder.name,
                 adapter_rank=int(manifest.metadata["rank"]),  # type: ignore[call-overload]
                 adapter_alpha=float(manifest.metadata["alpha"]),  # type: ignore[arg-type]
+                adapter_owner=manifest.metadata.get("owner", ""),  # type: ignore[arg-type]
             )
+            _check_owner_name(begin.adapter_owner)
             adapter = published_adapter(begin, dict(load_tensors(path, manifest)))
         except (ManifestError, InvalidArgument, KeyError, TypeError, ValueError) as exc:
             logger.warning("ignoring %s, not a complete spilled adapter: %s", path, exc)
             continue
-        logger.info("loaded adapter %s version %d from %s", adapter.name, policy_version, path)
+        logger.info(
+            "loaded adapter %s version %d (owner %s) from %s", adapter.name, policy_version, adapter.owner or "-", path
+        )
         return adapter
     return None
 
@@ -332,10 +384,11 @@ class AdapterSync:
         self._hold({**self.held, adapter.name: adapter.policy_version})
         metrics.adapter_pushed(self._replica_id)
         logger.info(
-            "replica %s: pushed adapter %s version %d (rank %d, %d tensors) in %.2fs",
+            "replica %s: pushed adapter %s version %d (owner %s, rank %d, %d tensors) in %.2fs",
             self._replica_id,
             adapter.name,
             adapter.policy_version,
+            adapter.owner or "-",
             adapter.rank,
             len(adapter.tensors),
             time.monotonic() - started,

@@ -123,6 +123,8 @@ class Replica:
     transport_reason: str = ""
     # The version of each LoRA adapter its process holds (adapters.py).
     adapter_versions: dict[str, int] = dataclasses.field(default_factory=dict)
+    # The owners of those that have one.
+    adapter_owners: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def to_proto(self) -> pb2.ReplicaStatus:
         status = pb2.ReplicaStatus(
@@ -144,6 +146,7 @@ class Replica:
             last_push_transport=self.last_push_transport,
             transport_reason=self.transport_reason,
             adapter_versions=self.adapter_versions,
+            adapter_owners=self.adapter_owners,
         )
         if self.next_retry_at:
             status.next_retry_at.FromNanoseconds(int(self.next_retry_at * 1e9))
@@ -175,7 +178,7 @@ class _Worker:
             retry_initial_s=self._settings.retry_initial_s,
             retry_max_s=self._settings.retry_max_s,
             timeout_s=self._settings.push_timeout_s,
-            on_change=lambda held: self._set(adapter_versions=held),
+            on_change=lambda held: self._set(adapter_versions=held, adapter_owners=replicas.adapters.owners_of(held)),
         )
         self.task = asyncio.create_task(self._run(), name=f"replica-{replica.replica_id}")
 

@@ -135,7 +135,7 @@ class WeightBroadcasterServicer(weight_broadcaster_pb2_grpc.WeightBroadcasterSer
         check_adapter_begin(begin)
         _check_announced(begin, self._limits)
         adapters = self._replicas.adapters
-        adapters.check_version(begin.adapter_name, begin.policy_version)  # before receiving its bytes
+        adapters.check_publish(begin.adapter_name, begin.policy_version, begin.adapter_owner)  # before its bytes
         with self._receiving.hold(caller):
             received = _joined([await _receive(requests, _Budget(begin, self._limits))], begin)
             adapter = published_adapter(begin, received.tensors)
@@ -145,9 +145,10 @@ class WeightBroadcasterServicer(weight_broadcaster_pb2_grpc.WeightBroadcasterSer
                 await asyncio.to_thread(adapters.spill, adapter)
         num_bytes = sum(t.numel() * t.element_size() for t in adapter.tensors.values())
         logger.info(
-            "adapter %s version %d published: rank %d, alpha %g, modules %s, %d tensors, %.2f MiB",
+            "adapter %s version %d published (owner %s): rank %d, alpha %g, modules %s, %d tensors, %.2f MiB",
             adapter.name,
             adapter.policy_version,
+            adapter.owner or "-",
             adapter.rank,
             adapter.alpha,
             ",".join(adapter.target_modules),

@@ -165,7 +165,7 @@ class DeregisterReplicaResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class ReplicaStatus(_message.Message):
-    __slots__ = ("replica_id", "address", "state", "policy_version", "target_policy_version", "last_error", "num_consecutive_failures", "next_retry_at", "last_push_s", "num_bytes_sent_total", "format", "transport", "delta", "num_tensors_last_push", "num_bytes_last_push", "last_push_delta", "last_push_transport", "transport_reason", "adapter_versions")
+    __slots__ = ("replica_id", "address", "state", "policy_version", "target_policy_version", "last_error", "num_consecutive_failures", "next_retry_at", "last_push_s", "num_bytes_sent_total", "format", "transport", "delta", "num_tensors_last_push", "num_bytes_last_push", "last_push_delta", "last_push_transport", "transport_reason", "adapter_versions", "adapter_owners")
     class AdapterVersionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -173,6 +173,13 @@ class ReplicaStatus(_message.Message):
         key: str
         value: int
         def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class AdapterOwnersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -192,6 +199,7 @@ class ReplicaStatus(_message.Message):
     LAST_PUSH_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_REASON_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_OWNERS_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     address: str
     state: ReplicaState
@@ -211,7 +219,8 @@ class ReplicaStatus(_message.Message):
     last_push_transport: Transport
     transport_reason: str
     adapter_versions: _containers.ScalarMap[str, int]
-    def __init__(self, replica_id: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[_Union[ReplicaState, str]] = ..., policy_version: _Optional[int] = ..., target_policy_version: _Optional[int] = ..., last_error: _Optional[str] = ..., num_consecutive_failures: _Optional[int] = ..., next_retry_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., last_push_s: _Optional[float] = ..., num_bytes_sent_total: _Optional[int] = ..., format: _Optional[_Union[_tensor_pb2.WeightFormat, str]] = ..., transport: _Optional[_Union[Transport, str]] = ..., delta: _Optional[bool] = ..., num_tensors_last_push: _Optional[int] = ..., num_bytes_last_push: _Optional[int] = ..., last_push_delta: _Optional[bool] = ..., last_push_transport: _Optional[_Union[Transport, str]] = ..., transport_reason: _Optional[str] = ..., adapter_versions: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    adapter_owners: _containers.ScalarMap[str, str]
+    def __init__(self, replica_id: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[_Union[ReplicaState, str]] = ..., policy_version: _Optional[int] = ..., target_policy_version: _Optional[int] = ..., last_error: _Optional[str] = ..., num_consecutive_failures: _Optional[int] = ..., next_retry_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., last_push_s: _Optional[float] = ..., num_bytes_sent_total: _Optional[int] = ..., format: _Optional[_Union[_tensor_pb2.WeightFormat, str]] = ..., transport: _Optional[_Union[Transport, str]] = ..., delta: _Optional[bool] = ..., num_tensors_last_push: _Optional[int] = ..., num_bytes_last_push: _Optional[int] = ..., last_push_delta: _Optional[bool] = ..., last_push_transport: _Optional[_Union[Transport, str]] = ..., transport_reason: _Optional[str] = ..., adapter_versions: _Optional[_Mapping[str, int]] = ..., adapter_owners: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class GetStatusRequest(_message.Message):
     __slots__ = ()
