@@ -159,15 +159,25 @@ async def test_a_trainer_of_one_run_refusing_the_run_id_is_a_trainer_error_namin
             await feed.close()
 
 
-async def test_a_missing_or_unknown_run_is_a_trainer_error():
-    async with serve(RunsTrainer("run-a")) as address:
+async def test_a_missing_run_id_is_a_trainer_error_and_a_run_not_created_yet_is_waited_for():
+    trainer = RunsTrainer("run-a")
+    async with serve(trainer) as address:
         without = TrainerFeed(address)
         unknown = TrainerFeed(address, lora_adapter="run-z", run_id="run-z")
         try:
             with pytest.raises(TrainerError, match=r"trains many runs: set peers\.run_id"):
                 await without.batch_spec()
-            with pytest.raises(TrainerError, match=r"\(run 'run-z'\).*no run 'run-z'.*CreateRun"):
-                await unknown.batch_spec()
+            # The run's orchestrator may start before the run is created: it waits for it.
+            waiting = asyncio.create_task(unknown.batch_spec())
+            await asyncio.sleep(0.5)
+            assert not waiting.done()
+            trainer.completed["run-z"], trainer.pushed["run-z"] = 0, []
+            spec = await asyncio.wait_for(waiting, timeout=15)
+            assert spec.next_step == 1
+            # A run gone mid-run (deleted) is an error, not waited for.
+            del trainer.completed["run-z"]
+            with pytest.raises(TrainerError, match=r"\(run 'run-z'\).*no run 'run-z'.*deleted"):
+                await unknown.completed_step()
         finally:
             await without.close()
             await unknown.close()

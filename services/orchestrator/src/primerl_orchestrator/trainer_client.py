@@ -82,17 +82,27 @@ class TrainerFeed:
         await self._channel.close()
 
     async def batch_spec(self) -> BatchSpec:
-        """The trainer's batch spec, waiting (with backoff) until it answers."""
+        """The trainer's batch spec, waiting (with backoff) until it answers, and on a trainer
+        with runs until the run exists (services start in any order: the orchestrator of a run
+        may be up before the run is created)."""
         backoff = 0.2
         while True:
             try:
                 spec = await self._stub.GetBatchSpec(trainer_pb2.GetBatchSpecRequest(run_id=self.run_id), timeout=10)
                 break
             except grpc.aio.AioRpcError as exc:
-                if exc.code() not in _RETRIED:
+                if exc.code() == grpc.StatusCode.NOT_FOUND and self.run_id:
+                    logger.warning(
+                        "waiting for run %r to be created on the trainer at %s (trainer.v1 CreateRun)",
+                        self.run_id,
+                        self.address,
+                    )
+                    backoff = _MAX_BACKOFF_S
+                elif exc.code() not in _RETRIED:
                     self._raise_for_runs(exc)
                     raise
-                logger.info("waiting for %s (%s)", self._trainer, exc.code().name)
+                else:
+                    logger.info("waiting for %s (%s)", self._trainer, exc.code().name)
             await asyncio.sleep(backoff)
             backoff = min(2 * backoff, _MAX_BACKOFF_S)
         if spec.mode == trainer_pb2.TRAINING_MODE_SFT:
@@ -145,9 +155,7 @@ class TrainerFeed:
                 f"feeds ({exc.details()})"
             ) from None
         if code == grpc.StatusCode.NOT_FOUND and self.run_id:
-            raise TrainerError(
-                f"{self._trainer}: {exc.details()}; create the run first (trainer.v1 CreateRun)"
-            ) from None
+            raise TrainerError(f"{self._trainer}: {exc.details()} (deleted?)") from None
 
     async def push(self, step: int, batch: PackedBatch) -> None:
         """Queues `batch` as the trainer's step `step`; returns once the trainer holds it."""
