@@ -17,7 +17,6 @@ import pathlib
 
 import pytest
 
-from primerl.common.v1 import generation_pb2
 from primerl.inference.v1 import inference_pb2, inference_pb2_grpc
 from primerl.router.v1 import router_pb2, router_pb2_grpc
 from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2 as wb_pb2
@@ -69,7 +68,7 @@ async def watch_adapter_versions(services: dict, *, launcher, out: pathlib.Path)
         adapters = (await replica.ListAdapters(inference_pb2.ListAdaptersRequest())).adapters
         load = (await replica.GetLoad(inference_pb2.GetLoadRequest())).load
         listed = (await router.ListReplicas(router_pb2.ListReplicasRequest())).replicas
-        with_adapter, base = [await greedy(replica, adapter) for adapter in (ADAPTER, "")]
+        with_adapter, base = [await live_runs.greedy(replica, adapter) for adapter in (ADAPTER, "")]
         return {
             "status": status,
             "adapters": adapters,
@@ -81,19 +80,6 @@ async def watch_adapter_versions(services: dict, *, launcher, out: pathlib.Path)
     finally:
         for channel in channels.values():
             await channel.close()
-
-
-async def greedy(replica: inference_pb2_grpc.InferenceServiceStub, adapter: str) -> generation_pb2.GenerationOutput:
-    request = inference_pb2.GenerateRequest(
-        input=generation_pb2.GenerationInput(
-            prompt_token_ids=list(range(40, 60)),
-            sampling=generation_pb2.SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
-            stream=generation_pb2.StreamOptions(final_only=True),
-            lora_adapter=adapter,
-        )
-    )
-    [response] = [response async for response in replica.Generate(request)]
-    return response.output
 
 
 def test_a_lora_run_publishes_and_serves_the_adapter_alone(tmp_path: pathlib.Path) -> None:

@@ -211,6 +211,31 @@ def test_a_lora_trainer_publishes_its_adapter_which_replicas_serve_and_rollouts_
     assert "kind" not in wired({})["trainer"].get("publish", {})
 
 
+def test_a_trainer_with_runs_publishes_an_adapter_per_run_which_every_replica_can_hold(tmp_path):
+    """No orchestrator: each run's own orchestrator, started beside the launch, names its run."""
+    launch = parse_launch_file(
+        {
+            "launcher": {"inference_replicas": 2},
+            "trainer": {"lora": {"enabled": True, "rank": 8}, "runs": {"max_concurrent_runs": 6}},
+            "inference": {},
+            "router": {},
+            "weight_broadcaster": {},
+        }
+    )
+    wire(launch.services, run_dir=tmp_path, model=tmp_path / "model", host="127.0.0.1")
+    tables = {name: spec.table for name, spec in launch.services.items()}
+    assert "orchestrator" not in tables
+    # Each run's adapter is named by its run id: no adapter name of the trainer's own.
+    assert tables["trainer"]["publish"]["kind"] == "adapter" and "adapter_name" not in tables["trainer"]["publish"]
+    for replica in ("inference-0", "inference-1"):
+        assert tables[replica]["engine"] == {
+            "model": str(tmp_path / "model"),
+            "enable_lora": True,
+            "max_lora_rank": 8,
+            "max_loras": 6,
+        }
+
+
 def test_under_mtls_every_service_gets_its_own_certificate_and_process_environments_the_environment_one(tmp_path):
     launch = parse_launch_file(
         {

@@ -1,6 +1,7 @@
 """`primerl-trainer`: parse the config, set up observability, serve until SIGTERM.
 
-Under torchrun rank 0 serves gRPC and the other ranks follow its commands (loop.follow).
+Under torchrun rank 0 serves gRPC and the other ranks follow its commands (loop.follow, or
+run_ops.follow_runs on a trainer with runs).
 `primerl-trainer plan ...` is the capacity planner (primerl_trainer.planner), which trains nothing.
 
 Nothing that imports torch is imported before the config is valid: `--check-config` and `plan`
@@ -46,6 +47,7 @@ def follower_main(argv: Sequence[str] | None = None) -> int:
     if isinstance(config, int):
         return config
     from primerl_trainer.loop import follow
+    from primerl_trainer.run_ops import follow_runs
     from primerl_trainer.runtime import build_runtime, shutdown_runtime
 
     # torchrun forwards SIGTERM to every rank; these stop when rank 0, draining, tells them to.
@@ -53,7 +55,7 @@ def follower_main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     runtime = build_runtime(config)
     try:
-        follow(runtime)
+        (follow_runs if config.runs.enabled else follow)(runtime)
     finally:
         shutdown_runtime(runtime)
     logger.info("rank %d stopped", runtime.rank)

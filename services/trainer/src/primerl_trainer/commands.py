@@ -1,8 +1,9 @@
 """Rank 0 tells the other ranks what to do next, batches included, through torch.distributed.
 
-Only rank 0 serves gRPC; the others run `follow` (loop.py): they wait for a command, then do
-their part of it (train a batch, save a checkpoint, gather weights for a publish) in the same
-order as rank 0. Commands travel over a gloo group of their own on the CPU: a rank may wait
+Only rank 0 serves gRPC; the others run `follow` (loop.py), or `follow_runs` (run_ops.py) on a
+trainer with runs: they wait for a command, then do their part of it (train a batch, save a
+checkpoint, gather weights for a publish; create, load or delete a run) in the same order as
+rank 0. Commands travel over a gloo group of their own on the CPU: a rank may wait
 hours for the next batch, far beyond the collective timeout the training group keeps, and no
 GPU stream is involved. A batch travels as a few tensors per micro-batch, never pickled.
 """
@@ -22,7 +23,7 @@ __all__ = ["Command", "CommandChannel", "CommandKind"]
 
 # Waiting for the next command is idle time, not a hang.
 _IDLE_TIMEOUT = timedelta(days=365)
-_HEADER_SIZE = 4
+_HEADER_SIZE = 6
 _META_SIZE = 6
 _EXPERT_DTYPES = (torch.uint8, torch.uint16)
 
@@ -32,6 +33,14 @@ class CommandKind(enum.IntEnum):
     SAVE = 2
     PUBLISH = 3
     STOP = 4
+    # A trainer with runs (run_ops.py): one command per collective operation on a run.
+    RUN_CREATE = 5
+    RUN_RESTORE = 6
+    RUN_LOAD = 7
+    RUN_DELETE = 8
+    RUN_TRAIN = 9
+    RUN_SAVE = 10
+    RUN_PUBLISH = 11
 
 
 @dataclass
@@ -41,6 +50,9 @@ class Command:
     step: int = 0
     micro_batches: list[MicroBatch] = field(default_factory=list)
     num_loss_tokens: int = 0
+    # The RUN_* commands' run, and what else they need (RUN_CREATE, RUN_RESTORE: the run's metadata as JSON).
+    run_id: str = ""
+    payload: bytes = b""
 
 
 class CommandChannel:
@@ -56,16 +68,37 @@ class CommandChannel:
         assert self.rank == 0, "only rank 0 sends commands"
         if self._group is None:
             return
-        header = [int(command.kind), command.step, len(command.micro_batches), command.num_loss_tokens]
+        run_id = command.run_id.encode()
+        header = [
+            int(command.kind),
+            command.step,
+            len(command.micro_batches),
+            command.num_loss_tokens,
+            len(run_id),
+            len(command.payload),
+        ]
         self._broadcast(torch.tensor(header, dtype=torch.int64))
+        if run_id or command.payload:
+            self._broadcast(torch.frombuffer(bytearray(run_id + command.payload), dtype=torch.uint8))
         for micro_batch in command.micro_batches:
             self._send_micro_batch(micro_batch)
 
     def receive(self) -> Command:
         assert self.rank != 0 and self._group is not None, "ranks other than 0 receive commands"
-        kind, step, num_micro_batches, num_loss_tokens = self._broadcast(torch.empty(_HEADER_SIZE, dtype=torch.int64))
-        micro_batches = [self._receive_micro_batch() for _ in range(int(num_micro_batches))]
-        return Command(CommandKind(int(kind)), int(step), micro_batches, int(num_loss_tokens))
+        header = self._broadcast(torch.empty(_HEADER_SIZE, dtype=torch.int64)).tolist()
+        kind, step, num_micro_batches, num_loss_tokens, run_id_size, payload_size = header
+        data = b""
+        if run_id_size or payload_size:
+            data = self._broadcast(torch.empty(run_id_size + payload_size, dtype=torch.uint8)).numpy().tobytes()
+        micro_batches = [self._receive_micro_batch() for _ in range(num_micro_batches)]
+        return Command(
+            CommandKind(kind),
+            step,
+            micro_batches,
+            num_loss_tokens,
+            run_id=data[:run_id_size].decode(),
+            payload=data[run_id_size:],
+        )
 
     def _broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
         dist.broadcast(tensor, src=0, group=self._group)

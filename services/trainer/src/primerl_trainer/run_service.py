@@ -13,8 +13,9 @@ goes to the back of the line, so a run with batches queued waits for at most one
 other run (none starves, whatever the others push). A run's failure (an error in its step) fails
 that run alone: its queue is dropped, the others keep stepping.
 
-One rank: a sharded backbone would need each run's commands broadcast to the other ranks, which
-the command channel does not carry yet (refused at start).
+On several ranks (torchrun, FSDP2) everything the worker does to the model is collective: it goes
+through RunOps (run_ops.py), which tells the other ranks each operation before doing it, and they
+(`run_ops.follow_runs`) do the same; only rank 0 serves, decides and streams publishes.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import torch
+
 from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2 as wb_pb2
 from primerl_common import security
 from primerl_common.errors import (
@@ -44,12 +47,9 @@ from primerl_common.errors import (
 from primerl_common.lora import check_adapter_name
 from primerl_trainer.batch import BatchSpec, TrainingMode
 from primerl_trainer.loop import QueuedBatch, StepRecord
-from primerl_trainer.models import read_hf_config
 from primerl_trainer.publish import BroadcasterWatch, PublishError, WeightPublisher
-from primerl_trainer.run_checkpoint import RunCheckpoints
-from primerl_trainer.run_publish import run_publish_requests
+from primerl_trainer.run_ops import RunOps
 from primerl_trainer.run_settings import RunSettings, RunState, RunView, run_config
-from primerl_trainer.runs import RunSet
 from primerl_trainer.runtime import TrainingRuntime
 from primerl_trainer.service import (
     BatchHeader,
@@ -96,15 +96,13 @@ class RunService:
 
     def __init__(self, runtime: TrainingRuntime) -> None:
         config = runtime.config
-        if runtime.world_size > 1:
-            raise ValueError(
-                "runs.max_concurrent_runs > 0 trains on one rank for now: start the trainer without torchrun "
-                f"(world size {runtime.world_size})"
-            )
         self.runtime = runtime
         self.config = config
         self.spec: BatchSpec = runtime.spec
-        self.run_set = RunSet(runtime.trainer.model, spec=runtime.spec, device=runtime.device, trainer=runtime.trainer)
+        self._ops = RunOps(runtime)
+        # Read here; changed through self._ops alone.
+        self.run_set = self._ops.run_set
+        self._checkpoints = self._ops.checkpoints
         self._runs: dict[str, _Run] = {}
         # Runs in the order their turns come (the one that stepped last at the back).
         self._turns: collections.deque[str] = collections.deque()
@@ -118,9 +116,6 @@ class RunService:
         self.failure: BaseException | None = None
         self._event_loop: asyncio.AbstractEventLoop | None = None
         self._broadcaster_watch: asyncio.Task[None] | None = None
-        self._checkpoints = None
-        if config.checkpoint.dir is not None:
-            self._checkpoints = RunCheckpoints(f"{config.checkpoint.dir}/runs", keep_last=config.checkpoint.keep_last)
         self._publisher = None
         if config.publish.weight_broadcaster is not None:
             self._publisher = WeightPublisher(
@@ -129,7 +124,6 @@ class RunService:
                 max_message_bytes=config.server.max_message_bytes,
                 streams=1,
             )
-        self._model_type = str(read_hf_config(config.model.path).get("model_type", ""))
         self._restore()
 
     # Lifecycle.
@@ -171,16 +165,14 @@ class RunService:
         if owner and owner != caller.name and not _is_operator(caller):
             raise security.PermissionDenied(f"{caller.describe()} may create runs for itself only, not for {owner!r}")
         owner = owner or caller.name
-        config = run_config(settings, self.config, owner)
+        run_config(settings, self.config, owner)  # refuses the settings, here rather than on every rank
         self._check_open()
 
         def create() -> RunView:
             with self._cond:
                 self._admit_new_run(run_id, owner)
-            self.run_set.add_run(run_id, config)
             run = self._new_run(run_id, owner, settings, time.time())
-            if self._checkpoints is not None:
-                self._checkpoints.save_meta(run_id, _meta(run))
+            self._ops.create(run_id, _meta(run))
             with self._cond:
                 self._runs[run_id] = run
                 self._turns.append(run_id)
@@ -215,7 +207,7 @@ class RunService:
         def resume() -> RunView:
             if self.run_set.failure_of(run_id) is not None:
                 # Its update broke off half done: its adapter and moments are not to be trusted.
-                step = self._checkpoints.load_latest(run_id, self.run_set) if self._checkpoints else None
+                step = self._ops.load(run_id) if self._checkpoints else None
                 if step is None:
                     raise FailedPrecondition(
                         f"run {run_id!r} failed during an update and has no checkpoint to resume from; "
@@ -243,9 +235,7 @@ class RunService:
                 self._runs.pop(run_id, None)
                 with contextlib.suppress(ValueError):
                     self._turns.remove(run_id)
-            self.run_set.remove_run(run_id)
-            if self._checkpoints is not None:
-                self._checkpoints.delete(run_id)
+            self._ops.delete(run_id)
             self._deliver(run)
             logger.info("deleted run %s (%d queued batches dropped)", run_id, len(run.queue), extra={"run_id": run_id})
 
@@ -376,17 +366,8 @@ class RunService:
         if self._checkpoints is None or not self.config.checkpoint.resume:
             return
         for run_id, meta in sorted(self._checkpoints.saved_runs().items()):
-            settings = RunSettings(**meta["settings"])
-            run = self._new_run(run_id, meta["owner"], settings, meta["created_at"])
-            try:
-                config = run_config(settings, self.config, run.owner, quota=False)
-            except InvalidArgument as exc:
-                raise ValueError(
-                    f"run {run_id} (checkpoint.dir/runs) cannot be restored: {exc.message}; restore the trainer's "
-                    "settings it was created with (lora.rank), or remove its folder"
-                ) from None
-            self.run_set.add_run(run_id, config)
-            step = self._checkpoints.load_latest(run_id, self.run_set)
+            run = self._new_run(run_id, meta["owner"], RunSettings(**meta["settings"]), meta["created_at"])
+            step = self._ops.restore(run_id, meta)
             if step is not None:
                 run.step, run.next_step, run.last_checkpoint_step = step, step + 1, step
             run.publish_due_at = time.monotonic() if self._publisher is not None else None
@@ -395,11 +376,14 @@ class RunService:
             logger.info("restored run %s at step %d", run_id, run.step, extra={"run_id": run_id})
 
     def _work(self) -> None:
+        if self.runtime.device.type == "cuda":
+            torch.cuda.set_device(self.runtime.device)
         try:
             while True:
                 job = self._next_job()
                 if job is None:
                     self._save_on_stop()
+                    self._ops.stop()
                     return
                 job()
         except BaseException as exc:
@@ -444,7 +428,7 @@ class RunService:
     def _train(self, run: _Run, batch: QueuedBatch) -> None:
         run_id = run.run_id
         try:
-            metrics = self.run_set.train_step(run_id, batch.micro_batches, num_loss_tokens=batch.num_loss_tokens)
+            metrics = self._ops.train(run_id, batch)
         except Exception as exc:
             with self._cond:
                 dropped = len(run.queue)
@@ -482,9 +466,9 @@ class RunService:
 
     def _save(self, run: _Run) -> str:
         assert self._checkpoints is not None
-        path = self._checkpoints.save(run.run_id, self.run_set.state_dict(run.run_id))
+        path = self._ops.save(run.run_id)
         run.last_checkpoint_step = run.step
-        return str(path)
+        return path
 
     def _save_on_stop(self) -> None:
         if self._checkpoints is None or not self.config.checkpoint.save_on_stop:
@@ -500,16 +484,9 @@ class RunService:
         publish = self.config.publish
         step, start = run.step, time.perf_counter()
         try:
-            self._publisher.send(
-                run_publish_requests(
-                    self.run_set,
-                    run.run_id,
-                    dtype=self.runtime.publish_dtype,
-                    model_type=self._model_type,
-                    chunk_bytes=publish.chunk_bytes,
-                    owner=run.owner,
-                )
-            )
+            requests = self._ops.publish_requests(run.run_id, owner=run.owner)
+            assert requests is not None
+            self._publisher.send(requests)
         except PublishError as exc:
             if not exc.holds(step):
                 with self._cond:

@@ -173,18 +173,23 @@ def wire(
 def wire_lora(services: Mapping[str, ServiceSpec]) -> None:
     """A trainer with LoRA on publishes its adapter alone (a few MB instead of the whole model)
     where a weight broadcaster pushes it: the replicas then serve it as a LoRA adapter (ranks up
-    to the trainer's) and the orchestrator generates every turn with it. A launch file that sets
-    any of these keeps its own value."""
+    to the trainer's) and the orchestrator generates every turn with it. A trainer with runs
+    ([trainer.runs] max_concurrent_runs) publishes one adapter per run, named by the run id: the
+    replicas then hold as many at once, and an orchestrator names its run (peers.run_id) itself.
+    A launch file that sets any of these keeps its own value."""
     trainer = services.get("trainer")
     if trainer is None or not get_path(trainer.table, "lora.enabled") or "weight_broadcaster" not in services:
         return
     if set_default(trainer.table, "publish.kind", "adapter") != "adapter":
         return
-    adapter = set_default(trainer.table, "publish.adapter_name", "primerl")
+    num_runs = get_path(trainer.table, "runs.max_concurrent_runs") or 0
+    adapter = None if num_runs else set_default(trainer.table, "publish.adapter_name", "primerl")
     rank = get_path(trainer.table, "lora.rank") or _DEFAULT_LORA_RANK
     for spec in services.values():
         if spec.service == "inference":
             set_default(spec.table, "engine.enable_lora", True)
             set_default(spec.table, "engine.max_lora_rank", rank)
-        elif spec.service == "orchestrator":
+            if num_runs:
+                set_default(spec.table, "engine.max_loras", num_runs)
+        elif spec.service == "orchestrator" and adapter is not None:
             set_default(spec.table, "model.lora_adapter", adapter)
