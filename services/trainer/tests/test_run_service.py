@@ -14,6 +14,7 @@ from typing import Any
 import grpc
 import pytest
 import torch
+from prometheus_client import REGISTRY
 
 from primerl.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from primerl_common.client import make_channel
@@ -198,6 +199,10 @@ async def test_turns_go_round_so_no_run_starves(dense_dir: pathlib.Path, batches
                 finished.append((step.finished_at.ToNanoseconds(), run_id, step.step))
     order = [(run_id, step) for _, run_id, step in sorted(finished)]
     assert order == [("alpha-run", 1), ("beta-run", 1), ("alpha-run", 2), ("beta-run", 2), ("alpha-run", 3)]
+    # Each run's progress is in the trainer's metrics, by run.
+    assert REGISTRY.get_sample_value("primerl_trainer_run_step", {"run": "alpha-run"}) == 3
+    assert REGISTRY.get_sample_value("primerl_trainer_run_step", {"run": "beta-run"}) == 2
+    assert REGISTRY.get_sample_value("primerl_trainer_runs", {"state": "active"}) == 2
 
 
 async def test_one_runs_bad_batch_or_crash_fails_that_run_alone(

@@ -45,6 +45,7 @@ from primerl_common.errors import (
     Unavailable,
 )
 from primerl_common.lora import check_adapter_name
+from primerl_trainer import metrics as prometheus
 from primerl_trainer.batch import BatchSpec, TrainingMode
 from primerl_trainer.loop import QueuedBatch, StepRecord
 from primerl_trainer.publish import BroadcasterWatch, PublishError, WeightPublisher
@@ -179,6 +180,7 @@ class RunService:
                 if self._publisher is not None:
                     # Replicas start without the adapter; rollouts that name it wait for version 0.
                     run.publish_due_at = time.monotonic()
+            self._states_changed()
             logger.info("created run %s for %s", run_id, owner, extra={"run_id": run_id, "owner": owner})
             return self._view(run)
 
@@ -198,6 +200,7 @@ class RunService:
             if run.state == "failed":
                 raise FailedPrecondition(f"run {run_id!r} failed: {run.error}; ResumeRun restores it", subject=run_id)
             run.state = "paused"
+            self._states_changed()
         logger.info("paused run %s", run_id, extra={"run_id": run_id})
         return self._view(run)
 
@@ -221,6 +224,7 @@ class RunService:
                     run.next_step = run.step + 1
                     run.error = ""
                 run.state = "active"
+                self._states_changed()
                 self._cond.notify()
             logger.info("resumed run %s at step %d", run_id, run.step, extra={"run_id": run_id})
             return self._view(run)
@@ -233,9 +237,11 @@ class RunService:
         def delete() -> None:
             with self._cond:
                 self._runs.pop(run_id, None)
+                self._states_changed()
                 with contextlib.suppress(ValueError):
                     self._turns.remove(run_id)
             self._ops.delete(run_id)
+            prometheus.forget_run(run_id)
             self._deliver(run)
             logger.info("deleted run %s (%d queued batches dropped)", run_id, len(run.queue), extra={"run_id": run_id})
 
@@ -373,6 +379,7 @@ class RunService:
             run.publish_due_at = time.monotonic() if self._publisher is not None else None
             self._runs[run_id] = run
             self._turns.append(run_id)
+            self._states_changed()
             logger.info("restored run %s at step %d", run_id, run.step, extra={"run_id": run_id})
 
     def _work(self) -> None:
@@ -434,6 +441,7 @@ class RunService:
                 dropped = len(run.queue)
                 run.queue.clear()
                 run.state, run.error = "failed", f"step {batch.step}: {type(exc).__name__}: {exc}"
+                self._states_changed()
                 run.next_step = run.step + 1
                 self._running = None
             logger.exception(
@@ -446,6 +454,7 @@ class RunService:
             self._deliver(run)
             return
         run.step = self.run_set.step_of(run_id)
+        prometheus.observe_run_step(run_id, run.step, metrics)
         checkpoint = self.config.checkpoint
         if self._checkpoints is not None and checkpoint.interval and run.step % checkpoint.interval == 0:
             start = time.perf_counter()
@@ -494,13 +503,20 @@ class RunService:
                     run.publish_due_at = time.monotonic() + run.publish_backoff_s if exc.retryable else None
                     run.publish_backoff_s = min(2 * run.publish_backoff_s, publish.max_backoff_s)
                 logger.warning("run %s: publish of version %d failed: %s", run.run_id, step, exc)
+                prometheus.observe_run_publish(run.run_id, step, ok=False)
                 return {"published": 0.0}
         with self._cond:
             run.published_version, run.publish_due_at = step, None
             run.publish_backoff_s = publish.initial_backoff_s
             if run.state != "failed":
                 run.error = ""
-        return {"published": 1.0, "publish_s": time.perf_counter() - start}
+        seconds = time.perf_counter() - start
+        prometheus.observe_run_publish(run.run_id, step, ok=True, seconds=seconds)
+        return {"published": 1.0, "publish_s": seconds}
+
+    def _states_changed(self) -> None:
+        with self._cond:
+            prometheus.observe_runs([run.state for run in self._runs.values()])
 
     def _deliver(self, run: _Run, record: StepRecord | None = None) -> None:
         """To the event loop: the step's record (None: the run failed), and wake its watchers."""
