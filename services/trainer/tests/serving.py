@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from primerl.trainer.v1 import trainer_pb2, trainer_pb2_grpc
-from primerl_common.processes import ServiceProcess
+from primerl_common.processes import ServiceProcess, free_port
 from primerl_common.tensors import tensor_to_proto
 from primerl_common.testing import in_process_service
 from primerl_trainer.batch import MicroBatch
@@ -169,3 +169,13 @@ async def watch(
             call.cancel()
             break
     return steps
+
+
+def broadcaster_process() -> ServiceProcess:
+    """A real weight broadcaster (its binary, on a free port; no replicas): `async with` it. The
+    trainer's tests may not import its package, so it runs as the process it is deployed as."""
+    port = free_port()
+    flags = [f"--server.port={port}", "--server.host=127.0.0.1", "--server.drain_delay_s=0"]
+    return ServiceProcess(
+        [sys.executable, "-m", "primerl_weight_broadcaster", *flags, "--observability.log_json=false"], port=port
+    )

@@ -1,19 +1,25 @@
 """Publishing: the PublishWeights stream a trained, FSDP-sharded model produces, assembled back
 with TensorAssembler (no broadcaster exists yet: the stream is consumed directly), and a publish
-that fails: the step stays, the stream is consumed to its end, the error is reported."""
+that fails: the step stays, the stream is consumed to its end, the error is reported. Removing
+an adapter, against a stand-in broadcaster."""
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import pathlib
 
+import grpc
 import pytest
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from primerl.trainer.v1 import trainer_pb2
-from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2
+from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2, weight_broadcaster_pb2_grpc
+from primerl_common.errors import ErrorInterceptor, InvalidArgument, NotFound
 from primerl_common.processes import free_port
 from primerl_common.tensors import TensorAssembler
+from primerl_common.testing import bare_server
 from primerl_trainer.batch import MicroBatch
 from primerl_trainer.export import exported_tensors, gather_state_dict
 from primerl_trainer.lora import merge_lora
@@ -175,3 +181,40 @@ def test_transformers_models_stream_their_checkpoint_names(
     wanted = export_hf_state_dict(load_model(model_dir, impl="hf"))
     assert tensors.keys() == wanted.keys() and begin.num_tensors == len(wanted)
     assert all(tensors[name].shape == tensor.shape for name, tensor in wanted.items())
+
+
+class AdapterHolder(weight_broadcaster_pb2_grpc.WeightBroadcasterServiceServicer):
+    """A broadcaster stand-in that holds adapters and removes them as the real one does."""
+
+    def __init__(self, adapters: dict[str, int]) -> None:
+        self.adapters = adapters
+        self.available = True
+
+    async def RemoveAdapter(self, request, context):
+        if not self.available:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "restarting")
+        if not request.adapter_name:
+            raise InvalidArgument("must be set", field="adapter_name")
+        if request.adapter_name not in self.adapters:
+            raise NotFound(f"the weight broadcaster holds no adapter {request.adapter_name!r}")
+        return weight_broadcaster_pb2.RemoveAdapterResponse(policy_version=self.adapters.pop(request.adapter_name))
+
+
+async def test_removing_an_adapter_returns_its_version_or_minus_one_when_it_is_gone() -> None:
+    holder = AdapterHolder({"math": 7})
+    register = functools.partial(weight_broadcaster_pb2_grpc.add_WeightBroadcasterServiceServicer_to_server, holder)
+    async with bare_server(register, interceptors=[ErrorInterceptor()]) as address:
+        publisher = WeightPublisher(address, timeout_s=10)
+        try:
+            assert await asyncio.to_thread(publisher.remove_adapter, "math") == 7
+            assert holder.adapters == {}
+            assert await asyncio.to_thread(publisher.remove_adapter, "math") == -1  # nothing left to remove
+            with pytest.raises(PublishError) as error:
+                await asyncio.to_thread(publisher.remove_adapter, "")
+            assert not error.value.retryable and "INVALID_ARGUMENT" in str(error.value)
+            holder.available = False
+            with pytest.raises(PublishError) as error:
+                await asyncio.to_thread(publisher.remove_adapter, "code")
+            assert error.value.retryable and "UNAVAILABLE" in str(error.value) and address in str(error.value)
+        finally:
+            publisher.close()

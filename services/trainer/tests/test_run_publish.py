@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import pathlib
-import sys
 
 import pytest
 import torch
@@ -16,7 +15,6 @@ import torch
 from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2 as pb2
 from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2_grpc
 from primerl_common.client import make_channel
-from primerl_common.processes import ServiceProcess, free_port
 from primerl_common.tensors import TensorAssembler
 from primerl_trainer.batch import MicroBatch
 from primerl_trainer.config import LoRAConfig
@@ -28,6 +26,7 @@ from primerl_trainer.run_publish import run_adapter_tensors, run_publish_request
 from primerl_trainer.runs import RunConfig, RunSet
 from primerl_trainer.train import Trainer
 
+from .serving import broadcaster_process
 from .tiny_training import batch_spec, load_tiny_model, make_samples, pack_into
 
 CPU = torch.device("cpu")
@@ -158,11 +157,7 @@ async def _latest_adapter_versions(stub: weight_broadcaster_pb2_grpc.WeightBroad
 
 async def test_the_broadcaster_keeps_each_runs_adapter_at_its_own_version(dense_dir: pathlib.Path, batches) -> None:
     runs = _trained_run_set(dense_dir, batches)
-    port = free_port()
-    flags = [f"--server.port={port}", "--server.host=127.0.0.1", "--server.drain_delay_s=0"]
-    broadcaster = ServiceProcess(
-        [sys.executable, "-m", "primerl_weight_broadcaster", *flags, "--observability.log_json=false"], port=port
-    )
+    broadcaster = broadcaster_process()
     async with broadcaster, make_channel(broadcaster.address, max_attempts=1) as channel:
         stub = weight_broadcaster_pb2_grpc.WeightBroadcasterServiceStub(channel)
         publisher = WeightPublisher(broadcaster.address, timeout_s=30)

@@ -17,6 +17,8 @@ import torch
 from prometheus_client import REGISTRY
 
 from primerl.trainer.v1 import trainer_pb2, trainer_pb2_grpc
+from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2 as wb_pb2
+from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2_grpc as wb_pb2_grpc
 from primerl_common.client import make_channel
 from primerl_common.errors import error_details
 from primerl_common.security.certificates import Holder, make_authority, make_certificate, tls_of
@@ -29,7 +31,7 @@ from primerl_trainer.run_checkpoint import RunCheckpoints
 from primerl_trainer.runs import RunConfig, RunSet
 from primerl_trainer.server import build
 
-from .serving import push, serving, trainer_config, watch
+from .serving import broadcaster_process, push, serving, trainer_config, watch
 from .tiny_training import LORA_TARGETS, batch_spec, load_tiny_model, make_samples, pack_into, train_lora_alone
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -357,3 +359,31 @@ async def test_a_tenant_may_use_only_its_own_runs(dense_dir: pathlib.Path, rl_ba
         finally:
             for channel in channels:
                 await channel.close()
+
+
+async def test_each_run_publishes_its_adapter_and_a_deleted_runs_adapter_leaves(
+    dense_dir: pathlib.Path, batches
+) -> None:
+    """A real weight broadcaster gets each run's adapter, named by the run id, at the run's own
+    steps (version 0 when it is created: replicas start without it); DeleteRun removes it."""
+    async with broadcaster_process() as broadcaster, make_channel(broadcaster.address, max_attempts=1) as channel:
+        adapters = wb_pb2_grpc.WeightBroadcasterServiceStub(channel)
+
+        async def published() -> dict[str, int]:
+            return dict((await adapters.GetStatus(wb_pb2.GetStatusRequest())).latest_adapter_versions)
+
+        publish = {"weight_broadcaster": broadcaster.address, "kind": "adapter", "check_interval_s": 0.2}
+        async with serving(runs_config(dense_dir, publish=publish)) as stub:
+            for run_id in ("alpha-run", "beta-run"):
+                await stub.CreateRun(trainer_pb2.CreateRunRequest(run_id=run_id, spec=SPECS[run_id]))
+            await eventually(lambda: _equal(published(), {"alpha-run": 0, "beta-run": 0}), what="both at version 0")
+            await _push_all(stub, "alpha-run", batches["alpha-run"][:2])
+            await _push_all(stub, "beta-run", batches["beta-run"][:1])
+            await eventually(lambda: _equal(published(), {"alpha-run": 2, "beta-run": 1}), what="each at its step")
+            assert (await _run(stub, "alpha-run")).published_policy_version == 2
+            await stub.DeleteRun(trainer_pb2.DeleteRunRequest(run_id="beta-run"))
+            assert await published() == {"alpha-run": 2}
+
+
+async def _equal(got, wanted) -> bool:
+    return await got == wanted

@@ -38,14 +38,27 @@ class StandInReplica(inference_pb2_grpc.InferenceServiceServicer):
         self.adapters: dict[str, tuple[inference_pb2.AdapterSpec, dict[str, torch.Tensor]]] = {}
         self.num_load_calls = 0
         self.fail_loads = 0  # the next loads answered UNAVAILABLE
+        self.num_unload_calls = 0
+        self.fail_unloads = 0  # the next unloads answered UNAVAILABLE
+        self.down = False  # every probe answered UNAVAILABLE
 
-    def restart(self) -> None:
-        self.instance_id, self.adapters, self.policy_version = uuid.uuid4().hex, {}, 0
+    def restart(self, *, keep_adapters: bool = False) -> None:
+        """A new process; with `keep_adapters`, one that loads its adapters back at start."""
+        self.instance_id, self.policy_version = uuid.uuid4().hex, 0
+        if not keep_adapters:
+            self.adapters = {}
+
+    def hold(self, name: str, policy_version: int, owner: str = "") -> None:
+        """Holds an adapter no broadcaster pushed (loaded from elsewhere, or by an earlier process)."""
+        spec = inference_pb2.AdapterSpec(name=name, policy_version=policy_version, owner=owner, rank=8, alpha=16.0)
+        self.adapters[name] = (spec, lora_tensors(policy_version))
 
     def versions(self) -> dict[str, int]:
         return {name: spec.policy_version for name, (spec, _) in self.adapters.items()}
 
     async def GetServiceInfo(self, request, context):
+        if self.down:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "down")
         info = service_info_pb2.ServiceInfo(service_name="inference", instance_id=self.instance_id)
         info.capabilities.extend(["weights.format.hf", *(["lora"] if self.lora else [])])
         return inference_pb2.GetServiceInfoResponse(info=info)
@@ -79,6 +92,15 @@ class StandInReplica(inference_pb2_grpc.InferenceServiceServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "another owner")
         self.adapters[spec.name] = (spec, tensors)
         return inference_pb2.LoadAdapterResponse(name=spec.name, replaced=held is not None)
+
+    async def UnloadAdapter(self, request, context):
+        self.num_unload_calls += 1
+        if self.fail_unloads:
+            self.fail_unloads -= 1
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "busy")
+        if self.adapters.pop(request.name, None) is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no adapter {request.name!r}")
+        return inference_pb2.UnloadAdapterResponse(unloaded=True)
 
     async def ListAdapters(self, request, context):
         return inference_pb2.ListAdaptersResponse(adapters=[spec for spec, _ in self.adapters.values()])
@@ -312,13 +334,7 @@ async def test_a_restarted_broadcaster_keeps_each_adapters_owner(tmp_path: pathl
         await publish_adapter(stub, "math", 2, lora_tensors(2), adapter_owner="alice")
         await publish_adapter(stub, "open", 1, lora_tensors(3))
     # A version spilled before adapters had owners: it has none.
-    write_weights(
-        tmp_path / "spill" / "adapters" / "old" / "v0000000004",
-        lora_tensors(4).items(),
-        policy_version=4,
-        weight_format=tensor_pb2.WEIGHT_FORMAT_HF,
-        metadata={"rank": 8, "alpha": 16.0},
-    )
+    spill_rank_8_adapter(tmp_path / "spill" / "adapters" / "old" / "v0000000004", version=4)
 
     replica = StandInReplica()
     async with (
@@ -338,3 +354,142 @@ async def test_a_restarted_broadcaster_keeps_each_adapters_owner(tmp_path: pathl
         await publish_adapter(stub, "math", 3, lora_tensors(3), adapter_owner="alice")
         await wait_for_adapter(stub, "math", 3, 1)
         assert replica.adapters["math"][0].owner == "alice"
+
+
+def held(replica: StandInReplica) -> dict[str, tuple[str, int]]:
+    return {name: (spec.owner, spec.policy_version) for name, (spec, _) in replica.adapters.items()}
+
+
+async def replica_adapters(stub) -> dict[str, tuple[dict[str, int], dict[str, str]]]:
+    """Each replica's adapter versions and owners, as the broadcaster reports them."""
+    return {r.replica_id: (dict(r.adapter_versions), dict(r.adapter_owners)) for r in (await status(stub)).replicas}
+
+
+async def remove_adapter(stub, name: str) -> pb2.RemoveAdapterResponse:
+    return await stub.RemoveAdapter(pb2.RemoveAdapterRequest(adapter_name=name))
+
+
+async def test_a_removed_adapter_is_unloaded_from_every_replica_even_those_away_or_late():
+    first, second, away, late = StandInReplica(), StandInReplica(), StandInReplica(), StandInReplica()
+    first.fail_unloads = 1  # retried with backoff
+    async with (
+        serving(first) as first_address,
+        serving(second) as second_address,
+        serving(away) as away_address,
+        serving(late) as late_address,
+        running_broadcaster(
+            replicas=[
+                {"replica_id": "a", "address": first_address},
+                {"replica_id": "b", "address": second_address},
+                {"replica_id": "c", "address": away_address},
+            ]
+        ) as stub,
+    ):
+        await publish_adapter(stub, "math", 3, lora_tensors(3), adapter_owner="alice")
+        await publish_adapter(stub, "code", 1, lora_tensors(1))
+        await wait_for_adapter(stub, "math", 3, 3)
+        await wait_for_adapter(stub, "code", 1, 3)
+        away.down = True
+
+        async def seen_away() -> bool:
+            return (await replica_adapters(stub))["c"] == ({}, {})
+
+        await eventually(seen_away, what="replica c seen away")
+
+        assert (await remove_adapter(stub, "math")).policy_version == 3
+        assert dict((await status(stub)).latest_adapter_versions) == {"code": 1}  # at once
+        await eventually(lambda: "math" not in first.adapters and "math" not in second.adapters, what="unloads")
+        assert first.num_unload_calls == 2 and second.num_unload_calls == 1
+        assert held(first) == held(second) == {"code": ("", 1)}
+        assert "math" in away.adapters  # it did not answer
+
+        # Back (the same process): unloaded then; a late one holding it (its own copy of that
+        # adapter, loaded at start) too, but never an adapter this broadcaster did not remove.
+        away.down = False
+        late.hold("math", 3, "alice")
+        late.hold("mine", 1)
+        await stub.RegisterReplica(pb2.RegisterReplicaRequest(replica_id="late", address=late_address))
+        await wait_for_adapter(stub, "code", 1, 4)
+        await eventually(lambda: "math" not in away.adapters and "math" not in late.adapters, what="unloads")
+        assert held(away) == {"code": ("", 1)} and held(late) == {"code": ("", 1), "mine": ("", 1)}
+
+        # A replica restarted still holding it (loaded back from its disk) gets it unloaded again.
+        second.hold("math", 3, "alice")
+        second.restart(keep_adapters=True)
+        await eventually(lambda: "math" not in second.adapters, what="the restarted replica's copy unloaded")
+
+        async def settled() -> bool:
+            state = await replica_adapters(stub)
+            return all(
+                versions.keys() == {"code"} or versions.keys() == {"code", "mine"} for versions, _ in state.values()
+            )
+
+        await eventually(settled, what="no replica reported holding 'math'")
+        state = await replica_adapters(stub)
+        assert state["late"] == ({"code": 1, "mine": 1}, {})
+        assert all(owners == {} for _, owners in state.values())
+
+        # Removing it again, or an adapter never published: NOT_FOUND naming it; a bad name: the field.
+        for name in ("math", "nope"):
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                await remove_adapter(stub, name)
+            assert error.value.code() == grpc.StatusCode.NOT_FOUND
+            assert f"holds no adapter {name!r}" in error.value.details()
+            assert error_details(error.value)[0].metadata["adapter_name"] == name
+        for name in ("", "../etc", "x" * 65):
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                await remove_adapter(stub, name)
+            assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "adapter_name" in field_violations(error.value)
+
+        # The name starts afresh: any version, any owner; every replica gets the new one.
+        await publish_adapter(stub, "math", 0, lora_tensors(7), adapter_owner="bob")
+        await eventually(
+            lambda: all(held(r).get("math") == ("bob", 0) for r in (first, second, away, late)),
+            what="the new 'math' on every replica",
+        )
+        assert same(late.adapters["math"][1], lora_tensors(7))
+        for _, owners in (await replica_adapters(stub)).values():
+            assert owners == {"math": "bob"}
+        # ... and a restarted replica that lists it cannot tell its copy from the old one: pushed anew.
+        first.restart(keep_adapters=True)
+        await eventually(lambda: first.num_load_calls == 4, what="the new 'math' pushed again")
+        assert held(first)["math"] == ("bob", 0) and len(first.adapters) == 2
+
+
+async def test_a_removed_adapter_stays_removed_when_the_broadcaster_restarts(tmp_path: pathlib.Path):
+    store = {"spill_folder": tmp_path / "spill"}
+    folder = tmp_path / "spill" / "adapters"
+    async with running_broadcaster(store=store) as stub:
+        await publish_adapter(stub, "math", 2, lora_tensors(2), adapter_owner="alice")
+        await publish_adapter(stub, "code", 1, lora_tensors(1))
+        assert (folder / "math").is_dir()
+        assert (await remove_adapter(stub, "math")).policy_version == 2
+        assert sorted(p.name for p in folder.iterdir()) == ["code"]
+    # A removal a stop interrupted: renamed aside, not yet deleted.
+    spill_rank_8_adapter(folder / ".removed-old-0123" / "v0000000004", version=4)
+
+    replica = StandInReplica()
+    async with (
+        serving(replica) as address,
+        running_broadcaster(replicas=[{"replica_id": "r", "address": address}], store=store) as stub,
+    ):
+        assert dict((await status(stub)).latest_adapter_versions) == {"code": 1}
+        assert sorted(p.name for p in folder.iterdir()) == ["code"]
+        await wait_for_adapter(stub, "code", 1, 1)
+        assert held(replica) == {"code": ("", 1)}
+        await publish_adapter(stub, "math", 0, lora_tensors(5), adapter_owner="bob")
+        await wait_for_adapter(stub, "math", 0, 1)
+        assert held(replica) == {"code": ("", 1), "math": ("bob", 0)}
+
+
+def spill_rank_8_adapter(path: pathlib.Path, *, version: int) -> None:
+    """An adapter version written as a spill folder holds it (without an owner: as spilled
+    before adapters had owners)."""
+    write_weights(
+        path,
+        lora_tensors(version).items(),
+        policy_version=version,
+        weight_format=tensor_pb2.WEIGHT_FORMAT_HF,
+        metadata={"rank": 8, "alpha": 16.0},
+    )

@@ -12,6 +12,9 @@ stream, also after the call failed: the other ranks are waiting in those collect
 replicas, primerl_common.weights.collective): the broadcaster gets the tensor list, names the group,
 and the trainer broadcasts the tensors to the replicas in it as rank 0; it streams them to the
 broadcaster as well, in the same pass, when the broadcaster asks for the data.
+
+`WeightPublisher.remove_adapter` removes a deleted run's LoRA adapter from the broadcaster,
+which unloads it from every replica.
 """
 
 from __future__ import annotations
@@ -367,6 +370,19 @@ class WeightPublisher:
         else:
             return
         yield from named_tensors
+
+    def remove_adapter(self, name: str) -> int:
+        """Removes adapter `name` from the broadcaster, which unloads it from every replica (a
+        deleted run's). The latest version it held; -1 when it held none (nothing to remove).
+        Raises PublishError."""
+        request = weight_broadcaster_pb2.RemoveAdapterRequest(adapter_name=name)
+        try:
+            response = self._stub.RemoveAdapter(request, timeout=self._timeout_s)
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.NOT_FOUND:  # type: ignore[attr-defined]
+                return -1
+            raise _publish_error(exc, f"RemoveAdapter {name!r} at {self.address}") from None
+        return response.policy_version
 
     def close(self) -> None:
         self._groups.drop()

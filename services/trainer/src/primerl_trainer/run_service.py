@@ -244,6 +244,9 @@ class RunService:
             prometheus.forget_run(run_id)
             self._deliver(run)
             logger.info("deleted run %s (%d queued batches dropped)", run_id, len(run.queue), extra={"run_id": run_id})
+            if self._publisher is not None:
+                # No publish of it can be under way: this worker makes them, one thing at a time.
+                self._remove_adapter(run_id)
 
         await self._call(delete)
 
@@ -513,6 +516,25 @@ class RunService:
         seconds = time.perf_counter() - start
         prometheus.observe_run_publish(run.run_id, step, ok=True, seconds=seconds)
         return {"published": 1.0, "publish_s": seconds}
+
+    def _remove_adapter(self, run_id: str) -> None:
+        """A deleted run's adapter off the broadcaster and every replica. A failure is logged
+        naming the adapter (an operator's weight_broadcaster.v1 RemoveAdapter finishes it); the
+        run is deleted all the same."""
+        assert self._publisher is not None
+        try:
+            version = self._publisher.remove_adapter(run_id)
+        except PublishError as exc:
+            logger.error(
+                "run %s is deleted, but its adapter is still on the weight broadcaster (RemoveAdapter %r failed: %s)",
+                run_id,
+                run_id,
+                exc,
+                extra={"run_id": run_id},
+            )
+            return
+        if version >= 0:
+            logger.info("removed run %s's adapter (version %d) from the weight broadcaster", run_id, version)
 
     def _states_changed(self) -> None:
         with self._cond:

@@ -1,5 +1,5 @@
-"""LoRA adapters (PUBLISH_KIND_ADAPTER): the latest version of each adapter, and keeping every
-replica on it.
+"""LoRA adapters (PUBLISH_KIND_ADAPTER): the latest version of each adapter, and the adapters
+removed.
 
 An adapter publish carries PEFT-named tensors (`base_model.model.<module>.lora_A.weight`
 [rank, in] and `.lora_B.weight` [out, rank], paired per module). Versions count per adapter
@@ -15,40 +15,38 @@ with runs): replicas then serve it to that identity alone. The owner goes with e
 binds the name: a publish of the same adapter by another owner (or by none, for an owned one)
 is refused, so that one tenant cannot replace another's adapter.
 
-Replicas get adapters over inference.v1 `LoadAdapter` (the spec, then the tensors as
-chunks), whatever transport their full weights take: adapters are a few MB. Each replica's
-task (replicas.py `_Worker`) calls `AdapterSync.sync` after every probe; it learns what a
-replica process holds with `ListAdapters` once per instance id (a restarted replica holds
-none), pushes each adapter it lacks, and backs off per adapter after a failure, so a failing
-adapter push delays that replica's full-weight pushes by one bounded call at most.
+A removed adapter (RemoveAdapter: a deleted run's) is forgotten, its spilled folder too
+(renamed aside, then deleted: a broadcaster stopped midway deletes the rest at its next start and
+never loads it back), and remembered as removed, in RAM, for the replicas to unload it
+(adapter_sync.py). A later publish of its name starts afresh: any version, any owner.
+
+Replicas get adapters from adapter_sync.py `AdapterSync`, one per replica.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import pathlib
 import re
 import shutil
 import threading
-import time
-from collections.abc import Awaitable, Callable, Iterable
+import uuid
+from collections.abc import Iterable
 
-import grpc
 import torch
 
 from primerl.common.v1 import tensor_pb2
-from primerl.inference.v1 import inference_pb2, inference_pb2_grpc
+from primerl.inference.v1 import inference_pb2
 from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2 as pb2
-from primerl_common.errors import FailedPrecondition, InvalidArgument
-from primerl_common.lora import ADAPTER_NAME_PATTERN, CAPABILITY_LORA, check_adapter_name
+from primerl_common.errors import FailedPrecondition, InvalidArgument, NotFound
+from primerl_common.lora import ADAPTER_NAME_PATTERN, check_adapter_name
 from primerl_common.tensors import iter_tensor_chunks
 from primerl_common.weights.manifest import ManifestError, load_tensors, read_manifest, write_weights
-from primerl_weight_broadcaster import metrics
 
 __all__ = [
     "AdapterStore",
-    "AdapterSync",
     "PublishedAdapter",
     "check_adapter_begin",
     "published_adapter",
@@ -58,8 +56,8 @@ logger = logging.getLogger(__name__)
 
 _PEFT_NAME = re.compile(r"base_model\.model\.(?P<module>.+)\.lora_(?P<part>[AB])\.weight")
 _VERSION_FOLDER = re.compile(r"v(?P<version>\d+)")
-# Longest LoadAdapter call: a hung replica holds its task (and its full-weight pushes) no longer.
-_LOAD_TIMEOUT_S = 60.0
+# A removed adapter's folder, renamed aside to be deleted (no adapter name starts with ".").
+_REMOVED_PREFIX = ".removed-"
 
 
 def check_adapter_begin(begin: pb2.PublishBegin) -> None:
@@ -154,20 +152,29 @@ def published_adapter(begin: pb2.PublishBegin, tensors: dict[str, torch.Tensor])
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class _Removal:
+    serial: int  # tells this removal from an earlier one of the same name
+    owner: str  # its latest version's, for the replicas that still hold it
+
+
 class AdapterStore:
-    """The latest version of each adapter, in RAM and, with `folder`, on disk."""
+    """The latest version of each adapter, in RAM and, with `folder`, on disk; and the adapters
+    removed since the start (in RAM), for the replicas to unload."""
 
     def __init__(self, folder: pathlib.Path | None = None) -> None:
         """With `folder`, starts on the adapters written there (blocking: it reads them)."""
         self._folder = folder
         self._latest: dict[str, PublishedAdapter] = {}
+        self._removed: dict[str, _Removal] = {}
+        self._removals = itertools.count(1)
         self._writing = threading.Lock()
         if folder is not None:
             folder.mkdir(parents=True, exist_ok=True)
             for entry in sorted(folder.iterdir()):
-                if not (entry.is_dir() and ADAPTER_NAME_PATTERN.fullmatch(entry.name)):
-                    continue
-                if (adapter := _load_latest(entry)) is not None:
+                if entry.name.startswith(_REMOVED_PREFIX):  # a removal that a stop interrupted
+                    shutil.rmtree(entry, ignore_errors=True)
+                elif entry.is_dir() and ADAPTER_NAME_PATTERN.fullmatch(entry.name) and (adapter := _load_latest(entry)):
                     self._latest[adapter.name] = adapter
 
     def latest(self) -> list[PublishedAdapter]:
@@ -177,8 +184,18 @@ class AdapterStore:
         return {name: adapter.policy_version for name, adapter in self._latest.items()}
 
     def owners_of(self, names: Iterable[str]) -> dict[str, str]:
-        """The owner of each of the adapters `names` that has one."""
-        return {name: adapter.owner for name in names if (adapter := self._latest.get(name)) and adapter.owner}
+        """The owner of each of the adapters `names` that has one (a removed one's, for the
+        replicas that still hold it)."""
+        return {
+            name: held.owner
+            for name in names
+            if (held := self._latest.get(name) or self._removed.get(name)) and held.owner
+        }
+
+    def removals(self) -> dict[str, int]:
+        """Each adapter removed since the start (published again or not), with the serial of
+        its latest removal: a replica holding a copy older than that removal must unload it."""
+        return {name: removal.serial for name, removal in self._removed.items()}
 
     def check_owner(self, name: str, owner: str) -> None:
         """Refuses a publish of adapter `name` by another owner than its latest version's: one
@@ -195,7 +212,7 @@ class AdapterStore:
         )
 
     def latest_version(self, name: str) -> int:
-        """-1 when the adapter was never published."""
+        """-1 when the adapter was never published (or removed since)."""
         adapter = self._latest.get(name)
         return -1 if adapter is None else adapter.policy_version
 
@@ -223,6 +240,39 @@ class AdapterStore:
         """Stores `adapter` as its name's latest (on the event loop: pushes read it)."""
         self.check_publish(adapter.name, adapter.policy_version, adapter.owner)
         self._latest[adapter.name] = adapter
+
+    def held(self, name: str) -> PublishedAdapter:
+        """The latest version of adapter `name`; NotFound when there is none."""
+        adapter = self._latest.get(name)
+        if adapter is None:
+            raise NotFound(
+                f"the weight broadcaster holds no adapter {name!r}: never published, or removed already",
+                reason="ADAPTER_NOT_FOUND",
+                metadata={"adapter_name": name},
+            )
+        return adapter
+
+    def remove(self, name: str) -> PublishedAdapter:
+        """Forgets adapter `name` (on the event loop, after `unspill`): its latest version, owner
+        and version floor go, and replicas unload it. NotFound when it is not held."""
+        adapter = self.held(name)
+        del self._latest[name]
+        self._removed[name] = _Removal(next(self._removals), adapter.owner)
+        return adapter
+
+    def unspill(self, name: str) -> None:
+        """Deletes adapter `name`'s spilled folder (blocking): renamed aside first, so that a
+        stop midway leaves nothing a restart loads. Raises OSError when it cannot be renamed."""
+        if self._folder is None:
+            return
+        aside = self._folder / f"{_REMOVED_PREFIX}{name}-{uuid.uuid4().hex}"
+        with self._writing:
+            try:
+                (self._folder / name).rename(aside)
+            except FileNotFoundError:  # never spilled (or its writes failed)
+                return
+            shutil.rmtree(aside, ignore_errors=True)
+        logger.info("deleted the spilled copy of adapter %s", name)
 
     def spill(self, adapter: PublishedAdapter) -> None:
         """Writes `adapter` to the folder, then deletes that adapter's older folders (blocking).
@@ -279,122 +329,3 @@ def _load_latest(folder: pathlib.Path) -> PublishedAdapter | None:
         )
         return adapter
     return None
-
-
-class AdapterSync:
-    """Keeps one replica on every adapter's latest version; driven by its replica task.
-
-    `held` is what the replica process holds (name -> version), reported through `on_change`
-    (the task's `_set(adapter_versions=...)`, which makes it a WatchReplicas event)."""
-
-    def __init__(
-        self,
-        replica_id: str,
-        stub: inference_pb2_grpc.InferenceServiceStub,
-        store: AdapterStore,
-        *,
-        retry_initial_s: float,
-        retry_max_s: float,
-        timeout_s: float,
-        on_change: Callable[[dict[str, int]], None],
-    ) -> None:
-        self._replica_id = replica_id
-        self._stub = stub
-        self._store = store
-        self._retry_initial_s = retry_initial_s
-        self._retry_max_s = retry_max_s
-        self._timeout_s = min(timeout_s, _LOAD_TIMEOUT_S)
-        self._on_change = on_change
-        self.held: dict[str, int] = {}
-        self._listed_instance: str | None = None  # the replica process whose adapters `held` lists
-        self._failures: dict[str, int] = {}
-        self._retry_at: dict[str, float] = {}  # monotonic, per adapter name
-        self._no_lora_logged = ""
-
-    def forget(self) -> None:
-        """The replica stopped answering: what it holds is unknown until it answers again."""
-        self._listed_instance = None
-        self._hold({})
-
-    async def sync(self, instance_id: str, capabilities: frozenset[str]) -> None:
-        """Pushes every adapter the replica process `instance_id` lacks; failures are logged and
-        retried later (with backoff), never raised."""
-        adapters = self._store.latest()
-        if CAPABILITY_LORA not in capabilities:
-            if adapters and self._no_lora_logged != instance_id:
-                self._no_lora_logged = instance_id
-                logger.warning("replica %s: no adapter pushed: it does not load LoRA adapters", self._replica_id)
-            return
-        now = time.monotonic()
-        if instance_id != self._listed_instance:
-            if now < self._retry_at.get("", 0.0) or not await self._attempt("", self._list()):
-                return
-            self._listed_instance = instance_id
-        for adapter in adapters:
-            if self.held.get(adapter.name, -1) >= adapter.policy_version:
-                self._failures.pop(adapter.name, None)
-            elif now >= self._retry_at.get(adapter.name, 0.0):
-                await self._attempt(adapter.name, self._load(adapter))
-
-    async def _attempt(self, name: str, call: Awaitable[None]) -> bool:
-        """Awaits `call`; on failure logs it and backs off `name`'s pushes (""; the listing)."""
-        try:
-            await call
-        except grpc.aio.AioRpcError as exc:
-            message = f"{exc.code().name}: {exc.details()}"
-        except Exception as exc:  # any failure is retried: the task must go on
-            message = repr(exc)
-        else:
-            self._failures.pop(name, None)
-            self._retry_at.pop(name, None)
-            return True
-        failures = self._failures[name] = self._failures.get(name, 0) + 1
-        backoff = min(self._retry_initial_s * 2 ** (failures - 1), self._retry_max_s)
-        self._retry_at[name] = time.monotonic() + backoff
-        metrics.adapter_push_failed(self._replica_id)
-        what = f"pushing adapter {name}" if name else "listing its adapters"
-        logger.warning(
-            "replica %s: %s failed: %s (failure %d, retry in %.1fs)", self._replica_id, what, message, failures, backoff
-        )
-        return False
-
-    async def _list(self) -> None:
-        reply = await self._stub.ListAdapters(inference_pb2.ListAdaptersRequest(), timeout=self._timeout_s)
-        self._hold({spec.name: spec.policy_version for spec in reply.adapters})
-
-    async def _load(self, adapter: PublishedAdapter) -> None:
-        started = time.monotonic()
-        try:
-            await self._stub.LoadAdapter(iter(adapter.requests()), timeout=self._timeout_s)
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
-                raise
-            # "Not newer": it holds this version or a newer one already (another broadcaster
-            # process pushed it). Any other precondition leaves it older: a failure.
-            await self._list()
-            if self.held.get(adapter.name, -1) < adapter.policy_version:
-                raise
-            logger.info(
-                "replica %s holds adapter %s version %d already",
-                self._replica_id,
-                adapter.name,
-                self.held[adapter.name],
-            )
-            return
-        self._hold({**self.held, adapter.name: adapter.policy_version})
-        metrics.adapter_pushed(self._replica_id)
-        logger.info(
-            "replica %s: pushed adapter %s version %d (owner %s, rank %d, %d tensors) in %.2fs",
-            self._replica_id,
-            adapter.name,
-            adapter.policy_version,
-            adapter.owner or "-",
-            adapter.rank,
-            len(adapter.tensors),
-            time.monotonic() - started,
-        )
-
-    def _hold(self, held: dict[str, int]) -> None:
-        if held != self.held:
-            self.held = held
-            self._on_change(dict(held))

@@ -38,7 +38,7 @@ _adapter_pushes = Counter(
 )
 _adapter_push_failures = Counter(
     "primerl_weight_broadcaster_adapter_push_failures",
-    "LoRA adapter pushes (or listings of a replica's adapters) that failed and are retried.",
+    "LoRA adapter pushes (or unloads, or listings of a replica's adapters) that failed and are retried.",
     ("replica_id",),
 )
 

@@ -21,8 +21,9 @@ fails is made again at once over gRPC as a full update (all or nothing either wa
 applies an update whole or not at all); a replica that could not read the folder gets gRPC
 until it restarts. The pick, and why, is in the replica's status and in metrics.py.
 
-LoRA adapters (adapters.py) ride on the same task: after each probe, `AdapterSync` pushes
-the adapters the replica lacks over LoadAdapter, with a backoff of their own.
+LoRA adapters (adapters.py) ride on the same task: after each probe, `AdapterSync`
+(adapter_sync.py) unloads the removed adapters the replica holds and pushes the adapters it
+lacks over LoadAdapter, with a backoff of their own.
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ from primerl_common.client import make_channel
 from primerl_common.errors import error_details, field_violations
 from primerl_common.stripes import DEFAULT_STREAMS, stripe_channel_options
 from primerl_weight_broadcaster import metrics
-from primerl_weight_broadcaster.adapters import AdapterStore, AdapterSync
+from primerl_weight_broadcaster.adapter_sync import AdapterSync
+from primerl_weight_broadcaster.adapters import AdapterStore
 from primerl_weight_broadcaster.collective import CollectiveHost, replica_update
 from primerl_weight_broadcaster.formats import format_name
 from primerl_weight_broadcaster.shared_fs import SharedFolders
@@ -613,7 +615,8 @@ class ReplicaSet:
         return True
 
     def published(self) -> None:
-        """A new version (or adapter version) is stored: wake every replica's task."""
+        """A new version (or adapter version) is stored, or an adapter removed: wake every
+        replica's task."""
         for worker in self._workers.values():
             worker.wake.set()
         self._notify()

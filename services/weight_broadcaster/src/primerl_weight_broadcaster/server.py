@@ -26,7 +26,8 @@ from primerl_weight_broadcaster.spill import SpillFolder
 from primerl_weight_broadcaster.store import WeightStore
 
 # Who may call what (primerl_common.security): only the trainer publishes; operators
-# register replicas; anyone authenticated reads versions and replica states.
+# register replicas; both remove adapters (a deleted run's); anyone authenticated reads
+# versions and replica states.
 ROLES = {
     "PublishWeights": {security.TRAINER},
     "PublishCollective": {security.TRAINER},
@@ -35,6 +36,7 @@ ROLES = {
     "GetStatus": security.ANY,
     "WaitForVersion": security.ANY,
     "WatchReplicas": security.ANY,
+    "RemoveAdapter": {security.TRAINER, security.OPERATOR},
 }
 
 logger = logging.getLogger(__name__)

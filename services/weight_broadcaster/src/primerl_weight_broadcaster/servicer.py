@@ -322,6 +322,24 @@ class WeightBroadcasterServicer(weight_broadcaster_pb2_grpc.WeightBroadcasterSer
         logger.info("replica %s deregistered", request.replica_id)
         return pb2.DeregisterReplicaResponse()
 
+    async def RemoveAdapter(
+        self, request: pb2.RemoveAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> pb2.RemoveAdapterResponse:
+        """Forgets the adapter (adapters.py), its spilled copy first; the replica tasks unload it."""
+        name = request.adapter_name
+        check_adapter_name(name, field="adapter_name")
+        adapters = self._replicas.adapters
+        async with self._publishing:  # not while a publish of it is stored or spilled
+            adapters.held(name)
+            try:
+                await asyncio.to_thread(adapters.unspill, name)
+            except OSError as exc:
+                raise Unavailable(f"deleting the spilled copy of adapter {name!r} failed: {exc}") from None
+            removed = adapters.remove(name)
+            self._replicas.published()
+        logger.info("adapter %s removed at version %d (owner %s)", name, removed.policy_version, removed.owner or "-")
+        return pb2.RemoveAdapterResponse(policy_version=removed.policy_version)
+
     async def GetStatus(
         self, request: pb2.GetStatusRequest, context: grpc.aio.ServicerContext
     ) -> pb2.GetStatusResponse:

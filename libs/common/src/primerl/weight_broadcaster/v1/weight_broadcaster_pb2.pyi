@@ -278,3 +278,15 @@ class WatchReplicasResponse(_message.Message):
     removed: bool
     latest_policy_version: int
     def __init__(self, replica: _Optional[_Union[ReplicaStatus, _Mapping]] = ..., removed: _Optional[bool] = ..., latest_policy_version: _Optional[int] = ...) -> None: ...
+
+class RemoveAdapterRequest(_message.Message):
+    __slots__ = ("adapter_name",)
+    ADAPTER_NAME_FIELD_NUMBER: _ClassVar[int]
+    adapter_name: str
+    def __init__(self, adapter_name: _Optional[str] = ...) -> None: ...
+
+class RemoveAdapterResponse(_message.Message):
+    __slots__ = ("policy_version",)
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    policy_version: int
+    def __init__(self, policy_version: _Optional[int] = ...) -> None: ...

@@ -78,6 +78,11 @@ class WeightBroadcasterServiceStub:
                 request_serializer=primerl_dot_weight__broadcaster_dot_v1_dot_weight__broadcaster__pb2.WatchReplicasRequest.SerializeToString,
                 response_deserializer=primerl_dot_weight__broadcaster_dot_v1_dot_weight__broadcaster__pb2.WatchReplicasResponse.FromString,
                 _registered_method=True)
+        self.RemoveAdapter = channel.unary_unary(
+                '/primerl.weight_broadcaster.v1.WeightBroadcasterService/RemoveAdapter',
+                request_serializer=primerl_dot_weight__broadcaster_dot_v1_dot_weight__broadcaster__pb2.RemoveAdapterRequest.SerializeToString,
+                response_deserializer=primerl_dot_weight__broadcaster_dot_v1_dot_weight__broadcaster__pb2.RemoveAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class WeightBroadcasterServiceServicer:
@@ -148,6 +153,16 @@ class WeightBroadcasterServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RemoveAdapter(self, request, context):
+        """Removes a LoRA adapter (a deleted run's): the broadcaster forgets it (its
+        spilled copy too) and unloads it from every replica, now and from any
+        replica that comes back holding it. NOT_FOUND for an adapter it does not
+        hold. A later publish of the name starts afresh (any version, any owner).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WeightBroadcasterServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -190,6 +205,11 @@ def add_WeightBroadcasterServiceServicer_to_server(servicer, server):
                     servicer.WatchReplicas,
                     request_deserializer=primerl_dot_weight__broadcaster_dot_v1_dot_weight__broadcaster__pb2.WatchReplicasRequest.FromString,
                     response_serializer=primerl_dot_weight__broadcaster_dot_v1_dot_weight__broadcaster__pb2.WatchReplicasResponse.SerializeToString,
+            ),
+            'RemoveAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.RemoveAdapter,
+                    request_deserializer=primerl_dot_weight__broadcaster_dot_v1_dot_weight__broadcaster__pb2.RemoveAdapterRequest.FromString,
+                    response_serializer=primerl_dot_weight__broadcaster_dot_v1_dot_weight__broadcaster__pb2.RemoveAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -412,6 +432,33 @@ class WeightBroadcasterService:
             '/primerl.weight_broadcaster.v1.WeightBroadcasterService/WatchReplicas',
             primerl_dot_weight__broadcaster_dot_v1_dot_weight__broadcaster__pb2.WatchReplicasRequest.SerializeToString,
             primerl_dot_weight__broadcaster_dot_v1_dot_weight__broadcaster__pb2.WatchReplicasResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RemoveAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/primerl.weight_broadcaster.v1.WeightBroadcasterService/RemoveAdapter',
+            primerl_dot_weight__broadcaster_dot_v1_dot_weight__broadcaster__pb2.RemoveAdapterRequest.SerializeToString,
+            primerl_dot_weight__broadcaster_dot_v1_dot_weight__broadcaster__pb2.RemoveAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,
