@@ -15,7 +15,7 @@ from primerl_trainer.service import TrainingService
 from primerl_trainer.servicer import TrainerServicer
 from primerl_trainer.sft_data import SFTDataset, load_sft_samples
 
-__all__ = ["ROLES", "build"]
+__all__ = ["ONE_RUN_ROLES", "ROLES", "build"]
 
 # Who may call what (primerl_common.security): the orchestrator pushes batches, operators
 # checkpoint on demand, anyone authenticated reads status and step metrics. Tenants create and
@@ -29,11 +29,15 @@ ROLES = {
     "WatchSteps": security.ANY,
     "SaveCheckpoint": _TENANTS,
     "CreateRun": _TENANTS,
-    "GetRun": security.ANY,
-    "ListRuns": security.ANY,
+    "GetRun": {security.TENANT, security.OPERATOR, security.ORCHESTRATOR},
+    "ListRuns": {security.TENANT, security.OPERATOR, security.ORCHESTRATOR},
     "PauseRun": _TENANTS,
     "ResumeRun": _TENANTS,
     "DeleteRun": _TENANTS,
+}
+# A trainer of one run has no tenants: its run is the deployment's own.
+ONE_RUN_ROLES = {
+    method: roles if roles is security.ANY else set(roles) - {security.TENANT} for method, roles in ROLES.items()
 }
 
 
@@ -70,7 +74,7 @@ async def build(config: TrainerConfig) -> ServiceDefinition:
     servicer = TrainerServicer(definition, service)
     descriptor = trainer_pb2.DESCRIPTOR.services_by_name["TrainerService"]
     definition.servicers = [(trainer_pb2_grpc.add_TrainerServiceServicer_to_server, servicer, descriptor)]
-    definition.permissions = security.method_roles(descriptor, ROLES)
+    definition.permissions = security.method_roles(descriptor, ROLES if config.runs.enabled else ONE_RUN_ROLES)
     return definition
 
 
