@@ -11,14 +11,11 @@ import pathlib
 import subprocess
 import sys
 import time
-import tomllib
 from collections.abc import Iterator
 
 from primerl.common.v1 import generation_pb2
 from primerl.inference.v1 import inference_pb2, inference_pb2_grpc
 from primerl_common.local_vllm import local_cache_dir
-from primerl_launcher import _toml
-from primerl_launcher.wiring import set_default
 
 CACHE = local_cache_dir()
 
@@ -162,33 +159,6 @@ def services_of(launcher: subprocess.Popen[str], run_dir: pathlib.Path, out: pat
     return asyncio.run(
         until_while_running(services, launcher=launcher, out=out, timeout_s=timeout_s, what="the services")
     )
-
-
-def run_orchestrator_config(
-    path: pathlib.Path, services: dict, *, run_id: str, tables: str, port: int, out_dir: pathlib.Path
-) -> pathlib.Path:
-    """Writes at `path` the config of an orchestrator that feeds run `run_id` of the trainer that
-    `primerl up` started (with [trainer.runs]; services: services_of's) and returns it: `tables`
-    are a launch file's [orchestrator.*] tables (orchestrator_head, reverse_text_environment, ...);
-    what the launcher would fill in is filled in as it would (wiring.wire): the peers, the model
-    the trainer trains, plaintext on loopback at `port`, the outputs under `out_dir`."""
-    table = tomllib.loads(tables)["orchestrator"]
-    trainer = tomllib.loads(pathlib.Path(services["trainer"]["config"]).read_text())
-    filled = {
-        "server.host": "127.0.0.1",
-        "server.port": port,
-        "tls.mode": "plaintext",
-        "observability.log_json": False,
-        "model.path": trainer["model"]["path"],
-        "peers.run_id": run_id,
-        **{f"peers.{peer}": services[peer]["address"] for peer in ("router", "trainer", "weight_broadcaster")},
-        "output.metrics_jsonl": str(out_dir / "metrics.jsonl"),
-        "output.samples_dir": str(out_dir / "samples"),
-    }
-    for dotted, value in filled.items():
-        set_default(table, dotted, value)
-    path.write_text(_toml.dumps(table))
-    return path
 
 
 async def greedy(replica: inference_pb2_grpc.InferenceServiceStub, adapter: str) -> generation_pb2.GenerationOutput:

@@ -22,6 +22,7 @@ import json
 import pathlib
 import subprocess
 import sys
+import tomllib
 
 import pytest
 
@@ -32,6 +33,7 @@ from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2 as wb_pb2
 from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2_grpc as wb_pb2_grpc
 from primerl_common.client import make_channel
 from primerl_common.processes import ServiceProcess, free_ports
+from primerl_launcher.run_orchestrator import run_orchestrator_config
 
 from . import live_runs
 
@@ -162,11 +164,11 @@ async def drive_runs(services: dict, *, launcher: subprocess.Popen[str], out: pa
     try:
         created = {run.run_id: await runs.create(run) for run in RUNS}
         for run, port in zip(RUNS, free_ports(len(RUNS)), strict=True):
-            config = live_runs.run_orchestrator_config(
+            config = run_orchestrator_config(
                 tmp / f"{run.run_id}.toml",
                 services,
+                tomllib.loads(orchestrator_tables(run))["orchestrator"],
                 run_id=run.run_id,
-                tables=orchestrator_tables(run),
                 port=port,
                 out_dir=tmp / run.run_id,
             )

@@ -34,7 +34,7 @@ ROLES = {
     "GetBatchSpec": {"environment"},
     "GetStatus": security.ANY,
     "WatchSteps": {"tenant", "operator"},
-    **dict.fromkeys(("CreateRun", "GetRun", "ListRuns", "PauseRun", "ResumeRun", "DeleteRun"), {"operator"}),
+    **{name: {"operator"} for name in ("CreateRun", "GetRun", "ListRuns", "PauseRun", "ResumeRun", "DeleteRun")},
 }
 
 

@@ -1,0 +1,64 @@
+"""The config of an orchestrator started beside a running `primerl up` whose launch file has no
+[orchestrator]: the orchestrator of one run of a trainer with runs ([trainer.runs], each run fed
+by its own orchestrator, peers.run_id), or of a single-run trainer's one run. What the launcher
+fills into an [orchestrator] table (wiring.wire, wiring.wire_lora) is filled in the same way,
+from the listing the launcher writes once every service is SERVING (<run_dir>/services.json)."""
+
+from __future__ import annotations
+
+import copy
+import pathlib
+import tomllib
+from collections.abc import Mapping
+from typing import Any
+
+from primerl_launcher import _toml
+from primerl_launcher.wiring import get_path, set_default
+
+__all__ = ["run_orchestrator_config"]
+
+# The trainer's publish.adapter_name when its config leaves it unset (primerl_trainer.config.PublishConfig).
+_DEFAULT_ADAPTER_NAME = "primerl"
+
+
+def run_orchestrator_config(
+    path: pathlib.Path,
+    services: Mapping[str, Mapping[str, Any]],
+    table: Mapping[str, Any],
+    *,
+    run_id: str | None,
+    port: int,
+    out_dir: pathlib.Path,
+) -> pathlib.Path:
+    """Writes at `path` the config of an orchestrator that feeds the trainer of `services` (the
+    launcher's services.json) and returns `path`. `table` is the orchestrator's own part (what a
+    launch file's [orchestrator] table holds: run, environments, ...; left unchanged); filled in
+    where it leaves them unset: the peers, the model the trainer trains, plaintext on loopback at
+    `port`, the outputs under `out_dir`, and the run it feeds: `run_id` on a trainer with runs;
+    None on a single-run trainer, whose adapter (where it publishes its LoRA adapter alone) the
+    rollouts then use, as the launcher's own orchestrator would."""
+    config = copy.deepcopy(dict(table))
+    trainer = tomllib.loads(pathlib.Path(services["trainer"]["config"]).read_text())
+    with_runs = bool(get_path(trainer, "runs.max_concurrent_runs"))
+    if with_runs and run_id is None:
+        raise ValueError("the trainer has runs ([trainer.runs]): name the run the orchestrator feeds (run_id)")
+    if not with_runs and run_id is not None:
+        raise ValueError(f"run_id {run_id!r}: the trainer trains one run (no [trainer.runs])")
+    filled: dict[str, Any] = {
+        "server.host": "127.0.0.1",
+        "server.port": port,
+        "tls.mode": "plaintext",
+        "observability.log_json": False,
+        "model.path": trainer["model"]["path"],
+        **{f"peers.{peer}": services[peer]["address"] for peer in ("router", "trainer", "weight_broadcaster")},
+        "output.metrics_jsonl": str(out_dir / "metrics.jsonl"),
+        "output.samples_dir": str(out_dir / "samples"),
+    }
+    if run_id is not None:
+        filled["peers.run_id"] = run_id
+    elif get_path(trainer, "publish.kind") == "adapter":
+        filled["model.lora_adapter"] = get_path(trainer, "publish.adapter_name") or _DEFAULT_ADAPTER_NAME
+    for dotted, value in filled.items():
+        set_default(config, dotted, value)
+    path.write_text(_toml.dumps(config))
+    return path
