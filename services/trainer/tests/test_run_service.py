@@ -32,7 +32,13 @@ from primerl_trainer.runs import RunConfig, RunSet
 from primerl_trainer.server import build
 
 from .serving import broadcaster_process, push, serving, trainer_config, watch
-from .tiny_training import LORA_TARGETS, batch_spec, load_tiny_model, make_samples, pack_into, train_lora_alone
+from .tiny_training import (
+    LORA_TARGETS,
+    batch_spec,
+    load_tiny_model,
+    runs_batches,
+    train_lora_alone,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -77,25 +83,12 @@ def _run_config(spec: trainer_pb2.RunSpec) -> RunConfig:
     )
 
 
-def _sft(micro_batches: list[MicroBatch]) -> list[MicroBatch]:
-    return [
-        dataclasses.replace(mb, advantages=None, inference_logprobs=None, temperatures=torch.ones_like(mb.temperatures))
-        for mb in micro_batches
-    ]
-
-
 @pytest.fixture(scope="module")
 def batches(dense_dir: pathlib.Path) -> dict[str, list[list[MicroBatch]]]:
     """Each run's own batches (its own task's data)."""
-    model = load_tiny_model(dense_dir)
-    out = {}
-    with torch.no_grad():
-        for index, (run_id, spec) in enumerate(SPECS.items()):
-            run_batches = [
-                pack_into(make_samples(model, seed=100 * index + step, num_samples=3), 2) for step in range(NUM_STEPS)
-            ]
-            out[run_id] = [_sft(b) for b in run_batches] if spec.mode == SFT else run_batches
-    return out
+    return runs_batches(
+        dense_dir, {run_id: "sft" if spec.mode == SFT else "rl" for run_id, spec in SPECS.items()}, num_steps=NUM_STEPS
+    )
 
 
 @pytest.fixture(scope="module")

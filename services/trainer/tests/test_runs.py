@@ -26,7 +26,7 @@ from primerl_trainer.runs import RunConfig, RunSet
 from primerl_trainer.train import Trainer
 
 from .tiny_training import LORA_TARGETS as TARGETS
-from .tiny_training import batch_spec, load_tiny_model, make_samples, pack_into, train_lora_alone
+from .tiny_training import batch_spec, load_tiny_model, make_samples, pack_into, runs_batches, train_lora_alone
 
 CPU = torch.device("cpu")
 MAX_RANK = 8
@@ -52,25 +52,10 @@ CONFIGS = {
 }
 
 
-def _sft(micro_batches: list[MicroBatch]) -> list[MicroBatch]:
-    return [
-        dataclasses.replace(mb, advantages=None, inference_logprobs=None, temperatures=torch.ones_like(mb.temperatures))
-        for mb in micro_batches
-    ]
-
-
 @pytest.fixture(scope="module")
 def batches(dense_dir: pathlib.Path) -> dict[str, list[list[MicroBatch]]]:
-    """Each run's own batches (its own task's data): NUM_STEPS of three samples in two micro-batches."""
-    model = load_tiny_model(dense_dir)
-    out = {}
-    with torch.no_grad():
-        for index, (run_id, config) in enumerate(CONFIGS.items()):
-            run_batches = [
-                pack_into(make_samples(model, seed=100 * index + step, num_samples=3), 2) for step in range(NUM_STEPS)
-            ]
-            out[run_id] = [_sft(b) for b in run_batches] if config.mode == "sft" else run_batches
-    return out
+    """Each run's own batches (its own task's data)."""
+    return runs_batches(dense_dir, {run_id: config.mode for run_id, config in CONFIGS.items()}, num_steps=NUM_STEPS)
 
 
 @pytest.fixture(scope="module")

@@ -185,3 +185,26 @@ def parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     """The tiny dense float32 model, made once per test session (make_tiny_model is idempotent)."""
     return make_tiny_model(tmp_path_factory.getbasetemp() / "trainer-tiny-dense", kind="dense", dtype="float32")
+
+
+def runs_batches(
+    model_dir: pathlib.Path, modes: dict[str, str], *, num_steps: int
+) -> dict[str, list[list[MicroBatch]]]:
+    """Each run's own batches (its own task's data): `num_steps` of three samples in two
+    micro-batches, as SFT batches (no advantages, temperature 1) for a run whose mode is "sft"."""
+    model = load_tiny_model(model_dir)
+    out = {}
+    with torch.no_grad():
+        for index, (run_id, mode) in enumerate(modes.items()):
+            run_batches = [
+                pack_into(make_samples(model, seed=100 * index + step, num_samples=3), 2) for step in range(num_steps)
+            ]
+            out[run_id] = [_as_sft(batch) for batch in run_batches] if mode == "sft" else run_batches
+    return out
+
+
+def _as_sft(micro_batches: list[MicroBatch]) -> list[MicroBatch]:
+    return [
+        dataclasses.replace(mb, advantages=None, inference_logprobs=None, temperatures=torch.ones_like(mb.temperatures))
+        for mb in micro_batches
+    ]

@@ -58,6 +58,7 @@ from primerl_trainer.service import (
     QueueInfo,
     TrainerStatus,
     check_next_step,
+    follow_steps,
     log_queued,
     queued_batch,
 )
@@ -637,17 +638,12 @@ class RunFeed:
         """The run's finished steps after `after_step` still remembered, then each new one, until
         the service drains or the run is deleted or fails."""
         run, service = self._run, self._service
-        next_step = after_step + 1
-        while True:
-            records = [record for record in run.history if record.step >= next_step]
-            for record in records:
-                yield record
-                next_step = record.step + 1
-            if records:
-                continue
-            if service._closed or run.state == "failed" or service._runs.get(run.run_id) is not run:
-                return
-            await run.wakeup.wait()
+
+        def ended() -> bool:
+            return service._closed or run.state == "failed" or service._runs.get(run.run_id) is not run
+
+        async for record in follow_steps(run.history, after_step, ended=ended, wakeup=lambda: run.wakeup):
+            yield record
 
 
 def _wake(run: _Run) -> None:

@@ -17,7 +17,7 @@ import logging
 import os
 import signal
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +39,7 @@ __all__ = [
     "TrainerStatus",
     "TrainingService",
     "check_next_step",
+    "follow_steps",
     "log_queued",
     "queued_batch",
     "training_failed",
@@ -291,17 +292,10 @@ class TrainingService:
     async def watch_steps(self, after_step: int) -> AsyncIterator[StepRecord]:
         """The finished steps after `after_step` the history still holds, then each new one,
         until the service drains."""
-        next_step = after_step + 1
-        while True:
-            records = [record for record in self._history if record.step >= next_step]
-            for record in records:
-                yield record
-                next_step = record.step + 1
-            if records:
-                continue
-            if self._closed:
-                return
-            await self._wakeup.wait()
+        async for record in follow_steps(
+            self._history, after_step, ended=lambda: self._closed, wakeup=lambda: self._wakeup
+        ):
+            yield record
 
     # From the training thread.
 
@@ -318,6 +312,28 @@ class TrainingService:
     def _wake_watchers(self) -> None:
         self._wakeup.set()
         self._wakeup = asyncio.Event()
+
+
+async def follow_steps(
+    history: Iterable[StepRecord],
+    after_step: int,
+    *,
+    ended: Callable[[], bool],
+    wakeup: Callable[[], asyncio.Event],
+) -> AsyncIterator[StepRecord]:
+    """WatchSteps: the records of `history` after `after_step`, then each new one as it comes
+    (`wakeup()` is the event set, and replaced, when one comes), until `ended()`."""
+    next_step = after_step + 1
+    while True:
+        records = [record for record in history if record.step >= next_step]
+        for record in records:
+            yield record
+            next_step = record.step + 1
+        if records:
+            continue
+        if ended():
+            return
+        await wakeup().wait()
 
 
 def queued_batch(batch: IncomingBatch, spec: BatchSpec, *, mode: TrainingMode) -> QueuedBatch:
