@@ -20,14 +20,13 @@ from primerl_trainer.batch import MicroBatch
 from primerl_trainer.config import LoRAConfig
 from primerl_trainer.export import exported_tensors, gather_state_dict, plan_export
 from primerl_trainer.lora import apply_lora
-from primerl_trainer.optim import LRScheduleConfig, OptimizerConfig, build_lr_scheduler, build_optimizer
+from primerl_trainer.optim import LRScheduleConfig, OptimizerConfig
 from primerl_trainer.publish import PublishError, WeightPublisher
 from primerl_trainer.run_publish import run_adapter_tensors, run_publish_requests
 from primerl_trainer.runs import RunConfig, RunSet
-from primerl_trainer.train import Trainer
 
 from .serving import broadcaster_process
-from .tiny_training import batch_spec, load_tiny_model, make_samples, pack_into
+from .tiny_training import batch_spec, load_tiny_model, lora_trainer_alone, make_samples, pack_into
 
 CPU = torch.device("cpu")
 TARGETS = ["q", "k", "v", "o", "gate", "up", "down"]
@@ -86,18 +85,8 @@ def _solo_export(
 ) -> dict[str, torch.Tensor]:
     """What the single-run trainer publishes after the same steps: apply_lora at the run's rank
     and seed, one Trainer, exported_tensors(kind="adapter")."""
-    model = load_tiny_model(dense_dir)
-    lora = LoRAConfig(enabled=True, rank=config.rank, alpha=config.alpha, target_modules=TARGETS)
-    apply_lora(model, lora, seed=config.seed)
-    optimizer = build_optimizer(model, config.optimizer)
-    trainer = Trainer(
-        model,
-        optimizer,
-        build_lr_scheduler(optimizer, config.schedule),
-        spec=batch_spec(model),
-        device=CPU,
-        max_grad_norm=config.optimizer.max_grad_norm,
-    )
+    trainer = lora_trainer_alone(dense_dir, config)
+    model = trainer.model
     for batch in run_batches:
         trainer.train_step(batch)
     source = gather_state_dict(model, kind="adapter", is_destination=True)

@@ -64,16 +64,13 @@ def batch_spec(model: torch.nn.Module) -> BatchSpec:
 LORA_TARGETS = ["q", "k", "v", "o", "gate", "up", "down"]
 
 
-def train_lora_alone(
-    model_dir: pathlib.Path, config: RunConfig, batches: list[list[MicroBatch]]
-) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """A LoRA run trained alone, the single-run way (apply_lora at its rank and seed, one Trainer):
-    its losses and final LoRA tensors, which a run of a RunSet must equal."""
+def lora_trainer_alone(model_dir: pathlib.Path, config: RunConfig) -> Trainer:
+    """The single-run trainer of a LoRA run: apply_lora at its rank and seed, one Trainer."""
     model = load_tiny_model(model_dir)
     lora = LoRAConfig(enabled=True, rank=config.rank, alpha=config.alpha, target_modules=LORA_TARGETS)
     apply_lora(model, lora, seed=config.seed)
     optimizer = build_optimizer(model, config.optimizer)
-    trainer = Trainer(
+    return Trainer(
         model,
         optimizer,
         build_lr_scheduler(optimizer, config.schedule),
@@ -83,6 +80,15 @@ def train_lora_alone(
         loss_config=config.loss,
         max_grad_norm=config.optimizer.max_grad_norm,
     )
+
+
+def train_lora_alone(
+    model_dir: pathlib.Path, config: RunConfig, batches: list[list[MicroBatch]]
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """A LoRA run trained alone, the single-run way: its losses and final LoRA tensors, which a
+    run of a RunSet must equal."""
+    trainer = lora_trainer_alone(model_dir, config)
+    model = trainer.model
     losses = [trainer.train_step(batch)["loss"] for batch in batches]
     adapter = {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
     return losses, adapter
