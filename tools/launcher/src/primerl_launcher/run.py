@@ -1,5 +1,6 @@
 """`primerl up`: one launch file -> model -> (warm start) -> the services, started,
-awaited and watched -> the RL run followed to its end -> plot, metrics, summary; every
+awaited and watched -> the RL run followed to its end -> plot, metrics, summary (with
+[[runs]]: each run created, fed by its own orchestrator and followed: primerl_launcher.runs); every
 process stopped at the end, on Ctrl-C, when one of them cannot start, and when one dies
 more often than `[launcher] max_restarts` allows (a service that dies while the run goes on
 is started again on the same address, config and state folders)."""
@@ -18,7 +19,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from primerl.orchestrator.v1 import orchestrator_pb2
 from primerl_common import security
@@ -31,6 +32,7 @@ from primerl_launcher.certs import run_certificates
 from primerl_launcher.checks import check_dtypes, check_outside_peers
 from primerl_launcher.progress import Display, RunFailed, RunMonitor, RunPeers, describe_groups
 from primerl_launcher.report import format_summary, summary, write_plot
+from primerl_launcher.runs import RunsFollower, create_runs, report_runs, run_holders, run_orchestrator_specs
 from primerl_launcher.service_group import RestartPolicy, RestartsExhausted, ServiceGroup
 from primerl_launcher.spec import TINY_MODELS, LaunchConfigError, LauncherConfig, LaunchFile, ServiceSpec
 from primerl_launcher.warm_start import WarmStartFailed, run_warm_start, sft_trainer_spec
@@ -48,8 +50,7 @@ from primerl_launcher.wiring import (
 __all__ = ["Launcher", "keep_state_in_run_dir", "prepare_model", "validate_configs"]
 
 EXIT_FAILED = 1
-# The orchestrator stops feeding first; then the others, all at once.
-_STOP_ORDER = [["orchestrator"]]
+T = TypeVar("T")
 
 
 def prepare_model(launcher: LauncherConfig) -> pathlib.Path | None:
@@ -210,6 +211,9 @@ class Launcher:
         self.interrupted = False
         self.final_versions: dict[str, int] = {}
         self.groups: orchestrator_pb2.GroupCounts | None = None
+        # [[runs]]: their orchestrators' service names, and how each run ended.
+        self.run_orchestrators: list[str] = []
+        self.runs_summary: dict[str, dict[str, Any]] = {}
 
     def interrupt(self) -> bool:
         """First call: True (the caller cancels the run, which stops the services gracefully).
@@ -255,6 +259,7 @@ class Launcher:
             warning = check_dtypes(services, configs, allowed=settings.allow_dtype_mismatch)
             if warning:
                 print(f"warning: {warning}", file=sys.stderr)
+        records: list[dict[str, Any]] | None = None
         try:
             if sft is not None:
                 model = await run_warm_start(
@@ -268,8 +273,11 @@ class Launcher:
                 )
                 set_model(services, model, force=True)
                 paths.update(write_configs(list(services.values()), config_dir))
-            await self._start(services, paths)
-            records = await self._follow(services, paths)
+            listing = await self._start(services, paths)
+            if launch.runs:
+                await self._run_runs(services, paths, listing, tls)
+            else:
+                records = await self._follow(services, paths)
         except (
             ServiceDied,
             RestartsExhausted,
@@ -284,6 +292,9 @@ class Launcher:
         finally:
             await self._stop()
         wall_time_s = time.monotonic() - started
+        if launch.runs:
+            ended = report_runs(self.runs_summary, self.group.restarts, run_dir, wall_time_s=wall_time_s)
+            return 0 if ended else EXIT_FAILED
         if records is None:
             return 0
         values = summary(records, wall_time_s=wall_time_s, groups=self.groups) | {
@@ -308,13 +319,20 @@ class Launcher:
         if settings.tls == "plaintext":
             print('plaintext gRPC on loopback, no identities (the local demo; [launcher] tls = "mtls" for mutual TLS)')
             return None
-        tls = await asyncio.to_thread(operator_certificates, self.run_dir, services, settings.host)
+        # The runs' orchestrators show their owners' certificates (role orchestrator).
+        holders = run_holders(self.launch.runs, list(identities(services))) if self.launch.runs else None
+        tls = await asyncio.to_thread(
+            operator_certificates, self.run_dir, services, settings.host, extra_holders=holders
+        )
         print(
             f"mutual TLS: development CA and certificates in {self.run_dir / 'certs'}; the launcher calls as {OPERATOR}"
         )
         return tls
 
-    async def _start(self, services: Mapping[str, ServiceSpec], paths: Mapping[str, pathlib.Path]) -> None:
+    async def _start(
+        self, services: Mapping[str, ServiceSpec], paths: Mapping[str, pathlib.Path]
+    ) -> dict[str, dict[str, Any]]:
+        """Starts the services, waits until each is SERVING, registers the replicas; the listing."""
         add_service_processes(self.group, services, paths, logs=self.run_dir / "logs", env=self.env)
         # All at once: each service waits for its peers (the orchestrator dispatches nothing before
         # the broadcaster reports a replica serving the first version).
@@ -323,6 +341,7 @@ class Launcher:
         await self._register_replicas(services)
         listing = self._write_listing(services, paths)
         print("all services SERVING: " + ", ".join(f"{n} {s['address']}" for n, s in listing.items()))
+        return listing
 
     async def _register_replicas(self, services: Mapping[str, ServiceSpec]) -> None:
         replicas = [spec for spec in services.values() if spec.service == "inference"]
@@ -332,7 +351,8 @@ class Launcher:
     def _write_listing(
         self, services: Mapping[str, ServiceSpec], paths: Mapping[str, pathlib.Path]
     ) -> dict[str, dict[str, Any]]:
-        """services.json: each service's address, pid (the current one, after restarts), config and log."""
+        """services.json: each service's address, pid (the current one, after restarts), config and log
+        (those of the group: a run's orchestrator dropped with its run is no longer listed)."""
         listing = {
             name: {
                 "service": spec.service,
@@ -343,6 +363,7 @@ class Launcher:
                 "log": str(self.group.processes[name].log_path),
             }
             for name, spec in services.items()
+            if name in self.group.processes
         }
         path = self.run_dir / "services.json"
         partial = path.with_name(".services.json.partial")
@@ -407,10 +428,7 @@ class Launcher:
         watch = self._supervise(services, paths, display.write)
         follow = asyncio.ensure_future(monitor.run(display))
         try:
-            done, _ = await asyncio.wait([watch, follow], return_when=asyncio.FIRST_COMPLETED)
-            if watch in done:
-                watch.result()  # raises RestartsExhausted
-            records = follow.result()
+            records = await _first_of(watch, follow)
             self.final_versions = dict(monitor.versions)
             self.groups = monitor.status.groups
             return records
@@ -421,22 +439,78 @@ class Launcher:
                 # The run did not finish: what the orchestrator had done by then says why.
                 status = monitor.status
                 print(f"run status at the end: step {status.step}/{status.max_steps}, {describe_groups(status.groups)}")
-            for task in (watch, follow):
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
+
+    async def _run_runs(
+        self,
+        services: Mapping[str, ServiceSpec],
+        paths: Mapping[str, pathlib.Path],
+        listing: Mapping[str, Mapping[str, Any]],
+        tls: Mapping[str, TlsConfig] | None,
+    ) -> None:
+        """[[runs]] (primerl_launcher.runs): each run created on the trainer, its orchestrator
+        started and supervised beside the services, the runs followed to their end; how each
+        ended in `runs_summary`. Raises as `_follow` does."""
+        settings, runs = self.launch.launcher, self.launch.runs
+        specs, run_paths = await asyncio.to_thread(
+            run_orchestrator_specs, runs, listing, run_dir=self.run_dir, host=settings.host, tls=tls
+        )
+        if settings.check_config:
+            await validate_configs(list(specs.values()), run_paths, self.env)
+        await create_runs(address_of(services["trainer"]), runs, say=print)
+        self.run_orchestrators = list(specs)
+        add_service_processes(self.group, specs, run_paths, logs=self.run_dir / "logs", env=self.env)
+        print("starting " + ", ".join(specs))
+        await self.group.start(list(specs), timeout_s=settings.start_timeout_s)
+        services, paths = {**services, **specs}, {**paths, **run_paths}
+        self._write_listing(services, paths)
+
+        def say(message: str) -> None:
+            print(message, file=sys.stderr, flush=True)
+
+        follower = RunsFollower(
+            runs,
+            trainer=address_of(services["trainer"]),
+            replicas={name: address_of(spec) for name, spec in services.items() if spec.service == "inference"},
+            group=self.group,
+            poll_interval_s=settings.poll_interval_s,
+            finish_timeout_s=settings.finish_timeout_s,
+            stop_grace_s=settings.stop_grace_s,
+            say=say,
+            on_dropped=lambda: self._write_listing(services, paths),
+        )
+        try:
+            await _first_of(self._supervise(services, paths, say), asyncio.ensure_future(follower.run()))
+        finally:
+            self.runs_summary = follower.summary()
 
     async def _stop(self) -> None:
         live = [p.name for p in self.group.processes.values() if p.returncode is None]
         if not live:
             return
         print("stopping " + ", ".join(live))
-        codes = await self.group.stop(_STOP_ORDER, grace_s=self.launch.launcher.stop_grace_s)
+        # The orchestrators stop feeding first; then the others, all at once.
+        order = [["orchestrator", *self.run_orchestrators]]
+        codes = await self.group.stop(order, grace_s=self.launch.launcher.stop_grace_s)
         unclean = {name: code for name, code in codes.items() if name in live and code}
         if unclean:
             print("not a clean exit: " + ", ".join(f"{name} {describe_exit(code)}" for name, code in unclean.items()))
         else:
             print("all services stopped")
+
+
+async def _first_of(watch: asyncio.Future[None], follow: asyncio.Future[T]) -> T:
+    """`follow`'s result, unless `watch` (the services' supervision, which never returns) raises
+    first (RestartsExhausted); both are cancelled on the way out."""
+    try:
+        done, _ = await asyncio.wait([watch, follow], return_when=asyncio.FIRST_COMPLETED)
+        if watch in done:
+            watch.result()
+        return follow.result()
+    finally:
+        for task in (watch, follow):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
 
 
 def default_run_dir(launcher: LauncherConfig) -> pathlib.Path:

@@ -12,8 +12,9 @@ import tomllib
 from collections.abc import Mapping
 from typing import Any
 
+from primerl_common.config import TlsConfig
 from primerl_launcher import _toml
-from primerl_launcher.wiring import get_path, set_default
+from primerl_launcher.wiring import get_path, set_default, tls_table
 
 __all__ = ["run_orchestrator_config"]
 
@@ -29,12 +30,14 @@ def run_orchestrator_config(
     run_id: str | None,
     port: int,
     out_dir: pathlib.Path,
+    tls: TlsConfig | None = None,
 ) -> pathlib.Path:
     """Writes at `path` the config of an orchestrator that feeds the trainer of `services` (the
     launcher's services.json) and returns `path`. `table` is the orchestrator's own part (what a
     launch file's [orchestrator] table holds: run, environments, ...; left unchanged); filled in
-    where it leaves them unset: the peers, the model the trainer trains, plaintext on loopback at
-    `port`, the outputs under `out_dir`, and the run it feeds: `run_id` on a trainer with runs;
+    where it leaves them unset: the peers, the model the trainer trains, loopback at `port`
+    (plaintext, or mutual TLS with the certificate of `tls`), the outputs under `out_dir`, and the
+    run it feeds: `run_id` on a trainer with runs;
     None on a single-run trainer, whose adapter (where it publishes its LoRA adapter alone) the
     rollouts then use, as the launcher's own orchestrator would."""
     config = copy.deepcopy(dict(table))
@@ -47,7 +50,7 @@ def run_orchestrator_config(
     filled: dict[str, Any] = {
         "server.host": "127.0.0.1",
         "server.port": port,
-        "tls.mode": "plaintext",
+        **{f"tls.{field}": value for field, value in tls_table(tls).items()},
         "observability.log_json": False,
         "model.path": trainer["model"]["path"],
         **{f"peers.{peer}": services[peer]["address"] for peer in ("router", "trainer", "weight_broadcaster")},

@@ -83,6 +83,12 @@ class ServiceGroup:
                 task.cancel()
             await asyncio.gather(*waits, watch, return_exceptions=True)
 
+    async def discard(self, name: str, *, grace_s: float) -> int | None:
+        """Stops the process `name` and drops it from the group: it is no longer watched nor
+        restarted (a restart already waiting for it gives up). Its exit code."""
+        process = self.processes.pop(name)
+        return await process.stop(grace_s)
+
     def check(self) -> None:
         """Raises ServiceDied for the first process that has exited."""
         for process in self.processes.values():
@@ -152,6 +158,8 @@ class ServiceGroup:
         )
         _kill_leftovers(dead)
         await asyncio.sleep(delay_s)
+        if self.processes.get(name) is not dead:
+            return  # discarded meanwhile
         process = ServiceProcess(dead.args, address=dead.address, name=name, log_path=dead.log_path, env=dead.env)
         dead.close()
         self.processes[name] = process

@@ -1,7 +1,9 @@
 """The launch file: one TOML with a table per service ([orchestrator], [trainer],
 [inference] or [[inference]], [router], [weight_broadcaster], [kvstore]), each holding
 that service's own config, plus [launcher], an optional [warm_start] and an optional
-[inference.deployment] (the shape of the inference fleet: primerl_launcher.deployment).
+[inference.deployment] (the shape of the inference fleet: primerl_launcher.deployment), and
+an optional array [[runs]]: many LoRA runs on one trainer, each created by the launcher and fed
+by its own orchestrator (the file's [orchestrator] is then the template of theirs).
 
 Only the launcher's own tables are validated here; each service table is validated by
 the service itself (`--check-config`) once the launcher has filled in what links them.
@@ -15,9 +17,12 @@ import tomllib
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from google.protobuf import json_format
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
+from primerl.trainer.v1 import trainer_pb2
 from primerl_common.config import is_loopback
+from primerl_common.lora import adapter_name_problem
 from primerl_launcher.deployment import DeploymentConfig, apply_settings, replica_settings, router_settings
 
 __all__ = [
@@ -25,6 +30,7 @@ __all__ = [
     "LaunchConfigError",
     "LaunchFile",
     "LauncherConfig",
+    "RunLaunch",
     "ServiceSpec",
     "WarmStartConfig",
     "deep_merge",
@@ -138,6 +144,23 @@ class ServiceSpec:
 
 
 @dataclass
+class RunLaunch:
+    """One [[runs]] table: a run the launcher creates on the trainer (CreateRun, as the operator,
+    for `owner`) and feeds with its own orchestrator (`orchestrator`: the file's [orchestrator]
+    with the run's own table laid over it)."""
+
+    id: str
+    owner: str | None
+    spec: trainer_pb2.RunSpec
+    orchestrator: dict[str, Any]
+    where: str  # "[[runs]] #<i>", for error messages
+
+    @property
+    def max_steps(self) -> int:
+        return int(self.orchestrator["run"]["max_steps"])
+
+
+@dataclass
 class LaunchFile:
     launcher: LauncherConfig
     warm_start: WarmStartConfig | None
@@ -147,6 +170,8 @@ class LaunchFile:
     deployment: DeploymentConfig | None = None
     # Tables the file leaves out that the run needs, started with their defaults (said at start).
     added: list[str] = field(default_factory=list)
+    # [[runs]]: the trainer's runs, each with its own orchestrator (then no [orchestrator] service).
+    runs: list[RunLaunch] = field(default_factory=list)
 
 
 def read_launch_file(path: pathlib.Path) -> LaunchFile:
@@ -163,11 +188,11 @@ def read_launch_file(path: pathlib.Path) -> LaunchFile:
 
 def parse_launch_file(data: dict[str, Any]) -> LaunchFile:
     data = copy.deepcopy(data)
-    known = {*SERVICES, "launcher", "warm_start"}
+    known = {*SERVICES, "launcher", "warm_start", "runs"}
     for key, value in data.items():
         if key not in known:
             raise LaunchConfigError(f"[{key}]: unknown table; known: {', '.join(sorted(known))}")
-        if key != "inference" and not isinstance(value, dict):
+        if key not in ("inference", "runs") and not isinstance(value, dict):
             raise LaunchConfigError(f"{key}: must be a table ([{key}])")
     launcher = _model(LauncherConfig, data.pop("launcher", {}), "launcher")
     warm_start = _model(WarmStartConfig, data.pop("warm_start"), "warm_start") if "warm_start" in data else None
@@ -178,7 +203,11 @@ def parse_launch_file(data: dict[str, Any]) -> LaunchFile:
     if not any(service in data for service in SERVICES):
         raise LaunchConfigError(f"no service table; add some of: {', '.join(f'[{s}]' for s in SERVICES)}")
     deployment = _deployment(data, launcher)
+    runs = _runs(data, launcher, warm_start) if "runs" in data else []
     added = _add_needed_tables(data, launcher, deployment)
+    if runs:
+        # The template of the runs' orchestrators, not a service of its own.
+        data.pop("orchestrator")
     if deployment is not None:
         added += _apply_deployment(data, deployment)
     elif "inference" in data and not isinstance(data["inference"], list):
@@ -198,11 +227,103 @@ def parse_launch_file(data: dict[str, Any]) -> LaunchFile:
                 f"[launcher] model: {launcher.model!r} is neither a tiny model ({', '.join(TINY_MODELS)}) "
                 "nor a model folder (no config.json)"
             )
-    return LaunchFile(launcher, warm_start, services, added=added, deployment=deployment)
+    return LaunchFile(launcher, warm_start, services, added=added, deployment=deployment, runs=runs)
+
+
+_RUN_KEYS = ("id", "owner", "spec", "orchestrator")
+
+
+def _runs(data: dict[str, Any], launcher: LauncherConfig, warm_start: WarmStartConfig | None) -> list[RunLaunch]:
+    """[[runs]], taken out of `data`; its [orchestrator] (set to {} if absent) stays there, for
+    the tables an orchestrator needs to be added, and is then the runs' template."""
+    tables = data.pop("runs")
+    if not isinstance(tables, list) or not tables or not all(isinstance(table, dict) for table in tables):
+        raise LaunchConfigError("runs: must be an array of tables ([[runs]]), at least one")
+    if warm_start is not None:
+        raise LaunchConfigError("[warm_start]: not with [[runs]] (the SFT warm start trains the whole model once)")
+    _check_trainer_for_runs(data.get("trainer"), len(tables))
+    template = data.setdefault("orchestrator", {})
+    mtls = launcher.tls == "mtls"
+    runs = [_run(table, f"[[runs]] #{index + 1}", template, mtls=mtls) for index, table in enumerate(tables)]
+    seen: dict[str, str] = {}
+    for run in runs:
+        if run.id in seen:
+            raise LaunchConfigError(f"{run.where} id: {run.id!r} is also the id of {seen[run.id]}")
+        seen[run.id] = run.where
+    return runs
+
+
+def _check_trainer_for_runs(trainer: Any, num_runs: int) -> None:
+    """The trainer that trains the runs: LoRA on, room for every run at once."""
+    if not isinstance(trainer, dict):
+        raise LaunchConfigError(
+            "[[runs]] needs a [trainer] table with [trainer.lora] enabled = true and [trainer.runs] "
+            "max_concurrent_runs (the runs are LoRA adapters on its backbone)"
+        )
+    runs = trainer.get("runs")
+    max_runs = runs.get("max_concurrent_runs") if isinstance(runs, dict) else None
+    if not isinstance(max_runs, int) or max_runs < num_runs:
+        raise LaunchConfigError(
+            f"[trainer] runs.max_concurrent_runs: must be at least the {num_runs} runs of [[runs]], got {max_runs}"
+        )
+    lora = trainer.get("lora")
+    if not isinstance(lora, dict) or lora.get("enabled") is not True:
+        raise LaunchConfigError("[trainer] lora.enabled: must be true with [[runs]] (each run trains its own adapter)")
+
+
+def _run(table: dict[str, Any], where: str, template: dict[str, Any], *, mtls: bool) -> RunLaunch:
+    """One [[runs]] table, checked; its orchestrator table laid over `template`."""
+    for key in table:
+        if key not in _RUN_KEYS:
+            raise LaunchConfigError(f"{where} {key}: unknown key; known: {', '.join(_RUN_KEYS)}")
+    run_id = table.get("id")
+    if not isinstance(run_id, str):
+        raise LaunchConfigError(f"{where} id: required, a string (the run's id, which names its adapter)")
+    if (problem := adapter_name_problem(run_id)) is not None:
+        raise LaunchConfigError(f"{where} id: {problem}")
+    owner = table.get("owner")
+    if owner is None and mtls:
+        raise LaunchConfigError(
+            f'{where} owner: required under [launcher] tls = "mtls" (the tenant the run belongs to: its '
+            "orchestrator shows a certificate of that name)"
+        )
+    if owner is not None and (not isinstance(owner, str) or adapter_name_problem(owner) is not None):
+        raise LaunchConfigError(f"{where} owner: {owner!r} is not a tenant name (1-64 of A-Z a-z 0-9 . _ -)")
+    for key in ("spec", "orchestrator"):
+        if not isinstance(table.get(key, {}), dict):
+            raise LaunchConfigError(f"{where} {key}: must be a table")
+    orchestrator = deep_merge(template, table.get("orchestrator", {}))
+    if not _has(orchestrator, "run.max_steps"):
+        raise LaunchConfigError(
+            f"{where} orchestrator.run.max_steps: required, in the run's table or in [orchestrator] "
+            "(the launcher follows each run to its last step)"
+        )
+    return RunLaunch(run_id, owner, _run_spec(table.get("spec", {}), where), orchestrator, where)
+
+
+def _run_spec(table: dict[str, Any], where: str) -> trainer_pb2.RunSpec:
+    """A trainer.v1 RunSpec from its fields (the proto's names; enums by name), field by field
+    so that an error names the field."""
+    spec = trainer_pb2.RunSpec()
+    known = [field.name for field in spec.DESCRIPTOR.fields]
+    for key, value in table.items():
+        if key not in known:
+            raise LaunchConfigError(
+                f"{where} spec.{key}: unknown field of trainer.v1 RunSpec; known: {', '.join(known)}"
+            )
+        try:
+            json_format.ParseDict({key: value}, spec)
+        except json_format.ParseError as exc:
+            raise LaunchConfigError(f"{where} spec.{key}: {exc}") from None
+    return spec
 
 
 def _is_set(data: dict[str, Any], table: str, dotted: str) -> bool:
-    value: Any = data.get(table, {})
+    return _has(data.get(table, {}), dotted)
+
+
+def _has(value: Any, dotted: str) -> bool:
+    """Whether the table `value` sets `dotted` (e.g. "run.max_steps") to something."""
     for part in dotted.split("."):
         if not isinstance(value, dict) or value.get(part) is None:
             return False

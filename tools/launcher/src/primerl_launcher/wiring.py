@@ -21,8 +21,10 @@ __all__ = [
     "identities",
     "served_hosts",
     "set_default",
+    "set_environment_tls",
     "set_model",
     "set_tls",
+    "tls_table",
     "wire",
     "wire_lora",
 ]
@@ -100,15 +102,23 @@ def served_hosts(services: Mapping[str, ServiceSpec], host: str) -> list[str]:
 def set_tls(spec: ServiceSpec, tls: Mapping[str, TlsConfig] | None) -> None:
     """The service's tls section, where the launch file leaves it: plaintext (a local run,
     which the services accept on loopback hosts only), or its certificate from `tls`."""
+    for field, value in tls_table(tls[spec.name] if tls is not None else None).items():
+        set_default(spec.table, f"tls.{field}", value)
+    if tls is not None and spec.service == "orchestrator":
+        set_environment_tls(spec.table, tls[PROCESS_ENVIRONMENT])
+
+
+def tls_table(tls: TlsConfig | None) -> dict[str, str]:
+    """A service's [tls] table showing the certificate of `tls`; None: plaintext."""
     if tls is None:
-        set_default(spec.table, "tls.mode", "plaintext")
-        return
-    for field in ("mode", "cert", "key", "ca"):
-        set_default(spec.table, f"tls.{field}", str(getattr(tls[spec.name], field)))
-    if spec.service != "orchestrator":
-        return
-    environment = tls[PROCESS_ENVIRONMENT]
-    for table in spec.table.get("environments") or ():
+        return {"mode": "plaintext"}
+    return {field: str(getattr(tls, field)) for field in ("mode", "cert", "key", "ca")}
+
+
+def set_environment_tls(orchestrator: dict[str, Any], environment: TlsConfig) -> None:
+    """The certificate (role environment) an orchestrator gives the programs of its process
+    environments, where their tables leave it unset."""
+    for table in orchestrator.get("environments") or ():
         if isinstance(table, dict) and table.get("kind") in PROCESS_ENVIRONMENT_KINDS:
             set_default(table, "options.tls_cert", str(environment.cert))
             set_default(table, "options.tls_key", str(environment.key))
