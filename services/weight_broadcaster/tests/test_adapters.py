@@ -21,6 +21,7 @@ from primerl_common.errors import error_details, field_violations
 from primerl_common.tensors import TensorAssembler
 from primerl_common.testing import bare_server, eventually
 from primerl_common.weights.manifest import write_weights
+from primerl_weight_broadcaster.adapters import REMOVALS_FILE
 
 from .helpers import lora_tensors, publish, publish_adapter, running_broadcaster, wait_for, wait_for_adapter
 
@@ -453,7 +454,8 @@ async def test_a_removed_adapter_is_unloaded_from_every_replica_even_those_away_
             assert owners == {"math": "bob"}
         # ... and a restarted replica that lists it cannot tell its copy from the old one: pushed anew.
         first.restart(keep_adapters=True)
-        await eventually(lambda: first.num_load_calls == 4, what="the new 'math' pushed again")
+        # (A load is counted as it starts: wait for the adapter too.)
+        await eventually(lambda: first.num_load_calls == 4 and "math" in first.adapters, what="'math' pushed again")
         assert held(first)["math"] == ("bob", 0) and len(first.adapters) == 2
 
 
@@ -465,22 +467,86 @@ async def test_a_removed_adapter_stays_removed_when_the_broadcaster_restarts(tmp
         await publish_adapter(stub, "code", 1, lora_tensors(1))
         assert (folder / "math").is_dir()
         assert (await remove_adapter(stub, "math")).policy_version == 2
-        assert sorted(p.name for p in folder.iterdir()) == ["code"]
+        assert sorted(p.name for p in folder.iterdir()) == [REMOVALS_FILE, "code"]
     # A removal a stop interrupted: renamed aside, not yet deleted.
     spill_rank_8_adapter(folder / ".removed-old-0123" / "v0000000004", version=4)
 
     replica = StandInReplica()
+    replica.hold("old", 4)  # ... which it had been pushed: unloaded all the same
     async with (
         serving(replica) as address,
         running_broadcaster(replicas=[{"replica_id": "r", "address": address}], store=store) as stub,
     ):
         assert dict((await status(stub)).latest_adapter_versions) == {"code": 1}
-        assert sorted(p.name for p in folder.iterdir()) == ["code"]
+        assert sorted(p.name for p in folder.iterdir()) == [REMOVALS_FILE, "code"]
         await wait_for_adapter(stub, "code", 1, 1)
+        await eventually(lambda: "old" not in replica.adapters, what="the interrupted removal's adapter unloaded")
         assert held(replica) == {"code": ("", 1)}
         await publish_adapter(stub, "math", 0, lora_tensors(5), adapter_owner="bob")
         await wait_for_adapter(stub, "math", 0, 1)
         assert held(replica) == {"code": ("", 1), "math": ("bob", 0)}
+
+
+async def test_a_removal_outlives_a_broadcaster_restart_and_a_name_published_again_is_served(tmp_path: pathlib.Path):
+    """Removed while a replica was away, then the broadcaster restarts on the same spill folder:
+    the replica is told to unload the removed adapter once it is back; a name removed and
+    published again reaches it in its new form (the old copy never served as the new one)."""
+    store = {"spill_folder": tmp_path / "spill"}
+    replica = StandInReplica()
+    async with serving(replica) as address:
+        replicas = [{"replica_id": "r", "address": address}]
+        async with running_broadcaster(replicas=replicas, store=store) as stub:
+            await publish_adapter(stub, "math", 2, lora_tensors(2), adapter_owner="alice")
+            await publish_adapter(stub, "code", 3, lora_tensors(3), adapter_owner="bob")
+            await publish_adapter(stub, "chat", 1, lora_tensors(1))
+            await wait_for_adapter(stub, "math", 2, 1)
+            await wait_for_adapter(stub, "code", 3, 1)
+            await wait_for_adapter(stub, "chat", 1, 1)
+            replica.down = True
+
+            async def seen_away() -> bool:
+                return (await replica_adapters(stub))["r"] == ({}, {})
+
+            await eventually(seen_away, what="the replica seen away")
+            for name in ("math", "code"):
+                await remove_adapter(stub, name)
+            await publish_adapter(stub, "code", 0, lora_tensors(9), adapter_owner="carol")
+            assert dict((await status(stub)).latest_adapter_versions) == {"chat": 1, "code": 0}
+        # The broadcaster stopped before the replica was back: it still holds both old copies.
+        assert held(replica) == {"math": ("alice", 2), "code": ("bob", 3), "chat": ("", 1)}
+
+        replica.down = False
+        async with running_broadcaster(replicas=replicas, store=store) as stub:
+            assert dict((await status(stub)).latest_adapter_versions) == {"chat": 1, "code": 0}
+            await eventually(
+                lambda: held(replica) == {"code": ("carol", 0), "chat": ("", 1)},
+                what="'math' unloaded, the new 'code' in place of the old",
+            )
+            assert same(replica.adapters["code"][1], lora_tensors(9))
+
+            async def reported(wanted) -> bool:
+                return (await replica_adapters(stub))["r"] == wanted
+
+            await eventually(lambda: reported(({"code": 0, "chat": 1}, {"code": "carol"})), what="status settled")
+            # Served from now on, not unloaded again; a removal after the restart counts as any.
+            loads, unloads = replica.num_load_calls, replica.num_unload_calls
+            await publish_adapter(stub, "chat", 2, lora_tensors(2))
+            await wait_for_adapter(stub, "chat", 2, 1)
+            assert held(replica) == {"code": ("carol", 0), "chat": ("", 2)}
+            assert (replica.num_load_calls, replica.num_unload_calls) == (loads + 1, unloads)
+            await remove_adapter(stub, "code")
+            await eventually(lambda: held(replica) == {"chat": ("", 2)}, what="the new 'code' unloaded")
+
+        # Restarted again, with the replica holding only what it should: nothing is unloaded.
+        unloads = replica.num_unload_calls
+        async with running_broadcaster(replicas=replicas, store=store) as stub:
+            await eventually(lambda: reported_after_restart(stub, replica), what="the replica listed")
+            assert dict((await status(stub)).latest_adapter_versions) == {"chat": 2}
+            assert held(replica) == {"chat": ("", 2)} and replica.num_unload_calls == unloads
+
+
+async def reported_after_restart(stub, replica: StandInReplica) -> bool:
+    return (await replica_adapters(stub)).get("r", ({}, {}))[0] == replica.versions()
 
 
 def spill_rank_8_adapter(path: pathlib.Path, *, version: int) -> None:

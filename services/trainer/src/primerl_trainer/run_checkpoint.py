@@ -4,6 +4,9 @@
     <root>/<run_id>/step_00000042/   DCP files of the run's `RunSet.state_dict`
     <root>/<run_id>/latest           the newest complete one's folder name
 
+    <root>/.pending_removals.json    deleted runs whose adapters the weight broadcaster has not
+                                     removed yet (rank 0's alone), replaced atomically
+
 Each run's folder is a `checkpoint.CheckpointFolder`: the same crash safety, damage detection,
 fallback to the newest complete checkpoint and `keep_last` pruning as the single-run trainer's.
 
@@ -40,11 +43,12 @@ from primerl_trainer.checkpoint import CheckpointFolder, on_rank_zero
 if TYPE_CHECKING:
     from primerl_trainer.runs import RunSet
 
-__all__ = ["META_FILE", "RunCheckpoints"]
+__all__ = ["META_FILE", "PENDING_REMOVALS_FILE", "RunCheckpoints"]
 
 logger = logging.getLogger(__name__)
 
 META_FILE = "run.json"
+PENDING_REMOVALS_FILE = ".pending_removals.json"
 _OPTIMIZER_STATE = "optimizer.state."
 
 
@@ -92,6 +96,38 @@ class RunCheckpoints:
                 continue
             runs[folder.name] = meta
         return runs
+
+    def save_pending_removals(self, removals: dict[str, dict[str, Any]]) -> None:
+        """Write (or replace) what `pending_removals` gives back: run id -> a JSON object, the
+        deleted runs whose adapters are still to be removed. Rank 0's alone (not collective)."""
+        data = json.dumps({"pending": removals}, indent=2, sort_keys=True) + "\n"
+        self.root.mkdir(parents=True, exist_ok=True)
+        replace_atomically(self.root / PENDING_REMOVALS_FILE, data)
+
+    def pending_removals(self) -> dict[str, dict[str, Any]]:
+        """What `save_pending_removals` wrote last ({} when nothing; a file that does not load is
+        logged and taken as nothing). Rank 0's alone."""
+        path = self.root / PENDING_REMOVALS_FILE
+        try:
+            pending = json.loads(path.read_bytes())["pending"]
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            logger.error(
+                "%s does not load (%s): the adapters of runs deleted before are not removed",
+                path,
+                exc,
+                extra={"path": str(path)},
+            )
+            return {}
+        if not isinstance(pending, dict):
+            logger.error("%s holds no JSON object of removals: none taken", path, extra={"path": str(path)})
+            return {}
+        return {
+            run_id: record
+            for run_id, record in pending.items()
+            if isinstance(record, dict) and adapter_name_problem(run_id) is None
+        }
 
     def save(self, run_id: str, state: dict[str, Any]) -> pathlib.Path:
         """Write the run's `RunSet.state_dict` for its step and make it the run's latest

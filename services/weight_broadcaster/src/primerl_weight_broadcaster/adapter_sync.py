@@ -15,7 +15,10 @@ it did not remove are never unloaded. Until a process is clear of a removal, the
 pushed to it again (a publish after the removal starts the name afresh, possibly at a lower
 version or for another owner, which the old copy would refuse or be mistaken for); a process
 that restarted still listing a removed name that was published again gets it unloaded and
-pushed again, as nothing tells its copy from the old one.
+pushed again, as nothing tells its copy from the old one. The removals outlive a restart of the
+broadcaster when it has a spill folder (adapters.py); a restarted broadcaster knows of no process
+as clear of any, so each replica holding a removed name then gets it unloaded (and pushed again
+if the name was published again since: its copy may be the old one).
 """
 
 from __future__ import annotations

@@ -17,8 +17,15 @@ is refused, so that one tenant cannot replace another's adapter.
 
 A removed adapter (RemoveAdapter: a deleted run's) is forgotten, its spilled folder too
 (renamed aside, then deleted: a broadcaster stopped midway deletes the rest at its next start and
-never loads it back), and remembered as removed, in RAM, for the replicas to unload it
-(adapter_sync.py). A later publish of its name starts afresh: any version, any owner.
+never loads it back), and remembered as removed (its owner, and a serial that tells this removal
+from an earlier one of the name), for the replicas to unload it (adapter_sync.py). A later
+publish of its name starts afresh: any version, any owner. With a spill folder the removals are
+kept in `<spill_folder>/adapters/.removals.json` (replaced atomically, between the renaming aside
+and the deletion: a removal a stop interrupted is found by its folder renamed aside and recorded
+at the next start), so that a replica that still held a removed adapter when the broadcaster
+restarted gets it unloaded all the same; serials go on above the loaded ones. A removal is
+remembered for good (a replica that was away may come back holding the adapter any time); a few
+bytes each. Without a spill folder they are kept in RAM, and a restart forgets them.
 
 Replicas get adapters from adapter_sync.py `AdapterSync`, one per replica.
 """
@@ -27,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import logging
 import pathlib
 import re
@@ -40,12 +48,14 @@ import torch
 from primerl.common.v1 import tensor_pb2
 from primerl.inference.v1 import inference_pb2
 from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2 as pb2
+from primerl_common.durable import replace_atomically
 from primerl_common.errors import FailedPrecondition, InvalidArgument, NotFound
 from primerl_common.lora import ADAPTER_NAME_PATTERN, check_adapter_name
 from primerl_common.tensors import iter_tensor_chunks
 from primerl_common.weights.manifest import ManifestError, load_tensors, read_manifest, write_weights
 
 __all__ = [
+    "REMOVALS_FILE",
     "AdapterStore",
     "PublishedAdapter",
     "check_adapter_begin",
@@ -58,6 +68,8 @@ _PEFT_NAME = re.compile(r"base_model\.model\.(?P<module>.+)\.lora_(?P<part>[AB])
 _VERSION_FOLDER = re.compile(r"v(?P<version>\d+)")
 # A removed adapter's folder, renamed aside to be deleted (no adapter name starts with ".").
 _REMOVED_PREFIX = ".removed-"
+# The removals (AdapterStore.removals), beside the adapters' folders.
+REMOVALS_FILE = ".removals.json"
 
 
 def check_adapter_begin(begin: pb2.PublishBegin) -> None:
@@ -160,22 +172,43 @@ class _Removal:
 
 class AdapterStore:
     """The latest version of each adapter, in RAM and, with `folder`, on disk; and the adapters
-    removed since the start (in RAM), for the replicas to unload."""
+    removed (with `folder`, since the folder's first use; else since the start), for the
+    replicas to unload."""
 
     def __init__(self, folder: pathlib.Path | None = None) -> None:
-        """With `folder`, starts on the adapters written there (blocking: it reads them)."""
+        """With `folder`, starts on the adapters and removals written there (blocking: it reads
+        them)."""
         self._folder = folder
         self._latest: dict[str, PublishedAdapter] = {}
         self._removed: dict[str, _Removal] = {}
-        self._removals = itertools.count(1)
+        # Made by `unspill` (off the event loop), stored by `remove` (on it).
+        self._recorded: dict[str, _Removal] = {}
         self._writing = threading.Lock()
-        if folder is not None:
-            folder.mkdir(parents=True, exist_ok=True)
-            for entry in sorted(folder.iterdir()):
-                if entry.name.startswith(_REMOVED_PREFIX):  # a removal that a stop interrupted
+        if folder is None:
+            self._removals = itertools.count(1)
+            return
+        folder.mkdir(parents=True, exist_ok=True)
+        self._removed = _load_removals(folder / REMOVALS_FILE)
+        self._removals = itertools.count(max((r.serial for r in self._removed.values()), default=0) + 1)
+        interrupted = []
+        for entry in sorted(folder.iterdir()):
+            if entry.name.startswith(_REMOVED_PREFIX):  # a removal that a stop interrupted
+                interrupted.append(entry)
+                name = entry.name.removeprefix(_REMOVED_PREFIX).rsplit("-", 1)[0]
+                if name not in self._removed and ADAPTER_NAME_PATTERN.fullmatch(name):
+                    self._removed[name] = _Removal(next(self._removals), _spilled_owner(entry))
+            elif entry.is_dir() and ADAPTER_NAME_PATTERN.fullmatch(entry.name) and (adapter := _load_latest(entry)):
+                self._latest[adapter.name] = adapter
+        if interrupted:
+            try:
+                self._write_removals(self._removed)  # before the folders that tell them go
+            except OSError as exc:
+                logger.error("recording the removals a stop interrupted failed (%s): retried at the next start", exc)
+            else:
+                for entry in interrupted:
                     shutil.rmtree(entry, ignore_errors=True)
-                elif entry.is_dir() and ADAPTER_NAME_PATTERN.fullmatch(entry.name) and (adapter := _load_latest(entry)):
-                    self._latest[adapter.name] = adapter
+        if self._removed:
+            logger.info("%d removed adapters to keep off the replicas: %s", len(self._removed), sorted(self._removed))
 
     def latest(self) -> list[PublishedAdapter]:
         return list(self._latest.values())
@@ -256,23 +289,43 @@ class AdapterStore:
         """Forgets adapter `name` (on the event loop, after `unspill`): its latest version, owner
         and version floor go, and replicas unload it. NotFound when it is not held."""
         adapter = self.held(name)
+        removal = self._recorded.pop(name, None) or _Removal(next(self._removals), adapter.owner)
         del self._latest[name]
-        self._removed[name] = _Removal(next(self._removals), adapter.owner)
+        self._removed[name] = removal
         return adapter
 
     def unspill(self, name: str) -> None:
-        """Deletes adapter `name`'s spilled folder (blocking): renamed aside first, so that a
-        stop midway leaves nothing a restart loads. Raises OSError when it cannot be renamed."""
+        """Deletes adapter `name`'s spilled folder and records its removal on disk (blocking;
+        `remove` makes it count): the folder is renamed aside first, so that a stop midway leaves
+        nothing a restart loads, and the removal a restart still knows. Raises OSError when the
+        folder cannot be renamed or the removal not recorded (the folder is then put back)."""
         if self._folder is None:
             return
+        adapter = self._latest.get(name)
+        removal = _Removal(next(self._removals), adapter.owner if adapter is not None else "")
+        spilled = self._folder / name
         aside = self._folder / f"{_REMOVED_PREFIX}{name}-{uuid.uuid4().hex}"
         with self._writing:
             try:
-                (self._folder / name).rename(aside)
+                spilled.rename(aside)
+                moved = True
             except FileNotFoundError:  # never spilled (or its writes failed)
-                return
-            shutil.rmtree(aside, ignore_errors=True)
-        logger.info("deleted the spilled copy of adapter %s", name)
+                moved = False
+            try:
+                self._write_removals({**self._removed, name: removal})
+            except OSError:
+                if moved:
+                    aside.rename(spilled)
+                raise
+            self._recorded[name] = removal
+            if moved:
+                shutil.rmtree(aside, ignore_errors=True)
+                logger.info("deleted the spilled copy of adapter %s", name)
+
+    def _write_removals(self, removed: dict[str, _Removal]) -> None:
+        assert self._folder is not None
+        records = {name: dataclasses.asdict(removal) for name, removal in sorted(removed.items())}
+        replace_atomically(self._folder / REMOVALS_FILE, json.dumps({"removed": records}, indent=1) + "\n")
 
     def spill(self, adapter: PublishedAdapter) -> None:
         """Writes `adapter` to the folder, then deletes that adapter's older folders (blocking).
@@ -299,6 +352,36 @@ class AdapterStore:
                 if entry != path:
                     shutil.rmtree(entry, ignore_errors=True)
         logger.info("spilled adapter %s version %d to %s", adapter.name, adapter.policy_version, path)
+
+
+def _load_removals(path: pathlib.Path) -> dict[str, _Removal]:
+    """The removals `AdapterStore._write_removals` wrote; none when there is no file. One that
+    does not load is logged (the adapters it named may stay on replicas that held them)."""
+    try:
+        records = json.loads(path.read_bytes())["removed"]
+        removed = {
+            name: _Removal(int(record["serial"]), str(record["owner"]))
+            for name, record in records.items()
+            if ADAPTER_NAME_PATTERN.fullmatch(name)
+        }
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        logger.error("%s does not load (%s): the adapters removed before are not unloaded from replicas", path, exc)
+        return {}
+    return removed
+
+
+def _spilled_owner(folder: pathlib.Path) -> str:
+    """The owner a spilled adapter's folder names (of its newest version that says); "" if none."""
+    for entry in sorted(folder.iterdir(), reverse=True):
+        try:
+            owner = read_manifest(entry, verify_checksums=False).metadata.get("owner", "")
+        except (ManifestError, OSError, ValueError):
+            continue
+        if isinstance(owner, str) and owner:
+            return owner
+    return ""
 
 
 def _load_latest(folder: pathlib.Path) -> PublishedAdapter | None:
