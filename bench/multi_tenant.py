@@ -31,10 +31,15 @@ Measured per setup, from the trainer (trainer.v1 WatchSteps: each step's finishe
   (each process's copy of the same libraries' code) once per process; PSS at end (from
   /proc/<pid>/smaps_rollup, once when the last step is trained) shares them out instead.
 
-    .venv/bin/python bench/multi_tenant.py --n 1 2 4 --output bench/results/multi_tenant-$(date +%F).txt
+    .venv/bin/python bench/multi_tenant.py --n 1 2 4 --rounds 3 --output bench/results/multi_tenant-$(date +%F).txt
+
+--rounds R measures each N's two setups R times, back to back, the first of the two swapped every
+other round (paired rounds: a slow minute of a shared machine falls on both sides of a ratio as
+often as not); each ratio is the median over the rounds.
 
 Last line: RESULT shared_vs_separate_steps=<shared steps/s / separate steps/s at N=4>
-memory_ratio=<shared peak RSS / separate peak RSS at N=4> (the largest N measured where 4 is not).
+memory_ratio=<shared peak RSS / separate peak RSS at N=4> (medians over the rounds; the largest N
+measured where 4 is not).
 """
 
 from __future__ import annotations
@@ -186,6 +191,7 @@ class Deployment:
 class SetupResult:
     setup: str
     num_runs: int
+    round: int = 0
     error: str = ""
     finished: dict[str, list[float]] = dataclasses.field(default_factory=dict)  # run -> finish time by step
     peak_rss: int = 0
@@ -389,37 +395,48 @@ def gib(value: int) -> str:
 
 def table(results: list[SetupResult], warmup: int) -> list[str]:
     lines = [
-        f"{'N':>2} {'setup':<9} {'steps/s':>8} {'wall steps/s':>12} {'s/step a run':>12} "
+        f"{'N':>2} {'round':>5} {'setup':<9} {'steps/s':>8} {'wall steps/s':>12} {'s/step a run':>12} "
         f"{'peak RSS GiB':>12} {'PSS GiB at end':>14}"
     ]
     for result in results:
         if result.error:
-            lines.append(f"{result.num_runs:>2} {result.setup:<9} FAILED: {result.error}")
+            lines.append(f"{result.num_runs:>2} {result.round:>5} {result.setup:<9} FAILED: {result.error}")
             continue
         per_run = [1 / rate for rate in result.rates(warmup)]
         lines.append(
-            f"{result.num_runs:>2} {result.setup:<9} {fmt(result.steps_per_s(warmup), 3):>8} "
+            f"{result.num_runs:>2} {result.round:>5} {result.setup:<9} {fmt(result.steps_per_s(warmup), 3):>8} "
             f"{fmt(result.wall_steps_per_s(warmup), 3):>12} {fmt(math.fsum(per_run) / len(per_run), 2):>12} "
             f"{gib(result.peak_rss):>12} {gib(result.pss_end):>14}"
         )
     return lines
 
 
-def ratios(results: list[SetupResult], warmup: int) -> dict[int, tuple[float, float, float]]:
-    """N -> shared/separate steps/s, peak RSS and PSS at end."""
-    by = {(r.setup, r.num_runs): r for r in results}
-    out = {}
-    for n in sorted({r.num_runs for r in results}):
-        shared, separate = by.get(("shared", n)), by.get(("separate", n))
+def ratios(results: list[SetupResult], warmup: int) -> dict[int, list[tuple[float, float, float]]]:
+    """N -> for each round, shared/separate steps/s, peak RSS and PSS at end (NaN where either failed)."""
+    by = {(r.setup, r.num_runs, r.round): r for r in results}
+    out: dict[int, list[tuple[float, float, float]]] = {}
+    for n, round_ in sorted({(r.num_runs, r.round) for r in results}):
+        shared, separate = by.get(("shared", n, round_)), by.get(("separate", n, round_))
         if shared is None or separate is None or shared.error or separate.error:
-            out[n] = (math.nan, math.nan, math.nan)
+            out.setdefault(n, []).append((math.nan, math.nan, math.nan))
             continue
-        out[n] = (
-            shared.steps_per_s(warmup) / separate.steps_per_s(warmup),
-            shared.peak_rss / separate.peak_rss,
-            shared.pss_end / separate.pss_end,
+        out.setdefault(n, []).append(
+            (
+                shared.steps_per_s(warmup) / separate.steps_per_s(warmup),
+                shared.peak_rss / separate.peak_rss,
+                shared.pss_end / separate.pss_end,
+            )
         )
     return out
+
+
+def median(values: list[float]) -> float:
+    """The median of the finite values (NaN when none is)."""
+    finite = sorted(v for v in values if math.isfinite(v))
+    if not finite:
+        return math.nan
+    mid = len(finite) // 2
+    return finite[mid] if len(finite) % 2 else (finite[mid - 1] + finite[mid]) / 2
 
 
 def machine() -> str:
@@ -441,6 +458,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--n", type=int, nargs="+", default=[1, 2, 4], help="concurrent runs (default 1 2 4)")
     parser.add_argument("--setups", nargs="+", choices=SETUPS, default=list(SETUPS), help="default: both")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="paired rounds: each N's two setups measured once a round, in the other order every other round; "
+        "the ratios are the medians over the rounds (default 1)",
+    )
     parser.add_argument("--steps", type=int, default=10, help="steps of every run (default 10)")
     parser.add_argument("--warmup-steps", type=int, default=2, help="a run's steps before its window (default 2)")
     parser.add_argument("--batch-size", type=int, default=8, help="rollouts trained a step (default 8)")
@@ -455,6 +479,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out-dir", type=pathlib.Path, help="default: runs/multi_tenant-<date-time>")
     parser.add_argument("--output", type=pathlib.Path, help="also write the report (what follows the runs) here")
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     if not 1 <= args.warmup_steps < args.steps:
         parser.error("--warmup-steps must be at least 1 and below --steps")
     out = (args.out_dir or REPO / "runs" / datetime.datetime.now().strftime("multi_tenant-%Y%m%d-%H%M%S")).resolve()
@@ -463,13 +489,18 @@ def main(argv: list[str] | None = None) -> int:
         f"tiny-dense float32, LoRA rank {args.lora_rank}, {args.batch_size} rollouts x {args.max_tokens} tokens a "
         f"step, {args.steps} steps a run, window from each run's step {args.warmup_steps} to its last; {machine()}"
     )
-    say(f"bench/multi_tenant.py: N {' '.join(map(str, args.n))}; {job}; output in {out}")
+    say(f"bench/multi_tenant.py: N {' '.join(map(str, args.n))}, {args.rounds} round(s); {job}; output in {out}")
     results = []
-    for num_runs in args.n:
-        for setup in args.setups:
-            say(f"\n== N={num_runs} {setup} (load average {load_average()})")
-            results.append(run_setup(setup, num_runs, args, out))
-            say(table(results[-1:], args.warmup_steps)[-1])
+    for round_ in range(1, args.rounds + 1):
+        # Paired: the setups of one N back to back, the first of them swapped every other round.
+        setups = args.setups if round_ % 2 else args.setups[::-1]
+        for num_runs in args.n:
+            for setup in setups:
+                say(f"\n== round {round_}: N={num_runs} {setup} (load average {load_average()})")
+                result = run_setup(setup, num_runs, args, out / f"round-{round_}")
+                result.round = round_
+                results.append(result)
+                say(table(results[-1:], args.warmup_steps)[-1])
 
     report = [
         "",
@@ -477,14 +508,18 @@ def main(argv: list[str] | None = None) -> int:
         *table(results, args.warmup_steps),
     ]
     by_n = ratios(results, args.warmup_steps)
-    for n, (steps, rss, pss) in by_n.items():
+    medians = {}
+    for n, rounds in by_n.items():
+        medians[n] = steps, rss, pss = (median([r[i] for r in rounds]) for i in range(3))
+        each = " ".join(fmt(r[0], 3) for r in rounds)
         report.append(
-            f"N={n}: shared/separate steps/s {fmt(steps, 3)}, peak RSS {fmt(rss, 3)}, PSS at end {fmt(pss, 3)}"
+            f"N={n}: shared/separate steps/s {fmt(steps, 3)} (median of rounds: {each}), "
+            f"peak RSS {fmt(rss, 3)}, PSS at end {fmt(pss, 3)}"
         )
-    at = 4 if 4 in by_n else max(by_n)
+    at = 4 if 4 in medians else max(medians)
     if at != 4:
         report.append(f"(no N=4 measured: the RESULT is N={at}'s)")
-    steps, rss, _ = by_n[at]
+    steps, rss, _ = medians[at]
     report += ["", f"RESULT shared_vs_separate_steps={fmt(steps, 3)} memory_ratio={fmt(rss, 3)}"]
     (out / "results.json").write_text(json.dumps([dataclasses.asdict(r) for r in results], indent=1))
     for line in report:
