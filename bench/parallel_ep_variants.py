@@ -6,9 +6,19 @@ A variant is "reference" or features joined by "+":
                of two (DispatchOptions.packed)
     unsharded  FSDP's sharded units gathered through the micro-batches, reduced once per step
                (ParallelConfig.accumulate_unsharded)
+    dedup      each token sent only to the ranks holding one of its experts, the split sizes read
+               back before the rows' exchange (DispatchOptions.dense_grid False; without it: the
+               dispatcher's choice, the dense grid at ep=2)
+    synced     the dense grid without padded copies: the number of copies comes to the host once
+               per layer (DispatchOptions.padded_copies False)
+    plainswiglu  the experts' SwiGLU as eager PyTorch's kernels, not models.moe's fused pass
+    bincount   adds back what the dispatcher did before 2026-11-30: torch.bincount of the expert ids
+               at the start of every layer's dispatch, which on CUDA reads the largest id back to
+               the host (a second host sync per layer)
 e.g. `--ep-variants unsharded packed+unsharded` (round 1's best, then the packed dispatch).
-The row moves are the fused Triton ones and the split sizes come through pinned memory in every
-variant (round 1 measured both ahead).
+The row moves are the fused Triton ones in every variant, and split sizes read back come through
+pinned memory (round 1 measured both ahead); without dedup or synced nothing is read back in a
+layer (the dense grid with padded copies, 2026-11-30).
 
 Breakdown per step, on rank 0: `a2a ms`, the time the compute stream spends from before to after
 each all_to_all_single (counts, tokens and their routing, partial sums, and their backwards:
@@ -25,7 +35,7 @@ import statistics
 import time
 from typing import Any
 
-FEATURES = ("packed", "unsharded")
+FEATURES = ("packed", "unsharded", "dedup", "synced", "plainswiglu", "bincount")
 
 
 def parse_variant(name: str) -> frozenset[str]:
@@ -44,8 +54,40 @@ def apply_variant(trainer, features: frozenset[str]) -> None:
 
     for module in trainer.model.modules():
         if isinstance(module, MoE) and module.dispatcher is not None:
-            module.dispatcher.options = DispatchOptions(packed="packed" in features)
+            module.dispatcher.options = DispatchOptions(
+                packed="packed" in features,
+                dense_grid=False if "dedup" in features else None,
+                padded_copies="synced" not in features,
+            )
     trainer.accumulate_unsharded = "unsharded" in features
+    from primerl_trainer.models import moe
+
+    moe.FUSED_SWIGLU = "plainswiglu" not in features
+    _bincount_sync("bincount" in features)
+
+
+_ORIGINAL_CALL = None
+
+
+def _bincount_sync(enabled: bool) -> None:
+    import torch
+
+    from primerl_trainer.distributed.expert_parallel import AllToAllDispatcher
+
+    global _ORIGINAL_CALL
+    if _ORIGINAL_CALL is None:
+        _ORIGINAL_CALL = AllToAllDispatcher.__call__
+    original = _ORIGINAL_CALL
+    if not enabled:
+        AllToAllDispatcher.__call__ = original
+        return
+
+    @torch.compiler.disable
+    def with_bincount(self, x_TD, scores_TK, expert_ids_TK, experts):
+        torch.bincount(expert_ids_TK.reshape(-1), minlength=self.ep * self.num_local_experts)
+        return original(self, x_TD, scores_TK, expert_ids_TK, experts)
+
+    AllToAllDispatcher.__call__ = with_bincount
 
 
 @dataclasses.dataclass

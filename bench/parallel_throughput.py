@@ -50,6 +50,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import gzip
 import importlib.metadata
 import importlib.util
 import io
@@ -338,8 +339,19 @@ def profile_step(trainer, batch, name: str, rank: int) -> None:
     if rank != 0:
         return
     averages = prof.key_averages()
+    slug = re.sub(r"[^A-Za-z0-9]+", "-", name)
+    timeline = ""
+    if OUT is not None and torch.cuda.is_available():
+        trace = OUT / f"trace-{slug}.json"
+        prof.export_chrome_trace(str(trace))
+        timeline = timeline_summary(json.loads(trace.read_text()))
+        with trace.open("rb") as raw, gzip.open(f"{trace}.gz", "wb", compresslevel=6) as packed:
+            shutil.copyfileobj(raw, packed)
+        trace.unlink()
     text = "\n".join(
         [
+            f"== {name}: GPU timeline of the profiled step (rank 0)",
+            timeline,
             f"== {name}: by device time",
             averages.table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=90),
             f"== {name}: by CPU time",
@@ -347,9 +359,74 @@ def profile_step(trainer, batch, name: str, rank: int) -> None:
         ]
     )
     if OUT is not None:
-        (OUT / f"profile-{re.sub(r'[^A-Za-z0-9]+', '-', name)}.txt").write_text(text)
+        (OUT / f"profile-{slug}.txt").write_text(text)
+        print(f"== {name}: GPU timeline of the profiled step (rank 0)\n{timeline}", flush=True)
     else:
         print(text, flush=True)
+
+
+def timeline_summary(trace: dict) -> str:
+    """From a chrome trace: the GPU's busy time (kernels, copies and sets, their union over
+    streams), the NCCL kernels' share, the gaps where no GPU work runs (the largest with the
+    work around them), and the host's blocking waits."""
+
+    def union(spans: list[tuple[float, float]]) -> tuple[float, list[tuple[float, float]]]:
+        total, merged = 0.0, []
+        for start, end in sorted(spans):
+            if merged and start <= merged[-1][1]:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+            else:
+                merged.append((start, end))
+        for start, end in merged:
+            total += end - start
+        return total, merged
+
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
+    gpu = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    if not gpu:
+        return "  (no GPU events)"
+    spans = [(e["ts"], e["ts"] + e["dur"]) for e in gpu]
+    first, last = min(s for s, _ in spans), max(e for _, e in spans)
+    busy, merged = union(spans)
+    nccl, _ = union([(e["ts"], e["ts"] + e["dur"]) for e in gpu if "nccl" in e["name"].lower()])
+    compute, _ = union([(e["ts"], e["ts"] + e["dur"]) for e in gpu if "nccl" not in e["name"].lower()])
+    lines = [
+        f"  span {(last - first) / 1e3:.1f} ms: GPU busy {busy / 1e3:.1f} ms (non-NCCL {compute / 1e3:.1f} ms, "
+        f"NCCL kernels {nccl / 1e3:.1f} ms), idle {(last - first - busy) / 1e3:.1f} ms"
+    ]
+    by_stream: dict[Any, float] = {}
+    for e in gpu:
+        by_stream[e.get("tid")] = by_stream.get(e.get("tid"), 0.0) + e["dur"]
+    lines.append(
+        "  kernel time by stream: "
+        + ", ".join(f"{k}: {v / 1e3:.1f} ms" for k, v in sorted(by_stream.items(), key=lambda kv: -kv[1]))
+    )
+    gaps = [(merged[i + 1][0] - merged[i][1], merged[i][1], merged[i + 1][0]) for i in range(len(merged) - 1)]
+    for threshold in (10, 50, 200, 1000):
+        big = [g for g in gaps if g[0] >= threshold]
+        lines.append(f"  gaps >= {threshold} us: {len(big)}, {sum(g[0] for g in big) / 1e3:.1f} ms")
+    ends = sorted(gpu, key=lambda e: e["ts"] + e["dur"])
+    starts = sorted(gpu, key=lambda e: e["ts"])
+    import bisect
+
+    end_times = [e["ts"] + e["dur"] for e in ends]
+    start_times = [e["ts"] for e in starts]
+    lines.append("  largest gaps (us, at ms from the first GPU event: last work before -> first after):")
+    for length, gap_start, gap_end in sorted(gaps, reverse=True)[:15]:
+        before = ends[max(0, bisect.bisect_right(end_times, gap_start) - 1)]["name"][:60]
+        after = starts[min(len(starts) - 1, bisect.bisect_left(start_times, gap_end))]["name"][:60]
+        lines.append(f"    {length:8.0f} at {(gap_start - first) / 1e3:8.1f}: {before} -> {after}")
+    # Host waits: runtime calls that block the host.
+    waits: dict[str, list[float]] = {}
+    for e in events:
+        if e.get("cat") == "cuda_runtime" and any(
+            w in e["name"] for w in ("Synchronize", "cudaMemcpy", "cudaStreamWait")
+        ):
+            waits.setdefault(e["name"], []).append(e["dur"])
+    for wait_name, durations in sorted(waits.items(), key=lambda kv: -sum(kv[1]))[:6]:
+        total, largest = sum(durations) / 1e3, max(durations) / 1e3
+        lines.append(f"  host {wait_name}: {len(durations)} calls, {total:.1f} ms, largest {largest:.2f} ms")
+    return "\n".join(lines)
 
 
 def launch(run: Run, checkpoint: pathlib.Path, args: argparse.Namespace) -> Run:

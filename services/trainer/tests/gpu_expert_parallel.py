@@ -4,15 +4,18 @@
 
 From the repository root. Needs torch with two CUDA GPUs, pytest, transformers, tokenizers and the
 trainer's other wheels (pydantic, pydantic-settings, protobuf, googleapis-common-protos, grpcio,
-grpcio-status, safetensors). The packages are imported from this checkout. Three cases, one line
+grpcio-status, safetensors). The packages are imported from this checkout. Five cases, one line
 each; exit status 1 when one fails:
 
 - float32: ep=2 over NCCL trains as one CPU process does (losses, replayed logprobs, weights,
   publish, LoRA; the ep=2 checkpoint resumes under FSDP on 2 GPUs), as on the CPU, through the
   fused Triton row kernels (kernels.token_rows) and the packed dispatch (routing in the rows'
   all-to-all); again with parallel.accumulate_unsharded and the routing in an all-to-all of its own;
+  again with the dense send grid (every token to both ranks: the benchmark's dispatch at 256
+  experts, where this model's top-2 of 8 sends each token only to its experts' ranks);
 - bfloat16: the same run computing in bf16 (the experts through torch._grouped_mm, the path the
-  benchmark takes) stays near the float32 reference: a wrong dispatch would not.
+  benchmark takes) stays near the float32 reference: a wrong dispatch would not; again with the
+  dense grid, where the grouped products take padded copies (the benchmark's path at 256 experts).
 """
 
 import pathlib
@@ -23,13 +26,15 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from gpu_context_parallel import run_cases, use_checkout
 
 
-def bf16_case(moe_dir: pathlib.Path, batches: pathlib.Path, data: dict, out: pathlib.Path) -> None:
+def bf16_case(
+    moe_dir: pathlib.Path, batches: pathlib.Path, data: dict, out: pathlib.Path, dispatch: dict | None = None
+) -> None:
     import torch
 
     from services.trainer.tests.test_expert_parallel import _run_workers
 
     data_file = out / "batches.pt"
-    torch.save(torch.load(batches) | {"compute_dtype": "bfloat16"}, data_file)
+    torch.save(torch.load(batches) | {"compute_dtype": "bfloat16", "dispatch": dispatch or {}}, data_file)
     result = _run_workers(moe_dir, data_file, out, nproc=2, ep=2, device_type="cuda")
     reference = data["reference"]
     for got, wanted in zip(result["metrics"], reference["metrics"], strict=True):
@@ -65,7 +70,13 @@ def main() -> int:
                 "cuda", True, {"packed": False}, moe_dir, (batches, data), out
             )
         ),
+        "ep=2 float32 dense grid": lambda out: test_ep2_trains_as_one_process_and_its_checkpoint_resumes_under_fsdp2(
+            "cuda", False, {"dense_grid": True}, moe_dir, (batches, data), out
+        ),
         "ep=2 bfloat16": lambda out: bf16_case(moe_dir, batches, data, out),
+        "ep=2 bfloat16 dense grid, padded copies": lambda out: bf16_case(
+            moe_dir, batches, data, out, {"dense_grid": True}
+        ),
     }
     return run_cases(cases, work)
 

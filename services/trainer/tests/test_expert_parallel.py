@@ -234,7 +234,12 @@ def _assert_matches_one_process(result: dict, reference: dict, probe_routed_expe
 
 @pytest.mark.parametrize(
     ("device_type", "accumulate_unsharded", "dispatch"),
-    [("cpu", False, {}), ("cpu", True, {"packed": False}), pytest.param("cuda", False, {}, marks=pytest.mark.gpu)],
+    [
+        ("cpu", False, {}),
+        ("cpu", True, {"packed": False}),
+        ("cpu", False, {"dense_grid": True}),
+        pytest.param("cuda", False, {}, marks=pytest.mark.gpu),
+    ],
 )
 def test_ep2_trains_as_one_process_and_its_checkpoint_resumes_under_fsdp2(
     device_type: str,
@@ -246,7 +251,8 @@ def test_ep2_trains_as_one_process_and_its_checkpoint_resumes_under_fsdp2(
 ) -> None:
     """accumulate_unsharded: the FSDP units sharded over the 2 ranks stay gathered through each
     rank's 2 micro-batches and reduce once per step. dispatch: DispatchOptions fields (packed
-    False: the routing in an all-to-all of its own)."""
+    False: the routing in an all-to-all of its own; dense_grid True: every token sent to both ranks,
+    where the default at this shape, top-2 of 8 experts, sends each only to its experts' ranks)."""
     if device_type == "cuda" and torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     batches, data = ep_data

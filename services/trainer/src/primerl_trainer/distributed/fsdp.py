@@ -38,6 +38,7 @@ def apply_fsdp(
     experts_mesh only, but already hold the tokens of every ep rank: they are divided by the same
     factor as the others (the size of `mesh` when None), so that every gradient is the same sum
     over all ranks' tokens, scaled alike."""
+    _copy_single_rank_gradients_plainly()
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     offload_policy = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
     config = {
@@ -89,6 +90,35 @@ def apply_fsdp(
         # NCCL reduces with PREMUL_SUM(1 / factor), which gloo lacks: on the CPU the sum is
         # divided afterwards. (A mesh of one rank divides by the factor without reducing.)
         unit.set_force_sum_reduction_for_comms(unit_mesh.device_type == "cpu" and unit_mesh.size() > 1)
+
+
+def _copy_single_rank_gradients_plainly() -> None:
+    """FSDP2 copies a unit's gradients into its reduce-scatter buffer with torch._chunk_cat, whose
+    CUDA launch builds per-block metadata on the host: about 10 ms of host time for one layer's
+    experts (600M gradient elements), during which the host launches nothing else (under expert
+    parallel the experts are a unit of their own, reduced in the middle of their block's
+    backward: the GPU ran dry ~7 ms per layer in the last micro-batch). On a mesh of one rank
+    the buffer is the gradients flattened one after the other (no chunking, no padding), which
+    plain copies write, casting to the reduce dtype as chunk_cat does. Other sizes keep
+    chunk_cat. Installed once, into FSDP2's module (a no-op where that function is absent)."""
+    try:
+        from torch.distributed.fsdp._fully_shard import _fsdp_collectives as collectives
+    except ImportError:
+        return
+    original = getattr(collectives, "foreach_reduce_scatter_copy_in", None)
+    if original is None or getattr(original, "_primerl_single_rank", False):
+        return
+
+    def copy_in(unsharded_grads: list[torch.Tensor], reduce_scatter_input: torch.Tensor, world_size: int) -> None:
+        if world_size != 1:
+            return original(unsharded_grads, reduce_scatter_input, world_size)
+        offset = 0
+        for grad in unsharded_grads:
+            reduce_scatter_input[offset : offset + grad.numel()].view(grad.shape).copy_(grad)
+            offset += grad.numel()
+
+    copy_in._primerl_single_rank = True
+    collectives.foreach_reduce_scatter_copy_in = copy_in
 
 
 def _experts_placement(mesh_size: int) -> Callable[[nn.Parameter], Shard | None]:

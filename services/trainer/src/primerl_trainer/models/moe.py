@@ -6,6 +6,7 @@ Shape letters: T tokens, D model dim, F expert hidden dim, E experts, K experts 
 N = T * K routed token copies.
 """
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -148,7 +149,10 @@ class GroupedExperts(nn.Module):
         rank's experts, and the products read its rows (`to_local`, through which gradients flow)."""
         w13, w2 = _local(self.w13), _local(self.w2)
         if self._use_grouped_products(x_ND):
-            gate, up = self._grouped_product(x_ND, w13, offsets_E).chunk(2, dim=-1)
+            gate_up = self._grouped_product(x_ND, w13, offsets_E)
+            if fused_swiglu_available(gate_up):
+                return self._grouped_product(_SwiGLURows.apply(gate_up, offsets_E[-1:]), w2, offsets_E)
+            gate, up = gate_up.chunk(2, dim=-1)
             return self._grouped_product(F.silu(gate) * up, w2, offsets_E)
         # Reference path: one matmul pair per expert, with a device sync for the sizes.
         sizes = torch.diff(offsets_E, prepend=offsets_E.new_zeros(1)).tolist()
@@ -157,6 +161,15 @@ class GroupedExperts(nn.Module):
             gate, up = F.linear(x, w13[expert]).chunk(2, dim=-1)
             outs.append(F.linear(F.silu(gate) * up, w2[expert]))
         return torch.cat(outs)
+
+    def takes_padded_rows(self, x: torch.Tensor) -> bool:
+        """Whether `forward` takes rows like `x` past offsets_E[-1] (expert parallel's padded
+        copies, distributed.expert_parallel), leaving them uncomputed: their outputs and input
+        gradients are then unspecified, and nothing they hold reaches the computed rows. So with
+        the grouped products in the weights' dtype (torch._grouped_mm computes the rows of the
+        groups alone); not the per-expert loop (which splits every row by the offsets) nor FP8
+        (which quantizes every row)."""
+        return self.fp8_backend is None and self._use_grouped_products(x)
 
     def _use_grouped_products(self, x: torch.Tensor) -> bool:
         """Whether the products are grouped (`_grouped_product`) rather than the per-expert loop."""
@@ -302,6 +315,89 @@ if triton is not None:
         mask = (cols_o[:, None] < out_dim) & (cols_i[None, :] < in_dim)
         acc += tl.load(out_ptrs, mask=mask).to(tl.float32)
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# The experts' SwiGLU, silu(gate) * up, as one Triton pass each way when the experts run eagerly
+# on CUDA (under expert parallel, inside the dispatcher, which compiled blocks leave to eager):
+# eager PyTorch spends three kernels forward (silu, product) and four backward (two products,
+# silu's backward, the gate and up gradients' concatenation), each over every row, and under
+# expert parallel's padded copies (distributed.expert_parallel) half the rows are padding. The
+# passes here stop at the first row past the last expert's (offsets[-1], read on the device) and
+# round once, from float32, as the compiled blocks' fused kernel does. Compiled code keeps the
+# plain expression, which inductor fuses itself.
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+FUSED_SWIGLU = True  # False: the plain expression everywhere (A/B timing)
+
+
+def fused_swiglu_available(gate_up: torch.Tensor) -> bool:
+    return (
+        FUSED_SWIGLU
+        and triton is not None
+        and (gate_up.is_cuda or _INTERPRET)
+        and not torch.compiler.is_compiling()
+        and gate_up.dim() == 2
+        and gate_up.dtype in (torch.bfloat16, torch.float16, torch.float32)
+        and gate_up.shape[1] % 2 == 0
+    )
+
+
+class _SwiGLURows(torch.autograd.Function):
+    """gate_up [N, 2F] (gate columns, then up) -> silu(gate) * up [N, F] for the rows before
+    end_1[0]; the rows from there on (padding) are left unwritten, forward and backward."""
+
+    @staticmethod
+    def forward(ctx, gate_up_N2F: torch.Tensor, end_1: torch.Tensor) -> torch.Tensor:
+        gate_up_N2F = gate_up_N2F.contiguous()
+        num_rows, hidden = gate_up_N2F.shape[0], gate_up_N2F.shape[1] // 2
+        out_NF = gate_up_N2F.new_empty(num_rows, hidden)
+        if num_rows and hidden:
+            block = min(SWIGLU_BLOCK, triton.next_power_of_2(hidden))
+            _swiglu_kernel[(num_rows, triton.cdiv(hidden, block))](
+                gate_up_N2F, out_NF, out_NF, end_1, hidden, BACKWARD=False, BLOCK=block, num_warps=4
+            )
+        ctx.save_for_backward(gate_up_N2F, end_1)
+        return out_NF
+
+    @staticmethod
+    def backward(ctx, grad_NF: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        gate_up_N2F, end_1 = ctx.saved_tensors
+        grad_NF = grad_NF.contiguous()
+        num_rows, hidden = grad_NF.shape
+        grad_N2F = torch.empty_like(gate_up_N2F)
+        if num_rows and hidden:
+            block = min(SWIGLU_BLOCK, triton.next_power_of_2(hidden))
+            _swiglu_kernel[(num_rows, triton.cdiv(hidden, block))](
+                gate_up_N2F, grad_NF, grad_N2F, end_1, hidden, BACKWARD=True, BLOCK=block, num_warps=4
+            )
+        return grad_N2F, None
+
+
+SWIGLU_BLOCK = 1024
+
+if triton is not None:
+
+    @triton.jit
+    def _swiglu_kernel(
+        gate_up_ptr, h_ptr, grad_gate_up_ptr, end_ptr, hidden, BACKWARD: tl.constexpr, BLOCK: tl.constexpr
+    ):
+        """One program per (row, block of columns). Forward: h = silu(g) * u. Backward, h_ptr
+        holding h's gradient dh: dg = dh * u * s * (1 + g * (1 - s)), du = dh * silu(g), s = sigmoid(g)."""
+        row = tl.program_id(0).to(tl.int64)
+        if row < tl.load(end_ptr).to(tl.int64):
+            cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+            mask = cols < hidden
+            g = tl.load(gate_up_ptr + row * 2 * hidden + cols, mask=mask, other=0.0).to(tl.float32)
+            u = tl.load(gate_up_ptr + row * 2 * hidden + hidden + cols, mask=mask, other=0.0).to(tl.float32)
+            s = tl.sigmoid(g)
+            if BACKWARD:
+                dh = tl.load(h_ptr + row * hidden + cols, mask=mask, other=0.0).to(tl.float32)
+                dg = dh * u * s * (1.0 + g * (1.0 - s))
+                du = dh * g * s
+                out_type = grad_gate_up_ptr.dtype.element_ty
+                tl.store(grad_gate_up_ptr + row * 2 * hidden + cols, dg.to(out_type), mask=mask)
+                tl.store(grad_gate_up_ptr + row * 2 * hidden + hidden + cols, du.to(out_type), mask=mask)
+            else:
+                tl.store(h_ptr + row * hidden + cols, (g * s * u).to(h_ptr.dtype.element_ty), mask=mask)
 
 
 # Traced as a constant by torch.compile: the answer depends only on the device and dtype,

@@ -152,6 +152,10 @@ class GptOssExperts(GroupedExperts):
         self.w13_bias = nn.Parameter(torch.empty(num_experts, 2 * hidden_dim))
         self.w2_bias = nn.Parameter(torch.empty(num_experts, dim))
 
+    def takes_padded_rows(self, x: torch.Tensor) -> bool:
+        """No: every row gets its expert's biases, whose gradients sum over all rows."""
+        return False
+
     def forward(self, x_ND: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
         w13, w2 = _local(self.w13), _local(self.w2)
         b13, b2 = _local(self.w13_bias), _local(self.w2_bias)

@@ -1,0 +1,45 @@
+"""models.moe's fused SwiGLU of the experts (_SwiGLURows, Triton, run by Triton's interpreter on the
+CPU in a child process: the interpreter is chosen when the kernel is defined) against the plain
+expression, forward and backward, on the rows before the end it is given."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from primerl_trainer.models import moe
+
+
+def _check_against_reference() -> None:
+    assert moe._INTERPRET and moe.triton is not None
+    generator = torch.Generator().manual_seed(0)
+    # 40: a block wider than the row (masked columns); 1500: several column blocks.
+    for hidden in (40, 1500):
+        gate_up = torch.randn(9, 2 * hidden, generator=generator)
+        grad = torch.randn(9, hidden, generator=generator)
+        for end in (9, 6, 0):
+            assert moe.fused_swiglu_available(gate_up)
+            fused_in = gate_up.clone().requires_grad_()
+            out = moe._SwiGLURows.apply(fused_in, torch.tensor([end], dtype=torch.int32))
+            out.backward(grad)
+            plain_in = gate_up.clone().requires_grad_()
+            gate, up = plain_in.chunk(2, dim=-1)
+            wanted = torch.nn.functional.silu(gate) * up
+            wanted.backward(grad)
+            torch.testing.assert_close(out[:end], wanted[:end], rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(fused_in.grad[:end], plain_in.grad[:end], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(moe.triton is None, reason="needs Triton")
+def test_fused_swiglu_equals_the_plain_expression() -> None:
+    env = os.environ | {"TRITON_INTERPRET": "1"}
+    code = "from tests.test_moe_swiglu import _check_against_reference as check; check()"
+    trainer_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    result = subprocess.run([sys.executable, "-c", code], env=env, cwd=trainer_dir, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_the_cpu_keeps_the_plain_expression() -> None:
+    assert not moe.fused_swiglu_available(torch.randn(3, 8)) or moe._INTERPRET
