@@ -1,9 +1,11 @@
 """Expert and context parallel on two GPUs against one, side by side with the capacity planner's
 predictions; and (--calibrate) the per-kernel rates the planner uses.
 
-    python3 bench/parallel_throughput.py              # the comparison (~6 min on 2 H100)
-    python3 bench/parallel_throughput.py --calibrate  # a rates file for this GPU (~3 min; parallel_calibrate.py)
+    python3 bench/parallel_throughput.py              # the comparison (~6 min on 2 H100 or, L = 196608, 2 H200)
+    python3 bench/parallel_throughput.py --calibrate  # a rates file for this GPU (~1-3 min; parallel_calibrate.py)
     python3 bench/parallel_throughput.py --smoke      # tiny shapes, CPU, gloo: checks the script
+    python3 bench/parallel_throughput.py --predict-from parallel_throughput.json --rates FILE
+        # no runs: the planner's predictions and the table again for a saved run's measurements
     python3 bench/parallel_throughput.py --only 'moe 1 GPU' 'moe ep=2' --ep-variants unsharded packed+unsharded
         # the MoE runs, and variants of the ep=2 one timed in its processes (parallel_ep_variants.py)
 
@@ -612,8 +614,8 @@ def bench_main(args: argparse.Namespace) -> None:
     ]
     for name in args.ep_variants or ():
         parse_variant(name)
-    if args.dense_seq:
-        runs[2].lengths = (args.dense_seq,)
+    if args.dense_seq:  # tried in order; the longest that fits is kept
+        runs[2].lengths = tuple(args.dense_seq)
     for run in runs:
         run.warmup = run.warmup if args.warmup is None else args.warmup
         run.steps = run.steps if args.steps is None else args.steps
@@ -654,6 +656,23 @@ def bench_main(args: argparse.Namespace) -> None:
     for run in runs:
         predict(run, rates, smoke)
     report(runs, rates, smoke)
+
+
+def predict_main(args: argparse.Namespace) -> None:
+    """--predict-from: the planner's predictions and the report again, for the runs a bench run saved
+    ($OUT/parallel_throughput.json), with --rates or the rates of their GPU kind: no GPU needed."""
+    data = json.loads(args.predict_from.read_text())
+    runs = []
+    for entry in data["runs"]:
+        entry["lengths"], entry["variants"] = tuple(entry["lengths"]), tuple(entry["variants"])
+        runs.append(Run(**entry))
+    device = next((run.device for run in runs if run.device), "")
+    rates = load_planner_rates(args, device)
+    print(f"planner rates: {rates.gpu} ({rates.source})")
+    print(f"runs: measured on {device or 'cpu'}, read from {args.predict_from}")
+    for run in runs:
+        predict(run, rates, args.smoke)
+    report(runs, rates, args.smoke)
 
 
 def _device_name() -> str:
@@ -734,7 +753,13 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, help="steps left out of the timing (default: MoE 2, dense 1)")
     parser.add_argument("--steps", type=int, help="timed steps, whose median counts (default: MoE 3, dense 2)")
     parser.add_argument("--only", nargs="+", help="run only these runs (by name; 'dense 2L cp=2' needs 'dense L')")
-    parser.add_argument("--dense-seq", type=int, help="L of the dense runs (default: the longest that fits)")
+    parser.add_argument(
+        "--dense-seq",
+        type=int,
+        nargs="+",
+        help="L of the dense runs, or lengths to try in order, keeping the longest that fits (default: the "
+        "planner's pick, then longer ones until one runs out of memory, then shorter ones)",
+    )
     parser.add_argument(
         "--ep-variants",
         nargs="+",
@@ -752,6 +777,11 @@ def main() -> None:
         help="PYTORCH_CUDA_ALLOC_CONF of every run ('' keeps the environment's): expandable segments spare the "
         "caching allocator its retries (cudaFree of cached blocks, a device-wide wait) when memory runs near full",
     )
+    parser.add_argument(
+        "--predict-from",
+        type=pathlib.Path,
+        help="no runs: the planner's predictions and the report for the runs of a saved parallel_throughput.json",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--checkpoint", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
@@ -763,6 +793,8 @@ def main() -> None:
         worker_main(args)
     elif args.write_checkpoints:
         write_checkpoints(pathlib.Path(args.write_checkpoints), args.smoke, args.only)
+    elif args.predict_from:
+        predict_main(args)
     elif args.calibrate:
         from parallel_calibrate import calibrate_main
 

@@ -4,7 +4,11 @@
 
 From the repository root. Needs torch with two CUDA GPUs, pytest, transformers, tokenizers and the
 trainer's other wheels (pydantic, pydantic-settings, protobuf, googleapis-common-protos, grpcio,
-grpcio-status, safetensors). The packages are imported from this checkout. Five cases, one line
+grpcio-status, safetensors) and, for the serving helpers test_expert_parallel.py imports (through
+primerl_common.client), grpcio-health-checking, grpcio-reflection, cryptography (cffi, pycparser) and
+opentelemetry-api, -sdk, -semantic-conventions, -proto, -exporter-otlp-proto-grpc, -exporter-otlp-proto-common,
+-exporter-otlp-common: the device image lacks these (2026-11-30: ModuleNotFoundError: opentelemetry).
+The packages are imported from this checkout. Five cases, one line
 each; exit status 1 when one fails:
 
 - float32: ep=2 over NCCL trains as one CPU process does (losses, replayed logprobs, weights,

@@ -21,11 +21,13 @@ Per micro-batch on one GPU (t = seq_len / cp tokens):
   nothing between GPUs.
 - expert parallel, per MoE layer and micro-batch, on the critical path: the dispatch and combine
   all-to-alls' bytes, forward and backward (and the recomputed forward), each token going once to
-  each rank holding one of its experts (balanced random routing), not once per expert; a fixed
-  cost per all-to-all call (`LinkRates.all_to_all_call_s`: 3 calls per forward, the counts, the
-  rows with their routing and the partial sums; 2 per backward); and per forward the rest of the
-  dispatch's cost (`StepFit.ep_layer_s`: the GPU idle after the host sync on the split sizes,
-  index kernels). The last two are fitted to a measured ep=2 step, not measured per kernel.
+  each rank holding one of its experts (balanced random routing), not once per expert, or, where
+  the dispatcher takes its dense grid (`uses_dense_grid`: a token expected to need at least 90%
+  of the ranks), once to every rank; a fixed cost per all-to-all call
+  (`LinkRates.all_to_all_call_s`: per forward 3 calls, the counts, the rows with their routing and
+  the partial sums, or 2 on the dense grid, whose token counts go host to host; 2 per backward);
+  and per forward the rest of the dispatch's cost (`StepFit.ep_layer_s`: host time the GPU waits
+  for, index kernels). The last two are fitted to a measured ep=2 step, not measured per kernel.
 - context parallel: each layer's K/V all-gather forward (and recomputed forward) and the
   reduce-scatter of their gradients backward, on the critical path.
 Then the optimizer: gradient clipping and torch's foreach AdamW, one pass over the local shard per
@@ -50,14 +52,21 @@ __all__ = [
     "logprob_bytes_per_logit",
     "model_flops_per_token",
     "optimizer_bytes_per_param",
+    "ranks_per_token",
+    "ranks_sent_per_token",
     "routing_bytes",
+    "uses_dense_grid",
 ]
 
 _ATTENTION_BACKWARD_FLOPS = 2.5  # backward FLOPs over forward FLOPs of attention (rates' convention)
 # all_to_all_single calls of one MoE layer's dispatcher (distributed.expert_parallel, packed): a
-# forward exchanges the counts, the rows with their routing and the partial sums; a backward
-# sends the partial sums' and the rows' gradients back.
-EP_CALLS_FORWARD, EP_CALLS_BACKWARD = 3, 2
+# forward exchanges the counts, the rows with their routing and the partial sums (on the dense
+# grid the counts go host to host, over gloo, once per forward for all layers: no NCCL call); a
+# backward sends the partial sums' and the rows' gradients back.
+EP_CALLS_FORWARD, EP_CALLS_FORWARD_DENSE_GRID, EP_CALLS_BACKWARD = 3, 2, 2
+# The dispatcher's default for its dense grid (AllToAllDispatcher.uses_dense_grid): every token to
+# every rank where a token is expected to need at least this share of them anyway.
+DENSE_GRID_SHARE = 0.9
 
 
 @dataclass(frozen=True)
@@ -175,6 +184,17 @@ def ranks_per_token(shape: ModelShape, ep: int) -> float:
     return ep * (1 - none_here)
 
 
+def uses_dense_grid(shape: ModelShape, ep: int) -> bool:
+    """Whether the dispatcher sends every token to every rank (distributed.expert_parallel's
+    dense grid, by default where a token is expected to need at least 90% of the ranks)."""
+    return ep > 1 and ranks_per_token(shape, ep) >= DENSE_GRID_SHARE * ep
+
+
+def ranks_sent_per_token(shape: ModelShape, ep: int) -> float:
+    """Ranks each token's row is sent to: those holding its experts, or every rank on the dense grid."""
+    return float(ep) if uses_dense_grid(shape, ep) else ranks_per_token(shape, ep)
+
+
 def routing_bytes(shape: ModelShape, mesh: Mesh, tokens: float, compute_bytes: int, *, forward_passes: int) -> float:
     """HBM bytes of one MoE layer's moves between token and expert order for `tokens` tokens:
     forward(s) and backward. On one rank the gathers are compiled into the block (a row read and
@@ -187,7 +207,7 @@ def routing_bytes(shape: ModelShape, mesh: Mesh, tokens: float, compute_bytes: i
     copies = tokens * shape.top_k * shape.hidden_size
     if mesh.ep == 1:
         return copies * (forward_passes * 3 * b_c + 4 * b_c)
-    sent = tokens * ranks_per_token(shape, mesh.ep) * shape.hidden_size
+    sent = tokens * ranks_sent_per_token(shape, mesh.ep) * shape.hidden_size
     return copies * (forward_passes * 3 * b_c + 36 + 6 * b_c) + sent * (forward_passes + 1) * 4 * b_c
 
 
@@ -246,9 +266,10 @@ def estimate_step_time(shape: ModelShape, mesh: Mesh, workload: Workload, rates:
     ep = 0.0
     if mesh.ep > 1 and shape.num_moe_layers:
         link = rates.link(mesh.ep, spans_nodes=_spans_nodes(mesh.ep, 1, rates))
-        send_bytes = t * ranks_per_token(shape, mesh.ep) * shape.hidden_size * b_c
+        send_bytes = t * ranks_sent_per_token(shape, mesh.ep) * shape.hidden_size * b_c
         all_to_alls = 2 * (forward_passes + 1)  # dispatch + combine, per forward and the backward
-        calls = forward_passes * EP_CALLS_FORWARD + EP_CALLS_BACKWARD
+        calls_forward = EP_CALLS_FORWARD_DENSE_GRID if uses_dense_grid(shape, mesh.ep) else EP_CALLS_FORWARD
+        calls = forward_passes * calls_forward + EP_CALLS_BACKWARD
         ep = shape.num_moe_layers * (
             all_to_alls * _collective_s(send_bytes, mesh.ep, link.all_to_all_gbps)
             + calls * link.all_to_all_call_s
