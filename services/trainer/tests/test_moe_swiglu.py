@@ -2,14 +2,12 @@
 CPU in a child process: the interpreter is chosen when the kernel is defined) against the plain
 expression, forward and backward, on the rows before the end it is given."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from primerl_trainer.models import moe
+
+from .triton_interpreter import check_in_interpreter
 
 
 def _check_against_reference() -> None:
@@ -34,11 +32,7 @@ def _check_against_reference() -> None:
 
 @pytest.mark.skipif(moe.triton is None, reason="needs Triton")
 def test_fused_swiglu_equals_the_plain_expression() -> None:
-    env = os.environ | {"TRITON_INTERPRET": "1"}
-    code = "from tests.test_moe_swiglu import _check_against_reference as check; check()"
-    trainer_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    result = subprocess.run([sys.executable, "-c", code], env=env, cwd=trainer_dir, capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr[-3000:]
+    check_in_interpreter("test_moe_swiglu")
 
 
 def test_the_cpu_keeps_the_plain_expression() -> None:

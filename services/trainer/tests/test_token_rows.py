@@ -1,14 +1,12 @@
 """kernels.token_rows: the Triton kernels (run by Triton's interpreter on the CPU, in a child
 process: the interpreter is chosen when the kernels are defined) against the PyTorch reference."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from primerl_trainer.kernels import token_rows
+
+from .triton_interpreter import check_in_interpreter
 
 
 def _check_against_reference() -> None:
@@ -54,11 +52,7 @@ def _check_against_reference() -> None:
 
 @pytest.mark.skipif(token_rows.triton is None, reason="needs Triton")
 def test_fused_row_kernels_equal_the_reference() -> None:
-    env = os.environ | {"TRITON_INTERPRET": "1"}
-    code = "from tests.test_token_rows import _check_against_reference as check; check()"
-    trainer_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    result = subprocess.run([sys.executable, "-c", code], env=env, cwd=trainer_dir, capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr[-3000:]
+    check_in_interpreter("test_token_rows")
 
 
 def test_the_cpu_takes_the_reference_path() -> None:

@@ -394,14 +394,7 @@ class _GridDispatch(torch.autograd.Function):
         scores_GK = torch.where(on_rank_PTK, scores_TK[None], zero).view(-1, top_k)
         num_cols = x_TD.shape[1]
         if self.options.packed:
-            row_cols, routing_cols = _routing_layout(x_TD, top_k)
-            sent_GW = x_TD.new_empty(token_G.shape[0], row_cols + routing_cols)
-            gather_rows(x_TD, token_G, out=sent_GW[:, :num_cols])
-            if row_cols > num_cols:
-                sent_GW[:, num_cols:row_cols].zero_()
-            routing_GJ = _routing_view(sent_GW, row_cols)
-            routing_GJ[:, :top_k] = scores_GK
-            routing_GJ[:, top_k:] = ids_GK
+            sent_GW, row_cols = _pack_rows(x_TD, token_G, scores_GK, ids_GK)
             recv_MW = _all_to_all(sent_GW, recv_splits, send_splits, group)
             recv_x_MD = recv_MW[:, :num_cols]
             recv_routing_MJ = _routing_view(recv_MW, row_cols)
@@ -541,6 +534,24 @@ class _HostSizes:
         return self._values
 
 
+def _pack_rows(
+    x_TD: torch.Tensor, token_G: torch.Tensor, scores_GK: torch.Tensor, ids_GK: torch.Tensor
+) -> tuple[torch.Tensor, int]:
+    """The rows `token_G` of `x_TD` with their routing (scores, then local expert ids) in trailing
+    columns of the same rows, so that one all-to-all moves both (`_routing_layout`); and the
+    number of columns before the routing."""
+    num_cols, top_k = x_TD.shape[1], scores_GK.shape[1]
+    row_cols, routing_cols = _routing_layout(x_TD, top_k)
+    packed_GW = x_TD.new_empty(token_G.shape[0], row_cols + routing_cols)
+    gather_rows(x_TD, token_G, out=packed_GW[:, :num_cols])
+    if row_cols > num_cols:
+        packed_GW[:, num_cols:row_cols].zero_()
+    routing_GJ = _routing_view(packed_GW, row_cols)
+    routing_GJ[:, :top_k] = scores_GK
+    routing_GJ[:, top_k:] = ids_GK
+    return packed_GW, row_cols
+
+
 def _routing_layout(x: torch.Tensor, top_k: int) -> tuple[int, int]:
     """(columns of x's dtype before the routing, columns after) in a packed row buffer: the row,
     padded so the routing starts 4-byte aligned, then top_k scores and top_k ids as float32 bits."""
@@ -571,14 +582,7 @@ class _PackRows(torch.autograd.Function):
         ids_GK: torch.Tensor,
     ) -> torch.Tensor:
         num_cols, top_k = x_TD.shape[1], scores_GK.shape[1]
-        row_cols, routing_cols = _routing_layout(x_TD, top_k)
-        packed_GW = x_TD.new_empty(token_G.shape[0], row_cols + routing_cols)
-        gather_rows(x_TD, token_G, out=packed_GW[:, :num_cols])
-        if row_cols > num_cols:
-            packed_GW[:, num_cols:row_cols].zero_()
-        routing_GJ = _routing_view(packed_GW, row_cols)
-        routing_GJ[:, :top_k] = scores_GK
-        routing_GJ[:, top_k:] = ids_GK
+        packed_GW, row_cols = _pack_rows(x_TD, token_G, scores_GK, ids_GK)
         ctx.save_for_backward(slots_TP, valid_TP)
         ctx.layout = (num_cols, row_cols, top_k)
         return packed_GW
