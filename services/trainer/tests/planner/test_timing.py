@@ -12,7 +12,9 @@ from primerl_trainer.planner.timing import (
     model_flops_per_token,
     optimizer_bytes_per_param,
     ranks_per_token,
+    ranks_sent_per_token,
     routing_bytes,
+    uses_dense_grid,
 )
 
 LINK = LinkRates(all_gather_gbps=100.0, reduce_scatter_gbps=100.0, all_to_all_gbps=50.0)
@@ -133,6 +135,113 @@ def test_fitted_terms_all_to_all_calls_layers_and_exposed_fsdp():
     # the local units' are, instead of two copy-outs and a float32 reduce input per micro-batch.
     per_step = sharded * (2 * 2 + local_gradient_bytes_per_param(2, 2, 4)) / 1000e9
     assert held.copies - fitted.copies == pytest.approx(per_step - 2 * sharded * (8 + 6) / 1000e9)
+
+
+# Per MoE layer, per micro-batch, the planner's expert-parallel time is
+#   all-to-alls x send_bytes x (ep - 1) / ep / all_to_all_gbps + calls x all_to_all_call_s,
+# all-to-alls = 2 (dispatch, combine) x (forwards + the backward); calls = forwards x (3, or 2 on
+# the dense grid) + 2 for the backward.
+CALL_RATES = dataclasses.replace(RATES, intra_node=dataclasses.replace(LINK, all_to_all_call_s=1e-3))
+MOE_256_TOP_8 = dataclasses.replace(
+    DENSE, num_dense_layers=0, num_experts=256, top_k=8, moe_intermediate_size=32
+)  # 2 MoE layers
+
+
+def test_dense_grid_every_token_to_every_rank_and_two_calls_a_forward():
+    shape, mesh = MOE_256_TOP_8, Mesh(world=2, ep=2)
+    # 128 experts a rank: a token's 8 experts all on the other rank with probability
+    # 128/256 x 127/255 x ... x 121/249 (~0.0037), so it needs 2 x 99.6% of the 2 ranks: at least
+    # 90%, the dense grid, which sends it to both.
+    miss = 1.0
+    for i in range(8):
+        miss *= (128 - i) / (256 - i)
+    assert ranks_per_token(shape, 2) == pytest.approx(2 * (1 - miss))
+    assert 1 - miss > 0.99
+    assert uses_dense_grid(shape, 2)
+    assert ranks_sent_per_token(shape, 2) == 2.0
+
+    workload = Workload(seq_len=1024, tokens_per_step=2048)  # one micro-batch per rank
+    send = 1024 * 2 * 64 * 2  # 1024 tokens x 2 ranks (every rank) x dim 64 x bf16 = 262144 bytes
+    plain = estimate_step_time(shape, mesh, workload, RATES)
+    # 2 layers x 4 all-to-alls (dispatch and combine, forward and backward), half of each leaving.
+    assert plain.ep == pytest.approx(2 * 4 * send * (2 - 1) / 2 / 50e9)
+    # The calls: 2 layers x (2 forward + 2 backward) x 1 ms (not 3 + 2).
+    called = estimate_step_time(shape, mesh, workload, CALL_RATES)
+    assert called.ep - plain.ep == pytest.approx(2 * (2 + 2) * 1e-3)
+    # Checkpointed: 2 forwards, so 6 all-to-alls and 2 x 2 + 2 = 6 calls a layer.
+    checkpointed = dataclasses.replace(workload, activation_checkpointing=True)
+    plain_ckpt = estimate_step_time(shape, mesh, checkpointed, RATES)
+    assert plain_ckpt.ep == pytest.approx(2 * 6 * send / 2 / 50e9)
+    called_ckpt = estimate_step_time(shape, mesh, checkpointed, CALL_RATES)
+    assert called_ckpt.ep - plain_ckpt.ep == pytest.approx(2 * (2 * 2 + 2) * 1e-3)
+    # The row moves count the grid's rows too: 1024 x 8 copies and 1024 x 2 sent rows of 64.
+    copies, sent = 1024 * 8 * 64, 1024 * 2 * 64
+    # One forward: each sent element moved 4 times a pass (forward and backward) in bf16.
+    expected = copies * (6 + 36 + 12) + sent * (1 + 1) * 4 * 2
+    assert routing_bytes(shape, mesh, 1024, 2, forward_passes=1) == pytest.approx(expected)
+
+
+def test_sparse_routing_keeps_the_deduplicated_rows_and_three_calls_a_forward():
+    shape = dataclasses.replace(DENSE, num_dense_layers=0, num_experts=8, top_k=2, moe_intermediate_size=32)
+    mesh = Mesh(world=8, ep=8)  # one node of 8: the intra-node link
+    # One expert a rank: a token's 2 experts miss a given rank with probability 7/8 x 6/7 = 3/4,
+    # so it needs 8 x 1/4 = 2 of the 8 ranks (25%, under 90%): no dense grid, 2 ranks, not 8.
+    assert ranks_per_token(shape, 8) == pytest.approx(2.0)
+    assert not uses_dense_grid(shape, 8)
+    assert ranks_sent_per_token(shape, 8) == pytest.approx(2.0)
+
+    workload = Workload(seq_len=1024, tokens_per_step=8 * 1024)  # one micro-batch per rank
+    send = 1024 * 2 * 64 * 2  # 1024 tokens x 2 ranks x dim 64 x bf16
+    plain = estimate_step_time(shape, mesh, workload, RATES)
+    assert plain.ep == pytest.approx(2 * 4 * send * (8 - 1) / 8 / 50e9)
+    # The calls: 2 layers x (3 forward + 2 backward) x 1 ms; checkpointed 3 x 2 + 2 = 8 a layer.
+    called = estimate_step_time(shape, mesh, workload, CALL_RATES)
+    assert called.ep - plain.ep == pytest.approx(2 * (3 + 2) * 1e-3)
+    checkpointed = dataclasses.replace(workload, activation_checkpointing=True)
+    twice = (
+        estimate_step_time(shape, mesh, checkpointed, CALL_RATES).ep
+        - estimate_step_time(shape, mesh, checkpointed, RATES).ep
+    )
+    assert twice == pytest.approx(2 * (3 * 2 + 2) * 1e-3)
+
+
+@pytest.mark.parametrize(
+    ("num_experts", "top_k", "ep", "dense"),
+    [
+        (8, 3, 2, True),  # misses a rank with 4/8 x 3/7 x 2/6 = 1/14: needs 92.9% of them
+        (8, 2, 2, False),  # 4/8 x 3/7 = 3/14: 78.6%
+        (256, 3, 2, False),  # 128/256 x 127/255 x 126/254: 87.6%
+        (256, 8, 4, True),  # 192/256 x ... x 185/249: 90.4%
+        (64, 6, 4, False),  # 48/64 x ... x 43/59: 84.6%
+        (1, 1, 1, False),  # one rank: nothing sent
+    ],
+)
+def test_dense_grid_threshold_by_hand(num_experts, top_k, ep, dense):
+    shape = dataclasses.replace(DENSE, num_dense_layers=0, num_experts=num_experts, top_k=top_k)
+    assert uses_dense_grid(shape, ep) is dense
+    assert ranks_sent_per_token(shape, ep) == pytest.approx(ep if dense else ranks_per_token(shape, ep))
+
+
+def test_dense_grid_choice_agrees_with_the_dispatcher(monkeypatch):
+    """The planner repeats the dispatcher's default rule (AllToAllDispatcher.uses_dense_grid with
+    DispatchOptions.dense_grid None) rather than importing it (the planner does not import torch):
+    they must agree on every shape, 16 experts top-3 over 2 ranks (exactly 90%) included."""
+    from primerl_trainer.distributed import expert_parallel
+
+    monkeypatch.setattr(expert_parallel.dist, "get_rank", lambda group: 0)
+    seen = set()
+    for num_experts in (8, 16, 64, 128, 160, 256):
+        for ep in (2, 4, 8, 16, 32, 64):
+            if num_experts % ep:
+                continue
+            monkeypatch.setattr(expert_parallel.dist, "get_world_size", lambda group, ep=ep: ep)
+            dispatcher = expert_parallel.AllToAllDispatcher(None, num_experts=num_experts)
+            for top_k in (1, 2, 3, 4, 6, 8):
+                shape = dataclasses.replace(DENSE, num_dense_layers=0, num_experts=num_experts, top_k=top_k)
+                planned = uses_dense_grid(shape, ep)
+                assert planned == dispatcher.uses_dense_grid(top_k), (num_experts, top_k, ep)
+                seen.add(planned)
+    assert seen == {True, False}
 
 
 def test_model_flops_per_token():

@@ -53,6 +53,7 @@ from primerl_trainer.kernels.token_rows import (
     gather_sum_rows,
     scaled_rows_and_dots,
 )
+from primerl_trainer.routing_coverage import dense_grid_by_default
 
 __all__ = [
     "AllToAllDispatcher",
@@ -169,15 +170,10 @@ class AllToAllDispatcher:
 
     def uses_dense_grid(self, top_k: int) -> bool:
         """Whether DispatchOptions.dense_grid holds (None: the expected share of ranks a token
-        needs, under uniform routing over the experts, is at least 0.9)."""
+        needs, under uniform routing over the experts, is at least routing_coverage.DENSE_GRID_SHARE)."""
         if self.options.dense_grid is not None:
             return self.options.dense_grid
-        num_experts, others = self.ep * self.num_local_experts, (self.ep - 1) * self.num_local_experts
-        # Probability that none of a token's top_k (distinct) experts is on a given rank.
-        miss = 1.0
-        for i in range(top_k):
-            miss *= max(others - i, 0) / (num_experts - i)
-        return 1.0 - miss >= 0.9
+        return dense_grid_by_default(self.ep * self.num_local_experts, self.ep, top_k)
 
     # Split sizes come to the host and collectives run in between: compiled blocks run this eagerly.
     @torch.compiler.disable

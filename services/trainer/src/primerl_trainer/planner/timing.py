@@ -44,6 +44,7 @@ from primerl_trainer.planner.memory import block_params, param_split
 from primerl_trainer.planner.mesh import Mesh, Workload
 from primerl_trainer.planner.rates import GpuRates
 from primerl_trainer.planner.shapes import ModelShape
+from primerl_trainer.routing_coverage import dense_grid_by_default, rank_share
 
 __all__ = [
     "StepTime",
@@ -64,11 +65,10 @@ _ATTENTION_BACKWARD_FLOPS = 2.5  # backward FLOPs over forward FLOPs of attentio
 # grid the counts go host to host, over gloo, once per forward for all layers: no NCCL call); a
 # backward sends the partial sums' and the rows' gradients back.
 EP_CALLS_FORWARD, EP_CALLS_FORWARD_DENSE_GRID, EP_CALLS_BACKWARD = 3, 2, 2
+
+
 # The dispatcher's default for its dense grid (AllToAllDispatcher.uses_dense_grid): every token to
 # every rank where a token is expected to need at least this share of them anyway.
-DENSE_GRID_SHARE = 0.9
-
-
 @dataclass(frozen=True)
 class StepTime:
     """Seconds per optimizer step, by part (fsdp: only what compute does not hide)."""
@@ -175,19 +175,13 @@ def local_gradient_bytes_per_param(micro_batches: int, compute_bytes: int, maste
 
 def ranks_per_token(shape: ModelShape, ep: int) -> float:
     """Expected ranks holding at least one of a token's top_k experts (balanced random routing)."""
-    if ep == 1:
-        return 1.0
-    local = shape.num_experts // ep
-    none_here = 1.0  # probability that none of the token's experts is on a given rank
-    for i in range(shape.top_k):
-        none_here *= (shape.num_experts - local - i) / (shape.num_experts - i)
-    return ep * (1 - none_here)
+    return ep * rank_share(shape.num_experts, ep, shape.top_k)
 
 
 def uses_dense_grid(shape: ModelShape, ep: int) -> bool:
     """Whether the dispatcher sends every token to every rank (distributed.expert_parallel's
     dense grid, by default where a token is expected to need at least 90% of the ranks)."""
-    return ep > 1 and ranks_per_token(shape, ep) >= DENSE_GRID_SHARE * ep
+    return ep > 1 and dense_grid_by_default(shape.num_experts, ep, shape.top_k)
 
 
 def ranks_sent_per_token(shape: ModelShape, ep: int) -> float:
