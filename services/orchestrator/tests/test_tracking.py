@@ -82,6 +82,8 @@ def test_metrics_evals_samples_and_config_reach_wandb_and_tensorboard(tmp_path, 
     save_tokenizer(tmp_path / "model")
     (tmp_path / "config").mkdir()
     (tmp_path / "config" / "trainer.toml").write_text("[optimizer]\nlr = 0.001\n")
+    # Another run's orchestrator on the same deployment ([[runs]]): another tenant's, not logged here.
+    (tmp_path / "config" / "orchestrator-other-run.toml").write_text("[peers]\nrun_id = 'other-run'\n")
     config = OrchestratorConfig(
         model={"path": tmp_path / "model"},
         environments=[{"name": "reverse", "kind": "reverse_text"}],
@@ -119,6 +121,7 @@ def test_metrics_evals_samples_and_config_reach_wandb_and_tensorboard(tmp_path, 
     logged_config = run["config"]["update"]
     assert logged_config["orchestrator"]["environments"][0]["kind"] == "reverse_text"
     assert "lr = 0.001" in logged_config["trainer"]
+    assert "orchestrator-other-run" not in logged_config
     rows = history(records)
     steps = {r["step"]: r for r in rows if "orchestrator/batch_reward_mean" in r}
     assert {s: r["orchestrator/batch_reward_mean"] for s, r in steps.items()} == {1: 0.1, 2: 0.2, 3: 0.3}

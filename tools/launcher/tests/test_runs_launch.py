@@ -24,6 +24,7 @@ from primerl_common.testing import bare_server
 from primerl_launcher import _toml
 from primerl_launcher.certs import run_certificates
 from primerl_launcher.progress import RunFailed
+from primerl_launcher.run import write_configs
 from primerl_launcher.runs import (
     RunsFollower,
     create_runs,
@@ -35,7 +36,7 @@ from primerl_launcher.runs import (
 )
 from primerl_launcher.service_group import RestartPolicy, ServiceGroup
 from primerl_launcher.spec import LaunchConfigError, parse_launch_file
-from primerl_launcher.wiring import identities
+from primerl_launcher.wiring import address_of, identities, wire
 
 TRAINER = {"lora": {"enabled": True, "rank": 8}, "runs": {"max_concurrent_runs": 2}}
 TEMPLATE = {
@@ -173,9 +174,78 @@ def test_each_run_s_orchestrator_feeds_its_run_and_keeps_its_state_in_the_run_di
             "samples_dir": str(out / "samples"),
         }
         assert written["tls"] == {"mode": "plaintext"} and written["run"] == TEMPLATE["run"]
+        assert written["tracking"] == {"config_dir": str(tmp_path / "run" / "config")}
         ports.add(written["server"]["port"])
     assert len(ports) == 2
     assert tomllib.loads(paths["orchestrator-b"].read_text())["seed"] == 9
+
+
+def wired_listing(services: dict, run_dir: pathlib.Path) -> dict:
+    """services.json of `services` wired and their configs written as `primerl up` does, without
+    starting them."""
+    wire(services, run_dir=run_dir, model=run_dir / "model", host="127.0.0.1")
+    paths = write_configs(list(services.values()), run_dir / "config")
+    return {
+        name: {"service": spec.service, "address": address_of(spec), "config": str(paths[name])}
+        for name, spec in services.items()
+    }
+
+
+@pytest.mark.parametrize(
+    ("inference", "pool_model"),
+    [({}, ""), ({"kv_cache_pool": {"model": "tiny"}}, "tiny")],
+    ids=["pool-of-every-model", "pool-of-a-named-model"],
+)
+def test_where_the_replicas_pool_their_kv_cache_each_run_s_orchestrator_is_wired_to_the_pool(
+    tmp_path, inference, pool_model
+):
+    """Each run's orchestrator gets the links the launcher's own orchestrator gets (wiring.wire),
+    the kvstore among them: it removes a policy version's KV namespace once nothing can use it."""
+    deployment = {"deployment": {"shape": "replicas", "replicas": 2, "kv_pool": True}}
+    launch = parse_launch_file(launch_data([{"id": "a"}, {"id": "b"}], inference=copy.deepcopy(inference) | deployment))
+    assert {"kvstore", "inference-0", "inference-1"} <= set(launch.services)
+    run_dir = tmp_path / "run"
+    listing = wired_listing(launch.services, run_dir)
+    specs, _ = run_orchestrator_specs(launch.runs, listing, run_dir=run_dir, host="127.0.0.1", tls=None)
+    # The launcher's own orchestrator, of the same launch file without [[runs]].
+    own = parse_launch_file(launch_data(None, inference=copy.deepcopy(inference) | deployment))
+    wire(own.services, run_dir=tmp_path / "own", model=tmp_path / "own" / "model", host="127.0.0.1")
+    own_peers = own.services["orchestrator"].table["peers"]
+    assert own_peers["kv_cache_pool"] == address_of(own.services["kvstore"])
+    assert own_peers["kv_cache_pool_model"] == pool_model
+    for run, spec in zip(launch.runs, specs.values(), strict=True):
+        assert spec.table["peers"] == {
+            "run_id": run.id,
+            **{peer: listing[peer]["address"] for peer in ("router", "trainer", "weight_broadcaster")},
+            "kv_cache_pool": address_of(launch.services["kvstore"]),
+            "kv_cache_pool_model": own_peers["kv_cache_pool_model"],
+        }
+        assert spec.table["tracking"]["config_dir"] == str(run_dir / "config")
+        assert own.services["orchestrator"].table["tracking"]["config_dir"] == str(tmp_path / "own" / "config")
+
+
+def test_without_the_kv_pool_a_run_s_orchestrator_has_no_pool_peer(tmp_path):
+    launch = parse_launch_file(
+        launch_data([{"id": "a"}], inference={"deployment": {"shape": "replicas", "replicas": 2}})
+    )
+    run_dir = tmp_path / "run"
+    specs, _ = run_orchestrator_specs(
+        launch.runs, wired_listing(launch.services, run_dir), run_dir=run_dir, host="127.0.0.1", tls=None
+    )
+    assert "kvstore" not in launch.services
+    assert "kv_cache_pool" not in specs["orchestrator-a"].table["peers"]
+
+
+def test_a_pool_peer_the_run_s_table_sets_is_kept(tmp_path):
+    deployment = {"deployment": {"shape": "replicas", "replicas": 2, "kv_pool": True}}
+    own = {"peers": {"kv_cache_pool": "10.0.0.1:7", "kv_cache_pool_model": "other"}}
+    launch = parse_launch_file(launch_data([{"id": "a", "orchestrator": own}], inference=deployment))
+    run_dir = tmp_path / "run"
+    specs, _ = run_orchestrator_specs(
+        launch.runs, wired_listing(launch.services, run_dir), run_dir=run_dir, host="127.0.0.1", tls=None
+    )
+    peers = specs["orchestrator-a"].table["peers"]
+    assert (peers["kv_cache_pool"], peers["kv_cache_pool_model"]) == ("10.0.0.1:7", "other")
 
 
 def test_under_mtls_a_run_s_orchestrator_shows_a_certificate_named_after_its_owner(tmp_path):

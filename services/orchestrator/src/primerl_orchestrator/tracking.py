@@ -2,10 +2,12 @@
 sync` uploads later) and TensorBoard event files, each switched on by [tracking].
 
 They get the config (the orchestrator's and, from tracking.config_dir, the run's other
-services'), each step's metrics (`orchestrator/...`, x axis `step`), the trainer's step
-metrics (`trainer/...`, from its WatchSteps), eval results (`eval/<name>/...`, x axis
-`policy_version`) and tables of sample rollouts. Both writers need the `tracking` extra
-(wandb, tensorboard); a tracker that is switched on without them fails the start.
+services'; not other orchestrators' `orchestrator-<run id>.toml`: with many runs on one
+deployment a run's tracker shows no other tenant's run), each step's metrics
+(`orchestrator/...`, x axis `step`), the trainer's step metrics (`trainer/...`, from its
+WatchSteps), eval results (`eval/<name>/...`, x axis `policy_version`) and tables of sample
+rollouts. Both writers need the `tracking` extra (wandb, tensorboard); a tracker that is
+switched on without them fails the start.
 """
 
 from __future__ import annotations
@@ -163,7 +165,11 @@ class Tracker:
         directory = self._config.config_dir
         if directory is None or not directory.is_dir():
             return {}
-        return {path.stem: path.read_text() for path in sorted(directory.glob("*.toml")) if path.stem != "orchestrator"}
+        return {
+            path.stem: path.read_text()
+            for path in sorted(directory.glob("*.toml"))
+            if path.stem != "orchestrator" and not path.stem.startswith("orchestrator-")
+        }
 
     @property
     def enabled(self) -> bool:

@@ -85,8 +85,10 @@ def run_orchestrator_specs(
     tls: Mapping[str, TlsConfig] | None,
 ) -> tuple[dict[str, ServiceSpec], dict[str, pathlib.Path]]:
     """Each run's orchestrator, wired to the running services of `listing` (services.json) by
-    run_orchestrator_config on a free port: its config in <run_dir>/config/orchestrator-<id>.toml,
-    its outputs and checkpoint in <run_dir>/runs/<id> (a restarted one resumes from them), its
+    run_orchestrator_config on a free port as the launcher's own orchestrator is wired (its peers,
+    the kvstore's among them where the replicas pool their KV cache; tracking.config_dir the
+    launcher's <run_dir>/config): its config in <run_dir>/config/orchestrator-<id>.toml, its
+    outputs and checkpoint in <run_dir>/runs/<id> (a restarted one resumes from them), its
     certificate under mTLS (`tls`, by name) the owner's. The specs and the config paths, by name."""
     specs, paths = {}, {}
     (run_dir / "config").mkdir(parents=True, exist_ok=True)
@@ -104,6 +106,7 @@ def run_orchestrator_specs(
             run_id=run.id,
             port=port,
             out_dir=out_dir,
+            config_dir=run_dir / "config",
             tls=tls[run.owner] if tls is not None and run.owner is not None else None,
         )
         specs[name] = ServiceSpec(

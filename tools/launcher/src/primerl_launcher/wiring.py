@@ -4,7 +4,7 @@ unset: ports, every peer address, the model path, the orchestrator's metrics fil
 from __future__ import annotations
 
 import pathlib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from primerl_common.config import TlsConfig
@@ -19,6 +19,7 @@ __all__ = [
     "assign_ports",
     "get_path",
     "identities",
+    "orchestrator_wiring",
     "served_hosts",
     "set_default",
     "set_environment_tls",
@@ -162,22 +163,47 @@ def wire(
             if "weight_broadcaster" in services:
                 set_default(spec.table, "versions.weight_broadcaster_address", addresses["weight_broadcaster"])
         elif name == "orchestrator":
-            for peer in ("router", "trainer", "weight_broadcaster"):
-                if peer in services:
-                    set_default(spec.table, f"peers.{peer}", addresses[peer])
-            pooled = [r for r in replicas if get_path(r.table, "kv_cache_pool.enabled")]
-            if pooled and "kvstore" in services:
-                # The orchestrator removes a policy version's KV namespace once nothing can use it.
-                set_default(spec.table, "peers.kv_cache_pool", addresses["kvstore"])
-                models = {get_path(r.table, "kv_cache_pool.model") or "" for r in pooled}
-                if len(models) == 1:
-                    set_default(spec.table, "peers.kv_cache_pool_model", models.pop())
-            set_default(spec.table, "output.metrics_jsonl", str(run_dir / "orchestrator" / "metrics.jsonl"))
-            set_default(spec.table, "output.samples_dir", str(run_dir / "orchestrator" / "samples"))
-            set_default(spec.table, "tracking.config_dir", str(run_dir / "config"))
+            wiring = orchestrator_wiring(
+                addresses,
+                [r.table for r in replicas],
+                out_dir=run_dir / "orchestrator",
+                config_dir=run_dir / "config",
+            )
+            for dotted, value in wiring.items():
+                set_default(spec.table, dotted, value)
         elif name == "trainer" and "weight_broadcaster" in services:
             set_default(spec.table, "publish.weight_broadcaster", addresses["weight_broadcaster"])
     wire_lora(services)
+
+
+def orchestrator_wiring(
+    addresses: Mapping[str, str],
+    replicas: Iterable[Mapping[str, Any]],
+    *,
+    out_dir: pathlib.Path,
+    config_dir: pathlib.Path | None,
+) -> dict[str, Any]:
+    """What links an orchestrator to a run's services, by dotted key (to be set where its table
+    leaves it unset): its peers among `addresses` (the services' addresses by name), the kvstore
+    too where the replicas (their tables: `replicas`) pool their KV cache, so that it removes a
+    policy version's KV namespace once nothing can use it; its outputs under `out_dir`; the
+    folder of the run's service configs it logs with its own (`config_dir`; None: none).
+    The one place that says it, for the launcher's own orchestrator (wire) and one started
+    beside the services (run_orchestrator.run_orchestrator_config)."""
+    wiring: dict[str, Any] = {
+        f"peers.{peer}": addresses[peer] for peer in ("router", "trainer", "weight_broadcaster") if peer in addresses
+    }
+    pooled = [r for r in replicas if get_path(r, "kv_cache_pool.enabled")]
+    if pooled and "kvstore" in addresses:
+        wiring["peers.kv_cache_pool"] = addresses["kvstore"]
+        models = {get_path(r, "kv_cache_pool.model") or "" for r in pooled}
+        if len(models) == 1:  # pooled for several models: left to the orchestrator ('': every model)
+            wiring["peers.kv_cache_pool_model"] = models.pop()
+    wiring["output.metrics_jsonl"] = str(out_dir / "metrics.jsonl")
+    wiring["output.samples_dir"] = str(out_dir / "samples")
+    if config_dir is not None:
+        wiring["tracking.config_dir"] = str(config_dir)
+    return wiring
 
 
 def wire_lora(services: Mapping[str, ServiceSpec]) -> None:
