@@ -131,7 +131,9 @@ class StallWatch:
     def update(self, status: orchestrator_pb2.GetRunStatusResponse, now: float | None = None) -> str | None:
         """The warning to give now, if any."""
         now = time.monotonic() if now is None else now
-        if status.step != self._step:
+        # A step, or a batch made (a status read as the step came may not count its groups yet),
+        # ends a stall.
+        if status.step != self._step or status.groups.batched != self._at_step.batched:
             self._step, self._since, self._warned = status.step, now, False
             self._at_step.CopyFrom(status.groups)
         ended = _ended(status.groups) - _ended(self._at_step)
