@@ -15,12 +15,9 @@ from typing import Any
 
 from primerl_common.config import TlsConfig
 from primerl_launcher import _toml
-from primerl_launcher.wiring import get_path, orchestrator_wiring, set_default, tls_table
+from primerl_launcher.wiring import DEFAULT_ADAPTER_NAME, get_path, orchestrator_wiring, set_default, tls_table
 
 __all__ = ["run_orchestrator_config"]
-
-# The trainer's publish.adapter_name when its config leaves it unset (primerl_trainer.config.PublishConfig).
-_DEFAULT_ADAPTER_NAME = "primerl"
 
 
 def run_orchestrator_config(
@@ -68,7 +65,7 @@ def run_orchestrator_config(
     if run_id is not None:
         filled["peers.run_id"] = run_id
     elif get_path(trainer, "publish.kind") == "adapter":
-        filled["model.lora_adapter"] = get_path(trainer, "publish.adapter_name") or _DEFAULT_ADAPTER_NAME
+        filled["model.lora_adapter"] = get_path(trainer, "publish.adapter_name") or DEFAULT_ADAPTER_NAME
     for dotted, value in filled.items():
         set_default(config, dotted, value)
     path.write_text(_toml.dumps(config))

@@ -12,6 +12,7 @@ from primerl_common.processes import free_ports
 from primerl_launcher.spec import ServiceSpec
 
 __all__ = [
+    "DEFAULT_ADAPTER_NAME",
     "OPERATOR",
     "PROCESS_ENVIRONMENT",
     "PROCESS_ENVIRONMENT_KINDS",
@@ -40,6 +41,9 @@ PROCESS_ENVIRONMENT = "environment"
 PROCESS_ENVIRONMENT_KINDS = ("verifiers",)
 # The trainer's lora.rank when a launch file leaves it unset (primerl_trainer.config.LoRAConfig).
 _DEFAULT_LORA_RANK = 16
+# The adapter a single-run LoRA trainer publishes when its config names none (the trainer's
+# PublishConfig.adapter_name default).
+DEFAULT_ADAPTER_NAME = "primerl"
 
 
 def get_path(table: Mapping[str, Any], dotted: str) -> Any:
@@ -219,7 +223,7 @@ def wire_lora(services: Mapping[str, ServiceSpec]) -> None:
     if set_default(trainer.table, "publish.kind", "adapter") != "adapter":
         return
     num_runs = get_path(trainer.table, "runs.max_concurrent_runs") or 0
-    adapter = None if num_runs else set_default(trainer.table, "publish.adapter_name", "primerl")
+    adapter = None if num_runs else set_default(trainer.table, "publish.adapter_name", DEFAULT_ADAPTER_NAME)
     rank = get_path(trainer.table, "lora.rank") or _DEFAULT_LORA_RANK
     for spec in services.values():
         if spec.service == "inference":
