@@ -14,6 +14,8 @@ TORCH_CPU_VERSION := 2.13.0
 SERVICES := orchestrator trainer inference router weight_broadcaster kvstore
 PYPROJECTS := libs/common/pyproject.toml tools/launcher/pyproject.toml $(foreach s,$(SERVICES),services/$(s)/pyproject.toml)
 STAMP := $(VENV)/.primerl-setup
+# Test processes for `make test` (pytest-xdist; each test file runs whole in one of them).
+TEST_WORKERS ?= 2
 
 export VLLM_CPU_KVCACHE_SPACE ?= 1
 export VLLM_CACHE_ROOT ?= $(CURDIR)/.cache/vllm
@@ -56,7 +58,7 @@ demo: setup
 # (apt-get, dockerd, debootstrap; root or sudo).
 test: setup
 	deploy/docker/ensure_docker.sh
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 lint: setup protos-check buf-lint buf-breaking
 	$(VENV)/bin/ruff check .
