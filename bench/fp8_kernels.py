@@ -9,12 +9,13 @@ pieces: the activation quantizer (1x128 tiles), the weight quantizer (W, and W^T
 gradient), the token-tile quantizers of the weight gradient, and the M-grouped and K-grouped
 products under each launch setting of --sweep (the module's default first). The last table
 sums, per shape, the forward and backward of both products in bf16 and in FP8 (default and
-best launch settings).
+best launch settings), and with DeepGEMM's M-grouped products where DeepGEMM is installed
+(model.fp8_backend "deep_gemm": kernels.deep_gemm_grouped).
 
     python3 bench/fp8_kernels.py [--sweep] [--tokens 4096]
 
 Last line: RESULT fp8_grouped_vs_bf16_moe=<bf16 time / FP8 time, fwd+bwd of both products,
-best settings> fp8_grouped_vs_bf16_moe_wide=<...>
+best settings> fp8_grouped_vs_bf16_moe_wide=<...> (and fp8_grouped_vs_bf16_<shape>_deep_gemm=<...>)
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ import torch
 import triton.testing
 
 from primerl_common.weights.fp8 import quantize_rows_1x128
+from primerl_trainer.kernels import deep_gemm_grouped as dg
 from primerl_trainer.kernels import fp8_grouped as fg
+from primerl_trainer.kernels.deep_gemm_grouped import deep_gemm_problem
 
 SHAPES = {"moe": (2048, 768), "moe_wide": (4096, 1536)}
 EXPERTS, TOP_K = 128, 8
@@ -110,6 +113,23 @@ def product_rows(name, out_f, in_f, offsets, args) -> dict:
         for ms, config in results_sorted[1:4]:
             print(f"      next {ms:.3f} ms {config}")
 
+    deep_gemm = {}
+    if deep_gemm_problem() is None:
+        # The same operands on DeepGEMM's M-grouped kernel (model.fp8_backend "deep_gemm").
+        layout = dg.padded_rows(offsets, rows)
+        for which, operands in (("fwd", (xq, xs, wq, ws)), ("dx", (dyq, dys, wtq, wts.transpose(1, 2)))):
+            call = functools.partial(dg.m_grouped, *operands, layout)
+            triton_out = fg._m_grouped(
+                *operands[:3], wts if which == "dx" else ws, fg.expert_tiles(offsets, rows, fg.M_GROUPED["BLOCK_M"]),
+                transposed_weight=which == "dx", out_dtype=x.dtype,
+            )  # fmt: skip
+            difference = ((call().float() - triton_out.float()).norm() / triton_out.float().norm()).item()
+            deep_gemm[which] = gpu_ms(call, args.rep_ms)
+            print(f"  deep_gemm {which}: {deep_gemm[which]:.3f} ms ({flops / deep_gemm[which] / 1e9:.0f} TFLOP/s, "
+                  f"with the row layout's copies); relative difference to Triton's {difference:.1e}")  # fmt: skip
+    else:
+        print(f"  deep_gemm: not run ({deep_gemm_problem()})")
+
     k_default = dict(fg.K_GROUPED)
     k_grid = {"BLOCK_M": [64, 128], "BLOCK_N": [64, 128, 256], "num_warps": [4, 8], "num_stages": [2, 3, 4]}
     results = []
@@ -130,12 +150,15 @@ def product_rows(name, out_f, in_f, offsets, args) -> dict:
         print(f"      next {ms:.3f} ms {config}")
     quant_fwd = quant["x 1x128"] + quant["W 128x128"]
     quant_bwd = quant["dy 1x128"] + quant["W^T 128x128"] + quant["dy,x token tiles"]
-    return {
+    totals = {
         "bf16": sum(bf16.values()),
         "fp8_default": quant_fwd + quant_bwd + best_m["fwd"][0] + best_m["dx"][0] + results[0][0],
         "fp8_best": quant_fwd + quant_bwd + best_m["fwd"][1] + best_m["dx"][1] + results_sorted[0][0],
         "quant": quant_fwd + quant_bwd,
     }
+    if deep_gemm:
+        totals["fp8_deep_gemm"] = quant_fwd + quant_bwd + deep_gemm["fwd"] + deep_gemm["dx"] + results_sorted[0][0]
+    return totals
 
 
 @torch.library.custom_op("fp8_kernels_bench::plus_one", mutates_args=())
@@ -223,6 +246,10 @@ def main() -> None:
         print(f"\n{shape}: fwd+bwd of both products: bf16 {summed['bf16']:.3f} ms; FP8 {summed['fp8_default']:.3f} ms "
               f"(default settings), {summed['fp8_best']:.3f} ms (best; quantizers {summed['quant']:.3f} ms): "
               f"{ratios[shape]:.2f}x of bf16")  # fmt: skip
+        if "fp8_deep_gemm" in summed:
+            ratios[f"{shape}_deep_gemm"] = summed["bf16"] / summed["fp8_deep_gemm"]
+            print(f"{shape}: with DeepGEMM's M-grouped products {summed['fp8_deep_gemm']:.3f} ms: "
+                  f"{ratios[shape + '_deep_gemm']:.2f}x of bf16")  # fmt: skip
     print("RESULT " + " ".join(f"fp8_grouped_vs_bf16_{shape}={ratio:.3f}" for shape, ratio in ratios.items()))
 
 

@@ -7,7 +7,7 @@ Two ways to pick the models:
   transformers', per step of N micro-batches> dense_mfu=<own dense>.
 - --fp8 (with --kinds, default moe_wide,moe,dense): the own model in bf16 against the own model
   with model.fp8 (block-scaled FP8 products of the blocks' linear layers and experts, models/fp8.py;
-  --fp8-backend, scaled_mm: Hopper), no transformers rows; moe_wide is the MoE at hidden 4096 with
+  --fp8-backend: scaled_mm or deep_gemm on Hopper), no transformers rows; moe_wide is the MoE at hidden 4096 with
   experts of 1536 (4 layers: ~11B parameters, ~90 GB of bf16 weights, gradients and AdamW moments).
   Last lines: fp8_speedup_dense=<FP8 tokens/s over bf16>, then RESULT fp8_speedup_moe_wide=<x>
   fp8_speedup_moe=<y>, per step of N micro-batches.
@@ -77,6 +77,7 @@ import torch
 import torch.nn.functional as F
 
 from primerl_trainer.kernels import linear_cross_entropy
+from primerl_trainer.kernels.fp8_linear import FP8_BACKENDS
 from primerl_trainer.models import load_model, model_spec_of
 from primerl_trainer.models.moe import GroupedExperts, grouped_mm_supported
 from primerl_trainer.optim import OptimizerConfig, build_optimizer
@@ -1028,8 +1029,9 @@ def main() -> None:
     parser.add_argument(
         "--fp8", action="store_true", help="the own model in bf16 against it with model.fp8 (no transformers rows)"
     )
-    parser.add_argument("--fp8-backend", default="scaled_mm", choices=["scaled_mm", "emulated"],
-                        help="--fp8's products: scaled_mm (Hopper) or emulated (any device: CPU smoke)")  # fmt: skip
+    parser.add_argument("--fp8-backend", default="scaled_mm", choices=list(FP8_BACKENDS),
+                        help="--fp8's products (model.fp8_backend): scaled_mm or deep_gemm (Hopper), emulated (any "
+                        "device: CPU smoke)")  # fmt: skip
     parser.add_argument("--hf-experts", default=None, help="transformers' experts_implementation (default: its own)")
     parser.add_argument("--hf-step-limit-s", type=float, default=None,
                         help="a transformers run whose first step takes longer stops there and reports that "

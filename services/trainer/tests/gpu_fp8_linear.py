@@ -1,10 +1,11 @@
 """kernels.fp8_linear on a Hopper GPU: the "scaled_mm" backend (cuBLAS's block-scaled FP8
 products) against the "emulated" one (the same quantized operands multiplied in float32),
 forward and backward with bf16 inputs, dense and grouped (the grouped one: kernels.fp8_grouped's
-fused Triton kernels); the Triton quantizers against their PyTorch references, bit for bit; and
-the time of fp8_linear against bf16 F.linear for an 8192x4096x4096 product, and of
-fp8_grouped_linear against bf16 torch._grouped_mm for a MoE layer's experts (printed). From
-the repository root, where the project is installed:
+fused Triton kernels; the "deep_gemm" backend against it where DeepGEMM is installed); the
+Triton quantizers against their PyTorch references, bit for bit; and the time of fp8_linear
+against bf16 F.linear for an 8192x4096x4096 product, and of fp8_grouped_linear against bf16
+torch._grouped_mm for a MoE layer's experts (printed). From the repository root, where the
+project is installed:
 
     python3 -m pytest -q services/trainer/tests/gpu_fp8_linear.py
 
@@ -130,6 +131,37 @@ def test_grouped_scaled_mm_equals_emulated(sizes, in_features, out_features, wei
     for expert, size in enumerate(sizes):
         if size == 0:
             assert torch.count_nonzero(results["scaled_mm"][2][expert]) == 0
+
+
+@pytest.mark.parametrize("sizes,in_features,out_features", GROUPED_SHAPES)
+def test_grouped_deep_gemm_equals_scaled_mm(sizes, in_features, out_features):
+    """The "deep_gemm" backend (DeepGEMM's M-grouped products, kernels.deep_gemm_grouped) against
+    "scaled_mm" (the Triton kernels): the same quantized operands, so the same products up to the
+    order of the float32 sums; 2880 input features are not whole 128-blocks, so that layer's
+    products stay on Triton. Skipped where DeepGEMM is not installed."""
+    hopper()
+    try:
+        check_fp8_device("cuda", "deep_gemm")
+    except ValueError as error:
+        pytest.skip(str(error))
+    torch.manual_seed(len(sizes))
+    x = torch.randn(sum(sizes) + 5, in_features, device="cuda", dtype=torch.bfloat16)  # 5 rows of no expert
+    weights = (torch.randn(len(sizes), out_features, in_features, device="cuda") * 0.05).to(torch.bfloat16)
+    offsets = torch.tensor(sizes, device="cuda").cumsum(0).to(torch.int32)
+    grad_y = torch.randn(sum(sizes) + 5, out_features, device="cuda", dtype=torch.bfloat16)
+    results = {}
+    for backend in ("deep_gemm", "scaled_mm"):
+        x_b, w_b = x.clone().requires_grad_(), weights.clone().requires_grad_()
+        y = fp8_grouped_linear(x_b, w_b, offsets, backend=backend)
+        y.backward(grad_y)
+        results[backend] = (y, x_b.grad, w_b.grad)
+    for name, actual, expected in zip(
+        ("y", "grad_x", "grad_w"), results["deep_gemm"], results["scaled_mm"], strict=True
+    ):
+        assert actual.dtype == expected.dtype and actual.shape == expected.shape, name
+        assert relative_error(actual, expected) < 1e-3, name
+    y, grad_x, _ = results["deep_gemm"]
+    assert torch.count_nonzero(y[sum(sizes) :]) == 0 and torch.count_nonzero(grad_x[sum(sizes) :]) == 0
 
 
 def test_grouped_quantizers_equal_the_per_expert_ones_bit_for_bit():

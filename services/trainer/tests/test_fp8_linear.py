@@ -3,6 +3,7 @@ kernels.fp8_linear's "emulated" backend, the exact value of what the GPU's FP8 p
 (gpu_fp8_linear.py checks the "scaled_mm" backend against it on a Hopper GPU)."""
 
 import math
+import sys
 
 import pytest
 import torch
@@ -15,7 +16,9 @@ from primerl_common.weights.fp8 import (
     quantize_blockwise,
     quantize_rows_1x128,
 )
-from primerl_trainer.kernels.fp8_linear import fp8_grouped_linear, fp8_linear
+from primerl_trainer.kernels import deep_gemm_grouped
+from primerl_trainer.kernels import fp8_linear as fp8_linear_module
+from primerl_trainer.kernels.fp8_linear import check_fp8_device, fp8_grouped_linear, fp8_linear
 
 
 def tile_scales(scales: torch.Tensor, cols: int) -> torch.Tensor:
@@ -176,6 +179,48 @@ def test_scaled_mm_on_the_cpu_is_refused_naming_model_fp8():
         fp8_linear(x, weight)
     with pytest.raises(ValueError, match=r"model\.fp8.*CUDA"):
         fp8_grouped_linear(x, weight[None], torch.tensor([16], dtype=torch.int32), backend="scaled_mm")
+
+
+def test_deep_gemm_on_the_cpu_is_refused_naming_model_fp8():
+    x, weight = torch.randn(16, 128), torch.randn(2, 128, 128)
+    with pytest.raises(ValueError, match=r"model\.fp8.*CUDA"):
+        fp8_grouped_linear(x, weight, torch.tensor([9, 16], dtype=torch.int32), backend="deep_gemm")
+
+
+def test_deep_gemm_missing_is_refused_naming_the_backend(monkeypatch: pytest.MonkeyPatch):
+    # On a Hopper GPU without DeepGEMM installed, what the trainer says when the model is built.
+    monkeypatch.setitem(sys.modules, "deep_gemm", None)  # `import deep_gemm` raises ImportError
+    monkeypatch.setattr(fp8_linear_module, "_fp8_device_problem", lambda device: None)
+    with pytest.raises(ValueError, match=r"model\.fp8_backend 'deep_gemm' needs DeepGEMM.*README"):
+        check_fp8_device("cuda", "deep_gemm")
+    check_fp8_device("cuda", "scaled_mm")  # the other backends do not need it
+    check_fp8_device("cpu", "emulated")
+
+
+@pytest.mark.parametrize(
+    "sizes",
+    [[100, 0, 300, 17], [0, 0, 129, 1], [128, 256], [5]],
+)
+@pytest.mark.parametrize("extra_rows", [0, 3])
+def test_deep_gemm_padded_rows_put_each_expert_at_an_aligned_start(sizes, extra_rows):
+    """DeepGEMM's contiguous layout, built on the device: each expert's rows in order from a
+    multiple of 128, every other row's index -1; rows past the last expert's end land in
+    -1 rows too, and every destination is distinct."""
+    offsets = torch.tensor(sizes).cumsum(0).to(torch.int32)
+    rows = deep_gemm_grouped.padded_rows(offsets, sum(sizes) + extra_rows)
+    dest, expert = rows.dest_N.tolist(), rows.expert_M.tolist()
+    assert len(set(dest)) == len(dest) and len(expert) % 128 == 0
+    assert len(expert) >= sum(sizes) + extra_rows + len(sizes) * 127
+    start, row, expected = 0, 0, [-1] * len(expert)
+    for e, size in enumerate(sizes):
+        for i in range(size):
+            assert dest[row] == start + i
+            expected[start + i] = e
+            row += 1
+        start += -(-size // 128) * 128
+    assert expert == expected
+    assert rows.valid_N.tolist() == [True] * sum(sizes) + [False] * extra_rows
+    assert all(expert[d] == -1 for d in dest[sum(sizes) :])
 
 
 def test_bad_arguments_are_refused():

@@ -65,11 +65,13 @@ class ModelConfig(Section):
         "weights and optimizer state keep model.dtype; the routers, embedding, vocabulary projection, norms, "
         "attention and loss as without; own implementations only, no LoRA yet",
     )
-    fp8_backend: Literal["scaled_mm", "emulated"] = Field(
+    fp8_backend: Literal["scaled_mm", "deep_gemm", "emulated"] = Field(
         default="scaled_mm",
-        description="model.fp8's products: scaled_mm (cuBLAS's block-scaled FP8 kernels, Hopper GPUs: compute "
-        "capability 9.x) or emulated (the same quantization with float32 products of the dequantized operands, "
-        "on any device: slow, for checking the numerics and CPU tests)",
+        description="model.fp8's products: scaled_mm (cuBLAS's block-scaled FP8 kernels and the project's Triton "
+        "kernels for the experts, Hopper GPUs: compute capability 9.x), deep_gemm (the same, with the experts' "
+        "forward and input-gradient products on DeepGEMM's kernels, the same numbers; DeepGEMM built from "
+        "source, services/trainer/README.md) or emulated (the same quantization with float32 products of the "
+        "dequantized operands, on any device: slow, for checking the numerics and CPU tests)",
     )
 
     @model_validator(mode="after")
@@ -310,9 +312,9 @@ class TrainerConfig(ServiceConfig):
                 "model.train_vision_encoder with lora.enabled is not supported: the LoRA adapters cover the "
                 "language model only; leave model.train_vision_encoder false or set lora.enabled false"
             )
-        if self.model.fp8 and self.model.fp8_backend == "scaled_mm" and self.device == "cpu":
+        if self.model.fp8 and self.model.fp8_backend != "emulated" and self.device == "cpu":
             raise ValueError(
-                "model.fp8 with model.fp8_backend 'scaled_mm' needs a Hopper GPU, not device 'cpu' "
+                f"model.fp8 with model.fp8_backend '{self.model.fp8_backend}' needs a Hopper GPU, not device 'cpu' "
                 "(model.fp8_backend 'emulated' computes the same numbers on the CPU)"
             )
         return self

@@ -23,7 +23,9 @@ The operands are quantized as fp8_linear's module docstring tables, and exactly 
 Each product sums one 128-wide step of the contraction in FP8 (tl.dot, float32 out), scales it
 by the two operands' scales and accumulates in float32 (DeepSeek-V3's promotion of the partial
 sums every 128), and rounds once to the output dtype. Triton is imported only when a kernel
-first runs (TRITON_INTERPRET=1 runs them on CPU tensors, as the tests do).
+first runs (TRITON_INTERPRET=1 runs them on CPU tensors, as the tests do). With `deep_gemm`, the
+M-grouped products run on DeepGEMM's kernel instead where it takes their shape
+(kernels.deep_gemm_grouped: the same operands, the same products).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from primerl_common.weights.fp8 import quantize_rows_1x128
+from primerl_trainer.kernels import deep_gemm_grouped as dg
 
 __all__ = ["expert_tiles", "grouped_backward", "grouped_forward", "quantize_expert_weights", "quantize_token_tiles"]
 
@@ -45,11 +48,16 @@ M_GROUPED = {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 3}
 K_GROUPED = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
 
 
-def grouped_forward(x_NI: torch.Tensor, w_EOI: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
-    """y [N, O] in x's dtype: rows of expert e times w_EOI[e]^T; rows past offsets_E[-1] are zero."""
-    tiles = expert_tiles(offsets_E, x_NI.shape[0], M_GROUPED["BLOCK_M"])
+def grouped_forward(
+    x_NI: torch.Tensor, w_EOI: torch.Tensor, offsets_E: torch.Tensor, *, deep_gemm: bool = False
+) -> torch.Tensor:
+    """y [N, O] in x's dtype: rows of expert e times w_EOI[e]^T; rows past offsets_E[-1] are zero.
+    `deep_gemm`: the product on DeepGEMM's kernel where it takes the shape (kernels.deep_gemm_grouped)."""
     xq, xs = quantize_rows_1x128(x_NI)
     wq, ws = quantize_expert_weights(w_EOI)
+    if deep_gemm and dg.fits(x_NI.shape[1], w_EOI.shape[1], x_NI.dtype):
+        return dg.m_grouped(xq, xs, wq, ws, dg.padded_rows(offsets_E, x_NI.shape[0]))
+    tiles = expert_tiles(offsets_E, x_NI.shape[0], M_GROUPED["BLOCK_M"])
     return _m_grouped(xq, xs, wq, ws, tiles, transposed_weight=False, out_dtype=x_NI.dtype)
 
 
@@ -60,15 +68,21 @@ def grouped_backward(
     offsets_E: torch.Tensor,
     need_x: bool,
     need_w: bool,
+    *,
+    deep_gemm: bool = False,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(dx [N, I] in x's dtype, dW [E, O, I] in W's dtype), None where not needed; an expert
-    without rows gets a zero weight gradient."""
+    without rows gets a zero weight gradient. `deep_gemm`: dx as grouped_forward's product."""
     dx = dw = None
     if need_x:
-        tiles = expert_tiles(offsets_E, x_NI.shape[0], M_GROUPED["BLOCK_M"])
         dyq, dys = quantize_rows_1x128(dy_NO)
         wtq, wts = quantize_expert_weights(w_EOI, transpose=True)
-        dx = _m_grouped(dyq, dys, wtq, wts, tiles, transposed_weight=True, out_dtype=x_NI.dtype)
+        if deep_gemm and dg.fits(dy_NO.shape[1], x_NI.shape[1], x_NI.dtype):
+            # W^T's blocks are W's transposed: their scales too.
+            dx = dg.m_grouped(dyq, dys, wtq, wts.transpose(1, 2), dg.padded_rows(offsets_E, x_NI.shape[0]))
+        else:
+            tiles = expert_tiles(offsets_E, x_NI.shape[0], M_GROUPED["BLOCK_M"])
+            dx = _m_grouped(dyq, dys, wtq, wts, tiles, transposed_weight=True, out_dtype=x_NI.dtype)
     if need_w:
         tiles = expert_tiles(offsets_E, x_NI.shape[0])
         dytq, dyts = quantize_token_tiles(dy_NO, tiles)

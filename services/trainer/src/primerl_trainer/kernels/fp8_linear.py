@@ -36,6 +36,9 @@ Two backends compute the same products:
   on an H200); the layer's dimensions must be multiples of 16 (torch's check). Partial
   128-blocks of the feature dimensions are fine. On an H200 its results are within about
   1e-4 (float32 output) of the emulated ones: cuBLAS sums in another order.
+- "deep_gemm": "scaled_mm", except that the experts' forward and input-gradient products run on
+  DeepGEMM's kernels (kernels.deep_gemm_grouped; optional, built from source), where they take
+  the layer's shape: the same products; the kernel alone about twice as fast as bf16 on an H200.
 - "emulated": both quantized operands dequantized to float32 and multiplied in float32: the
   value the FP8 product computes (up to the summation order), on any device.
   The CPU tests use it; the GPU tests check "scaled_mm" against it.
@@ -62,20 +65,28 @@ from primerl_common.weights.fp8 import (
     quantize_blockwise,
     quantize_rows_1x128,
 )
+from primerl_trainer.kernels.deep_gemm_grouped import deep_gemm_problem
 from primerl_trainer.kernels.fp8_grouped import grouped_backward, grouped_forward
 
 __all__ = ["FP8_BACKENDS", "Fp8Backend", "check_fp8_device", "fp8_grouped_linear", "fp8_linear"]
 
-Fp8Backend = Literal["scaled_mm", "emulated"]
-FP8_BACKENDS: tuple[Fp8Backend, ...] = ("scaled_mm", "emulated")
+Fp8Backend = Literal["scaled_mm", "deep_gemm", "emulated"]
+FP8_BACKENDS: tuple[Fp8Backend, ...] = ("scaled_mm", "deep_gemm", "emulated")
+# The backends that run the real FP8 products on a Hopper GPU.
+_GPU_BACKENDS = ("scaled_mm", "deep_gemm")
 
 # torch's FP8 products take dimensions in multiples of 16 (cuBLAS refused 77 rows).
 _ALIGN = 16
 
 
-def check_fp8_device(device: torch.device | str) -> None:
-    """Raises ValueError (naming `model.fp8`) unless the "scaled_mm" backend runs on `device`."""
+def check_fp8_device(device: torch.device | str, backend: Fp8Backend = "scaled_mm") -> None:
+    """Raises ValueError (naming `model.fp8` or `model.fp8_backend`) unless `backend` runs on
+    `device` ("emulated" runs anywhere)."""
+    if backend == "emulated":
+        return
     problem = _fp8_device_problem(torch.device(device))
+    if problem is None and backend == "deep_gemm":
+        problem = deep_gemm_problem()
     if problem is not None:
         raise ValueError(problem)
 
@@ -109,7 +120,7 @@ def fp8_linear(
     _check_backend(backend)
     if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
         raise ValueError(f"fp8_linear: x {tuple(x.shape)} does not fit a weight of shape {tuple(weight.shape)}")
-    if backend == "scaled_mm":
+    if backend in _GPU_BACKENDS:
         _check_layer_shape(weight.shape)
     y = _fp8_linear_op(x.reshape(-1, x.shape[-1]), weight, backend)
     y = y.view(*x.shape[:-1], weight.shape[0])
@@ -128,7 +139,7 @@ def fp8_grouped_linear(
         )
     if offsets_E.shape != (w_EOI.shape[0],):
         raise ValueError(f"fp8_grouped_linear: {w_EOI.shape[0]} experts but offsets of shape {tuple(offsets_E.shape)}")
-    if backend == "scaled_mm":
+    if backend in _GPU_BACKENDS:
         _check_layer_shape(w_EOI.shape[1:])
     return _fp8_grouped_linear_op(x_NI, w_EOI, offsets_E, backend)
 
@@ -200,8 +211,8 @@ def _fp8_grouped_linear_op(
     x_NI: torch.Tensor, w_EOI: torch.Tensor, offsets_E: torch.Tensor, backend: str
 ) -> torch.Tensor:
     _check_device(x_NI, backend)
-    if backend == "scaled_mm":
-        return grouped_forward(x_NI, w_EOI, offsets_E)
+    if backend in _GPU_BACKENDS:
+        return grouped_forward(x_NI, w_EOI, offsets_E, deep_gemm=backend == "deep_gemm")
     y_NO = x_NI.new_zeros(x_NI.shape[0], w_EOI.shape[1])
     for expert, rows in _expert_rows(offsets_E):
         y_NO[rows] = _forward(x_NI[rows], w_EOI[expert], backend)
@@ -224,8 +235,8 @@ def _fp8_grouped_linear_backward_op(
     need_w: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx, dw); an unneeded one is empty. An expert without rows gets a zero weight gradient."""
-    if backend == "scaled_mm":
-        dx, dw = grouped_backward(dy_NO, x_NI, w_EOI, offsets_E, need_x, need_w)
+    if backend in _GPU_BACKENDS:
+        dx, dw = grouped_backward(dy_NO, x_NI, w_EOI, offsets_E, need_x, need_w, deep_gemm=backend == "deep_gemm")
         return _or_empty(dx, x_NI), _or_empty(dw, w_EOI)
     dx_NI = torch.zeros_like(x_NI) if need_x else x_NI.new_empty(0)
     dw_EOI = torch.zeros_like(w_EOI) if need_w else w_EOI.new_empty(0)
@@ -269,8 +280,7 @@ _fp8_grouped_linear_op.register_autograd(_fp8_grouped_linear_backward, setup_con
 
 def _check_device(x: torch.Tensor, backend: str) -> None:
     # Inside the ops (run, not traced, under torch.compile); the answer is cached per device.
-    if backend == "scaled_mm":
-        check_fp8_device(x.device)
+    check_fp8_device(x.device, backend)
 
 
 def _expert_rows(offsets_E: torch.Tensor) -> list[tuple[int, slice]]:
@@ -318,7 +328,7 @@ def _backward(
 def _pad_rows(t: torch.Tensor, backend: Fp8Backend) -> torch.Tensor:
     """Zero rows up to a multiple of 16 for cuBLAS (a copy, only where the count is not one)."""
     missing = -t.shape[0] % _ALIGN
-    if backend != "scaled_mm" or missing == 0:
+    if backend == "emulated" or missing == 0:
         return t
     return F.pad(t, (0, 0, 0, missing))
 

@@ -54,8 +54,7 @@ def convert_to_fp8(blocks: nn.Module, *, backend: Fp8Backend, device: torch.devi
     model.fp8) where it cannot run."""
     if backend not in FP8_BACKENDS:
         raise ValueError(f"model.fp8_backend must be one of {FP8_BACKENDS}, got {backend!r}")
-    if backend == "scaled_mm":
-        check_fp8_device(device)
+    check_fp8_device(device, backend)
     kept = [name for name, module in blocks.named_modules() if isinstance(module, _KEPT_MODULES)]
     linears, experts, unaligned = [], [], []
     for name, module in blocks.named_modules():
