@@ -7,7 +7,8 @@ Two ways to pick the models:
   transformers', per step of N micro-batches> dense_mfu=<own dense>.
 - --fp8 (with --kinds, default moe_wide,moe,dense): the own model in bf16 against the own model
   with model.fp8 (block-scaled FP8 products of the blocks' linear layers and experts, models/fp8.py;
-  --fp8-backend: scaled_mm or deep_gemm on Hopper), no transformers rows; moe_wide is the MoE at hidden 4096 with
+  --fp8-backend: scaled_mm or deep_gemm on Hopper; --fp8-weight-cache: model.fp8_weight_cache), no
+  transformers rows; moe_wide is the MoE at hidden 4096 with
   experts of 1536 (4 layers: ~11B parameters, ~90 GB of bf16 weights, gradients and AdamW moments).
   Last lines: fp8_speedup_dense=<FP8 tokens/s over bf16>, then RESULT fp8_speedup_moe_wide=<x>
   fp8_speedup_moe=<y>, per step of N micro-batches.
@@ -77,6 +78,7 @@ import torch
 import torch.nn.functional as F
 
 from primerl_trainer.kernels import linear_cross_entropy
+from primerl_trainer.kernels.fp8_grouped import WEIGHT_CACHE
 from primerl_trainer.kernels.fp8_linear import FP8_BACKENDS
 from primerl_trainer.models import load_model, model_spec_of
 from primerl_trainer.models.moe import GroupedExperts, grouped_mm_supported
@@ -675,6 +677,7 @@ def train(
         return loss.detach()
 
     def optimizer_step() -> None:
+        WEIGHT_CACHE.clear()  # as the trainer's step does (model.fp8_weight_cache)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -754,7 +757,7 @@ def load_own_model(path: pathlib.Path, *, device: str, attention: str, compile: 
     if not experts:
         experts_name = "-"
     elif fp8_backend is not None:
-        experts_name = f"fp8 {fp8_backend}"
+        experts_name = f"fp8 {fp8_backend}" + (" cached" if WEIGHT_CACHE.enabled else "")
     elif experts == {"auto"}:
         experts_name = "grouped_mm" if grouped_mm_supported(torch.device(device), torch.bfloat16) else "loop"
     else:
@@ -787,6 +790,7 @@ def bench_case(case: Case, path: pathlib.Path, args, peak_tflops: float, profile
                     model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=device == "cuda"
                 )
             else:
+                WEIGHT_CACHE.enabled = impl == "fp8" and args.fp8_weight_cache
                 model, attention, experts = load_own_model(
                     path, device=device, attention=case.own_attention, compile=not args.no_compile,
                     fp8_backend=args.fp8_backend if impl == "fp8" else None,
@@ -1032,6 +1036,8 @@ def main() -> None:
     parser.add_argument("--fp8-backend", default="scaled_mm", choices=list(FP8_BACKENDS),
                         help="--fp8's products (model.fp8_backend): scaled_mm or deep_gemm (Hopper), emulated (any "
                         "device: CPU smoke)")  # fmt: skip
+    parser.add_argument("--fp8-weight-cache", action="store_true",
+                        help="--fp8 with model.fp8_weight_cache: expert weights quantized once a step")  # fmt: skip
     parser.add_argument("--hf-experts", default=None, help="transformers' experts_implementation (default: its own)")
     parser.add_argument("--hf-step-limit-s", type=float, default=None,
                         help="a transformers run whose first step takes longer stops there and reports that "

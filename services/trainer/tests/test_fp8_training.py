@@ -237,6 +237,11 @@ def test_scaled_mm_on_the_cpu_is_refused_when_the_model_is_built_naming_model_fp
         (["--model.fp8", "true", "--lora.enabled", "true"], r"model\.fp8 with lora\.enabled is not supported yet"),
         (["--model.fp8", "true", "--device", "cpu"], r"model\.fp8 with model\.fp8_backend 'scaled_mm'.*device 'cpu'"),
         (["--model.fp8_backend", "triton"], r"model\.fp8_backend"),
+        (
+            ["--model.fp8", "true", "--model.fp8_backend", "deep_gemm", "--device", "cpu"],
+            r"model\.fp8 with model\.fp8_backend 'deep_gemm'.*device 'cpu'",
+        ),
+        (["--model.fp8_weight_cache", "true"], r"model\.fp8_weight_cache.*needs model\.fp8 true"),
     ],
 )
 def test_unusable_fp8_configs_are_refused_naming_the_fields(argv: list[str], message: str) -> None:

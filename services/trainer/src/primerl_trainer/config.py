@@ -74,10 +74,20 @@ class ModelConfig(Section):
         "dequantized operands, on any device: slow, for checking the numerics and CPU tests)",
     )
 
+    fp8_weight_cache: bool = Field(
+        default=False,
+        description="with model.fp8 on a GPU backend: quantize each expert weight once per optimizer step and keep "
+        "its float8 blocks (W and W^T, 2 bytes a parameter) through the step's micro-batches, instead of again on "
+        "every micro-batch; for experts that stay whole on the GPU (no FSDP sharding of them: a gathered weight "
+        "changes at every all-gather, and its copy would hold the memory FSDP frees)",
+    )
+
     @model_validator(mode="after")
     def _check_fp8(self) -> ModelConfig:
         if self.fp8 and self.impl == "hf":
             raise ValueError("model.fp8 needs the own model implementation (model.impl 'auto' or 'custom'), not 'hf'")
+        if self.fp8_weight_cache and not self.fp8:
+            raise ValueError("model.fp8_weight_cache keeps model.fp8's quantized weights: it needs model.fp8 true")
         return self
 
 

@@ -21,6 +21,7 @@ from primerl_trainer.distributed.expert_parallel import check_ep_comm_backend
 from primerl_trainer.distributed.parallel_dims import ParallelDims
 from primerl_trainer.export import PublishKind, plan_export
 from primerl_trainer.hf_export import export_dtype
+from primerl_trainer.kernels.fp8_grouped import WEIGHT_CACHE
 from primerl_trainer.lora import apply_lora
 from primerl_trainer.models import HFCausalLM, load_model, model_spec_of, read_hf_config
 from primerl_trainer.optim import build_lr_scheduler, build_optimizer
@@ -197,6 +198,7 @@ def _parallelize(model: nn.Module, dims: ParallelDims, config: TrainerConfig) ->
         expert_parallel["ep_mesh"] = dims.mesh("ep")
         if getattr(model.args, "num_experts", 0):  # a dense model's parallelize refuses the ep mesh
             expert_parallel |= {"efsdp_mesh": dims.mesh("efsdp"), "ep_comm_backend": config.model.ep_comm_backend}
+    WEIGHT_CACHE.enabled = config.model.fp8 and config.model.fp8_weight_cache
     model_spec_of(model).parallelize_fn(
         model,
         dp_mesh=mesh,

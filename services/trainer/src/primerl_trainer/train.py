@@ -28,6 +28,7 @@ from primerl_trainer.batch import BatchSpec, MicroBatch, TrainingMode, shard_mic
 from primerl_trainer.distributed.context_parallel import RowShard, shard_micro_batch
 from primerl_trainer.distributed.fsdp import defer_local_gradient_reduction
 from primerl_trainer.expert_load import ExpertLoad
+from primerl_trainer.kernels.fp8_grouped import WEIGHT_CACHE
 from primerl_trainer.losses import RLLossConfig, rl_loss, sft_loss, target_logprobs
 from primerl_trainer.optim import clip_grad_norm_
 
@@ -137,6 +138,7 @@ class Trainer:
         # A NaN or inf gradient would poison the weights and every rollout after them: keep the
         # weights, still count the step (its batch is consumed) and report it.
         update_skipped = not bool(torch.isfinite(grad_norm))
+        WEIGHT_CACHE.clear()  # model.fp8_weight_cache: the step's quantized weights, stale after it
         if not update_skipped:
             self.optimizer.step()
         self.lr_scheduler.step()
