@@ -107,27 +107,37 @@ GROUPED_SHAPES = [
 ]
 
 
+def grouped_results(sizes, in_features, out_features, weight_dtype, backends, extra_rows=0):
+    """{backend: (y, grad_x, grad_w)} of fp8_grouped_linear forward and backward on the same
+    inputs; `extra_rows` rows past the last expert's."""
+    torch.manual_seed(len(sizes))
+    rows = sum(sizes) + extra_rows
+    x = torch.randn(rows, in_features, device="cuda", dtype=torch.bfloat16)
+    weights = (torch.randn(len(sizes), out_features, in_features, device="cuda") * 0.05).to(weight_dtype)
+    offsets = torch.tensor(sizes, device="cuda").cumsum(0).to(torch.int32)
+    grad_y = torch.randn(rows, out_features, device="cuda", dtype=torch.bfloat16)
+    results = {}
+    for backend in backends:
+        x_b, w_b = x.clone().requires_grad_(), weights.clone().requires_grad_()
+        y = fp8_grouped_linear(x_b, w_b, offsets, backend=backend)
+        y.backward(grad_y)
+        results[backend] = (y, x_b.grad, w_b.grad)
+    return results
+
+
+def assert_close_grouped(actual_results, expected_results, bound) -> None:
+    for name, actual, expected in zip(("y", "grad_x", "grad_w"), actual_results, expected_results, strict=True):
+        assert actual.dtype == expected.dtype and actual.shape == expected.shape, name
+        assert relative_error(actual, expected) < bound, name
+
+
 @pytest.mark.parametrize("sizes,in_features,out_features", GROUPED_SHAPES)
 @pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32])
 def test_grouped_scaled_mm_equals_emulated(sizes, in_features, out_features, weight_dtype):
     """The fused Triton kernels (kernels.fp8_grouped) against the per-expert emulated loop."""
     hopper()
-    torch.manual_seed(len(sizes))
-    x = torch.randn(sum(sizes), in_features, device="cuda", dtype=torch.bfloat16)
-    weights = (torch.randn(len(sizes), out_features, in_features, device="cuda") * 0.05).to(weight_dtype)
-    offsets = torch.tensor(sizes, device="cuda").cumsum(0).to(torch.int32)
-    grad_y = torch.randn(sum(sizes), out_features, device="cuda", dtype=torch.bfloat16)
-    results = {}
-    for backend in ("scaled_mm", "emulated"):
-        x_b, w_b = x.clone().requires_grad_(), weights.clone().requires_grad_()
-        y = fp8_grouped_linear(x_b, w_b, offsets, backend=backend)
-        y.backward(grad_y)
-        results[backend] = (y, x_b.grad, w_b.grad)
-    for name, actual, expected in zip(
-        ("y", "grad_x", "grad_w"), results["scaled_mm"], results["emulated"], strict=True
-    ):
-        assert actual.dtype == expected.dtype and actual.shape == expected.shape, name
-        assert relative_error(actual, expected) < 5e-3, name
+    results = grouped_results(sizes, in_features, out_features, weight_dtype, ("scaled_mm", "emulated"))
+    assert_close_grouped(results["scaled_mm"], results["emulated"], 5e-3)
     for expert, size in enumerate(sizes):
         if size == 0:
             assert torch.count_nonzero(results["scaled_mm"][2][expert]) == 0
@@ -138,28 +148,17 @@ def test_grouped_deep_gemm_equals_scaled_mm(sizes, in_features, out_features):
     """The "deep_gemm" backend (DeepGEMM's M-grouped products, kernels.deep_gemm_grouped) against
     "scaled_mm" (the Triton kernels): the same quantized operands, so the same products up to the
     order of the float32 sums; 2880 input features are not whole 128-blocks, so that layer's
-    products stay on Triton. Skipped where DeepGEMM is not installed."""
+    products stay on Triton; 5 rows of no expert come back zero. Skipped where DeepGEMM is not
+    installed."""
     hopper()
     try:
         check_fp8_device("cuda", "deep_gemm")
     except ValueError as error:
         pytest.skip(str(error))
-    torch.manual_seed(len(sizes))
-    x = torch.randn(sum(sizes) + 5, in_features, device="cuda", dtype=torch.bfloat16)  # 5 rows of no expert
-    weights = (torch.randn(len(sizes), out_features, in_features, device="cuda") * 0.05).to(torch.bfloat16)
-    offsets = torch.tensor(sizes, device="cuda").cumsum(0).to(torch.int32)
-    grad_y = torch.randn(sum(sizes) + 5, out_features, device="cuda", dtype=torch.bfloat16)
-    results = {}
-    for backend in ("deep_gemm", "scaled_mm"):
-        x_b, w_b = x.clone().requires_grad_(), weights.clone().requires_grad_()
-        y = fp8_grouped_linear(x_b, w_b, offsets, backend=backend)
-        y.backward(grad_y)
-        results[backend] = (y, x_b.grad, w_b.grad)
-    for name, actual, expected in zip(
-        ("y", "grad_x", "grad_w"), results["deep_gemm"], results["scaled_mm"], strict=True
-    ):
-        assert actual.dtype == expected.dtype and actual.shape == expected.shape, name
-        assert relative_error(actual, expected) < 1e-3, name
+    results = grouped_results(
+        sizes, in_features, out_features, torch.bfloat16, ("deep_gemm", "scaled_mm"), extra_rows=5
+    )
+    assert_close_grouped(results["deep_gemm"], results["scaled_mm"], 1e-3)
     y, grad_x, _ = results["deep_gemm"]
     assert torch.count_nonzero(y[sum(sizes) :]) == 0 and torch.count_nonzero(grad_x[sum(sizes) :]) == 0
 
