@@ -60,9 +60,9 @@ def apply_variant(trainer, features: frozenset[str]) -> None:
                 padded_copies="synced" not in features,
             )
     trainer.accumulate_unsharded = "unsharded" in features
-    from primerl_trainer.models import moe
+    from primerl_trainer.kernels import swiglu
 
-    moe.FUSED_SWIGLU = "plainswiglu" not in features
+    swiglu.FUSED_SWIGLU = "plainswiglu" not in features
     _bincount_sync("bincount" in features)
 
 
