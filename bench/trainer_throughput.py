@@ -78,8 +78,8 @@ import torch
 import torch.nn.functional as F
 
 from primerl_trainer.kernels import linear_cross_entropy
-from primerl_trainer.kernels.fp8_grouped import WEIGHT_CACHE
 from primerl_trainer.kernels.fp8_linear import FP8_BACKENDS
+from primerl_trainer.kernels.fp8_weight_cache import WEIGHT_CACHE
 from primerl_trainer.models import load_model, model_spec_of
 from primerl_trainer.models.moe import GroupedExperts, grouped_mm_supported
 from primerl_trainer.optim import OptimizerConfig, build_optimizer

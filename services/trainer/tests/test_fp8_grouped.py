@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from primerl_common.weights.fp8 import quantize_blockwise_reference, quantize_rows_1x128_reference
-from primerl_trainer.kernels import fp8_grouped
 from primerl_trainer.kernels.fp8_grouped import TILE, expert_tiles
+from primerl_trainer.kernels.fp8_weight_cache import QuantizedWeightCache
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 SIZES = [130, 0, 7, 163]  # an empty expert, counts off the 128-row tile
@@ -156,39 +156,38 @@ def reference_expert_blocks(w: torch.Tensor, *, transpose: bool) -> tuple[torch.
     return values, torch.stack([s for _, s in blocks])
 
 
-def test_weight_cache_quantizes_a_weight_once_until_it_changes(monkeypatch: pytest.MonkeyPatch):
+def test_weight_cache_quantizes_a_weight_once_until_it_changes():
     """model.fp8_weight_cache: a step's micro-batches reuse the weight's blocks; an in-place
     update (the optimizer's), `clear` (the trainer's, before each optimizer step) or another
     tensor quantizes again, with the new values; a freed weight leaves the cache; off, every
     call quantizes."""
-    monkeypatch.setattr(fp8_grouped, "quantize_expert_weights", reference_expert_blocks)
     reference_expert_blocks.calls = 0
-    cache = fp8_grouped.QuantizedWeightCache()
+    cache = QuantizedWeightCache()
     w = torch.randn(2, 256, 128)
-    cache.quantized(w, transpose=False)
-    cache.quantized(w, transpose=True)
+    cache.quantized(w, reference_expert_blocks, transpose=False)
+    cache.quantized(w, reference_expert_blocks, transpose=True)
     assert reference_expert_blocks.calls == 2  # off: no entry kept
     assert len(cache) == 0
 
     cache.enabled = True
-    first = cache.quantized(w, transpose=False)
+    first = cache.quantized(w, reference_expert_blocks, transpose=False)
     for _ in range(3):  # the step's other micro-batches
-        assert cache.quantized(w, transpose=False)[0] is first[0]
-    transposed = cache.quantized(w, transpose=True)
+        assert cache.quantized(w, reference_expert_blocks, transpose=False)[0] is first[0]
+    transposed = cache.quantized(w, reference_expert_blocks, transpose=True)
     assert transposed[0].shape == (2, 128, 256) and reference_expert_blocks.calls == 4
 
     with torch.no_grad():
         w.mul_(2.0)  # an optimizer step's in-place write
-    updated = cache.quantized(w, transpose=False)
+    updated = cache.quantized(w, reference_expert_blocks, transpose=False)
     assert reference_expert_blocks.calls == 5
     expected = reference_expert_blocks(w, transpose=False)
     assert torch.equal(updated[0].float(), expected[0].float()) and torch.equal(updated[1], expected[1])
 
     cache.clear()
-    cache.quantized(w, transpose=False)
+    cache.quantized(w, reference_expert_blocks, transpose=False)
     assert reference_expert_blocks.calls == 7 and len(cache) == 1
     other = w.clone()  # equal values, another tensor: its own entry
-    cache.quantized(other, transpose=False)
+    cache.quantized(other, reference_expert_blocks, transpose=False)
     assert reference_expert_blocks.calls == 8 and len(cache) == 2
     del other
     assert len(cache) == 1

@@ -21,7 +21,7 @@ from primerl_trainer.distributed.expert_parallel import check_ep_comm_backend
 from primerl_trainer.distributed.parallel_dims import ParallelDims
 from primerl_trainer.export import PublishKind, plan_export
 from primerl_trainer.hf_export import export_dtype
-from primerl_trainer.kernels.fp8_grouped import WEIGHT_CACHE
+from primerl_trainer.kernels.fp8_weight_cache import WEIGHT_CACHE
 from primerl_trainer.lora import apply_lora
 from primerl_trainer.models import HFCausalLM, load_model, model_spec_of, read_hf_config
 from primerl_trainer.optim import build_lr_scheduler, build_optimizer

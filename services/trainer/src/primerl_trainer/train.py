@@ -28,7 +28,7 @@ from primerl_trainer.batch import BatchSpec, MicroBatch, TrainingMode, shard_mic
 from primerl_trainer.distributed.context_parallel import RowShard, shard_micro_batch
 from primerl_trainer.distributed.fsdp import defer_local_gradient_reduction
 from primerl_trainer.expert_load import ExpertLoad
-from primerl_trainer.kernels.fp8_grouped import WEIGHT_CACHE
+from primerl_trainer.kernels.fp8_weight_cache import WEIGHT_CACHE
 from primerl_trainer.losses import RLLossConfig, rl_loss, sft_loss, target_logprobs
 from primerl_trainer.optim import clip_grad_norm_
 

@@ -35,7 +35,7 @@ def deep_gemm_problem() -> str | None:
     """Why the "deep_gemm" backend cannot run here, or None."""
     try:
         _deep_gemm()
-    except ImportError as error:
+    except (ImportError, OSError, RuntimeError) as error:  # absent, or a build that does not load here
         return (
             f"model.fp8_backend 'deep_gemm' needs DeepGEMM (github.com/deepseek-ai/DeepGEMM, built from source: "
             f"services/trainer/README.md), which does not import here: {error}"

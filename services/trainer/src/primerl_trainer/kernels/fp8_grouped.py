@@ -31,22 +31,15 @@ M-grouped products run on DeepGEMM's kernel instead where it takes their shape
 from __future__ import annotations
 
 import functools
-import weakref
 
 import torch
 import torch.nn.functional as F
 
 from primerl_common.weights.fp8 import quantize_rows_1x128
 from primerl_trainer.kernels import deep_gemm_grouped as dg
+from primerl_trainer.kernels.fp8_weight_cache import WEIGHT_CACHE
 
-__all__ = [
-    "WEIGHT_CACHE",
-    "expert_tiles",
-    "grouped_backward",
-    "grouped_forward",
-    "quantize_expert_weights",
-    "quantize_token_tiles",
-]
+__all__ = ["expert_tiles", "grouped_backward", "grouped_forward", "quantize_expert_weights", "quantize_token_tiles"]
 
 TILE = 128  # the quantization block and the products' contraction step
 _FP8 = torch.float8_e4m3fn
@@ -62,7 +55,7 @@ def grouped_forward(
     """y [N, O] in x's dtype: rows of expert e times w_EOI[e]^T; rows past offsets_E[-1] are zero.
     `deep_gemm`: the product on DeepGEMM's kernel where it takes the shape (kernels.deep_gemm_grouped)."""
     xq, xs = quantize_rows_1x128(x_NI)
-    wq, ws = WEIGHT_CACHE.quantized(w_EOI, transpose=False)
+    wq, ws = WEIGHT_CACHE.quantized(w_EOI, quantize_expert_weights, transpose=False)
     if deep_gemm and dg.fits(x_NI.shape[1], w_EOI.shape[1], x_NI.dtype):
         return dg.m_grouped(xq, xs, wq, ws, dg.padded_rows(offsets_E, x_NI.shape[0]))
     tiles = expert_tiles(offsets_E, x_NI.shape[0], M_GROUPED["BLOCK_M"])
@@ -84,7 +77,7 @@ def grouped_backward(
     dx = dw = None
     if need_x:
         dyq, dys = quantize_rows_1x128(dy_NO)
-        wtq, wts = WEIGHT_CACHE.quantized(w_EOI, transpose=True)
+        wtq, wts = WEIGHT_CACHE.quantized(w_EOI, quantize_expert_weights, transpose=True)
         if deep_gemm and dg.fits(dy_NO.shape[1], x_NI.shape[1], x_NI.dtype):
             # W^T's blocks are W's transposed: their scales too.
             dx = dg.m_grouped(dyq, dys, wtq, wts.transpose(1, 2), dg.padded_rows(offsets_E, x_NI.shape[0]))
@@ -97,53 +90,6 @@ def grouped_backward(
         xtq, xts = quantize_token_tiles(x_NI, tiles)
         dw = _k_grouped(dytq, dyts, xtq, xts, tiles, out_dtype=w_EOI.dtype)
     return dx, dw
-
-
-class QuantizedWeightCache:
-    """`model.fp8_weight_cache`: each expert weight's 128x128 blocks (W's for the forward, W^T's for
-    the input gradient) quantized once and reused until the weight changes, rather than on every
-    micro-batch: a step of N micro-batches quantizes each weight once, not N times (at 256 rows an
-    expert the quantizers took more GPU time than bf16's whole products: bench/fp8_kernels.py).
-
-    A kept entry is used only for the same tensor object at the same version counter (every
-    in-place write bumps it: the optimizer's update, a load); the trainer also drops every entry
-    before each optimizer step (`clear`), so none outlives its step, and an entry goes with its
-    weight. The cost is memory: one float8 copy of every expert weight in each layout (2 bytes a
-    parameter) held through the step. Meant for weights that stay whole on the device; under FSDP
-    resharding after the forward, the gathered weights change version at every all-gather and
-    their copies would hold, unsharded, the memory FSDP frees (leave it off there).
-    Off by default: `enabled` False quantizes on every call."""
-
-    def __init__(self) -> None:
-        self.enabled = False
-        self._entries: dict[tuple[int, bool], tuple[weakref.ref, int, torch.Tensor, torch.Tensor]] = {}
-
-    def quantized(self, w_EOI: torch.Tensor, *, transpose: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """quantize_expert_weights(w_EOI, transpose=transpose), from the cache where it holds them."""
-        if not self.enabled:
-            return quantize_expert_weights(w_EOI, transpose=transpose)
-        key = (id(w_EOI), transpose)
-        entry = self._entries.get(key)
-        if entry is not None and entry[0]() is w_EOI and entry[1] == w_EOI._version:
-            return entry[2], entry[3]
-        quantized, scales = quantize_expert_weights(w_EOI, transpose=transpose)
-        entries = self._entries
-        self._entries[key] = (
-            weakref.ref(w_EOI, lambda _: entries.pop(key, None)),
-            w_EOI._version,
-            quantized,
-            scales,
-        )
-        return quantized, scales
-
-    def clear(self) -> None:
-        self._entries.clear()
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-
-WEIGHT_CACHE = QuantizedWeightCache()
 
 
 class ExpertTiles:

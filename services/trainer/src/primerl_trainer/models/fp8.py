@@ -50,8 +50,8 @@ class Fp8Conversion:
 
 def convert_to_fp8(blocks: nn.Module, *, backend: Fp8Backend, device: torch.device | str) -> Fp8Conversion:
     """Converts the layers of `blocks` (a model's `layers`) in place, as the module docstring
-    says. `device`: where the model will run; "scaled_mm" is refused (ValueError naming
-    model.fp8) where it cannot run."""
+    says. `device`: where the model will run; a backend is refused (ValueError naming
+    model.fp8 or model.fp8_backend) where it cannot run."""
     if backend not in FP8_BACKENDS:
         raise ValueError(f"model.fp8_backend must be one of {FP8_BACKENDS}, got {backend!r}")
     check_fp8_device(device, backend)
