@@ -7,7 +7,8 @@ Two ways to pick the models:
   transformers', per step of N micro-batches> dense_mfu=<own dense>.
 - --fp8 (with --kinds, default moe_wide,moe,dense): the own model in bf16 against the own model
   with model.fp8 (block-scaled FP8 products of the blocks' linear layers and experts, models/fp8.py;
-  --fp8-backend: scaled_mm or deep_gemm on Hopper; --fp8-weight-cache: model.fp8_weight_cache), no
+  --fp8-backend: scaled_mm or deep_gemm on Hopper; --fp8-weight-cache: model.fp8_weight_cache;
+  --fp8-weight-grad: model.fp8_weight_grad), no
   transformers rows; moe_wide is the MoE at hidden 4096 with
   experts of 1536 (4 layers: ~11B parameters, ~90 GB of bf16 weights, gradients and AdamW moments).
   Last lines: fp8_speedup_dense=<FP8 tokens/s over bf16>, then RESULT fp8_speedup_moe_wide=<x>
@@ -749,21 +750,32 @@ def load_hf_model(path: pathlib.Path, *, device: str, attention: str | None, exp
     return model, model.config._attn_implementation, resolved_experts if has_experts else "-"
 
 
-def load_own_model(path: pathlib.Path, *, device: str, attention: str, compile: bool, fp8_backend: str | None = None):
+def load_own_model(
+    path: pathlib.Path,
+    *,
+    device: str,
+    attention: str,
+    compile: bool,
+    fp8_backend: str | None = None,
+    fp8_weight_grad: str = "fp8",
+):
     """The own model in bf16, as its parallelize function prepares it (no FSDP): compiled blocks,
-    and with `fp8_backend` the blocks' products in FP8 (model.fp8)."""
+    and with `fp8_backend` the blocks' products in FP8 (model.fp8, model.fp8_weight_grad)."""
     model = load_model(path, impl="custom", dtype=torch.bfloat16, device=device, attn_backend=attention)
     experts = {m.experts_impl for m in model.modules() if isinstance(m, GroupedExperts)}
     if not experts:
         experts_name = "-"
     elif fp8_backend is not None:
         experts_name = f"fp8 {fp8_backend}" + (" cached" if WEIGHT_CACHE.enabled else "")
+        experts_name += " dW:dtype" if fp8_weight_grad == "model_dtype" else ""
     elif experts == {"auto"}:
         experts_name = "grouped_mm" if grouped_mm_supported(torch.device(device), torch.bfloat16) else "loop"
     else:
         experts_name = ",".join(sorted(experts))
     if compile or fp8_backend is not None:
-        model = model_spec_of(model).parallelize_fn(model, compile=compile, fp8_backend=fp8_backend)
+        model = model_spec_of(model).parallelize_fn(
+            model, compile=compile, fp8_backend=fp8_backend, fp8_weight_grad=fp8_weight_grad
+        )
     return model.train(), attention + (" compiled" if compile else ""), experts_name
 
 
@@ -793,7 +805,7 @@ def bench_case(case: Case, path: pathlib.Path, args, peak_tflops: float, profile
                 WEIGHT_CACHE.enabled = impl == "fp8" and args.fp8_weight_cache
                 model, attention, experts = load_own_model(
                     path, device=device, attention=case.own_attention, compile=not args.no_compile,
-                    fp8_backend=args.fp8_backend if impl == "fp8" else None,
+                    fp8_backend=args.fp8_backend if impl == "fp8" else None, fp8_weight_grad=args.fp8_weight_grad,
                 )  # fmt: skip
                 # the trainer's own optimizer (TritonAdamW on CUDA)
                 optimizer = build_optimizer(model, OptimizerConfig(lr=LR, weight_decay=WEIGHT_DECAY))
@@ -847,7 +859,7 @@ def profile(model, optimizer, input_ids, targets, out_path: pathlib.Path) -> Non
 
     torch.cuda.synchronize()
     start = time.perf_counter()
-    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(2):
             out = model(input_ids, compute_logits=False)
             linear_cross_entropy(out.hidden_states[0], model.output_weight, targets).loss.backward()
@@ -860,7 +872,9 @@ def profile(model, optimizer, input_ids, targets, out_path: pathlib.Path) -> Non
     out_path.write_text(
         f"2 steps of one micro-batch and AdamW, profiled: wall {wall_ms:.1f} ms, GPU kernels {kernels_ms:.1f} ms "
         f"({kernels_ms / wall_ms:.0%} busy)\n"
-        + averages.table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=90)
+        + averages.table(sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=90)
+        + "\nThe host's side (a GPU left idle waits on it), by self CPU time:\n"
+        + averages.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=90)
     )
 
 
@@ -1038,6 +1052,8 @@ def main() -> None:
                         "device: CPU smoke)")  # fmt: skip
     parser.add_argument("--fp8-weight-cache", action="store_true",
                         help="--fp8 with model.fp8_weight_cache: expert weights quantized once a step")  # fmt: skip
+    parser.add_argument("--fp8-weight-grad", default="fp8", choices=["fp8", "model_dtype"],
+                        help="--fp8's model.fp8_weight_grad: weight gradients in FP8 or in bf16")  # fmt: skip
     parser.add_argument("--hf-experts", default=None, help="transformers' experts_implementation (default: its own)")
     parser.add_argument("--hf-step-limit-s", type=float, default=None,
                         help="a transformers run whose first step takes longer stops there and reports that "

@@ -34,6 +34,9 @@ from primerl_trainer.kernels.fp8_linear import check_fp8_device, fp8_grouped_lin
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
+BF16 = {"device": "cuda", "dtype": torch.bfloat16}
+
+
 def hopper() -> None:
     try:
         check_fp8_device("cuda")
@@ -161,6 +164,31 @@ def test_grouped_deep_gemm_equals_scaled_mm(sizes, in_features, out_features):
     assert_close_grouped(results["deep_gemm"], results["scaled_mm"], 1e-3)
     y, grad_x, _ = results["deep_gemm"]
     assert torch.count_nonzero(y[sum(sizes) :]) == 0 and torch.count_nonzero(grad_x[sum(sizes) :]) == 0
+
+
+@pytest.mark.parametrize("weight_grad", ["fp8", "model_dtype"])
+def test_grouped_weight_grad_accumulates_into_grad_inside_the_product(weight_grad):
+    """Two micro-batches' backward into one leaf bf16 weight: the first sets w.grad, the second
+    adds its weight gradient into it inside the product (kernels.fp8_grouped's K-grouped kernel,
+    or kernels.grouped_weight_grad's for model.fp8_weight_grad "model_dtype"); the sum equals the
+    two gradients computed apart by the emulated backend, added in float32."""
+    hopper()
+    sizes, in_features, out_features = GROUPED_SHAPES[2]
+    torch.manual_seed(1)
+    offsets = torch.tensor(sizes, device="cuda").cumsum(0).to(torch.int32)
+    weights = (torch.randn(len(sizes), out_features, in_features, device="cuda") * 0.05).to(torch.bfloat16)
+    batches = [
+        (torch.randn(sum(sizes), in_features, **BF16), torch.randn(sum(sizes), out_features, **BF16)) for _ in range(2)
+    ]
+    w = weights.clone().requires_grad_()
+    expected = torch.zeros_like(weights, dtype=torch.float32)
+    for x, grad_y in batches:
+        fp8_grouped_linear(x, w, offsets, weight_grad=weight_grad).backward(grad_y)
+        w_e = weights.clone().requires_grad_()
+        fp8_grouped_linear(x, w_e, offsets, backend="emulated", weight_grad=weight_grad).backward(grad_y)
+        expected += w_e.grad.float()
+    assert w.grad.dtype == torch.bfloat16
+    assert relative_error(w.grad, expected) < 5e-3
 
 
 def test_grouped_quantizers_equal_the_per_expert_ones_bit_for_bit():

@@ -144,7 +144,40 @@ def interpreter_checks() -> None:
             assert actual.dtype == expected.dtype and actual.shape == expected.shape, name
             errors[f"{str(dtype).removeprefix('torch.')} {name}"] = _relative_error(actual, expected)
         assert not grad_w[1].any()
+        _check_into_grad(errors, dtype, grad_y, x, weights, offsets)
     print(json.dumps(errors))
+
+
+def _check_into_grad(errors, dtype, grad_y, x, weights, offsets) -> None:
+    """grouped_backward's weight gradient with into_grad (set as w.grad, or added into a held
+    one inside the product) and with weight_grad "model_dtype" (the unquantized dy^T x), against
+    the exact values rounded once to the dtype. The interpreter's tl.dot of two bfloat16 operands
+    is wrong (it multiplies their bits as integers), so model_dtype's bf16 kernel is checked in
+    float32 only here; gpu_fp8_linear.py checks it in bfloat16."""
+    from primerl_trainer.kernels.fp8_grouped import grouped_backward
+    from primerl_trainer.kernels.fp8_linear import fp8_grouped_linear
+
+    # The FP8 weight gradient unrounded: the same quantized operands (float32 holds bf16 exactly).
+    w_32 = weights.detach().float().requires_grad_()
+    fp8_linear_out = fp8_grouped_linear(x.float(), w_32, offsets, backend="emulated")
+    fp8_linear_out.backward(grad_y.float())
+    starts, ends = [0, *offsets[:-1].tolist()], offsets.tolist()
+    exact = torch.stack([grad_y[s:t].double().t() @ x[s:t].double() for s, t in zip(starts, ends, strict=True)])
+    held = torch.randn_like(weights)
+    name = str(dtype).removeprefix("torch.")
+    for weight_grad, expected in (("fp8", w_32.grad.double()), ("model_dtype", exact)):
+        dx, dw = grouped_backward(grad_y, x, weights, offsets, False, True, weight_grad=weight_grad)
+        assert dx is None and dw.dtype == dtype
+        errors[f"{name} {weight_grad} dW"] = _relative_error(dw, expected.to(dtype))
+        w = weights.detach().clone().requires_grad_()
+        for into in ("new", "held"):
+            if into == "held" and weight_grad == "model_dtype" and dtype == torch.bfloat16:
+                continue
+            w.grad = None if into == "new" else held.clone()
+            dx, dw = grouped_backward(grad_y, x, w, offsets, False, True, weight_grad=weight_grad, into_grad=True)
+            assert dx is None and dw is None and w.grad.dtype == dtype
+            sum_ = expected + (0 if into == "new" else held.double())
+            errors[f"{name} {weight_grad} dW into {into} grad"] = _relative_error(w.grad, sum_.to(dtype))
 
 
 def reference_expert_blocks(w: torch.Tensor, *, transpose: bool) -> tuple[torch.Tensor, torch.Tensor]:

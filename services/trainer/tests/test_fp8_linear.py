@@ -173,6 +173,33 @@ def test_grouped_equals_fp8_linear_per_expert_with_an_empty_expert():
     assert torch.count_nonzero(weights.grad[1]) == 0
 
 
+def test_model_dtype_weight_grad_is_the_unquantized_product_and_leaves_the_rest_in_fp8():
+    # model.fp8_weight_grad "model_dtype": dW = dy^T x from the unquantized operands; y and dx
+    # are the FP8 ones, unchanged.
+    torch.manual_seed(0)
+    sizes = [40, 0, 130]
+    x = torch.randn(sum(sizes), 256)
+    weights = torch.randn(len(sizes), 384, 256) * 0.05
+    offsets = torch.tensor(sizes).cumsum(0).to(torch.int32)
+    grad_y = torch.randn(sum(sizes), 384)
+    grads = {}
+    for weight_grad in ("fp8", "model_dtype"):
+        x_g, w_dense, w_grouped = x.clone().requires_grad_(), weights[0].clone().requires_grad_(), weights.clone()
+        w_grouped.requires_grad_()
+        fp8_linear(x_g, w_dense, backend="emulated", weight_grad=weight_grad).backward(grad_y)
+        fp8_grouped_linear(x, w_grouped, offsets, backend="emulated", weight_grad=weight_grad).backward(grad_y)
+        grads[weight_grad] = (x_g.grad, w_dense.grad, w_grouped.grad)
+    torch.testing.assert_close(grads["model_dtype"][0], grads["fp8"][0], rtol=0, atol=0)
+    torch.testing.assert_close(grads["model_dtype"][1], grad_y.t() @ x)
+    exact = [g.t() @ x_e for g, x_e in zip(grad_y.split(sizes), x.split(sizes), strict=True)]
+    torch.testing.assert_close(grads["model_dtype"][2], torch.stack(exact))
+    # The FP8 weight gradients differ from the exact ones by the quantization error, no more.
+    error = (grads["fp8"][1] - grad_y.t() @ x).norm() / (grad_y.t() @ x).norm()
+    assert 0 < error < 0.1
+    with pytest.raises(ValueError, match=r"weight gradient must be one of"):
+        fp8_linear(x, weights[0], backend="emulated", weight_grad="bf16")
+
+
 def test_scaled_mm_on_the_cpu_is_refused_naming_model_fp8():
     x, weight = torch.randn(16, 128), torch.randn(128, 128)
     with pytest.raises(ValueError, match=r"model\.fp8.*CUDA"):
@@ -221,6 +248,21 @@ def test_deep_gemm_padded_rows_put_each_expert_at_an_aligned_start(sizes, extra_
     assert expert == expected
     assert rows.valid_N.tolist() == [True] * sum(sizes) + [False] * extra_rows
     assert all(expert[d] == -1 for d in dest[sum(sizes) :])
+
+
+def test_deep_gemm_layout_is_reused_for_the_same_offsets_until_they_change():
+    # A layer's products share one offsets tensor: one layout; an in-place change, another.
+    offsets = torch.tensor([100, 100, 400, 417], dtype=torch.int32)
+    first = deep_gemm_grouped.padded_rows(offsets, 417)
+    assert deep_gemm_grouped.padded_rows(offsets, 417) is first
+    assert deep_gemm_grouped.padded_rows(offsets.clone(), 417) is not first
+    assert deep_gemm_grouped.padded_rows(offsets, 420) is not first
+    offsets[1] = 150
+    changed = deep_gemm_grouped.padded_rows(offsets, 417)
+    assert changed is not first and changed.expert_M[128:150].tolist() == [1] * 22
+    with torch.inference_mode():
+        frozen = torch.tensor([100, 100, 400, 417], dtype=torch.int32)
+        assert torch.equal(deep_gemm_grouped.padded_rows(frozen, 417).dest_N, first.dest_N)
 
 
 def test_bad_arguments_are_refused():

@@ -242,6 +242,8 @@ def test_scaled_mm_on_the_cpu_is_refused_when_the_model_is_built_naming_model_fp
             r"model\.fp8 with model\.fp8_backend 'deep_gemm'.*device 'cpu'",
         ),
         (["--model.fp8_weight_cache", "true"], r"model\.fp8_weight_cache.*needs model\.fp8 true"),
+        (["--model.fp8_weight_grad", "model_dtype"], r"model\.fp8_weight_grad.*needs model\.fp8 true"),
+        (["--model.fp8", "true", "--model.fp8_weight_grad", "bf16"], r"model\.fp8_weight_grad"),
     ],
 )
 def test_unusable_fp8_configs_are_refused_naming_the_fields(argv: list[str], message: str) -> None:

@@ -82,12 +82,25 @@ class ModelConfig(Section):
         "changes at every all-gather, and its copy would hold the memory FSDP frees)",
     )
 
+    fp8_weight_grad: Literal["fp8", "model_dtype"] = Field(
+        default="fp8",
+        description="with model.fp8: how the weight gradients dW = dy^T x are computed: fp8 (DeepSeek-V3's "
+        "recipe: dy and x quantized in 1x128 tiles along the tokens) or model_dtype (from the unquantized dy and "
+        "x in their dtype, as torchao's rowwise_with_gw_hp recipe does: more accurate, and faster where experts "
+        "see few tokens each, which leaves the FP8 product a short contraction); the forward and input-gradient "
+        "products stay in FP8",
+    )
+
     @model_validator(mode="after")
     def _check_fp8(self) -> ModelConfig:
         if self.fp8 and self.impl == "hf":
             raise ValueError("model.fp8 needs the own model implementation (model.impl 'auto' or 'custom'), not 'hf'")
         if self.fp8_weight_cache and not self.fp8:
             raise ValueError("model.fp8_weight_cache keeps model.fp8's quantized weights: it needs model.fp8 true")
+        if self.fp8_weight_grad != "fp8" and not self.fp8:
+            raise ValueError(
+                "model.fp8_weight_grad is how model.fp8 computes weight gradients: it needs model.fp8 true"
+            )
         return self
 
 

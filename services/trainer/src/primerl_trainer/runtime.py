@@ -207,6 +207,7 @@ def _parallelize(model: nn.Module, dims: ParallelDims, config: TrainerConfig) ->
         activation_checkpointing=config.model.activation_checkpointing,
         compile=config.model.compile,
         fp8_backend=config.model.fp8_backend if config.model.fp8 else None,
+        fp8_weight_grad=config.model.fp8_weight_grad,
         **expert_parallel,
     )
 

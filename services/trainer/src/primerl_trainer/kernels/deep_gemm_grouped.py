@@ -19,6 +19,7 @@ go past the last expert's segment, where the index is -1, and come back zero.
 
 from __future__ import annotations
 
+import collections
 import functools
 from dataclasses import dataclass
 from types import ModuleType
@@ -60,9 +61,32 @@ class PaddedRows:
     valid_N: torch.Tensor
 
 
+# A layer's four products (w13 and w2, forward and input gradient) share one offsets tensor:
+# its layout is computed once (a dozen small kernels, whose launches a small layer waits on).
+# An entry holds its offsets tensor, so no other live tensor has its storage, and is used only
+# at the same version counter (unchanged values).
+_LAYOUTS: collections.OrderedDict[tuple, tuple[torch.Tensor, PaddedRows]] = collections.OrderedDict()
+_LAYOUTS_KEPT = 8
+
+
 def padded_rows(offsets_E: torch.Tensor, num_rows: int) -> PaddedRows:
     """The contiguous layout of rows sorted by expert (offsets_E: each expert's end), on the
-    device, without a host sync."""
+    device, without a host sync; the last few asked for are kept."""
+    if offsets_E.is_inference():  # no version counter to tell a change
+        return _padded_rows(offsets_E, num_rows)
+    key = (offsets_E.data_ptr(), offsets_E.device, offsets_E.dtype, offsets_E.shape, offsets_E.stride(), num_rows)
+    key += (offsets_E._version,)
+    if key in _LAYOUTS:
+        _LAYOUTS.move_to_end(key)
+        return _LAYOUTS[key][1]
+    layout = _padded_rows(offsets_E, num_rows)
+    _LAYOUTS[key] = (offsets_E, layout)
+    while len(_LAYOUTS) > _LAYOUTS_KEPT:
+        _LAYOUTS.popitem(last=False)
+    return layout
+
+
+def _padded_rows(offsets_E: torch.Tensor, num_rows: int) -> PaddedRows:
     num_experts = offsets_E.shape[0]
     ends_E = offsets_E.to(torch.int64)
     starts_E = F.pad(ends_E[:-1], (1, 0))

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from primerl_common.weights.fp8 import quantize_rows_1x128
 from primerl_trainer.kernels import deep_gemm_grouped as dg
 from primerl_trainer.kernels.fp8_weight_cache import WEIGHT_CACHE
+from primerl_trainer.kernels.grouped_weight_grad import add_grouped_weight_grad, grouped_weight_grad
 
 __all__ = ["expert_tiles", "grouped_backward", "grouped_forward", "quantize_expert_weights", "quantize_token_tiles"]
 
@@ -71,9 +72,14 @@ def grouped_backward(
     need_w: bool,
     *,
     deep_gemm: bool = False,
+    weight_grad: str = "fp8",
+    into_grad: bool = False,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(dx [N, I] in x's dtype, dW [E, O, I] in W's dtype), None where not needed; an expert
-    without rows gets a zero weight gradient. `deep_gemm`: dx as grouped_forward's product."""
+    without rows gets a zero weight gradient. `deep_gemm`: dx as grouped_forward's product.
+    `weight_grad` "model_dtype": dW from the unquantized dy and x (torch._grouped_mm's), not in
+    FP8. `into_grad` (kernels.grouped_weight_grad.adds_into_grad of w): dW is added into w.grad
+    inside the product (or becomes it where there is none) and None returned."""
     dx = dw = None
     if need_x:
         dyq, dys = quantize_rows_1x128(dy_NO)
@@ -84,11 +90,21 @@ def grouped_backward(
         else:
             tiles = expert_tiles(offsets_E, x_NI.shape[0], M_GROUPED["BLOCK_M"])
             dx = _m_grouped(dyq, dys, wtq, wts, tiles, transposed_weight=True, out_dtype=x_NI.dtype)
-    if need_w:
+    if need_w and weight_grad == "model_dtype":
+        if into_grad:
+            add_grouped_weight_grad(w_EOI, dy_NO, x_NI, offsets_E)
+        else:
+            dw = grouped_weight_grad(dy_NO, x_NI, offsets_E).to(w_EOI.dtype)
+    elif need_w:
         tiles = expert_tiles(offsets_E, x_NI.shape[0])
         dytq, dyts = quantize_token_tiles(dy_NO, tiles)
         xtq, xts = quantize_token_tiles(x_NI, tiles)
-        dw = _k_grouped(dytq, dyts, xtq, xts, tiles, out_dtype=w_EOI.dtype)
+        held = w_EOI.grad if into_grad else None
+        dw = _k_grouped(dytq, dyts, xtq, xts, tiles, out_dtype=w_EOI.dtype, add_to=held)
+        if into_grad:
+            if held is None:
+                w_EOI.grad = dw
+            dw = None
     return dx, dw
 
 
@@ -227,12 +243,17 @@ def _k_grouped(
     tiles: ExpertTiles,
     *,
     out_dtype: torch.dtype,
+    add_to: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """out[e] = sum over e's token tiles of a^T-tile @ b-tile, scaled: aq [M, L] and bq [Nout, L]
-    from quantize_token_tiles, with scales [num_tiles, M] and [num_tiles, Nout]."""
+    from quantize_token_tiles, with scales [num_tiles, M] and [num_tiles, Nout]. `add_to`
+    [E, M, Nout] contiguous: the product is added into it (summed in float32 with its values,
+    rounded once) and it is returned."""
     num_m, num_n = aq.shape[0], bq.shape[0]
     num_experts = tiles.tile_count_E.shape[0]
-    out = torch.empty(num_experts, num_m, num_n, dtype=out_dtype, device=aq.device)
+    if add_to is not None and (add_to.shape != (num_experts, num_m, num_n) or not add_to.is_contiguous()):
+        raise ValueError(f"k_grouped: cannot add [{num_experts}, {num_m}, {num_n}] into {tuple(add_to.shape)}")
+    out = torch.empty(num_experts, num_m, num_n, dtype=out_dtype, device=aq.device) if add_to is None else add_to
     if out.numel() == 0:
         return out
     grid = (-(-num_n // K_GROUPED["BLOCK_N"]), -(-num_m // K_GROUPED["BLOCK_M"]), num_experts)
@@ -252,6 +273,7 @@ def _k_grouped(
         bs.stride(0),
         *out.stride(),
         BLOCK_K=TILE,
+        ACCUMULATE=add_to is not None,
         **K_GROUPED,
     )
     return out
@@ -413,9 +435,11 @@ class _Kernels:
             BLOCK_M: tl.constexpr,
             BLOCK_N: tl.constexpr,
             BLOCK_K: tl.constexpr,
+            ACCUMULATE: tl.constexpr,
         ):
             # One program per (output block, expert), over the expert's token tiles: a and b
-            # are [features, tokens] with each tile's 128 tokens contiguous (zeros past its rows).
+            # are [features, tokens] with each tile's 128 tokens contiguous (zeros past its rows);
+            # ACCUMULATE: c's values are added to the sum before it is rounded and stored.
             pid_n = tl.program_id(0)
             pid_m = tl.program_id(1)
             expert = tl.program_id(2).to(tl.int64)
@@ -442,7 +466,10 @@ class _Kernels:
                 as_ptrs += stride_as
                 bs_ptrs += stride_bs
             c_ptrs = c_ptr + expert * stride_ce + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :] * stride_cn
-            tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+            c_mask = m_mask[:, None] & n_mask[None, :]
+            if ACCUMULATE:
+                acc += tl.load(c_ptrs, mask=c_mask, other=0.0).to(tl.float32)
+            tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
 
         self.weight_quantize = weight_quantize
         self.token_quantize = token_quantize

@@ -67,11 +67,26 @@ from primerl_common.weights.fp8 import (
 )
 from primerl_trainer.kernels.deep_gemm_grouped import deep_gemm_problem
 from primerl_trainer.kernels.fp8_grouped import grouped_backward, grouped_forward
+from primerl_trainer.kernels.grouped_weight_grad import adds_into_grad
 
-__all__ = ["FP8_BACKENDS", "Fp8Backend", "check_fp8_device", "fp8_grouped_linear", "fp8_linear"]
+__all__ = [
+    "FP8_BACKENDS",
+    "FP8_WEIGHT_GRADS",
+    "Fp8Backend",
+    "Fp8WeightGrad",
+    "check_fp8_device",
+    "fp8_grouped_linear",
+    "fp8_linear",
+]
 
 Fp8Backend = Literal["scaled_mm", "deep_gemm", "emulated"]
 FP8_BACKENDS: tuple[Fp8Backend, ...] = ("scaled_mm", "deep_gemm", "emulated")
+# How the weight gradient is computed (model.fp8_weight_grad): "fp8" as the module docstring's
+# table says; "model_dtype" from the unquantized dy and x, in their dtype (torchao's
+# "rowwise_with_gw_hp" recipe keeps it so too), where the K-grouped FP8 product is slower than
+# the weights' dtype's: experts that see few tokens contract over a short dimension.
+Fp8WeightGrad = Literal["fp8", "model_dtype"]
+FP8_WEIGHT_GRADS: tuple[Fp8WeightGrad, ...] = ("fp8", "model_dtype")
 # The backends that run the real FP8 products on a Hopper GPU.
 _GPU_BACKENDS = ("scaled_mm", "deep_gemm")
 
@@ -113,26 +128,38 @@ def _fp8_device_problem(device: torch.device) -> str | None:
 
 
 def fp8_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, backend: Fp8Backend = "scaled_mm"
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    backend: Fp8Backend = "scaled_mm",
+    weight_grad: Fp8WeightGrad = "fp8",
 ) -> torch.Tensor:
     """F.linear(x, weight, bias) with the products in block-scaled FP8 (module docstring);
     x [..., in], weight [out, in], bias [out] (added in x's dtype)."""
-    _check_backend(backend)
+    _check_backend(backend, weight_grad)
     if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
         raise ValueError(f"fp8_linear: x {tuple(x.shape)} does not fit a weight of shape {tuple(weight.shape)}")
     if backend in _GPU_BACKENDS:
         _check_layer_shape(weight.shape)
-    y = _fp8_linear_op(x.reshape(-1, x.shape[-1]), weight, backend)
+    y = _fp8_linear_op(x.reshape(-1, x.shape[-1]), weight, backend, weight_grad)
     y = y.view(*x.shape[:-1], weight.shape[0])
     return y if bias is None else y + bias.to(y.dtype)
 
 
 def fp8_grouped_linear(
-    x_NI: torch.Tensor, w_EOI: torch.Tensor, offsets_E: torch.Tensor, *, backend: Fp8Backend = "scaled_mm"
+    x_NI: torch.Tensor,
+    w_EOI: torch.Tensor,
+    offsets_E: torch.Tensor,
+    *,
+    backend: Fp8Backend = "scaled_mm",
+    weight_grad: Fp8WeightGrad = "fp8",
 ) -> torch.Tensor:
     """Row block e of x_NI times w_EOI[e]^T -> [N, O], each product as fp8_linear's: x_NI
-    sorted by expert, offsets_E [E] the end of each expert's rows (GroupedExperts' layout)."""
-    _check_backend(backend)
+    sorted by expert, offsets_E [E] the end of each expert's rows (GroupedExperts' layout).
+    On a GPU backend, where kernels.grouped_weight_grad.adds_into_grad allows, the backward adds
+    the weight's gradient into w.grad inside its product, as the bf16 experts do."""
+    _check_backend(backend, weight_grad)
     if w_EOI.dim() != 3 or x_NI.dim() != 2 or x_NI.shape[1] != w_EOI.shape[2]:
         raise ValueError(
             f"fp8_grouped_linear: x {tuple(x_NI.shape)} does not fit expert weights of shape {tuple(w_EOI.shape)}"
@@ -141,12 +168,15 @@ def fp8_grouped_linear(
         raise ValueError(f"fp8_grouped_linear: {w_EOI.shape[0]} experts but offsets of shape {tuple(offsets_E.shape)}")
     if backend in _GPU_BACKENDS:
         _check_layer_shape(w_EOI.shape[1:])
-    return _fp8_grouped_linear_op(x_NI, w_EOI, offsets_E, backend)
+    into_grad = backend in _GPU_BACKENDS and adds_into_grad(w_EOI)
+    return _fp8_grouped_linear_op(x_NI, w_EOI, offsets_E, backend, weight_grad, into_grad)
 
 
-def _check_backend(backend: str) -> None:
+def _check_backend(backend: str, weight_grad: str) -> None:
     if backend not in FP8_BACKENDS:
         raise ValueError(f"FP8 backend must be one of {FP8_BACKENDS}, got {backend!r}")
+    if weight_grad not in FP8_WEIGHT_GRADS:
+        raise ValueError(f"FP8 weight gradient must be one of {FP8_WEIGHT_GRADS}, got {weight_grad!r}")
 
 
 def _check_layer_shape(weight_shape: torch.Size) -> None:
@@ -164,43 +194,55 @@ def _check_layer_shape(weight_shape: torch.Size) -> None:
 
 
 @torch.library.custom_op("primerl::fp8_linear", mutates_args=())
-def _fp8_linear_op(x_MI: torch.Tensor, w_OI: torch.Tensor, backend: str) -> torch.Tensor:
+def _fp8_linear_op(x_MI: torch.Tensor, w_OI: torch.Tensor, backend: str, weight_grad: str) -> torch.Tensor:
     _check_device(x_MI, backend)
     return _forward(x_MI, w_OI, backend)
 
 
 @_fp8_linear_op.register_fake
-def _(x_MI: torch.Tensor, w_OI: torch.Tensor, backend: str) -> torch.Tensor:
+def _(x_MI: torch.Tensor, w_OI: torch.Tensor, backend: str, weight_grad: str) -> torch.Tensor:
     return x_MI.new_empty(x_MI.shape[0], w_OI.shape[0])
 
 
 @torch.library.custom_op("primerl::fp8_linear_backward", mutates_args=())
 def _fp8_linear_backward_op(
-    dy_MO: torch.Tensor, x_MI: torch.Tensor, w_OI: torch.Tensor, backend: str, need_x: bool, need_w: bool
+    dy_MO: torch.Tensor,
+    x_MI: torch.Tensor,
+    w_OI: torch.Tensor,
+    backend: str,
+    weight_grad: str,
+    need_x: bool,
+    need_w: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx, dw); an unneeded one is empty (a custom op returns tensors only)."""
-    dx, dw = _backward(dy_MO, x_MI, w_OI, backend, need_x, need_w)
+    dx, dw = _backward(dy_MO, x_MI, w_OI, backend, weight_grad, need_x, need_w)
     return _or_empty(dx, x_MI), _or_empty(dw, w_OI)
 
 
 @_fp8_linear_backward_op.register_fake
 def _(
-    dy_MO: torch.Tensor, x_MI: torch.Tensor, w_OI: torch.Tensor, backend: str, need_x: bool, need_w: bool
+    dy_MO: torch.Tensor,
+    x_MI: torch.Tensor,
+    w_OI: torch.Tensor,
+    backend: str,
+    weight_grad: str,
+    need_x: bool,
+    need_w: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return _fake_grads(x_MI, w_OI, need_x, need_w)
 
 
 def _fp8_linear_setup_context(ctx, inputs, output) -> None:
-    x_MI, w_OI, backend = inputs
+    x_MI, w_OI, backend, weight_grad = inputs
     ctx.save_for_backward(x_MI, w_OI)
-    ctx.backend = backend
+    ctx.backend, ctx.weight_grad = backend, weight_grad
 
 
 def _fp8_linear_backward(ctx, dy_MO: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
     x_MI, w_OI = ctx.saved_tensors
     need_x, need_w = ctx.needs_input_grad[:2]
-    dx, dw = _fp8_linear_backward_op(dy_MO, x_MI, w_OI, ctx.backend, need_x, need_w)
-    return dx if need_x else None, dw if need_w else None, None
+    dx, dw = _fp8_linear_backward_op(dy_MO, x_MI, w_OI, ctx.backend, ctx.weight_grad, need_x, need_w)
+    return dx if need_x else None, dw if need_w else None, None, None
 
 
 _fp8_linear_op.register_autograd(_fp8_linear_backward, setup_context=_fp8_linear_setup_context)
@@ -208,7 +250,7 @@ _fp8_linear_op.register_autograd(_fp8_linear_backward, setup_context=_fp8_linear
 
 @torch.library.custom_op("primerl::fp8_grouped_linear", mutates_args=())
 def _fp8_grouped_linear_op(
-    x_NI: torch.Tensor, w_EOI: torch.Tensor, offsets_E: torch.Tensor, backend: str
+    x_NI: torch.Tensor, w_EOI: torch.Tensor, offsets_E: torch.Tensor, backend: str, weight_grad: str, into_grad: bool
 ) -> torch.Tensor:
     _check_device(x_NI, backend)
     if backend in _GPU_BACKENDS:
@@ -220,7 +262,9 @@ def _fp8_grouped_linear_op(
 
 
 @_fp8_grouped_linear_op.register_fake
-def _(x_NI: torch.Tensor, w_EOI: torch.Tensor, offsets_E: torch.Tensor, backend: str) -> torch.Tensor:
+def _(
+    x_NI: torch.Tensor, w_EOI: torch.Tensor, offsets_E: torch.Tensor, backend: str, weight_grad: str, into_grad: bool
+) -> torch.Tensor:
     return x_NI.new_empty(x_NI.shape[0], w_EOI.shape[1])
 
 
@@ -231,17 +275,30 @@ def _fp8_grouped_linear_backward_op(
     w_EOI: torch.Tensor,
     offsets_E: torch.Tensor,
     backend: str,
+    weight_grad: str,
+    into_grad: bool,
     need_x: bool,
     need_w: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dx, dw); an unneeded one is empty. An expert without rows gets a zero weight gradient."""
+    """(dx, dw); an unneeded one is empty, and so is dw where `into_grad` added it into w.grad.
+    An expert without rows gets a zero weight gradient."""
     if backend in _GPU_BACKENDS:
-        dx, dw = grouped_backward(dy_NO, x_NI, w_EOI, offsets_E, need_x, need_w, deep_gemm=backend == "deep_gemm")
+        dx, dw = grouped_backward(
+            dy_NO,
+            x_NI,
+            w_EOI,
+            offsets_E,
+            need_x,
+            need_w,
+            deep_gemm=backend == "deep_gemm",
+            weight_grad=weight_grad,
+            into_grad=into_grad,
+        )
         return _or_empty(dx, x_NI), _or_empty(dw, w_EOI)
     dx_NI = torch.zeros_like(x_NI) if need_x else x_NI.new_empty(0)
     dw_EOI = torch.zeros_like(w_EOI) if need_w else w_EOI.new_empty(0)
     for expert, rows in _expert_rows(offsets_E):
-        dx, dw = _backward(dy_NO[rows], x_NI[rows], w_EOI[expert], backend, need_x, need_w)
+        dx, dw = _backward(dy_NO[rows], x_NI[rows], w_EOI[expert], backend, weight_grad, need_x, need_w)
         if need_x:
             dx_NI[rows] = dx
         if need_w:
@@ -256,23 +313,28 @@ def _(
     w_EOI: torch.Tensor,
     offsets_E: torch.Tensor,
     backend: str,
+    weight_grad: str,
+    into_grad: bool,
     need_x: bool,
     need_w: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _fake_grads(x_NI, w_EOI, need_x, need_w)
+    return _fake_grads(x_NI, w_EOI, need_x, need_w and not into_grad)
 
 
 def _fp8_grouped_linear_setup_context(ctx, inputs, output) -> None:
-    x_NI, w_EOI, offsets_E, backend = inputs
+    x_NI, w_EOI, offsets_E, backend, weight_grad, into_grad = inputs
     ctx.save_for_backward(x_NI, w_EOI, offsets_E)
-    ctx.backend = backend
+    ctx.backend, ctx.weight_grad, ctx.into_grad = backend, weight_grad, into_grad
 
 
 def _fp8_grouped_linear_backward(ctx, dy_NO: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
     x_NI, w_EOI, offsets_E = ctx.saved_tensors
     need_x, need_w = ctx.needs_input_grad[:2]
-    dx, dw = _fp8_grouped_linear_backward_op(dy_NO, x_NI, w_EOI, offsets_E, ctx.backend, need_x, need_w)
-    return dx if need_x else None, dw if need_w else None, None, None
+    dx, dw = _fp8_grouped_linear_backward_op(
+        dy_NO, x_NI, w_EOI, offsets_E, ctx.backend, ctx.weight_grad, ctx.into_grad, need_x, need_w
+    )
+    dw = dw if need_w and not ctx.into_grad else None  # into_grad: already in w.grad
+    return dx if need_x else None, dw, None, None, None, None
 
 
 _fp8_grouped_linear_op.register_autograd(_fp8_grouped_linear_backward, setup_context=_fp8_grouped_linear_setup_context)
@@ -307,11 +369,19 @@ def _forward(x_MI: torch.Tensor, w_OI: torch.Tensor, backend: Fp8Backend) -> tor
 
 
 def _backward(
-    dy_MO: torch.Tensor, x_MI: torch.Tensor, w_OI: torch.Tensor, backend: Fp8Backend, need_x: bool, need_w: bool
+    dy_MO: torch.Tensor,
+    x_MI: torch.Tensor,
+    w_OI: torch.Tensor,
+    backend: Fp8Backend,
+    weight_grad: str,
+    need_x: bool,
+    need_w: bool,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     rows = dy_MO.shape[0]
+    dw = (dy_MO.t() @ x_MI).to(w_OI.dtype) if need_w and weight_grad == "model_dtype" else None
+    need_w = need_w and dw is None
     dy_MO, x_MI = _pad_rows(dy_MO, backend), _pad_rows(x_MI, backend)
-    dx = dw = None
+    dx = None
     if need_x:
         dyq, dys = quantize_rows_1x128(dy_MO)
         # W^T's 128x128 blocks are W's transposed (the same values and scales), quantized

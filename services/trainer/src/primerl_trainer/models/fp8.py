@@ -24,7 +24,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from primerl_trainer.kernels.fp8_linear import FP8_BACKENDS, Fp8Backend, check_fp8_device
+from primerl_trainer.kernels.fp8_linear import (
+    FP8_BACKENDS,
+    FP8_WEIGHT_GRADS,
+    Fp8Backend,
+    Fp8WeightGrad,
+    check_fp8_device,
+)
 from primerl_trainer.models.common.linear import Fp8Linear
 from primerl_trainer.models.common.sparse_attention import LightningIndexer
 from primerl_trainer.models.moe import GroupedExperts, TokenChoiceTopKRouter
@@ -48,12 +54,16 @@ class Fp8Conversion:
     unaligned: tuple[str, ...]  # layers left in their dtype: a dimension not a multiple of 16
 
 
-def convert_to_fp8(blocks: nn.Module, *, backend: Fp8Backend, device: torch.device | str) -> Fp8Conversion:
+def convert_to_fp8(
+    blocks: nn.Module, *, backend: Fp8Backend, device: torch.device | str, weight_grad: Fp8WeightGrad = "fp8"
+) -> Fp8Conversion:
     """Converts the layers of `blocks` (a model's `layers`) in place, as the module docstring
     says. `device`: where the model will run; a backend is refused (ValueError naming
-    model.fp8 or model.fp8_backend) where it cannot run."""
+    model.fp8 or model.fp8_backend) where it cannot run. `weight_grad`: model.fp8_weight_grad."""
     if backend not in FP8_BACKENDS:
         raise ValueError(f"model.fp8_backend must be one of {FP8_BACKENDS}, got {backend!r}")
+    if weight_grad not in FP8_WEIGHT_GRADS:
+        raise ValueError(f"model.fp8_weight_grad must be one of {FP8_WEIGHT_GRADS}, got {weight_grad!r}")
     check_fp8_device(device, backend)
     kept = [name for name, module in blocks.named_modules() if isinstance(module, _KEPT_MODULES)]
     linears, experts, unaligned = [], [], []
@@ -70,11 +80,11 @@ def convert_to_fp8(blocks: nn.Module, *, backend: Fp8Backend, device: torch.devi
         if any(size % _ALIGN for size in sizes):
             unaligned.append(name)
         elif isinstance(module, GroupedExperts):
-            module.fp8_backend = backend
+            module.fp8_backend, module.fp8_weight_grad = backend, weight_grad
             experts.append(name)
         else:
             module.__class__ = Fp8Linear
-            module.fp8_backend = backend
+            module.fp8_backend, module.fp8_weight_grad = backend, weight_grad
             linears.append(name)
     conversion = Fp8Conversion(tuple(linears), tuple(experts), tuple(unaligned))
     logger.info(

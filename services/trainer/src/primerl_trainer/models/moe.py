@@ -15,15 +15,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from primerl_trainer.config_types import EXPERTS_IMPLS, ExpertsImpl
-from primerl_trainer.kernels.fp8_linear import Fp8Backend, fp8_grouped_linear
+from primerl_trainer.kernels.fp8_linear import Fp8Backend, Fp8WeightGrad, fp8_grouped_linear
 from primerl_trainer.kernels.gather import accumulation_dtype, gather_sum
+from primerl_trainer.kernels.grouped_weight_grad import add_grouped_weight_grad, adds_into_grad
 from primerl_trainer.kernels.swiglu import SwiGLURows, fused_swiglu_available
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only installs: autograd's own weight gradients
-    triton = None
 
 
 @dataclass(frozen=True)
@@ -132,6 +127,7 @@ class GroupedExperts(nn.Module):
     the weights' dtype, through torch._grouped_mm or the per-expert loop."""
 
     fp8_backend: Fp8Backend | None = None
+    fp8_weight_grad: Fp8WeightGrad = "fp8"
 
     def __init__(self, *, dim: int, hidden_dim: int, num_experts: int, experts_impl: ExpertsImpl = "auto") -> None:
         super().__init__()
@@ -183,7 +179,9 @@ class GroupedExperts(nn.Module):
         """Row block e of x_NI times w_EOI[e]^T -> [N, O]: in FP8 with `fp8_backend`, else
         through torch._grouped_mm (`_grouped_linear`)."""
         if self.fp8_backend is not None:
-            return fp8_grouped_linear(x_NI, w_EOI, offsets_E, backend=self.fp8_backend)
+            return fp8_grouped_linear(
+                x_NI, w_EOI, offsets_E, backend=self.fp8_backend, weight_grad=self.fp8_weight_grad
+            )
         return _grouped_linear(x_NI, w_EOI, offsets_E)
 
 
@@ -192,26 +190,11 @@ def _local(weight: torch.Tensor) -> torch.Tensor:
 
 
 def _grouped_linear(x_NI: torch.Tensor, w_EOI: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
-    """Row block e of x_NI times w_EOI[e]^T -> [N, O], through torch._grouped_mm.
-
-    On CUDA with Triton, for a leaf weight that wants a gradient (not a LoRA parametrization,
-    not a DTensor, no gradient hooks), the backward adds the weight's gradient into `w.grad`
-    inside the matrix product (`_grouped_weight_grad_`) instead of handing it to autograd,
-    which would write it out and then read it and the held gradient back to add them: with
-    gradient accumulation over micro-batches that addition moves 6 bytes per expert parameter
-    (3.6 GB per layer at the benchmark's shape) on every micro-batch after the first. Both
-    directions are custom ops, opaque to torch.compile, so the side effect on `.grad` is never
-    traced; the first micro-batch's gradient (no `.grad` yet) is torch._grouped_mm's."""
-    hooked = not torch.compiler.is_compiling() and bool(
-        w_EOI._backward_hooks or getattr(w_EOI, "_post_accumulate_grad_hooks", None)
-    )
-    if (
-        triton is None
-        or not w_EOI.is_cuda
-        or not (w_EOI.is_leaf and w_EOI.requires_grad and torch.is_grad_enabled())
-        or isinstance(w_EOI, DTensor)
-        or hooked
-    ):
+    """Row block e of x_NI times w_EOI[e]^T -> [N, O], through torch._grouped_mm. Where
+    kernels.grouped_weight_grad.adds_into_grad allows, the backward adds the weight's gradient
+    into `w.grad` inside the product (that module says why); the first micro-batch's gradient
+    (no `.grad` yet) is torch._grouped_mm's."""
+    if not adds_into_grad(w_EOI):
         return torch._grouped_mm(x_NI, w_EOI.transpose(-2, -1), offs=offsets_E)
     return _grouped_linear_into_grad(x_NI, w_EOI, offsets_E)
 
@@ -232,10 +215,7 @@ def _grouped_linear_into_grad_backward(
 ) -> torch.Tensor:
     """Returns x's gradient; adds w's into w.grad (creates it when there is none)."""
     grad_NO = grad_NO.contiguous()
-    if w_EOI.grad is None:
-        w_EOI.grad = torch._grouped_mm(grad_NO.t(), x_NI, offs=offsets_E)
-    else:
-        _grouped_weight_grad_(w_EOI.grad, grad_NO, x_NI, offsets_E)
+    add_grouped_weight_grad(w_EOI, grad_NO, x_NI, offsets_E)
     return torch._grouped_mm(grad_NO, w_EOI, offs=offsets_E)
 
 
@@ -254,67 +234,6 @@ def _grouped_linear_backward(ctx, grad_NO: torch.Tensor) -> tuple[torch.Tensor |
 
 
 _grouped_linear_into_grad.register_autograd(_grouped_linear_backward, setup_context=_grouped_linear_setup_context)
-
-
-# Tile of the weight-gradient kernel: (output rows, output columns, token rows per step), warps, stages.
-WEIGHT_GRAD_CONFIG = (128, 128, 64, 4, 3)
-
-
-def _grouped_weight_grad_(
-    out_EOI: torch.Tensor, grad_NO: torch.Tensor, x_NI: torch.Tensor, offsets_E: torch.Tensor
-) -> None:
-    """out[e] += grad[rows of e]^T @ x[rows of e], summed in float32 with the held value and
-    rounded once; an expert without rows keeps its value."""
-    num_experts, out_dim, in_dim = out_EOI.shape
-    assert out_EOI.is_contiguous() and grad_NO.is_contiguous() and x_NI.is_contiguous()
-    block_o, block_i, block_n, num_warps, num_stages = WEIGHT_GRAD_CONFIG
-    grid = (triton.cdiv(out_dim, block_o) * triton.cdiv(in_dim, block_i), num_experts)
-    _grouped_weight_grad_kernel[grid](
-        out_EOI, grad_NO, x_NI, offsets_E, out_dim, in_dim,
-        BLOCK_O=block_o, BLOCK_I=block_i, BLOCK_N=block_n,
-        num_warps=num_warps, num_stages=num_stages,
-    )  # fmt: skip
-
-
-if triton is not None:
-
-    @triton.jit
-    def _grouped_weight_grad_kernel(
-        out_ptr,
-        grad_ptr,
-        x_ptr,
-        offsets_ptr,
-        out_dim,
-        in_dim,
-        BLOCK_O: tl.constexpr,
-        BLOCK_I: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-    ):
-        """One program per (output tile, expert): runs over the expert's token rows."""
-        expert = tl.program_id(1)
-        tiles_i = tl.cdiv(in_dim, BLOCK_I)
-        tile_o, tile_i = tl.program_id(0) // tiles_i, tl.program_id(0) % tiles_i
-        start = tl.load(offsets_ptr + expert - 1, mask=expert > 0, other=0).to(tl.int64)
-        end = tl.load(offsets_ptr + expert).to(tl.int64)
-        cols_o = tile_o * BLOCK_O + tl.arange(0, BLOCK_O)
-        cols_i = tile_i * BLOCK_I + tl.arange(0, BLOCK_I)
-        acc = tl.zeros((BLOCK_O, BLOCK_I), dtype=tl.float32)
-        for row in range(start, end, BLOCK_N):
-            rows = row + tl.arange(0, BLOCK_N)
-            in_rows = rows[:, None] < end
-            g = tl.load(
-                grad_ptr + rows[:, None] * out_dim + cols_o[None, :],
-                mask=in_rows & (cols_o[None, :] < out_dim),
-                other=0.0,
-            )
-            x = tl.load(
-                x_ptr + rows[:, None] * in_dim + cols_i[None, :], mask=in_rows & (cols_i[None, :] < in_dim), other=0.0
-            )
-            acc = tl.dot(tl.trans(g), x, acc)
-        out_ptrs = out_ptr + expert.to(tl.int64) * out_dim * in_dim + cols_o[:, None] * in_dim + cols_i[None, :]
-        mask = (cols_o[:, None] < out_dim) & (cols_i[None, :] < in_dim)
-        acc += tl.load(out_ptrs, mask=mask).to(tl.float32)
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 # Traced as a constant by torch.compile: the answer depends only on the device and dtype,

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from primerl_trainer.kernels.fp8_linear import Fp8Backend, fp8_linear
+from primerl_trainer.kernels.fp8_linear import Fp8Backend, Fp8WeightGrad, fp8_linear
 
 __all__ = ["Fp8Linear", "fused_linear"]
 
@@ -20,12 +20,13 @@ class Fp8Linear(nn.Linear):
     nn.Linear in place by models.fp8.convert_to_fp8 (its class is swapped, nothing is copied)."""
 
     fp8_backend: Fp8Backend = "scaled_mm"
+    fp8_weight_grad: Fp8WeightGrad = "fp8"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fp8_linear(x, self.weight, self.bias, backend=self.fp8_backend)
+        return fp8_linear(x, self.weight, self.bias, backend=self.fp8_backend, weight_grad=self.fp8_weight_grad)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, fp8_backend={self.fp8_backend}"
+        return f"{super().extra_repr()}, fp8_backend={self.fp8_backend}, fp8_weight_grad={self.fp8_weight_grad}"
 
 
 def fused_linear(x: torch.Tensor, layers: Sequence[nn.Linear]) -> torch.Tensor:
@@ -37,5 +38,5 @@ def fused_linear(x: torch.Tensor, layers: Sequence[nn.Linear]) -> torch.Tensor:
     weight = torch.cat([layer.weight for layer in layers])
     bias = torch.cat([layer.bias for layer in layers]) if layers[0].bias is not None else None
     if all(isinstance(layer, Fp8Linear) for layer in layers):
-        return fp8_linear(x, weight, bias, backend=layers[0].fp8_backend)
+        return fp8_linear(x, weight, bias, backend=layers[0].fp8_backend, weight_grad=layers[0].fp8_weight_grad)
     return F.linear(x, weight, bias)

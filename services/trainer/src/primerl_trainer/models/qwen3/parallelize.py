@@ -11,7 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
 from primerl_trainer.distributed import apply_activation_checkpointing, apply_compile, apply_fsdp
-from primerl_trainer.kernels.fp8_linear import Fp8Backend
+from primerl_trainer.kernels.fp8_linear import Fp8Backend, Fp8WeightGrad
 from primerl_trainer.models.fp8 import convert_to_fp8
 
 Model = TypeVar("Model", bound=nn.Module)
@@ -33,6 +33,7 @@ def parallelize_qwen3(
     experts_mesh: DeviceMesh | None = None,
     compile_fullgraph: bool = True,
     fp8_backend: Fp8Backend | None = None,
+    fp8_weight_grad: Fp8WeightGrad = "fp8",
 ) -> Model:
     """In place; returns the model (a Qwen3 composition: `model.layers` are its blocks).
 
@@ -42,13 +43,13 @@ def parallelize_qwen3(
     shard_placement_fn, experts_mesh, compile_fullgraph: for the models built on this one
     (Qwen3-MoE; see distributed.apply_fsdp).
     fp8_backend: run the blocks' products in FP8 with this backend (models/fp8.py; model.fp8);
-    None: in the compute dtype."""
+    None: in the compute dtype. fp8_weight_grad: model.fp8_weight_grad."""
     if ep_mesh is not None and ep_mesh.size() > 1:
         raise ValueError(f"parallel.ep {ep_mesh.size()} needs a mixture-of-experts model; this one is dense")
     if fp8_backend is not None:
         # FSDP moves the model to the mesh's device; without it the model is where it runs.
         device = dp_mesh.device_type if dp_mesh is not None else next(model.parameters()).device
-        convert_to_fp8(model.layers, backend=fp8_backend, device=device)
+        convert_to_fp8(model.layers, backend=fp8_backend, device=device, weight_grad=fp8_weight_grad)
     if activation_checkpointing:
         apply_activation_checkpointing(model.layers)
     if compile:

@@ -9,7 +9,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
 from primerl_trainer.distributed.expert_parallel import EPCommBackend, apply_expert_parallel
-from primerl_trainer.kernels.fp8_linear import Fp8Backend
+from primerl_trainer.kernels.fp8_linear import Fp8Backend, Fp8WeightGrad
 from primerl_trainer.models.moe import GroupedExperts, MoE
 from primerl_trainer.models.qwen3.parallelize import parallelize_qwen3
 from primerl_trainer.models.qwen3_moe.model import Qwen3MoeModel
@@ -31,6 +31,7 @@ def parallelize_qwen3_moe(
     gradient_divide_factor: float | None = None,
     compile_fullgraph: bool = True,
     fp8_backend: Fp8Backend | None = None,
+    fp8_weight_grad: Fp8WeightGrad = "fp8",
 ) -> Qwen3MoeModel:
     """In place; returns the model.
 
@@ -39,8 +40,8 @@ def parallelize_qwen3_moe(
     efsdp_mesh ("efsdp"): the FSDP2 mesh of the experts then (required with ep_mesh and dp_mesh).
     gradient_divide_factor: FSDP divides summed gradients by it, the experts' included (None:
     dp_mesh's size). compile_fullgraph: False for families whose blocks hold code compile leaves
-    out (expert parallel always breaks the graph). fp8_backend: parallelize_qwen3's (the experts
-    too)."""
+    out (expert parallel always breaks the graph). fp8_backend, fp8_weight_grad: parallelize_qwen3's
+    (the experts too)."""
     experts_mesh = shard_placement_fn = None
     expert_parallel = ep_mesh is not None and ep_mesh.size() > 1
     if expert_parallel:
@@ -71,4 +72,5 @@ def parallelize_qwen3_moe(
         # The all-to-all's split sizes come to the host: a graph break in every MoE block.
         compile_fullgraph=compile_fullgraph and not expert_parallel,
         fp8_backend=fp8_backend,
+        fp8_weight_grad=fp8_weight_grad,
     )
