@@ -868,7 +868,9 @@ def profile(model, optimizer, input_ids, targets, out_path: pathlib.Path) -> Non
         torch.cuda.synchronize()
     wall_ms = (time.perf_counter() - start) * 1e3
     averages = prof.key_averages()
-    kernels_ms = sum(event.self_device_time_total for event in averages) / 1e3
+    # The kernels' own rows (the CPU ops' rows repeat the time of the kernels they launched).
+    kernels = [event for event in averages if event.device_type == torch.autograd.DeviceType.CUDA]
+    kernels_ms = sum(event.self_device_time_total for event in kernels) / 1e3
     out_path.write_text(
         f"2 steps of one micro-batch and AdamW, profiled: wall {wall_ms:.1f} ms, GPU kernels {kernels_ms:.1f} ms "
         f"({kernels_ms / wall_ms:.0%} busy)\n"
