@@ -14,7 +14,8 @@ per-row index names each row's expert (-1: padding, skipped a whole block at a t
 sorted by expert as GroupedExperts holds them, are copied into such a buffer sized for the
 worst case (N + E * (ALIGN - 1) rows), so the host never reads the expert sizes; the product
 fills the padded rows and the real ones are gathered back. Rows past offsets_E[-1] (no expert)
-go past the last expert's segment, where the index is -1, and come back zero.
+go past the last expert's segment, where the index is -1, and come back zero (read from a zero
+row: no masking pass over the output).
 """
 
 from __future__ import annotations
@@ -54,11 +55,14 @@ def fits(depth: int, num_out: int, out_dtype: torch.dtype) -> bool:
 @dataclass(frozen=True)
 class PaddedRows:
     """Where each of N rows lies in the padded buffer (dest_N, all distinct), each padded row's
-    expert or -1 (expert_M), and which rows belong to an expert (valid_N)."""
+    expert or -1 (expert_M), which rows belong to an expert (valid_N), and where each row's
+    product is read back from (source_N: dest_N, or for a row of no expert the row past the
+    padded ones, which m_grouped keeps zero)."""
 
     dest_N: torch.Tensor
     expert_M: torch.Tensor
     valid_N: torch.Tensor
+    source_N: torch.Tensor
 
 
 # A layer's four products (w13 and w2, forward and input gradient) share one offsets tensor:
@@ -102,7 +106,7 @@ def _padded_rows(offsets_E: torch.Tensor, num_rows: int) -> PaddedRows:
     total = -(-(num_rows + num_experts * (ALIGN - 1)) // ALIGN) * ALIGN
     expert_M = torch.full((total,), -1, dtype=torch.int32, device=offsets_E.device)
     expert_M.index_copy_(0, dest_N, torch.where(valid_N, expert_N, -1).to(torch.int32))
-    return PaddedRows(dest_N, expert_M, valid_N)
+    return PaddedRows(dest_N, expert_M, valid_N, torch.where(valid_N, dest_N, total))
 
 
 def m_grouped(
@@ -117,12 +121,13 @@ def m_grouped(
     a_padded = aq.new_empty(total, aq.shape[1]).view(torch.int64)
     a_padded = a_padded.index_copy_(0, rows.dest_N, aq.view(torch.int64)).view(aq.dtype)
     scales_padded = as_.new_empty(total, as_.shape[1]).index_copy_(0, rows.dest_N, as_)
-    out = torch.empty(total, bq.shape[1], dtype=torch.bfloat16, device=aq.device)
+    # One row more than the product fills: zero, read back for the rows of no expert.
+    out = torch.empty(total + 1, bq.shape[1], dtype=torch.bfloat16, device=aq.device)
+    out[total].zero_()
     _deep_gemm().m_grouped_fp8_gemm_nt_contiguous(
-        (a_padded, scales_padded), (bq, bs.contiguous()), out, rows.expert_M, disable_ue8m0_cast=True
+        (a_padded, scales_padded), (bq, bs.contiguous()), out[:total], rows.expert_M, disable_ue8m0_cast=True
     )
-    real = out.view(torch.int64).index_select(0, rows.dest_N).view(torch.bfloat16)
-    return real.masked_fill_(~rows.valid_N[:, None], 0)
+    return out.view(torch.int64).index_select(0, rows.source_N).view(torch.bfloat16)
 
 
 @functools.cache  # imported where first asked for (it initializes CUDA state on import)
