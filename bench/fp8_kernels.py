@@ -71,7 +71,6 @@ def product_rows(name, out_f, in_f, offsets, args) -> dict:
         "dy 1x128": gpu_ms(lambda: quantize_rows_1x128(dy), args.rep_ms),
         "W 128x128": gpu_ms(lambda: fg.quantize_expert_weights(w), args.rep_ms),
         "W^T 128x128": gpu_ms(lambda: fg.quantize_expert_weights(w, transpose=True), args.rep_ms),
-        "W and W^T in one pass": gpu_ms(lambda: fg.quantize_expert_weights_both(w), args.rep_ms),
     }
     token_tiles = fg.expert_tiles(offsets, rows)
     quant["dy,x token tiles"] = gpu_ms(

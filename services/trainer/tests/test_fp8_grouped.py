@@ -106,7 +106,6 @@ def interpreter_checks() -> None:
         grouped_backward,
         grouped_forward,
         quantize_expert_weights,
-        quantize_expert_weights_both,
         quantize_token_tiles,
     )
     from primerl_trainer.kernels.fp8_linear import fp8_grouped_linear
@@ -123,8 +122,6 @@ def interpreter_checks() -> None:
         wq, ws = quantize_expert_weights(weights)
         wtq, wts = quantize_expert_weights(weights, transpose=True)
         assert torch.equal(wts, ws) and _same_fp8(wtq, wq.transpose(1, 2))
-        (bq, bs), (btq, bts) = quantize_expert_weights_both(weights)  # one pass, both layouts
-        assert torch.equal(bs, ws) and torch.equal(bts, ws) and _same_fp8(bq, wq) and _same_fp8(btq, wtq)
         tiles = expert_tiles(offsets, rows)
         dytq, dyts = quantize_token_tiles(grad_y, tiles)
         for expert, (start, end) in enumerate(zip([0, *offsets[:-1].tolist()], offsets.tolist(), strict=True)):
@@ -222,22 +219,8 @@ def test_weight_cache_quantizes_a_weight_once_until_it_changes():
     cache.clear()
     cache.quantized(w, reference_expert_blocks, transpose=False)
     assert reference_expert_blocks.calls == 7 and len(cache) == 1
-
-    # The forward's miss, given the one-pass quantizer, keeps W^T's blocks for the backward too.
-    def both(w):
-        return reference_expert_blocks(w, transpose=False), reference_expert_blocks(w, transpose=True)
-
-    cache.clear()
-    forward = cache.quantized(w, reference_expert_blocks, transpose=False, quantize_both=both)
-    backward = cache.quantized(w, reference_expert_blocks, transpose=True, quantize_both=both)
-    assert reference_expert_blocks.calls == 9 and len(cache) == 2
-    assert backward[0].shape == (2, 128, 256) and torch.equal(backward[0].float(), forward[0].float().transpose(1, 2))
-    assert cache.quantized(w, reference_expert_blocks, transpose=False, quantize_both=both)[0] is forward[0]
-    cache.clear()
-    cache.quantized(w, reference_expert_blocks, transpose=False)
-    assert reference_expert_blocks.calls == 10 and len(cache) == 1
     other = w.clone()  # equal values, another tensor: its own entry
     cache.quantized(other, reference_expert_blocks, transpose=False)
-    assert reference_expert_blocks.calls == 11 and len(cache) == 2
+    assert reference_expert_blocks.calls == 8 and len(cache) == 2
     del other
     assert len(cache) == 1

@@ -40,14 +40,7 @@ from primerl_trainer.kernels import deep_gemm_grouped as dg
 from primerl_trainer.kernels.fp8_weight_cache import WEIGHT_CACHE
 from primerl_trainer.kernels.grouped_weight_grad import add_grouped_weight_grad, grouped_weight_grad
 
-__all__ = [
-    "expert_tiles",
-    "grouped_backward",
-    "grouped_forward",
-    "quantize_expert_weights",
-    "quantize_expert_weights_both",
-    "quantize_token_tiles",
-]
+__all__ = ["expert_tiles", "grouped_backward", "grouped_forward", "quantize_expert_weights", "quantize_token_tiles"]
 
 TILE = 128  # the quantization block and the products' contraction step
 _FP8 = torch.float8_e4m3fn
@@ -63,10 +56,7 @@ def grouped_forward(
     """y [N, O] in x's dtype: rows of expert e times w_EOI[e]^T; rows past offsets_E[-1] are zero.
     `deep_gemm`: the product on DeepGEMM's kernel where it takes the shape (kernels.deep_gemm_grouped)."""
     xq, xs = quantize_rows_1x128(x_NI)
-    # With the cache, W^T's blocks come from the same pass (the backward asks for them next).
-    wq, ws = WEIGHT_CACHE.quantized(
-        w_EOI, quantize_expert_weights, transpose=False, quantize_both=quantize_expert_weights_both
-    )
+    wq, ws = WEIGHT_CACHE.quantized(w_EOI, quantize_expert_weights, transpose=False)
     if deep_gemm and dg.fits(x_NI.shape[1], w_EOI.shape[1], x_NI.dtype):
         return dg.m_grouped(xq, xs, wq, ws, dg.padded_rows(offsets_E, x_NI.shape[0]))
     tiles = expert_tiles(offsets_E, x_NI.shape[0], M_GROUPED["BLOCK_M"])
@@ -154,38 +144,18 @@ def quantize_expert_weights(w_EOI: torch.Tensor, *, transpose: bool = False) -> 
     """Each expert's weight in 128x128 blocks: (float8 values [E, O, I], or W^T's [E, I, O]
     with `transpose`, contiguous; float32 scales [E, ceil(O/128), ceil(I/128)], W's blocks in
     both cases), as quantize_blockwise of each w_EOI[e] (bit for bit)."""
-    quantized, scales = _quantize_weights(w_EOI, (transpose,))
-    return quantized[0], scales
-
-
-def quantize_expert_weights_both(
-    w_EOI: torch.Tensor,
-) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
-    """(quantize_expert_weights(w), quantize_expert_weights(w, transpose=True)) in one pass over
-    w: each block read and its amax taken once, written in both layouts (the same values)."""
-    (quantized, quantized_t), scales = _quantize_weights(w_EOI, (False, True))
-    return (quantized, scales), (quantized_t, scales)
-
-
-def _quantize_weights(w_EOI: torch.Tensor, layouts: tuple[bool, ...]) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """The float8 values in each layout of `layouts` (True: W^T's), and the blocks' scales."""
     num_experts, rows, cols = w_EOI.shape
     blocks_r, blocks_c = -(-rows // TILE), -(-cols // TILE)
-    outs = [
-        torch.empty(num_experts, *((cols, rows) if transpose else (rows, cols)), dtype=_FP8, device=w_EOI.device)
-        for transpose in layouts
-    ]
+    layout = (cols, rows) if transpose else (rows, cols)
+    quantized = torch.empty(num_experts, *layout, dtype=_FP8, device=w_EOI.device)
     scales = torch.empty(num_experts, blocks_r, blocks_c, dtype=torch.float32, device=w_EOI.device)
-    if outs[0].numel() == 0:
-        return outs, scales.zero_()
-    # Each layout written through strides indexed (expert, row of W, column of W).
-    strides = [(q.stride(0), q.stride(2), q.stride(1)) if t else q.stride() for q, t in zip(outs, layouts, strict=True)]
-    second, second_strides = (outs[1], strides[1]) if len(outs) > 1 else (outs[0], strides[0])
+    if quantized.numel() == 0:
+        return quantized, scales.zero_()
+    q_strides = (quantized.stride(0), quantized.stride(2), quantized.stride(1)) if transpose else quantized.stride()
     _kernels().weight_quantize[(blocks_c, blocks_r, num_experts)](
-        w_EOI, outs[0], second, scales, rows, cols, *w_EOI.stride(), *strides[0], *second_strides,
-        BLOCK=TILE, BOTH=len(outs) > 1, num_warps=8,
-    )  # fmt: skip
-    return outs, scales
+        w_EOI, quantized, scales, rows, cols, *w_EOI.stride(), *q_strides, BLOCK=TILE, num_warps=8
+    )
+    return quantized, scales
 
 
 def quantize_token_tiles(t_NC: torch.Tensor, tiles: ExpertTiles) -> tuple[torch.Tensor, torch.Tensor]:
@@ -318,7 +288,6 @@ class _Kernels:
         def weight_quantize(
             w_ptr,
             q_ptr,
-            q2_ptr,
             s_ptr,
             rows,
             cols,
@@ -328,15 +297,10 @@ class _Kernels:
             stride_qe,
             stride_qr,
             stride_qc,
-            stride_q2e,
-            stride_q2r,
-            stride_q2c,
             BLOCK: tl.constexpr,
-            BOTH: tl.constexpr,
         ):
             # One program per 128x128 block of one expert, written through q's strides (W's
-            # layout, or W^T's: the same block transposed), and with BOTH through q2's too;
-            # scales [E, blocks_r, blocks_c].
+            # layout, or W^T's: the same block transposed); scales [E, blocks_r, blocks_c].
             pid_c = tl.program_id(0)
             pid_r = tl.program_id(1)
             expert = tl.program_id(2).to(tl.int64)
@@ -351,9 +315,6 @@ class _Kernels:
             q = tl.clamp(tl.math.div_rn(x, divisor), -448.0, 448.0)
             q_offs = expert * stride_qe + offs_r[:, None].to(tl.int64) * stride_qr + offs_c[None, :] * stride_qc
             tl.store(q_ptr + q_offs, q.to(tl.float8e4nv), mask=mask)
-            if BOTH:
-                q2_offs = expert * stride_q2e + offs_r[:, None].to(tl.int64) * stride_q2r + offs_c[None, :] * stride_q2c
-                tl.store(q2_ptr + q2_offs, q.to(tl.float8e4nv), mask=mask)
             num_blocks_r = tl.num_programs(1)
             num_blocks_c = tl.num_programs(0)
             tl.store(s_ptr + (expert * num_blocks_r + pid_r) * num_blocks_c + pid_c, scale)

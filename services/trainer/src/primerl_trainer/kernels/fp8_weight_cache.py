@@ -10,8 +10,7 @@ import torch
 
 __all__ = ["WEIGHT_CACHE", "QuantizedWeightCache"]
 
-Blocks = tuple[torch.Tensor, torch.Tensor]  # float8 values, float32 scales
-Quantizer = Callable[..., Blocks]
+Quantizer = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
 class QuantizedWeightCache:
@@ -34,33 +33,25 @@ class QuantizedWeightCache:
         self._entries: dict[tuple[int, bool], tuple[weakref.ref, int, torch.Tensor, torch.Tensor]] = {}
 
     def quantized(
-        self,
-        w_EOI: torch.Tensor,
-        quantize: Quantizer,
-        *,
-        transpose: bool,
-        quantize_both: Callable[[torch.Tensor], tuple[Blocks, Blocks]] | None = None,
-    ) -> Blocks:
+        self, w_EOI: torch.Tensor, quantize: Quantizer, *, transpose: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """quantize(w_EOI, transpose=transpose) (kernels.fp8_grouped.quantize_expert_weights), from
-        the cache where it holds them. `quantize_both` (quantize_expert_weights_both: W's blocks
-        and W^T's from one pass), where given, fills both entries on a miss."""
+        the cache where it holds them."""
         if not self.enabled:
             return quantize(w_EOI, transpose=transpose)
-        entry = self._entries.get((id(w_EOI), transpose))
+        key = (id(w_EOI), transpose)
+        entry = self._entries.get(key)
         if entry is not None and entry[0]() is w_EOI and entry[1] == w_EOI._version:
             return entry[2], entry[3]
-        if quantize_both is None:
-            blocks = quantize(w_EOI, transpose=transpose)
-            self._keep(w_EOI, transpose, blocks)
-            return blocks
-        both = quantize_both(w_EOI)
-        for layout, blocks in zip((False, True), both, strict=True):
-            self._keep(w_EOI, layout, blocks)
-        return both[transpose]
-
-    def _keep(self, w_EOI: torch.Tensor, transpose: bool, blocks: Blocks) -> None:
-        key, entries = (id(w_EOI), transpose), self._entries
-        entries[key] = (weakref.ref(w_EOI, lambda _: entries.pop(key, None)), w_EOI._version, *blocks)
+        quantized, scales = quantize(w_EOI, transpose=transpose)
+        entries = self._entries
+        self._entries[key] = (
+            weakref.ref(w_EOI, lambda _: entries.pop(key, None)),
+            w_EOI._version,
+            quantized,
+            scales,
+        )
+        return quantized, scales
 
     def clear(self) -> None:
         self._entries.clear()
