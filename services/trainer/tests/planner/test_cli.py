@@ -37,6 +37,24 @@ def test_plan_reads_the_config_and_its_model_path(tmp_path, capsys):
     assert "* the config's mesh (parallel.cp 2, parallel.ep 2)" in out
 
 
+def test_plan_with_fp8_counts_the_dense_grids_third_all_to_all(capsys):
+    # FP8 experts take no padded copies: on the dense grid (128 experts over 2 ranks, 8 a token)
+    # each MoE layer's forward makes one all-to-all call more; nothing else changes.
+    argv = ["--shape", "Qwen3-30B-A3B", "--gpus", "2", "--gpu", "h200", "--top", "0", "--json"]
+    times = {}
+    for fp8 in (False, True):
+        assert main(argv + (["--fp8"] if fp8 else [])) == 0
+        rows = json.loads(capsys.readouterr().out)
+        times[fp8] = {(row["mesh"], row["activation_checkpointing"]): row["time"] for row in rows}
+    ep2 = [key for key in times[False] if "ep2" in key[0]]
+    assert ep2
+    for key in ep2:
+        plain, fp8 = times[False][key], times[True][key]
+        assert fp8["ep"] > plain["ep"]
+        assert {k: v for k, v in fp8.items() if k != "ep"} == {k: v for k, v in plain.items() if k != "ep"}
+    assert all(times[True][key] == times[False][key] for key in times[False] if key not in ep2)
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [

@@ -174,6 +174,9 @@ def test_dense_grid_every_token_to_every_rank_and_two_calls_a_forward():
     assert plain_ckpt.ep == pytest.approx(2 * 6 * send / 2 / 50e9)
     called_ckpt = estimate_step_time(shape, mesh, checkpointed, CALL_RATES)
     assert called_ckpt.ep - plain_ckpt.ep == pytest.approx(2 * (2 * 2 + 2) * 1e-3)
+    # model.fp8: FP8 experts take no padded copies, so the grid's forward calls 3 times, not 2.
+    fp8 = dataclasses.replace(workload, fp8=True)
+    assert estimate_step_time(shape, mesh, fp8, CALL_RATES).ep - plain.ep == pytest.approx(2 * (3 + 2) * 1e-3)
     # The row moves count the grid's rows too: 1024 x 8 copies and 1024 x 2 sent rows of 64.
     copies, sent = 1024 * 8 * 64, 1024 * 2 * 64
     # One forward: each sent element moved 4 times a pass (forward and backward) in bf16.

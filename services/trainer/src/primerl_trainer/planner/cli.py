@@ -43,6 +43,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--tokens-per-step", type=int, help="tokens per optimizer step (default: one row per GPU)")
     parser.add_argument("--master-dtype", choices=sorted(_DTYPE_BYTES), help="default: the config's model.dtype")
     parser.add_argument("--loss", choices=["logits", "fused"], default="logits", help="the trainer's path: logits")
+    parser.add_argument("--fp8", action="store_true", help="model.fp8 (default: the config's)")
     parser.add_argument("--top", type=int, default=20, help="rows shown (0: all)")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
     return parser
@@ -67,7 +68,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _resolve(args: argparse.Namespace) -> tuple[ModelShape, Workload, Mesh | None]:
     if args.gpus <= 0:
         raise ValueError("--gpus must be positive")
-    seq_len, master, compute, accumulate_unsharded = 4096, "float32", "bfloat16", False
+    seq_len, master, compute, accumulate_unsharded, fp8 = 4096, "float32", "bfloat16", False, args.fp8
     shape = builtin_shape(args.shape) if args.shape else None
     configured = None
     if args.config is not None:
@@ -77,6 +78,7 @@ def _resolve(args: argparse.Namespace) -> tuple[ModelShape, Workload, Mesh | Non
         config = load_config(TrainerConfig, argv, prog="primerl-trainer plan")
         seq_len, master, compute = config.seq_len, config.model.dtype, config.model.compute_dtype
         accumulate_unsharded = config.parallel.accumulate_unsharded
+        fp8 = fp8 or config.model.fp8
         if shape is None:
             shape = shape_from_model_path(config.model.path)
         configured = Mesh(world=args.gpus, ep=config.parallel.ep, cp=config.parallel.cp)
@@ -90,5 +92,6 @@ def _resolve(args: argparse.Namespace) -> tuple[ModelShape, Workload, Mesh | Non
         compute_bytes=_DTYPE_BYTES[compute],
         loss=args.loss,
         accumulate_unsharded=accumulate_unsharded,
+        fp8=fp8,
     )
     return shape, workload, configured

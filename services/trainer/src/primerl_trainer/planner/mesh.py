@@ -64,6 +64,11 @@ class Workload:
     # parallel.accumulate_unsharded: the sharded FSDP units stay gathered through a step's
     # micro-batches, their float32 gradients accumulate unsharded and reduce once per step.
     accumulate_unsharded: bool = False
+    # model.fp8: the blocks' products in FP8, counted at the compute dtype's rates (on an H200 an
+    # FP8 MoE step ran at 0.7-0.99x of bf16: bench/results/trainer_throughput-fp8-weight-grad-
+    # 2026-11-30.txt); FP8 experts take no padded copies, so the EP dense grid's forward makes the
+    # all-to-all call of the copy counts too (timing.EP_CALLS_FORWARD, not _DENSE_GRID).
+    fp8: bool = False
 
     def __post_init__(self) -> None:
         if self.seq_len <= 0 or self.tokens_per_step <= 0:

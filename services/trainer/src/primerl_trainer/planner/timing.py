@@ -25,7 +25,8 @@ Per micro-batch on one GPU (t = seq_len / cp tokens):
   the dispatcher takes its dense grid (`uses_dense_grid`: a token expected to need at least 90%
   of the ranks), once to every rank; a fixed cost per all-to-all call
   (`LinkRates.all_to_all_call_s`: per forward 3 calls, the counts, the rows with their routing and
-  the partial sums, or 2 on the dense grid, whose token counts go host to host; 2 per backward);
+  the partial sums, or 2 on the dense grid with padded copies, whose token counts go host to host
+  (not with model.fp8: FP8 experts take no padded copies); 2 per backward);
   and per forward the rest of the dispatch's cost (`StepFit.ep_layer_s`: host time the GPU waits
   for, index kernels). The last two are fitted to a measured ep=2 step, not measured per kernel.
 - context parallel: each layer's K/V all-gather forward (and recomputed forward) and the
@@ -62,8 +63,9 @@ __all__ = [
 _ATTENTION_BACKWARD_FLOPS = 2.5  # backward FLOPs over forward FLOPs of attention (rates' convention)
 # all_to_all_single calls of one MoE layer's dispatcher (distributed.expert_parallel, packed): a
 # forward exchanges the counts, the rows with their routing and the partial sums (on the dense
-# grid the counts go host to host, over gloo, once per forward for all layers: no NCCL call); a
-# backward sends the partial sums' and the rows' gradients back.
+# grid with padded copies the counts go host to host, over gloo, once per forward for all layers:
+# no NCCL call; without them, as for FP8 experts, the copy counts take a call); a backward sends
+# the partial sums' and the rows' gradients back.
 EP_CALLS_FORWARD, EP_CALLS_FORWARD_DENSE_GRID, EP_CALLS_BACKWARD = 3, 2, 2
 
 
@@ -262,7 +264,8 @@ def estimate_step_time(shape: ModelShape, mesh: Mesh, workload: Workload, rates:
         link = rates.link(mesh.ep, spans_nodes=_spans_nodes(mesh.ep, 1, rates))
         send_bytes = t * ranks_sent_per_token(shape, mesh.ep) * shape.hidden_size * b_c
         all_to_alls = 2 * (forward_passes + 1)  # dispatch + combine, per forward and the backward
-        calls_forward = EP_CALLS_FORWARD_DENSE_GRID if uses_dense_grid(shape, mesh.ep) else EP_CALLS_FORWARD
+        padded_grid = uses_dense_grid(shape, mesh.ep) and not workload.fp8  # FP8 experts take no padded copies
+        calls_forward = EP_CALLS_FORWARD_DENSE_GRID if padded_grid else EP_CALLS_FORWARD
         calls = forward_passes * calls_forward + EP_CALLS_BACKWARD
         ep = shape.num_moe_layers * (
             all_to_alls * _collective_s(send_bytes, mesh.ep, link.all_to_all_gbps)
