@@ -55,13 +55,11 @@ def fits(depth: int, num_out: int, out_dtype: torch.dtype) -> bool:
 @dataclass(frozen=True)
 class PaddedRows:
     """Where each of N rows lies in the padded buffer (dest_N, all distinct), each padded row's
-    expert or -1 (expert_M), which rows belong to an expert (valid_N), and where each row's
-    product is read back from (source_N: dest_N, or for a row of no expert the row past the
-    padded ones, which m_grouped keeps zero)."""
+    expert or -1 (expert_M), and where each row's product is read back from (source_N: dest_N,
+    or for a row of no expert the row past the padded ones, which m_grouped keeps zero)."""
 
     dest_N: torch.Tensor
     expert_M: torch.Tensor
-    valid_N: torch.Tensor
     source_N: torch.Tensor
 
 
@@ -106,7 +104,7 @@ def _padded_rows(offsets_E: torch.Tensor, num_rows: int) -> PaddedRows:
     total = -(-(num_rows + num_experts * (ALIGN - 1)) // ALIGN) * ALIGN
     expert_M = torch.full((total,), -1, dtype=torch.int32, device=offsets_E.device)
     expert_M.index_copy_(0, dest_N, torch.where(valid_N, expert_N, -1).to(torch.int32))
-    return PaddedRows(dest_N, expert_M, valid_N, torch.where(valid_N, dest_N, total))
+    return PaddedRows(dest_N, expert_M, torch.where(valid_N, dest_N, total))
 
 
 def m_grouped(
