@@ -163,6 +163,29 @@ async def test_sigterm_drains_inflight_call_then_exits_cleanly():
     assert "Traceback" not in output, output
 
 
+async def test_sigterm_with_calls_open_past_the_grace_exits_cleanly():
+    # A router's health Watch never ends by itself, and this SaveCheckpoint outlasts the grace: gRPC
+    # cancels both, and the process still exits 0 without a traceback (their call tasks are let
+    # finish before the event loop closes).
+    port = free_port()
+    args = [sys.executable, str(HERE / "servers.py"), "--server.host", "127.0.0.1", "--server.port", str(port)]
+    args += ["--server.drain_delay_s", "0", "--server.grace_s", "0.5", "--slow_call_s", "30"]
+    async with ServiceProcess([*args, "--observability.log_json", "false"], port=port) as service:
+        async with make_channel(service.address) as channel:
+            watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest())
+            assert (await watch.read()).status == health_pb2.HealthCheckResponse.SERVING
+            stub = trainer_pb2_grpc.TrainerServiceStub(channel)
+            call = asyncio.ensure_future(stub.SaveCheckpoint(trainer_pb2.SaveCheckpointRequest(), timeout=20))
+            await asyncio.sleep(0.5)  # the call is running in the server
+            service.terminate()
+            assert await service.wait(20) == 0
+            with pytest.raises(grpc.aio.AioRpcError):
+                await call
+        output = service.output()
+    assert "stopped probe" in output, output
+    assert "Traceback" not in output, output
+
+
 def test_check_config_validates_and_exits_without_serving(tmp_path):
     config = tmp_path / "all.toml"
     config.write_text("[probe]\nslow_call_s = 1.0\n[bad]\nslow_call_s = -1\nport = 3\n")

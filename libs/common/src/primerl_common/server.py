@@ -354,6 +354,22 @@ async def _serve(build: Callable[[C], Awaitable[ServiceDefinition]], config: C) 
         loop.add_signal_handler(sig, service.request_stop)
     await service.start()
     await service.wait_for_termination()
+    await _rpc_tasks_settle(timeout_s=2.0)
+
+
+async def _rpc_tasks_settle(timeout_s: float) -> None:
+    """Waits for grpc.aio's per-call tasks to end. The server's stop returns once gRPC core has
+    finished every call, but a call's task can be a few loop turns from its end (the completion of
+    its last send comes after core's shutdown notice); asyncio.run cancels such a task on exit and
+    grpc logs that as an unhandled exception with two tracebacks, after a clean drain (a CI run
+    saw it after a drained SaveCheckpoint). One server a process, so every such task is its."""
+    pending = [
+        task
+        for task in asyncio.all_tasks()
+        if not task.done() and getattr(task.get_coro(), "__qualname__", "") == "_schedule_rpc_coro"
+    ]
+    if pending:
+        await asyncio.wait(pending, timeout=timeout_s)
 
 
 def prepare(
