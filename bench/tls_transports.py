@@ -6,7 +6,11 @@ connections, plaintext and mTLS, through
 - `sync`: gRPC's threaded API (K client threads, a thread-pool server);
 - `ssl`: raw sockets with Python's `ssl` (OpenSSL) in one thread per connection at each end,
   length-prefixed messages read with recv_into (the kvstore bulk channel's way);
-- `sync>aio` and `aio>sync`: the sending API > the receiving one, to tell which end bounds.
+- `sync>aio` and `aio>sync`: the sending API > the receiving one, to tell which end bounds;
+- `sealed`: grpc.aio at both ends over plaintext connections, each message sealed (mode mtls)
+  with AES-256-GCM in a thread pool ahead of the sender and opened in one at the receiver
+  (primerl_common.security.sealed; its session key, handed out over mTLS in the push paths, is
+  made here). Its plaintext mode is `aio`'s.
 
 If TLS's cost were the cipher's (AES-GCM runs at ~10 GB/s a core on the device host's Xeon,
 `openssl speed`), K connections on K cores would hide it. The table shows where each transport
@@ -32,10 +36,12 @@ import time
 from concurrent import futures
 
 import grpc
+import psutil
 
 from primerl_common import security
 from primerl_common.malloc import MALLOC_ENV, reexec_with_malloc_env
 from primerl_common.processes import free_port
+from primerl_common.security.sealed import StreamKey, open_frames, seal_frames
 from primerl_common.server import channel_options, server_options
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
@@ -43,7 +49,7 @@ from tls_overhead import MODES, SINK_PUSH, add_port, make_certs, serve_sink, str
 
 HERE = pathlib.Path(__file__).resolve()
 MiB = 1 << 20
-TRANSPORTS = ("aio", "sync", "ssl", "sync>aio", "aio>sync")
+TRANSPORTS = ("aio", "sync", "ssl", "sync>aio", "aio>sync", "sealed")
 _HEADER = 8  # little-endian message length; 0 ends a round and asks for a one-byte answer
 
 
@@ -59,6 +65,26 @@ def serve_sync(port: int, mode: str, certs: pathlib.Path) -> None:
     add_port(server, port, tls_for(mode, certs, "weight_broadcaster"))
     server.start()
     server.wait_for_termination()
+
+
+# The sealed transport's one session key: the bench measures the stream, not the hand-out.
+SEALED_KEY = StreamKey("bench", bytes(range(32)), SINK_PUSH)
+
+
+async def serve_sealed(port: int, mode: str, certs: pathlib.Path) -> None:
+    if mode != "mtls":
+        return await serve_sink(port, tls_for(mode, certs, "weight_broadcaster"))
+
+    async def push(request_iterator, context: grpc.aio.ServicerContext) -> bytes:
+        async for _ in open_frames(SEALED_KEY, request_iterator):
+            pass
+        return b""
+
+    server = grpc.aio.server(options=server_options(64 * MiB))
+    server.add_registered_method_handlers("bench.Sink", {"Push": grpc.stream_unary_rpc_method_handler(push)})
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    await server.wait_for_termination()
 
 
 def serve_ssl(port: int, mode: str, certs: pathlib.Path) -> None:
@@ -94,14 +120,20 @@ def gib_s(num_bytes: int, seconds: float) -> float:
     return num_bytes / (1 << 30) / seconds
 
 
-async def rounds_aio(port: int, mode: str, certs: pathlib.Path, k: int, payload: bytes, n: int, rounds: int):
-    channels = [striped_channel(f"127.0.0.1:{port}", mode, certs, stripe) for stripe in range(k)]
+async def rounds_aio(
+    port: int, mode: str, certs: pathlib.Path, k: int, payload: bytes, n: int, rounds: int, sealed: bool = False
+):
+    channel_mode = "plaintext" if sealed else mode
+    channels = [striped_channel(f"127.0.0.1:{port}", channel_mode, certs, stripe) for stripe in range(k)]
     for channel in channels:
         await asyncio.wait_for(channel.channel_ready(), 60)
 
-    async def messages(stripe: int):
+    async def plain(stripe: int):
         for _ in range(stripe, n, k):
             yield payload
+
+    def messages(stripe: int):
+        return seal_frames(SEALED_KEY, plain(stripe)) if sealed else plain(stripe)
 
     rates = []
     for _ in range(rounds):
@@ -173,10 +205,20 @@ def ends(transport: str) -> tuple[str, str]:
 def measure(transport: str, port: int, mode: str, certs: pathlib.Path, k: int, args: argparse.Namespace):
     payload, n = os.urandom(args.message_mib * MiB), args.push_mib // args.message_mib
     transport = ends(transport)[0]
-    if transport == "aio":
-        return asyncio.run(rounds_aio(port, mode, certs, k, payload, n, args.rounds))
+    if transport in ("aio", "sealed"):
+        sealed = transport == "sealed" and mode == "mtls"
+        return asyncio.run(rounds_aio(port, mode, certs, k, payload, n, args.rounds, sealed))
     run = rounds_sync if transport == "sync" else rounds_ssl
     return run(port, mode, certs, k, payload, n, args.rounds)
+
+
+def thread_cpu(process: psutil.Process) -> dict[int, float]:
+    return {thread.id: thread.user_time + thread.system_time for thread in process.threads()}
+
+
+def busiest_thread_s(before: dict[int, float], after: dict[int, float]) -> float:
+    """CPU seconds of the thread of a process that used the most between two snapshots."""
+    return max((seconds - before.get(thread, 0.0) for thread, seconds in after.items()), default=0.0)
 
 
 def wait_listening(port: int, process: subprocess.Popen, timeout_s: float = 60.0) -> None:
@@ -203,7 +245,9 @@ def main() -> None:
     if args.serve:
         transport, port, mode, certs = args.serve
         serve = {"sync": serve_sync, "ssl": serve_ssl}.get(transport)
-        if serve is None:
+        if transport == "sealed":
+            asyncio.run(serve_sealed(int(port), mode, pathlib.Path(certs)))
+        elif serve is None:
             asyncio.run(serve_sink(int(port), tls_for(mode, pathlib.Path(certs), "weight_broadcaster")))
         else:
             serve(int(port), mode, pathlib.Path(certs))
@@ -215,7 +259,9 @@ def main() -> None:
     print(f"cores {os.cpu_count()}  load average {os.getloadavg()[0]:.2f}  grpcio {grpc.__version__}")
     print(f"Python's ssl: {ssl.OPENSSL_VERSION}")
     print(f"{args.rounds} rounds of {args.push_mib} MiB in {args.message_mib} MiB messages per transport, mode and K")
-    print(f"{'transport':>9} {'mode':>9} {'K':>2} {'GiB/s (median)':>15}   rounds")
+    print("busiest thread: CPU s/GiB of the sender's and the receiver's busiest thread (a ceiling of 1/that GiB/s")
+    print("  on a machine with cores to spare, whatever the other threads do)")
+    print(f"{'transport':>9} {'mode':>9} {'K':>2} {'GiB/s (median)':>15}   busiest thread   rounds")
     best: dict[str, tuple[float, str, int]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         certs = pathlib.Path(tmp) / "certs"
@@ -228,10 +274,17 @@ def main() -> None:
                 try:
                     wait_listening(port, receiver)
                     for k in streams:
+                        ends_now = [psutil.Process(), psutil.Process(receiver.pid)]
+                        before = [thread_cpu(end) for end in ends_now]
                         rates = measure(transport, port, mode, certs, k, args)
+                        gib = args.rounds * args.push_mib / 1024
+                        busiest = [
+                            busiest_thread_s(b, thread_cpu(end)) / gib for b, end in zip(before, ends_now, strict=True)
+                        ]
                         median = statistics.median(rates)
                         each = " ".join(f"{rate:.2f}" for rate in rates)
-                        print(f"{transport:>9} {mode:>9} {k:>2} {median:>15.2f}   {each}")
+                        threads = f"{busiest[0]:6.2f} {busiest[1]:6.2f}"
+                        print(f"{transport:>9} {mode:>9} {k:>2} {median:>15.2f}   {threads}   {each}")
                         best[mode] = max(best.get(mode, (0.0, "", 0)), (median, transport, k))
                 finally:
                     receiver.kill()

@@ -68,6 +68,14 @@ class ServerConfig(Section):
     )
     grace_s: float = Field(default=10.0, ge=0, description="then how long in-flight calls may finish")
     max_message_bytes: int = Field(default=64 * 1024 * 1024, gt=0)
+    sealed_port: int | None = Field(
+        default=None,
+        ge=0,
+        le=65535,
+        description="port of sealed streams (weight pushes sealed with AES-256-GCM on several cores over a "
+        "plaintext connection, each stream's key handed out over mutual TLS; tls.mode mtls only) on server.host; "
+        "unset: pushes take the mTLS port; 0 picks a free one",
+    )
 
 
 class ObservabilityConfig(Section):

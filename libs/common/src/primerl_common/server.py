@@ -33,6 +33,15 @@ from primerl_common import observability, security
 from primerl_common.admission import AdmissionInterceptor
 from primerl_common.config import ConfigError, ServiceConfig, parse_command_line
 from primerl_common.errors import ErrorInterceptor, Unimplemented
+from primerl_common.sealed_streams import (
+    OPEN_METHOD,
+    SEALED_CAPABILITY,
+    SEALED_SERVICE_NAME,
+    STREAM_METHOD,
+    SealedStreamServicer,
+    add_sealed_stream_service,
+    sealed_handlers,
+)
 
 __all__ = [
     "KEEPALIVE",
@@ -131,6 +140,9 @@ class ServiceDefinition:
     # descriptor; security.ANY: any authenticated caller). Enforced under tls.mode mtls, where a
     # served method without an entry stops the start; health, reflection and GetServiceInfo are open.
     permissions: Mapping[str, frozenset[str]] = field(default_factory=dict)
+    # Client-streaming methods (full names) also taken as sealed streams on server.sealed_port
+    # (primerl_common.sealed_streams): the weight pushes.
+    sealed_methods: Collection[str] = ()
     instance_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     started_at: timestamp_pb2.Timestamp = field(default_factory=lambda: _now())
     # The health the server reports: a service whose backend fails (a dead engine) sets its
@@ -214,6 +226,11 @@ class _SharedInterceptors(grpc.aio.ServerInterceptor):
         return handler
 
 
+# Any caller with a certificate may ask for sessions (OpenSealedStreams then checks the roles of
+# the method asked for); a sealed stream authenticates by its session's key.
+SEALED_PERMISSIONS = {OPEN_METHOD: security.ANY, STREAM_METHOD: security.ANY}
+
+
 class GrpcService:
     """Serves a ServiceDefinition. Use `await start()`, then `await stop()`
     (or `wait_for_termination()` with signal handlers installed by run_main)."""
@@ -226,6 +243,7 @@ class GrpcService:
         self._stopped = asyncio.Event()
         self._stopping: asyncio.Task[None] | None = None
         self.port = 0
+        self.sealed_port: int | None = None  # bound when server.sealed_port is set
         # The admission limits in force once started (their counts; tests lower a limit of a
         # running service through it).
         self.admission: AdmissionInterceptor | None = None
@@ -236,9 +254,17 @@ class GrpcService:
         tls.check(server_config.host)
         if tls.mode == "mtls":
             _check_permissions(self.definition)
+        sealed = bool(self.definition.sealed_methods)
+        if server_config.sealed_port is not None and tls.mode != "mtls":
+            raise ConfigError("server.sealed_port: sealed streams take their keys over mutual TLS (tls.mode = mtls)")
+        if server_config.sealed_port is not None and not sealed:
+            raise ConfigError(f"server.sealed_port: {self.definition.name} takes no sealed streams (leave it unset)")
         resolver = security.CallerResolver(mode=tls.mode, tokens=security.load_tokens(tls.tokens_file))
         authorization = security.AuthorizationInterceptor(
-            resolver, self.definition.permissions, service=self.definition.name
+            resolver,
+            {**self.definition.permissions, **(SEALED_PERMISSIONS if sealed else {})},
+            service=self.definition.name,
+            self_authenticated=(STREAM_METHOD,) if sealed else (),
         )
         self.admission = AdmissionInterceptor(self.config.admission)
         interceptor = _SharedInterceptors(
@@ -254,9 +280,16 @@ class GrpcService:
         for add_to_server, servicer, descriptor in self.definition.servicers:
             _answer_unimplemented(servicer, descriptor, self.definition)
             add_to_server(servicer, self._server)
+        sealed_names = []
+        if sealed:
+            handlers = sealed_handlers(self.definition.servicers, self.definition.sealed_methods)
+            add_sealed_stream_service(
+                SealedStreamServicer(handlers, authorization, lambda: self.sealed_port), self._server
+            )
+            sealed_names.append(SEALED_SERVICE_NAME)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         reflection.enable_server_reflection(
-            [*self.definition.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], self._server
+            [*self.definition.service_names, *sealed_names, health.SERVICE_NAME, reflection.SERVICE_NAME], self._server
         )
         address = f"{server_config.host}:{server_config.port}"
         if tls.mode == "mtls":
@@ -265,6 +298,13 @@ class GrpcService:
             self.port = self._server.add_insecure_port(address)
         if self.port == 0:
             raise OSError(f"cannot bind {server_config.host}:{server_config.port}")
+        if sealed and server_config.sealed_port is not None:
+            # Plaintext: a sealed stream's frames are sealed with a key handed out over mTLS, and
+            # every other method is refused here (no client certificate).
+            self.sealed_port = self._server.add_insecure_port(f"{server_config.host}:{server_config.sealed_port}")
+            if self.sealed_port == 0:
+                raise OSError(f"cannot bind server.sealed_port {server_config.host}:{server_config.sealed_port}")
+            self.definition.capabilities = [*self.definition.capabilities, SEALED_CAPABILITY]
         for hook in self.definition.on_start:
             await hook()
         await self._server.start()

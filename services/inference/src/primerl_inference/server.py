@@ -99,6 +99,8 @@ def service_definition(engine: InferenceEngine, config: InferenceConfig) -> Serv
         on_start=[start],
         on_drain=[drain],
         on_stop=[stop],
+        # The broadcaster's pushes, sealed on server.sealed_port where it is set.
+        sealed_methods=[f"/{_SERVICE.full_name}/UpdateWeights"],
     )
     engine.on_serving_changed = set_serving
     servicer = InferenceServicer(definition, engine, watch_interval_ms=config.load_report.watch_interval_ms)

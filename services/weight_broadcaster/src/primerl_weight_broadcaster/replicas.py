@@ -45,6 +45,8 @@ from primerl.inference.v1 import inference_pb2, inference_pb2_grpc
 from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2 as pb2
 from primerl_common.client import make_channel
 from primerl_common.errors import error_details, field_violations
+from primerl_common.sealed_streams import SealedCaller
+from primerl_common.server import channel_options
 from primerl_common.stripes import DEFAULT_STREAMS, stripe_channel_options
 from primerl_weight_broadcaster import metrics
 from primerl_weight_broadcaster.adapter_sync import AdapterSync
@@ -54,7 +56,7 @@ from primerl_weight_broadcaster.formats import format_name
 from primerl_weight_broadcaster.shared_fs import SharedFolders
 from primerl_weight_broadcaster.shm import SharedMemory, ShmReceiver
 from primerl_weight_broadcaster.store import PublishedVersion, WeightStore
-from primerl_weight_broadcaster.wire import SharedSerializer, update_weights_call
+from primerl_weight_broadcaster.wire import UPDATE_WEIGHTS_METHOD, SharedSerializer, update_weights_call
 
 __all__ = [
     "CAPABILITY_REPLICA_DELTA",
@@ -170,6 +172,11 @@ class _Worker:
             make_channel(replica.address, max_attempts=1, extra_options=stripe_channel_options(index))
             for index in range(self._settings.streams if self._settings.streams > 1 else 0)
         ]
+        # Pushes as sealed streams where the replica serves a sealed port (else over mTLS).
+        self._sealed_push = False  # whether the latest gRPC push went as sealed streams (logged)
+        self._sealed = SealedCaller(
+            self._channel, replica.address.rpartition(":")[0], options=channel_options(64 << 20)
+        )
         self.wake = asyncio.Event()
         # The `begin` that makes the replica join the next version's collective group.
         self.collective: inference_pb2.WeightUpdateBegin | None = None
@@ -191,6 +198,7 @@ class _Worker:
         await self._channel.close()
         for channel in self._stripe_channels:
             await channel.close()
+        await self._sealed.close()
 
     async def _sleep(self, seconds: float) -> None:
         with contextlib.suppress(TimeoutError):
@@ -343,7 +351,8 @@ class _Worker:
             begin.num_bytes / 2**20,
             format_name(replica.format),
             f"delta from {base}" if delta else "full",
-            metrics.transport_name(transport),
+            metrics.transport_name(transport)
+            + (" sealed" if transport == pb2.TRANSPORT_GRPC and self._sealed_push else ""),
             f", folder {folder}" if folder else "",
         )
         self._pushed(begin, started, sent=transport != pb2.TRANSPORT_SHM, transport=transport)
@@ -351,17 +360,36 @@ class _Worker:
     async def _push_grpc(
         self, latest: PublishedVersion, begin: inference_pb2.WeightUpdateBegin, base: int | None
     ) -> None:
-        """The tensors streamed over UpdateWeights (striped where the replica takes it)."""
+        """The tensors streamed over UpdateWeights (striped where the replica takes it; as
+        sealed streams where it serves a sealed port)."""
         tensors = latest.tensors_since(base)
         begin.num_tensors = len(tensors)
         begin.num_bytes = sum(t.numel() * t.element_size() for _, t in tensors)
         # The replicas pushed the same tensors at once share their serialization.
         key = (latest.policy_version, latest.format, base)
-        if self._stripe_channels and CAPABILITY_REPLICA_STRIPED in self.replica.capabilities and len(tensors) > 1:
-            await self._push_striped(begin, key, tensors)
+        striped = self._stripe_channels and CAPABILITY_REPLICA_STRIPED in self.replica.capabilities
+        parts = split_stripes(tensors, len(self._stripe_channels)) if striped and len(tensors) > 1 else [tensors]
+        sealed = await self._sealed.open(UPDATE_WEIGHTS_METHOD, len(parts), timeout_s=self._settings.probe_timeout_s)
+        self._sealed_push = sealed is not None
+        if len(parts) > 1:
+            await self._push_striped(begin, key, parts, sealed)
         else:
             requests = self._replicas.serializer.update(key, begin, tensors)
-            await self._update_weights(requests, timeout=self._settings.push_timeout_s)
+            await self._update(sealed, 0, self._channel, requests)
+
+    def _update(self, sealed: tuple[int, list] | None, index: int, channel: grpc.aio.Channel, requests):
+        """The UpdateWeights call of stream `index`: sealed with its session's key, or over mTLS."""
+        if sealed is None:
+            return update_weights_call(channel)(requests, timeout=self._settings.push_timeout_s)
+        port, keys = sealed
+        return self._sealed.call(
+            port,
+            keys[index],
+            index,
+            requests,
+            inference_pb2.UpdateWeightsResponse,
+            timeout_s=self._settings.push_timeout_s,
+        )
 
     async def _push_shm(
         self, latest: PublishedVersion, begin: inference_pb2.WeightUpdateBegin, base: int | None
@@ -402,11 +430,14 @@ class _Worker:
         return f"the shared-memory push failed ({message}): gRPC" + (" from now on" if cannot_read else "")
 
     async def _push_striped(
-        self, begin: inference_pb2.WeightUpdateBegin, key: tuple[object, ...], tensors: list[tuple[str, torch.Tensor]]
+        self,
+        begin: inference_pb2.WeightUpdateBegin,
+        key: tuple[object, ...],
+        parts: list[list[tuple[str, torch.Tensor]]],
+        sealed: tuple[int, list] | None,
     ) -> None:
-        """`tensors` split over the stripe channels, one UpdateWeights stream each, all joined by the
-        replica into one update (applied when all arrived, or not at all)."""
-        parts = split_stripes(tensors, len(self._stripe_channels))
+        """`parts` of the tensors over the stripe channels, one UpdateWeights stream each, all
+        joined by the replica into one update (applied when all arrived, or not at all)."""
         session = uuid.uuid4().hex
         calls = []
         for index, (channel, part) in enumerate(zip(self._stripe_channels, parts, strict=False)):
@@ -415,7 +446,7 @@ class _Worker:
             stripe_begin.stripe_session, stripe_begin.num_stripes = session, len(parts)
             stripe_begin.stripe_index = index
             requests = self._replicas.serializer.update((*key, len(parts), index), stripe_begin, part)
-            calls.append(update_weights_call(channel)(requests, timeout=self._settings.push_timeout_s))
+            calls.append(self._update(sealed, index, channel, requests))
         outcomes = await asyncio.gather(*calls, return_exceptions=True)
         errors = [outcome for outcome in outcomes if isinstance(outcome, BaseException)]
         if errors:

@@ -96,6 +96,8 @@ async def build(config: WeightBroadcasterConfig) -> ServiceDefinition:
         attributes={ATTRIBUTE_BOOT_ID: boot_id(), **({"shm.folder": str(shm.root)} if shm else {})},
         on_start=[prune_shared_folder, register_configured],
         on_stop=[replicas.close, *([close_shm] if shm else [])],
+        # The trainer's publishes, sealed on server.sealed_port where it is set.
+        sealed_methods=["/primerl.weight_broadcaster.v1.WeightBroadcasterService/PublishWeights"],
     )
     servicer = WeightBroadcasterServicer(definition, store, replicas, config.publish)
     definition.on_drain = [servicer.drain]

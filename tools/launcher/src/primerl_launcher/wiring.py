@@ -67,11 +67,23 @@ def set_default(table: dict[str, Any], dotted: str, value: Any, *, force: bool =
     return table[last]
 
 
-def assign_ports(services: Mapping[str, ServiceSpec], *, host: str) -> None:
-    """Every service without server.port (or with 0) gets a free one; server.host defaults to `host`."""
-    missing = [spec for spec in services.values() if not get_path(spec.table, "server.port")]
-    for spec, port in zip(missing, free_ports(len(missing)), strict=True):
-        set_default(spec.table, "server.port", port, force=True)
+# The services that take weight pushes as sealed streams (server.sealed_port, under mTLS).
+SEALED_PUSH_SERVICES = ("inference", "weight_broadcaster")
+
+
+def assign_ports(services: Mapping[str, ServiceSpec], *, host: str, sealed: bool = False) -> None:
+    """Every service without server.port (or with 0) gets a free one; server.host defaults to `host`.
+    `sealed` (mTLS): each service taking weight pushes without server.sealed_port gets one too
+    (fixed for the run: a restarted service binds it again)."""
+    missing = [(spec, "server.port") for spec in services.values() if not get_path(spec.table, "server.port")]
+    if sealed:
+        missing += [
+            (spec, "server.sealed_port")
+            for spec in services.values()
+            if spec.service in SEALED_PUSH_SERVICES and get_path(spec.table, "server.sealed_port") is None
+        ]
+    for (spec, field), port in zip(missing, free_ports(len(missing)), strict=True):
+        set_default(spec.table, field, port, force=True)
     for spec in services.values():
         set_default(spec.table, "server.host", host)
 
@@ -140,7 +152,7 @@ def wire(
     """Fills ports, peer addresses, replica ids, the model and each service's tls section
     (`tls`: the certificates of `identities(services)` by name; None: plaintext) into the
     tables (in place)."""
-    assign_ports(services, host=host)
+    assign_ports(services, host=host, sealed=tls is not None)
     for spec in services.values():
         set_tls(spec, tls)
     if model is not None:

@@ -12,6 +12,7 @@ over another peer's connection it is a replay and refused.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import dataclasses
 import functools
@@ -19,7 +20,7 @@ import hashlib
 import hmac
 import pathlib
 import tomllib
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import grpc
@@ -36,6 +37,7 @@ __all__ = [
     "PermissionDenied",
     "TokenEntry",
     "Unauthenticated",
+    "acting_as",
     "caller_of",
     "certificate_identity",
     "identity_uri",
@@ -197,6 +199,17 @@ class CallerResolver:
 
 # Set by the authorization interceptor for the duration of each call.
 _current: contextvars.ContextVar[Caller | None] = contextvars.ContextVar("primerl_caller", default=None)
+
+
+@contextlib.contextmanager
+def acting_as(caller: Caller) -> Iterator[None]:
+    """Within it, `caller_of` answers `caller`: for a handler that authenticated its caller
+    itself (a sealed stream's session key) and calls another handler as that caller."""
+    token = _current.set(caller)
+    try:
+        yield
+    finally:
+        _current.reset(token)
 
 
 def caller_of(context: grpc.aio.ServicerContext) -> Caller:

@@ -112,11 +112,20 @@ class AuthorizationInterceptor(grpc.aio.ServerInterceptor):
     missing role(s) and the method. The caller is then what `caller_of` returns in the
     handler. Wraps per method (the decision depends on the method and the call's context)."""
 
-    def __init__(self, resolver: CallerResolver, permissions: Mapping[str, frozenset[str]], *, service: str) -> None:
+    def __init__(
+        self,
+        resolver: CallerResolver,
+        permissions: Mapping[str, frozenset[str]],
+        *,
+        service: str,
+        self_authenticated: Collection[str] = (),
+    ) -> None:
         self._resolver = resolver
         self._permissions = {**dict.fromkeys(OPEN_METHODS, ANY), **permissions}
         self._service = service
         self._enforced = resolver.mode != "plaintext"
+        # Methods whose handler finds the caller itself (a sealed stream: by its session key).
+        self._self_authenticated = frozenset(self_authenticated)
 
     def _admit(self, method: str, context: grpc.aio.ServicerContext) -> Caller:
         try:
@@ -131,6 +140,11 @@ class AuthorizationInterceptor(grpc.aio.ServerInterceptor):
                 extra={"method": method, "refusal": exc.reason},
             )
             raise
+        self.check(method, caller)
+        return caller
+
+    def check(self, method: str, caller: Caller) -> None:
+        """Raises PermissionDenied (logged) unless `caller` may call `method`; logs admin calls."""
         allowed = self._permissions.get(method, frozenset())
         if self._enforced and not _allows(allowed, caller):
             needed = " or ".join(sorted(allowed)) or "none (no role may call it)"
@@ -157,14 +171,13 @@ class AuthorizationInterceptor(grpc.aio.ServerInterceptor):
                 caller.describe(),
                 extra={"method": method, "caller": caller.name},
             )
-        return caller
 
     async def intercept_service(
         self, continuation: Callable[[grpc.HandlerCallDetails], Any], details: grpc.HandlerCallDetails
     ) -> grpc.RpcMethodHandler | None:
         handler = await continuation(details)
-        if handler is None:
-            return None
+        if handler is None or details.method in self._self_authenticated:
+            return handler
         method = details.method
 
         def coroutine(behavior: Callable[..., Any]) -> Callable[..., Any]:

@@ -1,0 +1,267 @@
+"""Sealed streams served and called (protocol: primerl_common.security.sealed; contract:
+primerl.common.v1.SealedStreamService).
+
+Serving: a ServiceDefinition lists the client-streaming methods it takes sealed
+(`sealed_methods`); with `server.sealed_port` set (and mutual TLS), GrpcService serves the
+SealedStreamService on its mTLS port and the same server on the sealed port, plaintext. On the
+sealed port every other method is refused (no client certificate: UNAUTHENTICATED); a sealed
+stream authenticates by its session key, and its method's handler runs as the caller the
+session was opened for.
+
+Calling: `SealedCaller` opens the sessions over the caller's mTLS channel and makes the calls on
+the target's sealed port, falling back to the mTLS call itself where the target serves none.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from google.protobuf import message_factory
+
+from primerl.common.v1 import sealed_pb2, sealed_pb2_grpc
+from primerl_common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from primerl_common.security import AuthorizationInterceptor, Caller, Unauthenticated, acting_as, caller_of
+from primerl_common.security.sealed import (
+    REQUEST,
+    RESPONSE,
+    SEALED_SESSION_METADATA,
+    SealBroken,
+    StreamKey,
+    open_frames,
+    seal_frames,
+)
+
+__all__ = [
+    "OPEN_METHOD",
+    "SEALED_CAPABILITY",
+    "SEALED_SERVICE_NAME",
+    "STREAM_METHOD",
+    "SealedCaller",
+    "SealedStreamServicer",
+    "add_sealed_stream_service",
+    "sealed_handlers",
+]
+
+logger = logging.getLogger(__name__)
+
+SEALED_CAPABILITY = "sealed.streams"
+_SERVICE = sealed_pb2.DESCRIPTOR.services_by_name["SealedStreamService"]
+SEALED_SERVICE_NAME = _SERVICE.full_name
+OPEN_METHOD = f"/{_SERVICE.full_name}/OpenSealedStreams"
+STREAM_METHOD = f"/{_SERVICE.full_name}/SealedStream"
+MAX_STREAMS = 64
+# Sessions opened and not yet used, per server: a caller opening and never using them is
+# answered RESOURCE_EXHAUSTED past this, rather than the server holding keys without bound.
+MAX_PENDING_SESSIONS = 1024
+SESSION_TTL_S = 60.0
+# A caller told that a service takes no sealed streams asks again this much later.
+RECHECK_S = 300.0
+
+
+@dataclass(frozen=True)
+class _Method:
+    behavior: Callable[[AsyncIterator[Any], grpc.aio.ServicerContext], Any]
+    request_type: type
+    response_type: type
+
+
+def sealed_handlers(servicers: Sequence[tuple[Any, Any, Any]], methods: Iterable[str]) -> dict[str, _Method]:
+    """The handler of each full method name in `methods` among a definition's servicers
+    (add_to_server, servicer, service descriptor); each must be client-streaming, unary answer."""
+    found: dict[str, _Method] = {}
+    for _, servicer, descriptor in servicers:
+        for method in descriptor.methods:
+            name = f"/{descriptor.full_name}/{method.name}"
+            if name not in methods:
+                continue
+            if not method.client_streaming or method.server_streaming:
+                raise ValueError(f"{name} cannot be sealed: a sealed stream is client-streaming, one answer")
+            found[name] = _Method(
+                getattr(servicer, method.name),
+                message_factory.GetMessageClass(method.input_type),
+                message_factory.GetMessageClass(method.output_type),
+            )
+    missing = set(methods) - set(found)
+    if missing:
+        raise ValueError(f"sealed methods not served: {', '.join(sorted(missing))}")
+    return found
+
+
+@dataclass
+class _Session:
+    key: StreamKey
+    caller: Caller
+    expires_at: float
+
+
+class SealedStreamServicer(sealed_pb2_grpc.SealedStreamServiceServicer):
+    """Hands out sessions over mTLS and serves the sealed streams that use them."""
+
+    def __init__(
+        self, methods: Mapping[str, _Method], authorization: AuthorizationInterceptor, port: Callable[[], int | None]
+    ) -> None:
+        self._methods = dict(methods)
+        self._authorization = authorization
+        self._port = port
+        self._sessions: dict[str, _Session] = {}
+
+    def _lapse(self) -> None:
+        now = time.monotonic()
+        for session_id in [s for s, session in self._sessions.items() if session.expires_at <= now]:
+            del self._sessions[session_id]
+
+    async def OpenSealedStreams(self, request, context):
+        port = self._port()
+        if not port:
+            raise FailedPrecondition("this service serves no sealed port (server.sealed_port is unset)")
+        if request.method not in self._methods:
+            taken = ", ".join(sorted(self._methods)) or "none"
+            raise InvalidArgument(f"{request.method!r} is not taken sealed here (taken: {taken})", field="method")
+        if not 1 <= request.streams <= MAX_STREAMS:
+            raise InvalidArgument(f"streams must be 1 to {MAX_STREAMS}, got {request.streams}", field="streams")
+        caller = caller_of(context)
+        self._authorization.check(request.method, caller)  # the method's own roles
+        self._lapse()
+        if len(self._sessions) + request.streams > MAX_PENDING_SESSIONS:
+            raise ResourceExhausted(
+                f"{len(self._sessions)} sealed sessions are open and unused (at most {MAX_PENDING_SESSIONS})",
+                retry_after_s=SESSION_TTL_S / 4,
+            )
+        response = sealed_pb2.OpenSealedStreamsResponse(port=port, expires_in_s=SESSION_TTL_S)
+        expires_at = time.monotonic() + SESSION_TTL_S
+        for _ in range(request.streams):
+            session_id, key = secrets.token_hex(16), secrets.token_bytes(32)
+            self._sessions[session_id] = _Session(StreamKey(session_id, key, request.method), caller, expires_at)
+            response.sessions.add(session_id=session_id, key=key)
+        return response
+
+    async def SealedStream(self, request_iterator, context):
+        session_id = dict(context.invocation_metadata()).get(SEALED_SESSION_METADATA, "")
+        self._lapse()
+        session = self._sessions.pop(session_id, None)  # used once
+        if session is None:
+            raise Unauthenticated(
+                "no open sealed session by that id (unknown, used already or lapsed): open one with OpenSealedStreams",
+                reason="UNKNOWN_SEALED_SESSION",
+            )
+        key, method = session.key, self._methods[session.key.method]
+
+        async def requests() -> AsyncIterator[Any]:
+            try:
+                async for message in open_frames(key, request_iterator, REQUEST):
+                    yield method.request_type.FromString(message)
+            except SealBroken as exc:
+                logger.warning("sealed stream of %s by %s refused: %s", key.method, session.caller.describe(), exc)
+                raise Unauthenticated(f"sealed stream refused: {exc}", reason="SEAL_BROKEN") from exc
+
+        with acting_as(session.caller):
+            response = await method.behavior(requests(), context)
+        serialized = response.SerializeToString()
+        return await asyncio.get_running_loop().run_in_executor(
+            None, lambda: key.seal_frame(RESPONSE, 0, serialized, final=True)
+        )
+
+
+def add_sealed_stream_service(servicer: SealedStreamServicer, server: grpc.aio.Server) -> None:
+    """Serves `servicer`: OpenSealedStreams as generated; SealedStream on raw frames (each
+    request's bytes are a serialized SealedStreamRequest, read and written without a copy)."""
+    handlers = {
+        "OpenSealedStreams": grpc.unary_unary_rpc_method_handler(
+            servicer.OpenSealedStreams,
+            request_deserializer=sealed_pb2.OpenSealedStreamsRequest.FromString,
+            response_serializer=sealed_pb2.OpenSealedStreamsResponse.SerializeToString,
+        ),
+        "SealedStream": grpc.stream_unary_rpc_method_handler(servicer.SealedStream),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_SERVICE.full_name, handlers),))
+
+
+class SealedCaller:
+    """Makes client-streaming calls to one service as sealed streams: sessions opened over
+    `control` (an mTLS channel), calls on plaintext channels to the sealed port of `host`, one
+    per stream index (a TCP connection each). Where the service serves no sealed port, `call`
+    answers None and the caller makes the call over mTLS itself."""
+
+    def __init__(self, control: grpc.aio.Channel, host: str, *, options: Sequence[tuple[str, Any]] = ()) -> None:
+        self._open = control.unary_unary(
+            OPEN_METHOD,
+            request_serializer=sealed_pb2.OpenSealedStreamsRequest.SerializeToString,
+            response_deserializer=sealed_pb2.OpenSealedStreamsResponse.FromString,
+        )
+        self._host = host
+        self._options = list(options)
+        self._channels: dict[tuple[int, int], grpc.aio.Channel] = {}
+        self.unavailable: str | None = None  # why the service takes no sealed streams
+        self._asked_at = 0.0
+
+    async def open(self, method: str, streams: int, *, timeout_s: float) -> tuple[int, list[StreamKey]] | None:
+        """(the sealed port, one key per stream), or None when the service serves no sealed port
+        (asked again RECHECK_S later: it may restart with one)."""
+        if self.unavailable is not None and time.monotonic() - self._asked_at < RECHECK_S:
+            return None
+        self._asked_at = time.monotonic()
+        request = sealed_pb2.OpenSealedStreamsRequest(method=method, streams=streams)
+        try:
+            response = await self._open(request, timeout=timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() not in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.FAILED_PRECONDITION):
+                raise
+            if self.unavailable is None:
+                logger.info("%s takes no sealed streams (%s): calls go over mTLS", self._host, exc.details())
+            self.unavailable = f"{exc.code().name}: {exc.details()}"
+            return None
+        self.unavailable = None
+        return response.port, [StreamKey(s.session_id, s.key, method) for s in response.sessions]
+
+    def _channel(self, port: int, index: int) -> grpc.aio.Channel:
+        channel = self._channels.get((port, index))
+        if channel is None:
+            options = [*self._options, ("grpc.use_local_subchannel_pool", 1), ("primerl.sealed_stream", index)]
+            # Plaintext on purpose: every frame is sealed with a key handed out over mTLS.
+            channel = self._channels[(port, index)] = grpc.aio.insecure_channel(f"{self._host}:{port}", options=options)
+        return channel
+
+    async def call(
+        self,
+        port: int,
+        key: StreamKey,
+        index: int,
+        requests: Iterable[bytes] | AsyncIterable[bytes],
+        response_type: type,
+        *,
+        timeout_s: float,
+    ) -> Any:
+        """One sealed call of `key`'s method: `requests` are serialized requests."""
+        stream = self._channel(port, index).stream_unary(
+            STREAM_METHOD, request_serializer=None, response_deserializer=None
+        )
+        frame = await stream(
+            seal_frames(key, _as_async(requests), REQUEST),
+            timeout=timeout_s,
+            metadata=((SEALED_SESSION_METADATA, key.session_id),),
+        )
+        message, final = key.open_frame(RESPONSE, 0, frame)  # a SealedStreamResponse's bytes
+        if not final:
+            raise SealBroken(f"the sealed answer of {key.method} is not a FINAL frame")
+        return response_type.FromString(message)
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()
+
+
+async def _as_async(requests: Iterable[bytes] | AsyncIterable[bytes]) -> AsyncIterator[bytes]:
+    if isinstance(requests, AsyncIterable):
+        async for request in requests:
+            yield request
+    else:
+        for request in requests:
+            yield request
