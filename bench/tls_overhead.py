@@ -8,9 +8,13 @@ concurrency 1, and the throughput of a weight push stream.
   caller sends Generate calls through each router in slices that alternate the two, so a change
   in what else the machine runs weighs on both alike; added p50 = mTLS p50 - plaintext p50
   (two TLS hops: client -> router -> replica).
-- Push: a sink server process takes a client stream of 4 MiB `bytes` messages, the transport of
-  PublishWeights and UpdateWeights (whose chunks are 4 MiB too), with primerl's channel and server
-  options; GiB/s of each mode in rounds that alternate; ratio = mTLS / plaintext (medians). Both
+- Push: a sink service process (primerl's GrpcService serving inference.v1 UpdateWeights, which
+  drains and drops the chunks) takes UpdateWeights streams of 4 MiB chunks, as the broadcaster
+  pushes them, with primerl's channel and server options; GiB/s of each mode in rounds that
+  alternate. Three modes: plaintext; mtls, the stream over gRPC's TLS; sealed, the mTLS
+  deployment's push path (primerl_common.sealed_streams: sessions opened over mTLS, each round,
+  then each stream's chunks sealed with AES-256-GCM in a thread pool and sent to the sink's
+  sealed port). RESULT's ratio = sealed / plaintext (medians); mtls / plaintext is printed too. Both
   ends run on this machine: where they use every core (a 2-core box), the throughput is CPU-bound
   and the ratio is what TLS's per-byte work (AES-GCM on each side; TLS records are at most 16 KiB
   whatever the message size) costs against a plaintext path that copies each byte a few times.
@@ -42,13 +46,16 @@ import grpc
 import psutil
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from primerl.common.v1 import tensor_pb2
+from primerl.inference.v1 import inference_pb2, inference_pb2_grpc
 from primerl_common import security
 from primerl_common.client import wait_for_serving
-from primerl_common.config import TlsConfig
+from primerl_common.config import ServiceConfig, TlsConfig, service_settings
 from primerl_common.malloc import MALLOC_ENV, reexec_with_malloc_env
 from primerl_common.processes import ServiceProcess, free_port
+from primerl_common.sealed_streams import SealedCaller
 from primerl_common.security.certificates import Holder, make_authority, make_certificate, tls_of
-from primerl_common.server import channel_options, server_options
+from primerl_common.server import GrpcService, ServiceDefinition, channel_options, server_options
 from primerl_common.stripes import DEFAULT_STREAMS
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
@@ -56,6 +63,8 @@ from router_overhead import INFERENCE_SERVICE, ROUTER_GENERATE, InstantReplica, 
 
 HERE = pathlib.Path(__file__).resolve()
 SINK_PUSH = "/bench.Sink/Push"
+UPDATE_WEIGHTS = "/primerl.inference.v1.InferenceService/UpdateWeights"
+PUSH_MODES = ("plaintext", "mtls", "sealed")
 MiB = 1 << 20
 MODES = ("plaintext", "mtls")
 # The default of the trainer's publish.streams and the broadcaster's push.streams.
@@ -111,6 +120,37 @@ async def serve_sink(port: int, tls: TlsConfig) -> None:
     await server.wait_for_termination()
 
 
+class SinkConfig(ServiceConfig):
+    """The push sink's config."""
+
+    service_name = "sink"
+    model_config = service_settings("sink")
+
+
+class DrainingReplica(inference_pb2_grpc.InferenceServiceServicer):
+    """Takes UpdateWeights streams and drops their chunks (its other methods: UNIMPLEMENTED)."""
+
+    async def UpdateWeights(self, request_iterator, context):
+        async for _ in request_iterator:
+            pass
+        return inference_pb2.UpdateWeightsResponse()
+
+
+async def serve_update_sink(port: int, tls: TlsConfig, sealed_port: int | None) -> None:
+    descriptor = inference_pb2.DESCRIPTOR.services_by_name["InferenceService"]
+    definition = ServiceDefinition(
+        name="sink",
+        version="0",
+        servicers=[(inference_pb2_grpc.add_InferenceServiceServicer_to_server, DrainingReplica(), descriptor)],
+        permissions={f"/{descriptor.full_name}/{method.name}": security.ANY for method in descriptor.methods},
+        sealed_methods=[UPDATE_WEIGHTS],
+    )
+    server = {"host": "127.0.0.1", "port": port, "sealed_port": sealed_port}
+    service = GrpcService(definition, SinkConfig(server=server, tls=tls))
+    await service.start()
+    await service.wait_for_termination()
+
+
 async def started(stack: contextlib.AsyncExitStack, process: ServiceProcess, tls: TlsConfig) -> None:
     """Launched, stopped with the stack, and SERVING to a caller showing `tls` (ServiceProcess's
     own wait speaks with this process's identity, which is none here)."""
@@ -121,9 +161,9 @@ async def started(stack: contextlib.AsyncExitStack, process: ServiceProcess, tls
     await wait_for_serving(process.address, tls=tls, timeout_s=120)
 
 
-def child(role: str, port: int, mode: str, certs: pathlib.Path, holder: str) -> ServiceProcess:
+def child(role: str, port: int, mode: str, certs: pathlib.Path, holder: str, *extra: str) -> ServiceProcess:
     args = [sys.executable, str(HERE), f"--serve-{role}", str(port), "--mode", mode, "--certs", str(certs)]
-    return ServiceProcess([*args, "--holder", holder], port=port, env=MALLOC_ENV)
+    return ServiceProcess([*args, "--holder", holder, *extra], port=port, env=MALLOC_ENV)
 
 
 def router_process(port: int, replica_port: int, mode: str, certs: pathlib.Path, tmp: pathlib.Path) -> ServiceProcess:
@@ -176,6 +216,15 @@ def cpu_s(sink: psutil.Process) -> float:
     return own.user + own.system + theirs.user + theirs.system
 
 
+def thread_cpu(process: psutil.Process) -> dict[int, float]:
+    return {thread.id: thread.user_time + thread.system_time for thread in process.threads()}
+
+
+def busiest_thread_s(before: dict[int, float], after: dict[int, float]) -> float:
+    """CPU seconds of the thread of a process that used the most between two snapshots."""
+    return max((seconds - before.get(thread, 0.0) for thread, seconds in after.items()), default=0.0)
+
+
 def striped_channel(address: str, mode: str, certs: pathlib.Path, stripe: int) -> grpc.aio.Channel:
     """A channel with a TCP connection of its own: a local subchannel pool (and a distinct
     argument) so that gRPC does not share one connection between the stripes."""
@@ -185,43 +234,71 @@ def striped_channel(address: str, mode: str, certs: pathlib.Path, stripe: int) -
 
 async def push_throughput(
     ports: dict[str, int], sinks: dict[str, psutil.Process], certs: pathlib.Path, args: argparse.Namespace
-) -> tuple[dict[tuple[str, int], list[float]], dict[tuple[str, int], list[float]]]:
-    """GiB/s of each push round to each mode's sink over K parallel connections (K in
-    args.streams; the messages dealt round-robin to the K streams), and its CPU seconds per GiB
-    (both ends)."""
-    payload = os.urandom(args.message_mib * MiB)
+) -> tuple[dict, dict, dict]:
+    """GiB/s of each push round to each mode's sink over K parallel streams (K in args.streams;
+    the chunks dealt round-robin to the K streams), its CPU seconds per GiB (both ends) and the
+    CPU seconds per GiB of each end's busiest thread.
+    `ports`: the plaintext sink's port, the mTLS sink's (which serves the sealed port too)."""
+    chunk = tensor_pb2.TensorChunk(data=os.urandom(args.message_mib * MiB))
+    message = inference_pb2.UpdateWeightsRequest(chunk=chunk).SerializeToString()
     num_messages = args.push_mib // args.message_mib
-    keys = [(mode, k) for k in args.streams for mode in ports]
+    keys = [(mode, k) for k in args.streams for mode in PUSH_MODES]
     rates: dict[tuple[str, int], list[float]] = {key: [] for key in keys}
     cpu_per_gib: dict[tuple[str, int], list[float]] = {key: [] for key in keys}
+    busiest: dict[tuple[str, int], list[tuple[float, float]]] = {key: [] for key in keys}
+    address = {"plaintext": f"127.0.0.1:{ports['plaintext']}", "mtls": f"127.0.0.1:{ports['mtls']}"}
     channels = {
-        (mode, k): [striped_channel(f"127.0.0.1:{ports[mode]}", mode, certs, stripe) for stripe in range(k)]
+        (mode, k): [striped_channel(address[mode], mode, certs, stripe) for stripe in range(k)]
         for mode, k in keys
+        if mode != "sealed"
     }
-    for stripes in channels.values():  # connect (and handshake) before timing
+    control = striped_channel(address["mtls"], "mtls", certs, -1)
+    sealed = SealedCaller(control, "127.0.0.1", options=channel_options(64 * MiB))
+    for stripes in [*channels.values(), [control]]:  # connect (and handshake) before timing
         for channel in stripes:
             await asyncio.wait_for(channel.channel_ready(), 60)
 
     async def messages(stripe: int, k: int):
         for _ in range(stripe, num_messages, k):
-            yield payload
+            yield message
 
+    async def push(mode: str, k: int) -> None:
+        if mode != "sealed":
+            calls = [
+                channel.stream_unary(UPDATE_WEIGHTS, _registered_method=True)(messages(stripe, k))
+                for stripe, channel in enumerate(channels[(mode, k)])
+            ]
+        else:
+            opened = await sealed.open(UPDATE_WEIGHTS, k, timeout_s=30)
+            if opened is None:
+                raise RuntimeError(f"the sink takes no sealed streams: {sealed.unavailable}")
+            port, stream_keys = opened
+            calls = [
+                sealed.call(port, key, stripe, messages(stripe, k), inference_pb2.UpdateWeightsResponse, timeout_s=600)
+                for stripe, key in enumerate(stream_keys)
+            ]
+        await asyncio.gather(*calls)
+
+    await push("sealed", max(args.streams))  # the sealed port's connections, before timing
     for _ in range(args.rounds):
         for mode, k in keys:
-            cpu_before, began = cpu_s(sinks[mode]), time.perf_counter()
-            await asyncio.gather(
-                *(
-                    channel.stream_unary(SINK_PUSH, _registered_method=True)(messages(stripe, k))
-                    for stripe, channel in enumerate(channels[(mode, k)])
-                )
-            )
-            gib = num_messages * len(payload) / (1 << 30)
+            sink = sinks["plaintext" if mode == "plaintext" else "mtls"]
+            threads_before = [thread_cpu(psutil.Process()), thread_cpu(sink)]
+            cpu_before, began = cpu_s(sink), time.perf_counter()
+            await push(mode, k)
+            gib = num_messages * args.message_mib / 1024
             rates[(mode, k)].append(gib / (time.perf_counter() - began))
-            cpu_per_gib[(mode, k)].append((cpu_s(sinks[mode]) - cpu_before) / gib)
-    for stripes in channels.values():
+            cpu_per_gib[(mode, k)].append((cpu_s(sink) - cpu_before) / gib)
+            sender, receiver = (
+                busiest_thread_s(before, thread_cpu(end)) / gib
+                for before, end in zip(threads_before, [psutil.Process(), sink], strict=True)
+            )
+            busiest[(mode, k)].append((sender, receiver))
+    for stripes in [*channels.values(), [control]]:
         for channel in stripes:
             await channel.close()
-    return rates, cpu_per_gib
+    await sealed.close()
+    return rates, cpu_per_gib, busiest
 
 
 def percentile_ms(values: list[float], fraction: float) -> float:
@@ -239,7 +316,8 @@ async def bench(args: argparse.Namespace) -> None:
             routers, sinks, sink_processes = {}, {}, {}
             for mode in MODES:
                 replica_port, router_port, sink_port = free_port(), free_port(), free_port()
-                sink = child("sink", sink_port, mode, certs, "weight_broadcaster")
+                sealed_port = ["--sealed-port", str(free_port())] if mode == "mtls" else []
+                sink = child("sink", sink_port, mode, certs, "inference-0", *sealed_port)
                 for process, tls in (
                     (child("replica", replica_port, mode, certs, "inference-0"), tls_for(mode, certs, "router")),
                     (router_process(router_port, replica_port, mode, certs, tmp), tls_for(mode, certs, "orchestrator")),
@@ -263,27 +341,31 @@ async def bench(args: argparse.Namespace) -> None:
                 f"push: {args.rounds} rounds per mode and K of {args.push_mib} MiB in {args.message_mib} MiB "
                 f"messages over K parallel connections, K in {args.streams}"
             )
-            rates, cpu_per_gib = await push_throughput(sinks, sink_processes, certs, args)
+            rates, cpu_per_gib, busiest = await push_throughput(sinks, sink_processes, certs, args)
     print(f"load average after: {os.getloadavg()[0]:.2f}")
-    print(f"{'mode':>10} {'K':>2} {'GiB/s (median)':>15} {'CPU s/GiB':>10}   rounds GiB/s | CPU s/GiB both ends")
+    print("busiest thread: CPU s/GiB of the sender's and the sink's busiest thread (medians): 1/that is the most")
+    print("  GiB/s that end reaches with cores to spare, whatever its other threads do")
+    print(f"{'mode':>10} {'K':>2} {'GiB/s (median)':>15} {'CPU s/GiB':>10} {'busiest thread':>15}   rounds GiB/s")
     for (mode, k), values in sorted(rates.items(), key=lambda item: (item[0][1], item[0][0])):
+        sender, receiver = (statistics.median(end) for end in zip(*busiest[(mode, k)], strict=True))
+        cpu = statistics.median(cpu_per_gib[(mode, k)])
         print(
-            f"{mode:>10} {k:>2} {statistics.median(values):>15.2f} {statistics.median(cpu_per_gib[(mode, k)]):>10.2f}"
-            f"   {' '.join(f'{v:.2f}' for v in values)} | {' '.join(f'{v:.2f}' for v in cpu_per_gib[(mode, k)])}"
+            f"{mode:>10} {k:>2} {statistics.median(values):>15.2f} {cpu:>10.2f} {sender:>7.2f} {receiver:>7.2f}"
+            f"   {' '.join(f'{v:.2f}' for v in values)}"
         )
-    baseline = statistics.median(rates[("plaintext", 1)]) if ("plaintext", 1) in rates else None
     for k in args.streams:
-        mtls = statistics.median(rates[("mtls", k)])
-        against_one = f"   mtls K={k} / plaintext K=1 = {mtls / baseline:.3f}" if baseline else ""
-        print(f"ratio K={k}: mtls / plaintext = {mtls / statistics.median(rates[('plaintext', k)]):.3f}{against_one}")
+        plaintext = statistics.median(rates[("plaintext", k)])
+        mtls, sealed = statistics.median(rates[("mtls", k)]), statistics.median(rates[("sealed", k)])
+        print(f"ratio K={k}: sealed / plaintext = {sealed / plaintext:.3f}   mtls (gRPC's TLS) / plaintext = "
+              f"{mtls / plaintext:.3f}")  # fmt: skip
     added_p50 = (
         percentile_ms(latencies["mtls"], 0.5) - percentile_ms(latencies["plaintext"], 0.5)
         if latencies
         else float("nan")
     )
     k = args.push_streams
-    ratio = statistics.median(rates[("mtls", k)]) / statistics.median(rates[("plaintext", k)])
-    print(f"push path's K = {k}")
+    ratio = statistics.median(rates[("sealed", k)]) / statistics.median(rates[("plaintext", k)])
+    print(f"push path's K = {k}; the ratio is sealed / plaintext (an mTLS deployment's push path)")
     print(f"RESULT tls_added_p50_ms={added_p50:.3f} tls_push_ratio={ratio:.3f}")
 
 
@@ -294,6 +376,7 @@ def main() -> None:
     parser.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
     parser.add_argument("--certs", type=pathlib.Path, help=argparse.SUPPRESS)
     parser.add_argument("--holder", help=argparse.SUPPRESS)
+    parser.add_argument("--sealed-port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--calls", type=int, default=3000, help="measured Generate calls per mode")
     parser.add_argument("--slices", type=int, default=6, help="the calls split in slices that alternate the modes")
     parser.add_argument("--warmup-calls", type=int, default=50, help="unmeasured calls before each slice")
@@ -315,7 +398,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.serve_replica or args.serve_sink:
         tls = tls_for(args.mode, args.certs, args.holder)
-        serve = serve_replica(args.serve_replica, tls) if args.serve_replica else serve_sink(args.serve_sink, tls)
+        if args.serve_replica:
+            serve = serve_replica(args.serve_replica, tls)
+        else:
+            serve = serve_update_sink(args.serve_sink, tls, args.sealed_port)
         asyncio.run(serve)
         return
     if (args.calls and args.calls < args.slices) or args.push_mib < args.message_mib:

@@ -45,7 +45,17 @@ from primerl_common.security.sealed import StreamKey, open_frames, seal_frames
 from primerl_common.server import channel_options, server_options
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from tls_overhead import MODES, SINK_PUSH, add_port, make_certs, serve_sink, striped_channel, tls_for
+from tls_overhead import (
+    MODES,
+    SINK_PUSH,
+    add_port,
+    busiest_thread_s,
+    make_certs,
+    serve_sink,
+    striped_channel,
+    thread_cpu,
+    tls_for,
+)
 
 HERE = pathlib.Path(__file__).resolve()
 MiB = 1 << 20
@@ -210,15 +220,6 @@ def measure(transport: str, port: int, mode: str, certs: pathlib.Path, k: int, a
         return asyncio.run(rounds_aio(port, mode, certs, k, payload, n, args.rounds, sealed))
     run = rounds_sync if transport == "sync" else rounds_ssl
     return run(port, mode, certs, k, payload, n, args.rounds)
-
-
-def thread_cpu(process: psutil.Process) -> dict[int, float]:
-    return {thread.id: thread.user_time + thread.system_time for thread in process.threads()}
-
-
-def busiest_thread_s(before: dict[int, float], after: dict[int, float]) -> float:
-    """CPU seconds of the thread of a process that used the most between two snapshots."""
-    return max((seconds - before.get(thread, 0.0) for thread, seconds in after.items()), default=0.0)
 
 
 def wait_listening(port: int, process: subprocess.Popen, timeout_s: float = 60.0) -> None:

@@ -155,8 +155,8 @@ class SealedStreamServicer(sealed_pb2_grpc.SealedStreamServiceServicer):
 
         async def requests() -> AsyncIterator[Any]:
             try:
-                async for message in open_frames(key, request_iterator, REQUEST):
-                    yield method.request_type.FromString(message)
+                async for message in open_frames(key, request_iterator, REQUEST, method.request_type.FromString):
+                    yield message
             except SealBroken as exc:
                 logger.warning("sealed stream of %s by %s refused: %s", key.method, session.caller.describe(), exc)
                 raise Unauthenticated(f"sealed stream refused: {exc}", reason="SEAL_BROKEN") from exc

@@ -28,8 +28,9 @@ from __future__ import annotations
 import asyncio
 import collections
 import os
-from collections.abc import AsyncIterable, AsyncIterator
+from collections.abc import AsyncIterable, AsyncIterator, Callable
 from concurrent import futures
+from typing import Any
 
 from primerl_common.security.aead import KEY_BYTES, TAG_BYTES, SealBroken, open_sealed, seal
 
@@ -90,7 +91,7 @@ class StreamKey:
         nonce, aad = self._nonce(direction, sequence), self._aad(direction, sequence, flags)
         return seal(self.key, nonce, message, aad, prefix=prefix)
 
-    def open_frame(self, direction: int, sequence: int, frame: bytes) -> tuple[bytearray, bool]:
+    def open_frame(self, direction: int, sequence: int, frame: bytes) -> tuple[bytes, bool]:
         """(the message, whether the frame is FINAL) of a serialized SealedStreamRequest or SealedStreamResponse; raises
         SealBroken."""
         start = _frame_field(frame, sequence)
@@ -161,18 +162,29 @@ async def seal_frames(key: StreamKey, messages: AsyncIterable[bytes], direction:
 
 
 async def open_frames(
-    key: StreamKey, frames: AsyncIterable[bytes], direction: int = REQUEST
-) -> AsyncIterator[bytearray]:
-    """The messages of sealed `frames`, opened in the thread pool ahead of the caller. Raises
-    SealBroken on a frame that does not open, a frame after the FINAL one, or frames that end
-    without it (the stream was cut short)."""
+    key: StreamKey,
+    frames: AsyncIterable[bytes],
+    direction: int = REQUEST,
+    parse: Callable[[bytes], Any] | None = None,
+) -> AsyncIterator[Any]:
+    """The messages of sealed `frames` (each `parse`d, as a request deserializer would),
+    opened in the thread pool ahead of the caller. Raises SealBroken on a frame that does not
+    open, a frame after the FINAL one, or frames that end without it (the stream was cut short).
+
+    Parsing in the thread that opened the frame reads the bytes while they are in that core's
+    cache: on the event loop's thread, a 4 MiB chunk's copy out of another core's cache cost
+    ~40% more than the rest of its receiving."""
     loop = asyncio.get_running_loop()
     ended = False
+
+    def open_one(sequence: int, frame: bytes) -> tuple[Any, bool]:
+        message, final = key.open_frame(direction, sequence, frame)
+        return (message if final or parse is None else parse(message)), final
 
     async def jobs():
         sequence = 0
         async for frame in frames:
-            yield loop.run_in_executor(_threads(), key.open_frame, direction, sequence, frame)
+            yield loop.run_in_executor(_threads(), open_one, sequence, frame)
             sequence += 1
 
     async for message, final in _ahead(jobs()):
