@@ -21,6 +21,9 @@ DEPLOY = REPO / "deploy"
 IN_CI = bool(os.environ.get("CI"))
 
 SERVICES = ("orchestrator", "trainer", "inference", "router", "weight_broadcaster", "kvstore")
+# server.sealed_port of the services that take weight pushes sealed in the shipped deployments,
+# and the method taken so (its callers' pods are admitted to the port).
+SEALED_PORTS = {"inference": (51053, "UpdateWeights")}
 PORTS = {
     "orchestrator": 50051,
     "trainer": 50052,

@@ -22,6 +22,7 @@ from .deploy_helpers import (
     DEPLOY,
     IN_CI,
     PORTS,
+    SEALED_PORTS,
     SERVICES,
     drain_s,
     env_file,
@@ -650,6 +651,17 @@ def network_policy_errors(objects: list[dict], roles_of: dict[str, dict[str, set
         ]
         if not grpc_ports or set(grpc_ports) != {PORTS[service]}:
             errors.append(f"{name}: its pods' ports named grpc are {grpc_ports}, not {PORTS[service]}")
+        sealed_ports = {
+            port["containerPort"]
+            for workload in workloads
+            if selector_matches(spec["podSelector"], workload["spec"]["template"]["metadata"]["labels"])
+            for container in containers_of(workload)
+            for port in container.get("ports", [])
+            if port.get("name") == "sealed"
+        }
+        sealed_port, sealed_method = SEALED_PORTS.get(service, (None, None))
+        if sealed_ports != ({sealed_port} if sealed_port else set()):
+            errors.append(f"{name}: its pods' ports named sealed are {sealed_ports}, not {sealed_port}")
         callers = callers_of(service, roles_of[service])
         expected = {(frozenset(ROLE_PEERS[r][0].items()), ROLE_PEERS[r][1]) for r in callers}
         expected |= sidecars.get(service, set())
@@ -659,6 +671,11 @@ def network_policy_errors(objects: list[dict], roles_of: dict[str, dict[str, set
             peers = {peer_key(peer) for peer in rule["from"]}
             if "grpc" in ports:
                 admitted |= peers
+            elif ports == ["sealed"]:
+                allowed = roles_of[service].get(sealed_method, set()) if sealed_method else set()
+                sealed_callers = {(frozenset(ROLE_PEERS[r][0].items()), ROLE_PEERS[r][1]) for r in allowed}
+                if not sealed_method or peers != sealed_callers:
+                    errors.append(f"{name}: sealed port from {peers}, not the callers of {sealed_method}")
             elif ports == ["metrics"]:
                 if peers != {prometheus}:
                     errors.append(f"{name}: metrics from {peers}, not only Prometheus")

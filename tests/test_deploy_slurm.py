@@ -219,7 +219,10 @@ def test_sbatch_starts_everything_and_stops_it_when_the_run_ends(fake_slurm: dic
     )
     inference = next(line for line in log if line.startswith("start primerl-inference node4 1"))
     # GPU 1 of what Slurm made visible (4,5), its port and replica id.
-    assert inference.split()[4] == "5" and "--server.port 50063 --replica.id inference-node4-1" in inference
+    assert (
+        inference.split()[4] == "5"
+        and "--server.port 50063 --server.sealed_port 51063 --replica.id inference-node4-1" in inference
+    )
     torchrun = next(line for line in log if line.startswith("start torchrun"))
     assert "--nnodes 1 --nproc-per-node 2 --node-rank 0 --master-addr node2 --master-port 29500" in torchrun
     register = next(line for line in log if line.startswith("start primerl-register-replicas"))

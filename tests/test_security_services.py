@@ -19,7 +19,7 @@ import grpc
 import pytest
 import torch
 
-from primerl.common.v1 import generation_pb2
+from primerl.common.v1 import generation_pb2, tensor_pb2
 from primerl.inference.v1 import inference_pb2, inference_pb2_grpc
 from primerl.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
 from primerl.orchestrator.v1 import orchestrator_pb2, orchestrator_pb2_grpc
@@ -584,7 +584,7 @@ async def test_inference(certs, tmp_path_factory):
 
     model = make_tiny_model(tmp_path_factory.getbasetemp() / "security-tiny-inference", kind="dense", dtype="float32")
     config = InferenceConfig(
-        server={"host": "127.0.0.1", "port": 0},
+        server={"host": "127.0.0.1", "port": 0, "sealed_port": 0},
         tls=service_tls(certs, "inference"),
         engine={"model": str(model), "enforce_eager": True, "max_model_len": 256, "max_num_seqs": 4},
     )
@@ -627,6 +627,56 @@ async def test_inference(certs, tmp_path_factory):
             token_id async for reply in router.Generate(generate, timeout=60) for token_id in reply.output.token_ids
         ]
         assert len(tokens) == 2
+        await sealed_push_attacked_then_taken(target, model)
+
+
+def model_tensors(model: pathlib.Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return {name: t for path in sorted(model.glob("*.safetensors")) for name, t in load_file(path).items()}
+
+
+async def sealed_push_attacked_then_taken(target: Target, model: pathlib.Path) -> None:
+    """UpdateWeights as sealed streams on the replica's sealed port: sessions only for the
+    broadcaster's role, a stream under a guessed key refused, then the broadcaster's push of the
+    model's tensors served as the new version."""
+    import os
+
+    from primerl_common.sealed_streams import SealedCaller
+    from primerl_common.security.sealed import StreamKey
+
+    method = "/primerl.inference.v1.InferenceService/UpdateWeights"
+    load = inference_pb2_grpc.InferenceServiceStub(target.channel("router")).GetLoad
+    with pytest.raises(grpc.aio.AioRpcError) as denied:
+        await SealedCaller(target.channel("router"), "127.0.0.1").open(method, 1, timeout_s=10)
+    assert denied.value.code() == DENIED and "weight_broadcaster" in denied.value.details()
+    tensors = model_tensors(model)
+    begin = inference_pb2.WeightUpdateBegin(
+        policy_version=7,
+        format=tensor_pb2.WEIGHT_FORMAT_HF,
+        num_tensors=len(tensors),
+        num_bytes=sum(t.numel() * t.element_size() for t in tensors.values()),
+    )
+    requests = [
+        inference_pb2.UpdateWeightsRequest(begin=begin).SerializeToString(),
+        *(
+            inference_pb2.UpdateWeightsRequest(chunk=chunk).SerializeToString()
+            for chunk in iter_tensor_chunks(tensors.items(), chunk_bytes=1 << 20)
+        ),
+    ]
+    broadcaster = SealedCaller(target.channel("weight_broadcaster"), "127.0.0.1")
+    try:
+        port, (guessed, taken) = await broadcaster.open(method, 2, timeout_s=10)
+        forged = StreamKey(guessed.session_id, os.urandom(32), method)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await broadcaster.call(port, forged, 0, requests, inference_pb2.UpdateWeightsResponse, timeout_s=60)
+        assert refused.value.code() == UNAUTHENTICATED
+        assert (await load(inference_pb2.GetLoadRequest())).load.policy_version != 7
+        response = await broadcaster.call(port, taken, 1, requests, inference_pb2.UpdateWeightsResponse, timeout_s=120)
+        assert response.policy_version == 7
+        assert (await load(inference_pb2.GetLoadRequest())).load.policy_version == 7
+    finally:
+        await broadcaster.close()
 
 
 # --- deployment -----------------------------------------------------------------------------

@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
-from google.protobuf import message_factory
 
 from primerl.common.v1 import sealed_pb2, sealed_pb2_grpc
 from primerl_common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
@@ -68,29 +67,52 @@ RECHECK_S = 300.0
 @dataclass(frozen=True)
 class _Method:
     behavior: Callable[[AsyncIterator[Any], grpc.aio.ServicerContext], Any]
-    request_type: type
-    response_type: type
+    request_deserializer: Callable[[bytes], Any] | None  # None: the handler takes bytes
+    response_serializer: Callable[[Any], bytes] | None  # None: the handler answers bytes
+
+
+class _Registrations:
+    """Stands in for a grpc.aio.Server while a definition's add_to_server functions register their
+    handlers, to find each method's handler as the server serves it (a later registration of a
+    method replaces an earlier one, as on the server)."""
+
+    def __init__(self) -> None:
+        self.registered: dict[str, grpc.RpcMethodHandler] = {}
+        self.generic: list[grpc.GenericRpcHandler] = []
+
+    def add_registered_method_handlers(self, service: str, handlers: Mapping[str, grpc.RpcMethodHandler]) -> None:
+        self.registered.update({f"/{service}/{name}": handler for name, handler in handlers.items()})
+
+    def add_generic_rpc_handlers(self, handlers: Iterable[grpc.GenericRpcHandler]) -> None:
+        self.generic.extend(handlers)
+
+    def handler(self, method: str) -> grpc.RpcMethodHandler | None:
+        if method in self.registered:
+            return self.registered[method]
+        details = _CallDetails(method, ())
+        return next((h for g in self.generic if (h := g.service(details)) is not None), None)
+
+
+@dataclass(frozen=True)
+class _CallDetails(grpc.HandlerCallDetails):
+    method: str
+    invocation_metadata: tuple
 
 
 def sealed_handlers(servicers: Sequence[tuple[Any, Any, Any]], methods: Iterable[str]) -> dict[str, _Method]:
-    """The handler of each full method name in `methods` among a definition's servicers
-    (add_to_server, servicer, service descriptor); each must be client-streaming, unary answer."""
+    """The handler of each full method name in `methods` as a definition's servicers
+    (add_to_server, servicer, descriptor) register it: a client-streaming one, one answer."""
+    registrations = _Registrations()
+    for add_to_server, servicer, _ in servicers:
+        add_to_server(servicer, registrations)
     found: dict[str, _Method] = {}
-    for _, servicer, descriptor in servicers:
-        for method in descriptor.methods:
-            name = f"/{descriptor.full_name}/{method.name}"
-            if name not in methods:
-                continue
-            if not method.client_streaming or method.server_streaming:
-                raise ValueError(f"{name} cannot be sealed: a sealed stream is client-streaming, one answer")
-            found[name] = _Method(
-                getattr(servicer, method.name),
-                message_factory.GetMessageClass(method.input_type),
-                message_factory.GetMessageClass(method.output_type),
-            )
-    missing = set(methods) - set(found)
-    if missing:
-        raise ValueError(f"sealed methods not served: {', '.join(sorted(missing))}")
+    for method in methods:
+        handler = registrations.handler(method)
+        if handler is None:
+            raise ValueError(f"sealed method {method} is not served")
+        if handler.stream_unary is None:
+            raise ValueError(f"{method} cannot be sealed: a sealed stream is client-streaming, one answer")
+        found[method] = _Method(handler.stream_unary, handler.request_deserializer, handler.response_serializer)
     return found
 
 
@@ -155,7 +177,7 @@ class SealedStreamServicer(sealed_pb2_grpc.SealedStreamServiceServicer):
 
         async def requests() -> AsyncIterator[Any]:
             try:
-                async for message in open_frames(key, request_iterator, REQUEST, method.request_type.FromString):
+                async for message in open_frames(key, request_iterator, REQUEST, method.request_deserializer):
                     yield message
             except SealBroken as exc:
                 logger.warning("sealed stream of %s by %s refused: %s", key.method, session.caller.describe(), exc)
@@ -163,7 +185,7 @@ class SealedStreamServicer(sealed_pb2_grpc.SealedStreamServiceServicer):
 
         with acting_as(session.caller):
             response = await method.behavior(requests(), context)
-        serialized = response.SerializeToString()
+        serialized = response if method.response_serializer is None else method.response_serializer(response)
         return await asyncio.get_running_loop().run_in_executor(
             None, lambda: key.seal_frame(RESPONSE, 0, serialized, final=True)
         )
