@@ -23,7 +23,7 @@ IN_CI = bool(os.environ.get("CI"))
 SERVICES = ("orchestrator", "trainer", "inference", "router", "weight_broadcaster", "kvstore")
 # server.sealed_port of the services that take weight pushes sealed in the shipped deployments,
 # and the method taken so (its callers' pods are admitted to the port).
-SEALED_PORTS = {"inference": (51053, "UpdateWeights")}
+SEALED_PORTS = {"inference": (51053, "UpdateWeights"), "weight_broadcaster": (51055, "PublishWeights")}
 PORTS = {
     "orchestrator": 50051,
     "trainer": 50052,

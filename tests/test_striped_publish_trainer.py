@@ -100,3 +100,36 @@ async def test_a_broken_stripe_fails_the_publish_and_stores_nothing():
         with pytest.raises(PublishError) as error:
             await send(address, 3, 2, tensors)
         assert not error.value.retryable and "not newer" in str(error.value)
+
+
+async def test_under_mtls_a_publish_goes_as_sealed_streams_to_the_broadcasters_sealed_port(tmp_path, monkeypatch):
+    from primerl_common import security
+    from primerl_common.sealed_streams import SealedStreamServicer
+    from primerl_common.security import _credentials
+    from primerl_common.security.certificates import Holder, make_authority, make_certificate, tls_of
+
+    authority = make_authority(tmp_path)
+    for holder in ("weight_broadcaster", "trainer"):
+        make_certificate(authority, tmp_path, Holder.parse(holder))
+    monkeypatch.setattr(_credentials, "_process", None)  # the publisher's channels show the trainer's
+    security.setup_process_tls(tls_of(tmp_path, "trainer"), export=False)
+    sealed_calls = []
+    stream = SealedStreamServicer.SealedStream
+
+    async def counted(self, request_iterator, context):
+        sealed_calls.append(1)
+        return await stream(self, request_iterator, context)
+
+    monkeypatch.setattr(SealedStreamServicer, "SealedStream", counted)
+    config = WeightBroadcasterConfig(
+        server={"host": "127.0.0.1", "port": 0, "sealed_port": 0}, tls=tls_of(tmp_path, "weight_broadcaster")
+    )
+    async with in_process_service(await build(config), config, client_tls=tls_of(tmp_path, "trainer")) as served:
+        first = weights(1)
+        assert (await send(served.address, 1, 1, first)).num_changed_tensors == len(first)
+        assert len(sealed_calls) == 1
+        # Striped over 3 sealed streams, the same bits: nothing changed.
+        assert (await send(served.address, 3, 2, first)).num_changed_tensors == 0
+        assert len(sealed_calls) == 4
+        stub = weight_broadcaster_pb2_grpc.WeightBroadcasterServiceStub(served.channel)
+        assert (await stub.GetStatus(pb2.GetStatusRequest())).latest_policy_version == 2

@@ -35,6 +35,7 @@ from primerl_common.security.sealed import (
     StreamKey,
     open_frames,
     seal_frames,
+    seal_frames_sync,
 )
 
 __all__ = [
@@ -43,6 +44,7 @@ __all__ = [
     "SEALED_SERVICE_NAME",
     "STREAM_METHOD",
     "SealedCaller",
+    "SealedCallerSync",
     "SealedStreamServicer",
     "add_sealed_stream_service",
     "sealed_handlers",
@@ -205,13 +207,11 @@ def add_sealed_stream_service(servicer: SealedStreamServicer, server: grpc.aio.S
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_SERVICE.full_name, handlers),))
 
 
-class SealedCaller:
-    """Makes client-streaming calls to one service as sealed streams: sessions opened over
-    `control` (an mTLS channel), calls on plaintext channels to the sealed port of `host`, one
-    per stream index (a TCP connection each). Where the service serves no sealed port, `call`
-    answers None and the caller makes the call over mTLS itself."""
+class _SessionOpener:
+    """What both callers share: asking for sessions, and remembering a service that takes no
+    sealed streams (asked again RECHECK_S later: it may restart with a sealed port)."""
 
-    def __init__(self, control: grpc.aio.Channel, host: str, *, options: Sequence[tuple[str, Any]] = ()) -> None:
+    def __init__(self, control: Any, host: str, options: Sequence[tuple[str, Any]]) -> None:
         self._open = control.unary_unary(
             OPEN_METHOD,
             request_serializer=sealed_pb2.OpenSealedStreamsRequest.SerializeToString,
@@ -219,36 +219,60 @@ class SealedCaller:
         )
         self._host = host
         self._options = list(options)
-        self._channels: dict[tuple[int, int], grpc.aio.Channel] = {}
         self.unavailable: str | None = None  # why the service takes no sealed streams
         self._asked_at = 0.0
 
-    async def open(self, method: str, streams: int, *, timeout_s: float) -> tuple[int, list[StreamKey]] | None:
-        """(the sealed port, one key per stream), or None when the service serves no sealed port
-        (asked again RECHECK_S later: it may restart with one)."""
+    def _skip(self) -> bool:
         if self.unavailable is not None and time.monotonic() - self._asked_at < RECHECK_S:
-            return None
+            return True
         self._asked_at = time.monotonic()
-        request = sealed_pb2.OpenSealedStreamsRequest(method=method, streams=streams)
-        try:
-            response = await self._open(request, timeout=timeout_s)
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() not in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.FAILED_PRECONDITION):
-                raise
-            if self.unavailable is None:
-                logger.info("%s takes no sealed streams (%s): calls go over mTLS", self._host, exc.details())
-            self.unavailable = f"{exc.code().name}: {exc.details()}"
-            return None
+        return False
+
+    def _refused(self, exc: grpc.RpcError) -> None:
+        """Raises `exc` unless it says the service takes no sealed streams (then remembered)."""
+        code, details = exc.code(), exc.details()  # type: ignore[attr-defined]
+        if code not in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.FAILED_PRECONDITION):
+            raise exc
+        if self.unavailable is None:
+            logger.info("%s takes no sealed streams (%s): calls go over mTLS", self._host, details)
+        self.unavailable = f"{code.name}: {details}"
+
+    def _opened(self, response: sealed_pb2.OpenSealedStreamsResponse, method: str) -> tuple[int, list[StreamKey]]:
         self.unavailable = None
         return response.port, [StreamKey(s.session_id, s.key, method) for s in response.sessions]
 
+    def _target(self, port: int, index: int) -> tuple[str, list[tuple[str, Any]]]:
+        """Address and options of stream `index`'s channel: a TCP connection of its own. Plaintext
+        on purpose: every frame is sealed with a key handed out over mTLS."""
+        options = [*self._options, ("grpc.use_local_subchannel_pool", 1), ("primerl.sealed_stream", index)]
+        return f"{self._host}:{port}", options
+
+
+class SealedCaller(_SessionOpener):
+    """Makes client-streaming calls to one service as sealed streams: sessions opened over
+    `control` (an mTLS channel), calls on plaintext channels to the sealed port of `host`, one
+    per stream index (a TCP connection each). Where the service serves no sealed port, `open`
+    answers None and the caller makes the call over mTLS itself."""
+
+    def __init__(self, control: grpc.aio.Channel, host: str, *, options: Sequence[tuple[str, Any]] = ()) -> None:
+        super().__init__(control, host, options)
+        self._channels: dict[tuple[int, int], grpc.aio.Channel] = {}
+
+    async def open(self, method: str, streams: int, *, timeout_s: float) -> tuple[int, list[StreamKey]] | None:
+        """(the sealed port, one key per stream), or None when the service serves no sealed port."""
+        if self._skip():
+            return None
+        request = sealed_pb2.OpenSealedStreamsRequest(method=method, streams=streams)
+        try:
+            return self._opened(await self._open(request, timeout=timeout_s), method)
+        except grpc.aio.AioRpcError as exc:
+            self._refused(exc)
+            return None
+
     def _channel(self, port: int, index: int) -> grpc.aio.Channel:
-        channel = self._channels.get((port, index))
-        if channel is None:
-            options = [*self._options, ("grpc.use_local_subchannel_pool", 1), ("primerl.sealed_stream", index)]
-            # Plaintext on purpose: every frame is sealed with a key handed out over mTLS.
-            channel = self._channels[(port, index)] = grpc.aio.insecure_channel(f"{self._host}:{port}", options=options)
-        return channel
+        if (port, index) not in self._channels:
+            self._channels[(port, index)] = grpc.aio.insecure_channel(*self._target(port, index))
+        return self._channels[(port, index)]
 
     async def call(
         self,
@@ -269,10 +293,7 @@ class SealedCaller:
             timeout=timeout_s,
             metadata=((SEALED_SESSION_METADATA, key.session_id),),
         )
-        message, final = key.open_frame(RESPONSE, 0, frame)  # a SealedStreamResponse's bytes
-        if not final:
-            raise SealBroken(f"the sealed answer of {key.method} is not a FINAL frame")
-        return response_type.FromString(message)
+        return _answer(key, frame, response_type)
 
     async def close(self) -> None:
         for channel in self._channels.values():
@@ -287,3 +308,77 @@ async def _as_async(requests: Iterable[bytes] | AsyncIterable[bytes]) -> AsyncIt
     else:
         for request in requests:
             yield request
+
+
+class SealedCallerSync(_SessionOpener):
+    """SealedCaller for gRPC's threaded API (the trainer's publisher): `control` is an mTLS
+    grpc.Channel; `call` answers a future of the call's (opened) answer."""
+
+    def __init__(self, control: grpc.Channel, host: str, *, options: Sequence[tuple[str, Any]] = ()) -> None:
+        super().__init__(control, host, options)
+        self._channels: dict[tuple[int, int], grpc.Channel] = {}
+
+    def open(self, method: str, streams: int, *, timeout_s: float) -> tuple[int, list[StreamKey]] | None:
+        """As SealedCaller.open."""
+        if self._skip():
+            return None
+        request = sealed_pb2.OpenSealedStreamsRequest(method=method, streams=streams)
+        try:
+            return self._opened(self._open(request, timeout=timeout_s), method)
+        except grpc.RpcError as exc:
+            self._refused(exc)
+            return None
+
+    def call(
+        self,
+        port: int,
+        key: StreamKey,
+        index: int,
+        requests: Iterable[Any],
+        response_type: type,
+        *,
+        timeout_s: float,
+        serialize: Callable[[Any], bytes] | None = None,
+    ) -> SealedFuture:
+        """One sealed call of `key`'s method, started: `requests` (`serialize`d if not bytes)."""
+        if (port, index) not in self._channels:
+            self._channels[(port, index)] = grpc.insecure_channel(*self._target(port, index))
+        stream = self._channels[(port, index)].stream_unary(
+            STREAM_METHOD, request_serializer=None, response_deserializer=None
+        )
+        future = stream.future(
+            seal_frames_sync(key, requests, serialize, REQUEST),
+            timeout=timeout_s,
+            metadata=((SEALED_SESSION_METADATA, key.session_id),),
+            wait_for_ready=False,
+        )
+        return SealedFuture(future, key, response_type)
+
+    def close(self) -> None:
+        for channel in self._channels.values():
+            channel.close()
+        self._channels.clear()
+
+
+class SealedFuture:
+    """A threaded sealed call: done() and cancel() as the gRPC future's; result() opens the answer."""
+
+    def __init__(self, future: grpc.Future, key: StreamKey, response_type: type) -> None:
+        self._future, self._key, self._response_type = future, key, response_type
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def cancel(self) -> bool:
+        return self._future.cancel()
+
+    def result(self) -> Any:
+        return _answer(self._key, self._future.result(), self._response_type)
+
+
+def _answer(key: StreamKey, frame: bytes, response_type: type) -> Any:
+    """The answer of a sealed call, from its SealedStreamResponse's bytes; raises SealBroken."""
+    message, final = key.open_frame(RESPONSE, 0, frame)
+    if not final:
+        raise SealBroken(f"the sealed answer of {key.method} is not a FINAL frame")
+    return response_type.FromString(message)

@@ -38,6 +38,8 @@ from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2, weight_broadca
 from primerl_common import security
 from primerl_common.client import make_channel
 from primerl_common.errors import error_details
+from primerl_common.sealed_streams import SealedCallerSync
+from primerl_common.security.sealed import SealBroken, StreamKey
 from primerl_common.server import channel_options
 from primerl_common.stripes import PUBLISH_STRIPED, stripe_channel_options
 from primerl_common.tensors import DEFAULT_CHUNK_BYTES, dtype_from_proto, dtype_to_proto, iter_tensor_chunks
@@ -70,6 +72,7 @@ _PERMANENT = {
 # Chunks buffered between the producer and gRPC's sending thread (a few MiB each).
 _QUEUED_CHUNKS = 4
 _END = object()
+_PUBLISH_METHOD = "/primerl.weight_broadcaster.v1.WeightBroadcasterService/PublishWeights"
 
 
 class PublishError(Exception):
@@ -184,6 +187,10 @@ class WeightPublisher:
         ]
         self._stubs = [weight_broadcaster_pb2_grpc.WeightBroadcasterServiceStub(channel) for channel in self._channels]
         self._stub = self._stubs[0]
+        # Publishes as sealed streams where the broadcaster serves a sealed port (else over mTLS).
+        self._sealed = SealedCallerSync(
+            self._channels[0], address.rpartition(":")[0], options=channel_options(max_message_bytes)
+        )
         # The collective group of the latest generation (send_collective).
         self._groups = GroupCache()
         # The latest version send_collective broadcast (or tried to): publishing it again sends its data.
@@ -211,6 +218,14 @@ class WeightPublisher:
             self._broadcaster_stripes = info is not None and PUBLISH_STRIPED in info.capabilities
         return len(self._stubs) if self._broadcaster_stripes else 1
 
+    def _open_sealed(self, streams: int) -> tuple[int, list[StreamKey]] | None:
+        """Sessions for a publish of `streams` streams as sealed streams, or None: the broadcaster
+        serves no sealed port, or cannot be asked now (the mTLS call then says why)."""
+        try:
+            return self._sealed.open(_PUBLISH_METHOD, streams, timeout_s=min(self._timeout_s, 10.0))
+        except grpc.RpcError:
+            return None
+
     def send(
         self, requests: Iterable[weight_broadcaster_pb2.PublishWeightsRequest]
     ) -> weight_broadcaster_pb2.PublishWeightsResponse:
@@ -233,11 +248,22 @@ class WeightPublisher:
                 begins.append(begin)
         buffers: list[queue.Queue[object]] = [queue.Queue(maxsize=_QUEUED_CHUNKS) for _ in begins]
         abandoned = threading.Event()
+        sealed = self._open_sealed(len(begins))
         calls = [
-            stub.PublishWeights.future(
+            self._sealed.call(
+                sealed[0],
+                sealed[1][index],
+                index,
+                _outgoing(begin, buffer, abandoned),
+                weight_broadcaster_pb2.PublishWeightsResponse,
+                timeout_s=self._timeout_s,
+                serialize=weight_broadcaster_pb2.PublishWeightsRequest.SerializeToString,
+            )
+            if sealed
+            else stub.PublishWeights.future(
                 _outgoing(begin, buffer, abandoned), timeout=self._timeout_s, wait_for_ready=False
             )
-            for stub, begin, buffer in zip(self._stubs[: len(begins)], begins, buffers, strict=True)
+            for index, (stub, begin, buffer) in enumerate(zip(self._stubs[: len(begins)], begins, buffers, strict=True))
         ]
 
         def failed() -> bool:  # a stripe's call ends early only when it failed (stripes.py)
@@ -258,6 +284,8 @@ class WeightPublisher:
                     responses.append(call.result())
                 except grpc.RpcError as exc:
                     errors.append(exc)
+                except SealBroken as exc:  # an answer altered on the sealed port's connection
+                    raise PublishError(f"PublishWeights to {self.address}: {exc}", retryable=True) from None
             if errors:
                 self._broadcaster_stripes = None
                 # The stripe that failed says why; the others only that another one failed.
@@ -388,6 +416,7 @@ class WeightPublisher:
         self._groups.drop()
         for channel in self._channels:
             channel.close()
+        self._sealed.close()
 
 
 def _outgoing(

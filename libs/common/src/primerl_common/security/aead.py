@@ -29,11 +29,20 @@ class SealBroken(ValueError):
     changed on the way."""
 
 
+def _loaded_libcrypto() -> str | None:
+    """The path of the libcrypto this process loaded for Python's ssl module (Linux), if any."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "libcrypto.so" in line}
+    except OSError:
+        return None
+    return min(paths) if paths else None
+
+
 @functools.cache
 def _libcrypto() -> ctypes.CDLL:
-    # The libcrypto Python's ssl module was built against is loaded already; find_library
-    # names the system's, which is the same one on Debian-based images.
-    name = ctypes.util.find_library("crypto")
+    # The libcrypto Python's ssl module uses (loaded with `ssl`), else the system's by name.
+    name = _loaded_libcrypto() or ctypes.util.find_library("crypto")
     if name is None:
         raise OSError(f"libcrypto not found (Python's ssl module uses {ssl.OPENSSL_VERSION})")
     lib = ctypes.CDLL(name)

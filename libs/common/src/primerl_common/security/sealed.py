@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import os
-from collections.abc import AsyncIterable, AsyncIterator, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
 from concurrent import futures
 from typing import Any
 
@@ -42,6 +42,7 @@ __all__ = [
     "StreamKey",
     "open_frames",
     "seal_frames",
+    "seal_frames_sync",
 ]
 
 SEALED_SESSION_METADATA = "primerl-sealed-session"
@@ -159,6 +160,34 @@ async def seal_frames(key: StreamKey, messages: AsyncIterable[bytes], direction:
 
     async for frame in _ahead(jobs()):
         yield frame
+
+
+def seal_frames_sync(
+    key: StreamKey,
+    messages: Iterable[Any],
+    serialize: Callable[[Any], bytes] | None = None,
+    direction: int = REQUEST,
+) -> Iterator[bytes]:
+    """seal_frames for gRPC's threaded API: the frames of `messages` (each `serialize`d first,
+    in the pool too), sealed in the thread pool ahead of the caller, then the empty FINAL frame."""
+
+    def seal_one(sequence: int, message: Any) -> bytes:
+        return key.seal_frame(direction, sequence, message if serialize is None else serialize(message))
+
+    running: collections.deque[futures.Future[bytes]] = collections.deque()
+    try:
+        sequence = 0
+        for message in messages:
+            running.append(_threads().submit(seal_one, sequence, message))
+            sequence += 1
+            if len(running) > _AHEAD:
+                yield running.popleft().result()
+        running.append(_threads().submit(lambda: key.seal_frame(direction, sequence, b"", final=True)))
+        while running:
+            yield running.popleft().result()
+    finally:
+        for job in running:
+            job.cancel()
 
 
 async def open_frames(
