@@ -641,24 +641,21 @@ def network_policy_errors(objects: list[dict], roles_of: dict[str, dict[str, set
         own = ROLE_PEERS[service][0]
         if spec["podSelector"] != {"matchLabels": own} or spec["policyTypes"] != ["Ingress"]:
             errors.append(f"{name}: selects {spec['podSelector']} ({spec['policyTypes']}), not the {service} pods")
-        grpc_ports = [  # of the pods it selects (the trainer's worker pods serve none)
-            port["containerPort"]
-            for workload in workloads
-            if selector_matches(spec["podSelector"], workload["spec"]["template"]["metadata"]["labels"])
-            for container in containers_of(workload)
-            for port in container.get("ports", [])
-            if port.get("name") == "grpc"
-        ]
+
+        def named_ports(port_name: str, spec: dict = spec) -> list[int]:  # of the pods it selects
+            return [
+                port["containerPort"]
+                for workload in workloads
+                if selector_matches(spec["podSelector"], workload["spec"]["template"]["metadata"]["labels"])
+                for container in containers_of(workload)
+                for port in container.get("ports", [])
+                if port.get("name") == port_name
+            ]
+
+        grpc_ports = named_ports("grpc")  # (the trainer's worker pods serve none)
         if not grpc_ports or set(grpc_ports) != {PORTS[service]}:
             errors.append(f"{name}: its pods' ports named grpc are {grpc_ports}, not {PORTS[service]}")
-        sealed_ports = {
-            port["containerPort"]
-            for workload in workloads
-            if selector_matches(spec["podSelector"], workload["spec"]["template"]["metadata"]["labels"])
-            for container in containers_of(workload)
-            for port in container.get("ports", [])
-            if port.get("name") == "sealed"
-        }
+        sealed_ports = set(named_ports("sealed"))
         sealed_port, sealed_method = SEALED_PORTS.get(service, (None, None))
         if sealed_ports != ({sealed_port} if sealed_port else set()):
             errors.append(f"{name}: its pods' ports named sealed are {sealed_ports}, not {sealed_port}")
