@@ -4,6 +4,7 @@ right status before the handler runs, and what is allowed works end to end."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import pathlib
 import subprocess
@@ -115,6 +116,10 @@ def bearer(certs: pathlib.Path, name: str) -> list[tuple[str, str]]:
 
 async def push(stub: trainer_pb2_grpc.TrainerServiceStub, **kwargs) -> None:
     async def messages():
+        # After the server had time to refuse the call from its metadata: a message written
+        # after the refusal arrived is not sent, but one written while it is on its way fails,
+        # and grpc.aio then reports the call INTERNAL ("Failed execute_batch"), not the refusal.
+        await asyncio.sleep(0.2)
         for step in range(3):
             yield trainer_pb2.PushBatchRequest(begin=trainer_pb2.BatchBegin(step=step))
 
