@@ -531,9 +531,11 @@ async def test_orchestrator(certs, tmp_path_factory):
                 return await stub.GetRunStatus(orchestrator_pb2.GetRunStatusRequest())
 
             async def running():
-                return (await status()).state == orchestrator_pb2.RUN_STATE_RUNNING
+                # ... and knows the policy version its peers serve (-1 until its first poll of them)
+                now = await status()
+                return now.state == orchestrator_pb2.RUN_STATE_RUNNING and now.policy_version >= 0
 
-            await eventually(running, timeout_s=30, what="the run is running")
+            await eventually(running, timeout_s=30, what="the run is running at a known policy version")
             before = await status()
             Stub = orchestrator_pb2_grpc.OrchestratorServiceStub
             start = orchestrator_pb2.StartEpisodeRequest(

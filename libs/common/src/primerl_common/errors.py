@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
 
 import grpc
 from google.protobuf import any_pb2, duration_pb2
@@ -31,12 +31,14 @@ __all__ = [
     "ServiceError",
     "Unavailable",
     "Unimplemented",
+    "draining_on_error",
     "error_details",
     "field_violations",
 ]
 
 logger = logging.getLogger(__name__)
 DOMAIN = "primerl"
+T = TypeVar("T")
 
 
 class ServiceError(Exception):
@@ -218,3 +220,15 @@ def field_violations(error: grpc.RpcError) -> dict[str, str]:
         if isinstance(detail, error_details_pb2.BadRequest)
         for violation in detail.field_violations
     }
+
+
+async def draining_on_error(requests: AsyncIterator[Any], work: Awaitable[T]) -> T:
+    """Runs `work`, which consumes `requests`; if it fails, reads the rest of the stream
+    before the error goes out. An asyncio client still writing when the call ends reports
+    INTERNAL instead of the status the server sent (grpc/grpc#36066)."""
+    try:
+        return await work
+    except ServiceError:
+        async for _ in requests:
+            pass
+        raise

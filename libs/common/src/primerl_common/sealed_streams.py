@@ -24,7 +24,7 @@ from typing import Any
 import grpc
 
 from primerl.common.v1 import sealed_pb2, sealed_pb2_grpc
-from primerl_common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from primerl_common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, draining_on_error
 from primerl_common.security import AuthorizationInterceptor, Caller, Unauthenticated, acting_as, caller_of
 from primerl_common.security.sealed import (
     REQUEST,
@@ -166,6 +166,12 @@ class SealedStreamServicer(sealed_pb2_grpc.SealedStreamServiceServicer):
         return response
 
     async def SealedStream(self, request_iterator, context):
+        frames = aiter(request_iterator)
+        # A refusal (an unknown session, a frame that does not open, the handler's) goes out after
+        # the rest of the stream is read: see draining_on_error.
+        return await draining_on_error(frames, self._sealed_call(frames, context))
+
+    async def _sealed_call(self, frames: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> bytes:
         session_id = dict(context.invocation_metadata()).get(SEALED_SESSION_METADATA, "")
         self._lapse()
         session = self._sessions.pop(session_id, None)  # used once
@@ -178,7 +184,7 @@ class SealedStreamServicer(sealed_pb2_grpc.SealedStreamServiceServicer):
 
         async def requests() -> AsyncIterator[Any]:
             try:
-                async for message in open_frames(key, request_iterator, REQUEST, method.request_deserializer):
+                async for message in open_frames(key, frames, REQUEST, method.request_deserializer):
                     yield message
             except SealBroken as exc:
                 logger.warning("sealed stream of %s by %s refused: %s", key.method, session.caller.describe(), exc)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable
-from typing import Any, TypeVar
+from collections.abc import AsyncIterable, AsyncIterator
+from typing import Any
 
 import grpc
 import torch
@@ -15,7 +15,7 @@ from google.protobuf.message import DecodeError
 from primerl.common.v1 import generation_pb2, tensor_pb2
 from primerl.inference.v1 import inference_pb2, inference_pb2_grpc
 from primerl_common import security
-from primerl_common.errors import InvalidArgument, ServiceError
+from primerl_common.errors import InvalidArgument, draining_on_error
 from primerl_common.observability import policy_version_var
 from primerl_common.server import ServiceDefinition
 from primerl_common.tensors import TensorChunkView, iter_wire_fields, parse_tensor_chunk, tensor_to_proto
@@ -31,8 +31,6 @@ from primerl_inference.generation import (
 )
 from primerl_inference.load import LoadReport
 from primerl_inference.weights import WeightFormat, WeightUpdate
-
-T = TypeVar("T")
 
 _FINISH_REASONS = {
     "stop": generation_pb2.FINISH_REASON_STOP,
@@ -101,7 +99,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         each chunk's data is staged from the bytes it came in (`parse_update_request`)."""
         policy_version_var.set(self._engine.policy_version)
         raw_requests = aiter(request_iterator)
-        return await _draining_on_error(raw_requests, self._update_weights(_parsed(raw_requests)))
+        return await draining_on_error(raw_requests, self._update_weights(_parsed(raw_requests)))
 
     async def _update_weights(
         self, requests: AsyncIterator[inference_pb2.UpdateWeightsRequest | TensorChunkView]
@@ -168,7 +166,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         self, request_iterator: AsyncIterable[inference_pb2.LoadAdapterRequest], context: grpc.aio.ServicerContext
     ) -> inference_pb2.LoadAdapterResponse:
         requests = aiter(request_iterator)
-        return await _draining_on_error(requests, self._load_adapter(requests))
+        return await draining_on_error(requests, self._load_adapter(requests))
 
     async def _load_adapter(
         self, requests: AsyncIterator[inference_pb2.LoadAdapterRequest]
@@ -189,18 +187,6 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         self, request: inference_pb2.ListAdaptersRequest, context: grpc.aio.ServicerContext
     ) -> inference_pb2.ListAdaptersResponse:
         return inference_pb2.ListAdaptersResponse(adapters=[adapter_spec_to_proto(s) for s in self._engine.adapters()])
-
-
-async def _draining_on_error(requests: AsyncIterator[Any], work: Awaitable[T]) -> T:
-    """Runs `work`, which consumes `requests`; if it fails, reads the rest of the stream
-    before the error goes out. An asyncio client still writing when the call ends reports
-    INTERNAL instead of the status the server sent (grpc/grpc#36066)."""
-    try:
-        return await work
-    except ServiceError:
-        async for _ in requests:
-            pass
-        raise
 
 
 def parse_update_request(raw: bytes) -> inference_pb2.UpdateWeightsRequest | TensorChunkView:
