@@ -135,6 +135,7 @@ async def test_each_adapter_version_reaches_every_replica_and_late_ones():
         await publish(stub, 1, FULL)
         reply = await publish_adapter(stub, "math", 1, lora_tensors(1))
         assert (reply.policy_version, reply.num_tensors) == (1, 16)
+        await wait_for_adapter(stub, "math", 1, 2)  # each version reaches them (not only the latest)
         await publish_adapter(stub, "math", 2, lora_tensors(2))
         reached = await wait_for_adapter(stub, "math", 2, 2)
         assert (reached.latest_policy_version, reached.num_replicas_at_version) == (2, 2)
