@@ -11,7 +11,7 @@ transport, so the cipher's work is spread over cores and off the event loop.
 The protocol (a sealed stream carries one client-streaming call; Apache Spark's RPC encryption
 and ALTS's record protocol are of this kind):
 - The caller asks the service, over mutual TLS, to open one session per stream for a method
-  (`SealedStreams.Open`); the service checks the caller's roles for that method as it would for
+  (`SealedStreamService.OpenSealedStreams`); the service checks the caller's roles for that method as it would for
   the call itself, and answers each session's id and a fresh random 256-bit key, and the port its
   sealed streams are served on. A session is used once and lapses unused after a minute.
 - Each frame is one flag byte (FINAL or not) and the AES-256-GCM sealing of one serialized
@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import os
+import threading
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
 from concurrent import futures
 from typing import Any
@@ -52,13 +53,18 @@ _FINAL = 1
 # threads busy while gRPC moves the previous ones, few enough to bound memory (x 4 MiB).
 _AHEAD = 4
 _pool: futures.ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
 
 
 def _threads() -> futures.ThreadPoolExecutor:
+    """The process's sealing threads (made at first use; gRPC's sending threads may ask at once)."""
     global _pool
-    if _pool is None:
-        _pool = futures.ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="primerl-seal")
-    return _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = futures.ThreadPoolExecutor(
+                max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="primerl-seal"
+            )
+        return _pool
 
 
 class StreamKey:
