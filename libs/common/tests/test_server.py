@@ -163,10 +163,41 @@ async def test_sigterm_drains_inflight_call_then_exits_cleanly():
     assert "Traceback" not in output, output
 
 
+# A stream still open when grpc.aio's stop(grace) returns leaves its call task pending; an
+# event loop closed then cancels it, and grpc prints it as an unhandled exception.
+_OPEN_STREAM_AT_EXIT = """
+import asyncio, sys, grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from primerl_common.server import _rpc_tasks_settle
+
+async def main():
+    server = grpc.aio.server()
+    health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest())
+    await watch.read()
+    await server.stop(0.2)
+    if sys.argv[1] == "settle":
+        await _rpc_tasks_settle(timeout_s=2.0)
+
+asyncio.run(main())
+"""
+
+
+def test_call_tasks_left_at_stop_end_without_a_traceback_once_settled():
+    # Without the wait (the script's argument "exit") 5 of 10 runs printed grpc's traceback here.
+    for _ in range(3):
+        run = subprocess.run(
+            [sys.executable, "-c", _OPEN_STREAM_AT_EXIT, "settle"], capture_output=True, text=True, timeout=60
+        )
+        assert run.returncode == 0 and "Traceback" not in run.stderr, run.stderr
+
+
 async def test_sigterm_with_calls_open_past_the_grace_exits_cleanly():
     # A router's health Watch never ends by itself, and this SaveCheckpoint outlasts the grace: gRPC
-    # cancels both, and the process still exits 0 without a traceback (their call tasks are let
-    # finish before the event loop closes).
+    # cancels both, and the service process exits 0 without a traceback.
     port = free_port()
     args = [sys.executable, str(HERE / "servers.py"), "--server.host", "127.0.0.1", "--server.port", str(port)]
     args += ["--server.drain_delay_s", "0", "--server.grace_s", "0.5", "--slow_call_s", "30"]

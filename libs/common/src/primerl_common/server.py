@@ -304,7 +304,8 @@ class GrpcService:
             self.sealed_port = self._server.add_insecure_port(f"{server_config.host}:{server_config.sealed_port}")
             if self.sealed_port == 0:
                 raise OSError(f"cannot bind server.sealed_port {server_config.host}:{server_config.sealed_port}")
-            self.definition.capabilities = [*self.definition.capabilities, SEALED_CAPABILITY]
+            if SEALED_CAPABILITY not in self.definition.capabilities:  # a definition started again
+                self.definition.capabilities = [*self.definition.capabilities, SEALED_CAPABILITY]
         for hook in self.definition.on_start:
             await hook()
         await self._server.start()

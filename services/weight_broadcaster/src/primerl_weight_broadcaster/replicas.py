@@ -166,14 +166,12 @@ class _Worker:
         self._settings = replicas.settings
         self._channel = make_channel(replica.address, max_attempts=1)
         self._stub = inference_pb2_grpc.InferenceServiceStub(self._channel)
-        self._update_weights = update_weights_call(self._channel)
         # One channel (a connection of its own) per stripe of a striped push.
         self._stripe_channels = [
             make_channel(replica.address, max_attempts=1, extra_options=stripe_channel_options(index))
             for index in range(self._settings.streams if self._settings.streams > 1 else 0)
         ]
         # Pushes as sealed streams where the replica serves a sealed port (else over mTLS).
-        self._sealed_push = False  # whether the latest gRPC push went as sealed streams (logged)
         self._sealed = SealedCaller(
             self._channel, replica.address.rpartition(":")[0], options=channel_options(64 << 20)
         )
@@ -320,6 +318,7 @@ class _Worker:
             base_policy_version=base or 0,
         )
         started = time.monotonic()
+        sealed = False  # whether the tensors went as sealed streams (logged)
         if shared_fs:
             assert self._replicas.shared is not None  # registration checks it
             async with self._replicas.shared.use(latest, base) as (path, manifest):
@@ -339,9 +338,9 @@ class _Worker:
                 # Full: after a load that failed half way, the replica holds no version to build on.
                 begin = inference_pb2.WeightUpdateBegin(policy_version=latest.policy_version, format=replica.format)
                 delta, base = False, None
-                await self._push_grpc(latest, begin, base)
+                sealed = await self._push_grpc(latest, begin, base)
         else:
-            await self._push_grpc(latest, begin, base)
+            sealed = await self._push_grpc(latest, begin, base)
         folder = begin.shared_fs_path or begin.shm_path
         logger.info(
             "replica %s: pushed policy version %d (%d tensors, %.1f MiB, %s, %s, %s%s)",
@@ -351,17 +350,16 @@ class _Worker:
             begin.num_bytes / 2**20,
             format_name(replica.format),
             f"delta from {base}" if delta else "full",
-            metrics.transport_name(transport)
-            + (" sealed" if transport == pb2.TRANSPORT_GRPC and self._sealed_push else ""),
+            metrics.transport_name(transport) + (" sealed" if sealed else ""),
             f", folder {folder}" if folder else "",
         )
         self._pushed(begin, started, sent=transport != pb2.TRANSPORT_SHM, transport=transport)
 
     async def _push_grpc(
         self, latest: PublishedVersion, begin: inference_pb2.WeightUpdateBegin, base: int | None
-    ) -> None:
+    ) -> bool:
         """The tensors streamed over UpdateWeights (striped where the replica takes it; as
-        sealed streams where it serves a sealed port)."""
+        sealed streams where it serves a sealed port: then True)."""
         tensors = latest.tensors_since(base)
         begin.num_tensors = len(tensors)
         begin.num_bytes = sum(t.numel() * t.element_size() for _, t in tensors)
@@ -370,12 +368,12 @@ class _Worker:
         striped = self._stripe_channels and CAPABILITY_REPLICA_STRIPED in self.replica.capabilities
         parts = split_stripes(tensors, len(self._stripe_channels)) if striped and len(tensors) > 1 else [tensors]
         sealed = await self._sealed.open(UPDATE_WEIGHTS_METHOD, len(parts), timeout_s=self._settings.probe_timeout_s)
-        self._sealed_push = sealed is not None
         if len(parts) > 1:
             await self._push_striped(begin, key, parts, sealed)
         else:
             requests = self._replicas.serializer.update(key, begin, tensors)
             await self._update(sealed, 0, self._channel, requests)
+        return sealed is not None
 
     def _update(self, sealed: tuple[int, list] | None, index: int, channel: grpc.aio.Channel, requests):
         """The UpdateWeights call of stream `index`: sealed with its session's key, or over mTLS."""
