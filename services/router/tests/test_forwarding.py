@@ -5,6 +5,7 @@ import types
 
 import grpc
 import pytest
+from cryptography import x509
 
 from primerl.common.v1 import generation_pb2
 from primerl.inference.v1 import inference_pb2
@@ -90,6 +91,13 @@ class CallContext:
 
     def auth_context(self) -> dict[str, list[bytes]]:
         return {"transport_security_type": [b"ssl"], "x509_pem_cert": [self.pem]}
+
+    def peer_identities(self) -> list[bytes]:
+        names = x509.load_pem_x509_certificate(self.pem).extensions.get_extension_for_class(x509.SubjectAlternativeName)
+        return [str(name.value).encode() for name in names.value]
+
+    def peer_identity_key(self) -> str:
+        return "x509_subject_alternative_name"
 
     def invocation_metadata(self) -> tuple:
         return ()

@@ -84,7 +84,7 @@ def identity_uri(role: str, name: str) -> str:
 @functools.lru_cache(maxsize=256)
 def certificate_identity(certificate_bytes: bytes) -> tuple[str, frozenset[str]] | None:
     """(name, roles) a certificate (PEM or DER) names in its `spiffe://primerl/<role>/<name>`
-    URI SANs; None without one. Cached by the bytes: a connection's calls all show the same."""
+    URI SANs; None without one. Cached by the bytes."""
     if certificate_bytes.startswith(b"-----"):
         certificate = x509.load_pem_x509_certificate(certificate_bytes)
     else:
@@ -93,8 +93,17 @@ def certificate_identity(certificate_bytes: bytes) -> tuple[str, frozenset[str]]
         names = certificate.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     except x509.ExtensionNotFound:
         return None
+    return _uri_identity(tuple(names.get_values_for_type(x509.UniformResourceIdentifier)))
+
+
+@functools.lru_cache(maxsize=256)
+def _uri_identity(names: tuple[str, ...]) -> tuple[str, frozenset[str]] | None:
+    """(name, roles) of the `spiffe://primerl/<role>/<name>` URIs among a certificate's
+    subject alternative names (others are skipped): the first such URI's name, with the
+    roles of every one naming it. None without one. Cached by the names: a connection's calls
+    all show the same."""
     found: list[tuple[str, str]] = []
-    for uri in names.get_values_for_type(x509.UniformResourceIdentifier):
+    for uri in names:
         if uri.startswith(_URI_PREFIX):
             role, _, name = uri[len(_URI_PREFIX) :].partition("/")
             if role and name and "/" not in name:
@@ -103,6 +112,34 @@ def certificate_identity(certificate_bytes: bytes) -> tuple[str, frozenset[str]]
         return None
     name = found[0][1]
     return name, frozenset(role for role, other in found if other == name)
+
+
+# What gRPC names a TLS peer by when its certificate has subject alternative names (all of
+# them: URIs, DNS names, addresses); without any it names the common name instead.
+_SAN_PROPERTY = "x509_subject_alternative_name"
+
+
+def _certificate_caller(context: grpc.aio.ServicerContext) -> Caller:
+    """The caller the call's verified client certificate names, from the names gRPC kept at
+    the handshake (peer_identities: a few microseconds, where auth_context() copies every
+    property, the PEM included, on each call). Raises Unauthenticated without a client
+    certificate or without an identity in it."""
+    names = context.peer_identities()
+    if not names:
+        raise Unauthenticated("no client certificate", reason="NO_CLIENT_CERTIFICATE")
+    caller = _san_caller(tuple(names)) if context.peer_identity_key() == _SAN_PROPERTY else None
+    if caller is None:
+        raise Unauthenticated(
+            f"the client certificate names no identity (a URI SAN {_URI_PREFIX}<role>/<name>)",
+            reason="NO_IDENTITY",
+        )
+    return caller
+
+
+@functools.lru_cache(maxsize=256)
+def _san_caller(names: tuple[bytes, ...]) -> Caller | None:
+    identity = _uri_identity(tuple(name.decode(errors="replace") for name in names))
+    return None if identity is None else Caller(name=identity[0], roles=identity[1], peer=identity[0])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,19 +206,11 @@ class CallerResolver:
     def resolve(self, context: grpc.aio.ServicerContext) -> Caller:
         if self.mode == "plaintext":
             return LOCAL
-        pems = (context.auth_context() or {}).get("x509_pem_cert") or []
-        if not pems:
-            raise Unauthenticated("no client certificate", reason="NO_CLIENT_CERTIFICATE")
-        identity = certificate_identity(bytes(pems[0]))
-        if identity is None:
-            raise Unauthenticated(
-                f"the client certificate names no identity (a URI SAN {_URI_PREFIX}<role>/<name>)",
-                reason="NO_IDENTITY",
-            )
-        peer, roles = identity
+        certified = _certificate_caller(context)
         header = _metadata_value(context.invocation_metadata(), "authorization")
         if header is None:
-            return Caller(name=peer, roles=roles, peer=peer)
+            return certified
+        peer = certified.peer
         scheme, _, token = header.partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
             raise Unauthenticated("authorization metadata must be 'Bearer <token>'", reason="BAD_AUTHORIZATION")
