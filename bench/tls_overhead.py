@@ -242,6 +242,9 @@ async def push_throughput(
     chunk = tensor_pb2.TensorChunk(data=os.urandom(args.message_mib * MiB))
     message = inference_pb2.UpdateWeightsRequest(chunk=chunk).SerializeToString()
     num_messages = args.push_mib // args.message_mib
+    # A push reads a whole version's bytes, each once: the messages of a round are distinct
+    # buffers (not one message sent again, which stays in the L3 cache and flatters the copies).
+    distinct = [bytes(bytearray(message)) for _ in range(num_messages)]
     keys = [(mode, k) for k in args.streams for mode in PUSH_MODES]
     rates: dict[tuple[str, int], list[float]] = {key: [] for key in keys}
     cpu_per_gib: dict[tuple[str, int], list[float]] = {key: [] for key in keys}
@@ -259,8 +262,8 @@ async def push_throughput(
             await asyncio.wait_for(channel.channel_ready(), 60)
 
     async def messages(stripe: int, k: int):
-        for _ in range(stripe, num_messages, k):
-            yield message
+        for index in range(stripe, num_messages, k):
+            yield distinct[index]
 
     async def push(mode: str, k: int) -> None:
         if mode != "sealed":

@@ -4,6 +4,7 @@ as the caller the session was opened for, refusing everything else there."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import os
 
@@ -123,6 +124,35 @@ async def test_a_push_as_a_sealed_stream_reaches_the_handler_as_the_sessions_cal
     finally:
         await caller.close()
     assert len(recorder.calls) == 3
+
+
+async def test_a_sealed_calls_own_request_error_and_its_cancellation_reach_the_caller(sealed_service):
+    served, recorder = sealed_service
+    caller = SealedCaller(served.channel, "127.0.0.1")
+
+    def failing():
+        yield PUSH_REQUESTS[0]
+        raise ValueError("tensor 3 is gone")
+
+    async def endless():  # enough messages for some to reach the handler past both ends' read-ahead
+        for _ in range(12):
+            yield PUSH_REQUESTS[0]
+        await asyncio.Event().wait()
+
+    try:
+        port, (first, second, third) = await caller.open(PUSH, 3, timeout_s=5)
+        with pytest.raises(ValueError, match="tensor 3 is gone"):  # not the CANCELLED gRPC makes of it
+            await caller.call(port, first, 0, failing(), trainer_pb2.PushBatchResponse, timeout_s=10)
+        call = asyncio.create_task(caller.call(port, second, 1, endless(), trainer_pb2.PushBatchResponse, timeout_s=60))
+        while not recorder.calls:  # noqa: ASYNC110 (the endless stream's first messages arrived)
+            await asyncio.sleep(0.05)
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(call, 10)
+        answer = await caller.call(port, third, 2, PUSH_REQUESTS, trainer_pb2.PushBatchResponse, timeout_s=10)
+        assert answer == trainer_pb2.PushBatchResponse()  # the caller goes on
+    finally:
+        await caller.close()
 
 
 async def test_the_sealed_port_refuses_other_calls_forged_keys_and_cut_streams(sealed_service):
