@@ -3,7 +3,7 @@ each pushed, the removed ones unloaded.
 
 Replicas get adapters over inference.v1 `LoadAdapter` (the spec, then the tensors as
 chunks), whatever transport their full weights take: adapters are a few MB. Each replica's
-task (replicas.py `_Worker`) calls `AdapterSync.sync` after every probe; it learns what a
+task (pusher.py `ReplicaPusher`) calls `AdapterSync.sync` after every probe; it learns what a
 replica process holds with `ListAdapters` once per instance id (a restarted replica holds
 none), pushes each adapter it lacks, and backs off per adapter after a failure, so a failing
 adapter push delays that replica's full-weight pushes by one bounded call at most.

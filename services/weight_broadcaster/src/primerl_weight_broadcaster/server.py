@@ -12,7 +12,8 @@ from primerl_weight_broadcaster import __version__
 from primerl_weight_broadcaster.adapters import AdapterStore
 from primerl_weight_broadcaster.collective import CollectiveHost, CollectiveSettings
 from primerl_weight_broadcaster.config import WeightBroadcasterConfig
-from primerl_weight_broadcaster.replicas import PushSettings, Replica, ReplicaSet
+from primerl_weight_broadcaster.replica_set import ReplicaSet
+from primerl_weight_broadcaster.replicas import PushSettings, Replica
 from primerl_weight_broadcaster.servicer import (
     CAPABILITIES,
     CAPABILITY_NCCL,

@@ -23,7 +23,8 @@ from primerl_common.tensors import TensorAssembler
 from primerl_weight_broadcaster.adapters import check_adapter_begin, published_adapter
 from primerl_weight_broadcaster.collective import check_tensor_list
 from primerl_weight_broadcaster.config import PublishLimitsConfig
-from primerl_weight_broadcaster.replicas import Replica, ReplicaSet
+from primerl_weight_broadcaster.replica_set import ReplicaSet
+from primerl_weight_broadcaster.replicas import Replica
 from primerl_weight_broadcaster.shm import ShmReceiver
 from primerl_weight_broadcaster.store import ShmPlacement, WeightStore
 

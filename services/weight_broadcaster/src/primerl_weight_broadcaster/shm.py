@@ -16,7 +16,7 @@ written into their folder once, by the first push that needs them.
 Whether a replica shares this memory is decided from what it advertises (`route`): the same
 kernel boot id, and the same identity (device and inode) of its shared-memory folder as this
 one's; its folder's path then names the files in its own view. A push over it that fails is
-made again over gRPC (replicas.py).
+made again over gRPC (pusher.py).
 """
 
 from __future__ import annotations
