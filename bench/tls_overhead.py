@@ -7,7 +7,10 @@ concurrency 1, and the throughput of a weight push stream.
   development CA: the router shows its own to the replica, the client an orchestrator's). One
   caller sends Generate calls through each router in slices that alternate the two, so a change
   in what else the machine runs weighs on both alike; added p50 = mTLS p50 - plaintext p50
-  (two TLS hops: client -> router -> replica).
+  (two TLS hops: client -> router -> replica). The two routers run pinned to one core, the two
+  replicas to another and the caller to a third (2 cores: the replicas and the caller share
+  one), the same cores for both modes: unpinned, where the kernel placed each process moved
+  the added p50 by up to 0.2 ms from run to run. The added p50 of each slice is printed too.
 - Push: a sink service process (primerl's GrpcService serving inference.v1 UpdateWeights, which
   drains and drops the chunks) takes UpdateWeights streams of 4 MiB chunks, as the broadcaster
   pushes them, with primerl's channel and server options; GiB/s of each mode in rounds that
@@ -37,6 +40,7 @@ import asyncio
 import contextlib
 import os
 import pathlib
+import shutil
 import statistics
 import sys
 import tempfile
@@ -161,12 +165,34 @@ async def started(stack: contextlib.AsyncExitStack, process: ServiceProcess, tls
     await wait_for_serving(process.address, tls=tls, timeout_s=120)
 
 
-def child(role: str, port: int, mode: str, certs: pathlib.Path, holder: str, *extra: str) -> ServiceProcess:
+def latency_cores() -> dict[str, int]:
+    """The core of each process on the router path: the same for both modes (where the kernel
+    places a process, and so what it shares a core or cache with, moved one mode's p50 against
+    the other's by up to 0.2 ms from run to run on the device host: more than TLS's cost)."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) >= 4:
+        return {"router": cores[1], "replica": cores[2], "client": cores[3]}
+    return {"router": cores[0], "replica": cores[-1], "client": cores[-1]}
+
+
+def pinned(core: int | None, args: list[str]) -> list[str]:
+    if core is None:
+        return args
+    taskset = shutil.which("taskset")
+    assert taskset, "needs taskset (util-linux)"
+    return [taskset, "-c", str(core), *args]
+
+
+def child(
+    role: str, port: int, mode: str, certs: pathlib.Path, holder: str, *extra: str, core: int | None = None
+) -> ServiceProcess:
     args = [sys.executable, str(HERE), f"--serve-{role}", str(port), "--mode", mode, "--certs", str(certs)]
-    return ServiceProcess([*args, "--holder", holder, *extra], port=port, env=MALLOC_ENV)
+    return ServiceProcess(pinned(core, [*args, "--holder", holder, *extra]), port=port, env=MALLOC_ENV)
 
 
-def router_process(port: int, replica_port: int, mode: str, certs: pathlib.Path, tmp: pathlib.Path) -> ServiceProcess:
+def router_process(
+    port: int, replica_port: int, mode: str, certs: pathlib.Path, tmp: pathlib.Path, core: int
+) -> ServiceProcess:
     config = tmp / f"router-{mode}.toml"
     config.write_text(
         '[policy]\nname = "round_robin"\n\n[observability]\nlog_level = "WARNING"\n\n'
@@ -178,7 +204,7 @@ def router_process(port: int, replica_port: int, mode: str, certs: pathlib.Path,
         tls += ["--tls.cert", str(certs / "router.pem"), "--tls.key", str(certs / "router-key.pem")]
         tls += ["--tls.ca", str(certs / "ca.pem")]
     args = [sys.executable, "-m", "primerl_router", "-c", str(config), "--server.host", "127.0.0.1"]
-    return ServiceProcess([*args, "--server.port", str(port), *tls], port=port, env=MALLOC_ENV)
+    return ServiceProcess(pinned(core, [*args, "--server.port", str(port), *tls]), port=port, env=MALLOC_ENV)
 
 
 async def router_latency(
@@ -317,13 +343,20 @@ async def bench(args: argparse.Namespace) -> None:
         make_certs(certs)
         async with contextlib.AsyncExitStack() as stack:
             routers, sinks, sink_processes = {}, {}, {}
+            cores = latency_cores()
             for mode in MODES:
                 replica_port, router_port, sink_port = free_port(), free_port(), free_port()
                 sealed_port = ["--sealed-port", str(free_port())] if mode == "mtls" else []
                 sink = child("sink", sink_port, mode, certs, "inference-0", *sealed_port)
                 for process, tls in (
-                    (child("replica", replica_port, mode, certs, "inference-0"), tls_for(mode, certs, "router")),
-                    (router_process(router_port, replica_port, mode, certs, tmp), tls_for(mode, certs, "orchestrator")),
+                    (
+                        child("replica", replica_port, mode, certs, "inference-0", core=cores["replica"]),
+                        tls_for(mode, certs, "router"),
+                    ),
+                    (
+                        router_process(router_port, replica_port, mode, certs, tmp, cores["router"]),
+                        tls_for(mode, certs, "orchestrator"),
+                    ),
                     (sink, tls_for(mode, certs, "trainer")),
                 ):
                     await started(stack, process, tls)
@@ -333,13 +366,25 @@ async def bench(args: argparse.Namespace) -> None:
                 f"router: {args.calls} sequential Generate calls per mode ({args.tokens} tokens in messages of "
                 f"{args.every_n}, prompt {args.prompt_len}), in {args.slices} alternating slices"
             )
+            print(f"cores: router {cores['router']}, replica {cores['replica']}, caller {cores['client']} (both modes)")
+            everywhere = os.sched_getaffinity(0)
+            os.sched_setaffinity(0, {cores["client"]})
             latencies = await router_latency(routers, certs, args) if args.calls else {}
+            os.sched_setaffinity(0, everywhere)
             print(f"{'mode':>10} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8}")
             for mode, values in latencies.items():
                 print(
                     f"{mode:>10} {percentile_ms(values, 0.5):>8.3f} {percentile_ms(values, 0.9):>8.3f} "
                     f"{percentile_ms(values, 0.99):>8.3f}"
                 )
+            if latencies:
+                per_slice = args.calls // args.slices
+                added = [
+                    percentile_ms(latencies["mtls"][i : i + per_slice], 0.5)
+                    - percentile_ms(latencies["plaintext"][i : i + per_slice], 0.5)
+                    for i in range(0, per_slice * args.slices, per_slice)
+                ]
+                print(f"added p50 of each slice (ms): {' '.join(f'{value:.3f}' for value in added)}")
             print(
                 f"push: {args.rounds} rounds per mode and K of {args.push_mib} MiB in {args.message_mib} MiB "
                 f"messages over K parallel connections, K in {args.streams}"
