@@ -8,6 +8,8 @@ predictions; and (--calibrate) the per-kernel rates the planner uses.
         # no runs: the planner's predictions and the table again for a saved run's measurements
     python3 bench/parallel_throughput.py --only 'moe 1 GPU' 'moe ep=2' --ep-variants unsharded packed+unsharded
         # the MoE runs, and variants of the ep=2 one timed in its processes (parallel_ep_variants.py)
+    python3 bench/parallel_throughput.py --gpus 4   # (or 8) the same comparison at ep=N and cp=N: N times
+        # the experts on N GPUs, N times the length at cp=N (issue 26's runs; RESULT's keys end in _N)
 
 Launch it once, with plain python3 from the repository root: it starts its own workers (a
 process per one-GPU run, torchrun over two ranks for the two-GPU runs) and collects their results.
@@ -37,7 +39,7 @@ its next all-to-all. Each run line says how many retries its timed steps had.
 
 Outputs: stdout, and under $OUT (when set) parallel_throughput.json (every run and prediction),
 parallel_throughput.txt (this stdout) or, with --calibrate, rates-<gpu>.toml.
-Last line: RESULT ep_scaling=<x> cp_memory_ratio=<y> cp_mfu_ratio=<z>
+Last line: RESULT ep_scaling=<x> cp_memory_ratio=<y> cp_mfu_ratio=<z> (--gpus N > 2: ep_scaling_N=... and so on)
 
 Needs torch, transformers and, besides, what the trainer package imports: pydantic,
 pydantic-settings, protobuf, googleapis-common-protos, grpcio, grpcio-status, numpy, safetensors
@@ -189,12 +191,12 @@ def checkpoint_name(kind: str, num_experts: int) -> str:
     return f"{kind}-{num_experts}"
 
 
-def write_checkpoints(root: pathlib.Path, smoke: bool, only: list[str] | None = None) -> None:
+def write_checkpoints(root: pathlib.Path, smoke: bool, only: list[str] | None = None, gpus: int = 2) -> None:
     """The bench's random checkpoints (Hugging Face format), as trainer_throughput.py writes them."""
     from trainer_throughput import write_checkpoint
 
     experts = SMOKE_EXPERTS if smoke else MOE_EXPERTS_PER_GPU
-    for kind, num_experts in (("moe", experts), ("moe", 2 * experts), ("dense", 0)):
+    for kind, num_experts in (("moe", experts), ("moe", gpus * experts), ("dense", 0)):
         if only and not any(name.startswith(kind) for name in only):
             continue
         start = time.perf_counter()
@@ -582,21 +584,27 @@ def relative_error(predicted: float, measured: float) -> float:
     return (predicted - measured) / measured
 
 
+def run_names(gpus: int) -> tuple[str, str]:
+    """The names of the expert-parallel and the context-parallel run over `gpus` GPUs."""
+    return f"moe ep={gpus}", f"dense {gpus}L cp={gpus}"
+
+
 def bench_main(args: argparse.Namespace) -> None:
-    smoke = args.smoke
+    smoke, gpus = args.smoke, args.gpus
+    ep_name, cp_name = run_names(gpus)
     experts = SMOKE_EXPERTS if smoke else MOE_EXPERTS_PER_GPU
     moe_seq = 128 if smoke else 4096
     rates = load_planner_rates(args, "" if smoke else _device_name())
     runs = [
         Run("moe 1 GPU", "moe", num_experts=experts, seq_len=moe_seq, micro_batches=8),
         Run(
-            "moe ep=2",
+            ep_name,
             "moe",
-            num_experts=2 * experts,
-            nproc=2,
-            ep=2,
+            num_experts=gpus * experts,
+            nproc=gpus,
+            ep=gpus,
             seq_len=moe_seq,
-            micro_batches=16,
+            micro_batches=8 * gpus,
             accumulate_unsharded=not args.ep_reshard,
             variants=tuple(args.ep_variants or ()),
         ),
@@ -629,22 +637,23 @@ def bench_main(args: argparse.Namespace) -> None:
         subprocess.run(
             [sys.executable, __file__, "--write-checkpoints", str(root)]
             + (["--smoke"] if smoke else [])
-            + (["--only", *args.only] if args.only else []),
+            + (["--only", *args.only] if args.only else [])
+            + ["--gpus", str(gpus)],
             check=True,
         )
         for index, run in enumerate(runs):
-            if args.only and run.name not in args.only and not (index == 2 and "dense 2L cp=2" in args.only):
+            if args.only and run.name not in args.only and not (index == 2 and cp_name in args.only):
                 continue
             print(f"{run.name}: {run.nproc} process(es)", flush=True)
             runs[index] = launch(run, root / checkpoint_name(run.kind, run.num_experts), args)
         dense = runs[2]
         if dense.ok:
             cp_run = Run(
-                "dense 2L cp=2",
+                cp_name,
                 "dense",
-                nproc=2,
-                cp=2,
-                seq_len=2 * dense.seq_len,
+                nproc=gpus,
+                cp=gpus,
+                seq_len=gpus * dense.seq_len,
                 micro_batches=1,
                 activation_checkpointing=True,
                 dtype=args.dense_dtype,
@@ -655,7 +664,7 @@ def bench_main(args: argparse.Namespace) -> None:
             runs.append(launch(cp_run, root / checkpoint_name("dense", 0), args))
     for run in runs:
         predict(run, rates, smoke)
-    report(runs, rates, smoke)
+    report(runs, rates, smoke, gpus)
 
 
 def predict_main(args: argparse.Namespace) -> None:
@@ -672,7 +681,7 @@ def predict_main(args: argparse.Namespace) -> None:
     print(f"runs: measured on {device or 'cpu'}, read from {args.predict_from}")
     for run in runs:
         predict(run, rates, args.smoke)
-    report(runs, rates, args.smoke)
+    report(runs, rates, args.smoke, max(run.nproc for run in runs))
 
 
 def _device_name() -> str:
@@ -682,7 +691,7 @@ def _device_name() -> str:
     return out.stdout.strip()
 
 
-def report(runs: list[Run], rates, smoke: bool) -> None:
+def report(runs: list[Run], rates, smoke: bool, gpus: int) -> None:
     print()
     print(
         f"{'run':<15} {'GPUs':>4} {'seq':>7} {'tokens/step':>11} {'step ms':>8} {'tok/s/GPU':>9} {'MFU':>6} "
@@ -710,9 +719,10 @@ def report(runs: list[Run], rates, smoke: bool) -> None:
             return float("nan")
         return getattr(by_name[name], field) / getattr(by_name[other], field)
 
-    ep_scaling = ratio("moe ep=2", "moe 1 GPU", "tokens_per_s_per_gpu")
-    if "moe ep=2" in by_name and "moe 1 GPU" in by_name:
-        ep_run = by_name["moe ep=2"]
+    ep_name, cp_name = run_names(gpus)
+    ep_scaling = ratio(ep_name, "moe 1 GPU", "tokens_per_s_per_gpu")
+    if ep_name in by_name and "moe 1 GPU" in by_name:
+        ep_run = by_name[ep_name]
         report_variants(
             ep_run.variant_results,
             tokens_per_step=ep_run.tokens_per_step,
@@ -721,8 +731,8 @@ def report(runs: list[Run], rates, smoke: bool) -> None:
         )
         if ep_run.predicted_step_s == ep_run.predicted_step_s:  # predicted (not NaN)
             print(ep_fit(ep_run, by_name["moe 1 GPU"], rates, smoke))
-    cp_memory = ratio("dense 2L cp=2", "dense L", "peak_bytes")
-    cp_mfu = ratio("dense 2L cp=2", "dense L", "mfu")
+    cp_memory = ratio(cp_name, "dense L", "peak_bytes")
+    cp_mfu = ratio(cp_name, "dense L", "mfu")
     if OUT is not None:
         (OUT / "parallel_throughput.json").write_text(
             json.dumps({"rates": rates.gpu, "runs": [dataclasses.asdict(run) for run in runs]}, indent=1)
@@ -734,7 +744,11 @@ def report(runs: list[Run], rates, smoke: bool) -> None:
         f"{worst_memory:+.1%} (goal: within 15%)"
     )
     print(f"planner_time_err={worst_time:.3f} planner_mem_err={worst_memory:.3f}")
-    print(f"RESULT ep_scaling={ep_scaling:.3f} cp_memory_ratio={cp_memory:.3f} cp_mfu_ratio={cp_mfu:.3f}")
+    suffix = "" if gpus == 2 else f"_{gpus}"  # 2 GPUs: issue 16's keys; 4 and 8: issue 26's
+    print(
+        f"RESULT ep_scaling{suffix}={ep_scaling:.3f} cp_memory_ratio{suffix}={cp_memory:.3f} "
+        f"cp_mfu_ratio{suffix}={cp_mfu:.3f}"
+    )
 
 
 def main() -> None:
@@ -752,6 +766,9 @@ def main() -> None:
     )
     parser.add_argument("--warmup", type=int, help="steps left out of the timing (default: MoE 2, dense 1)")
     parser.add_argument("--steps", type=int, help="timed steps, whose median counts (default: MoE 3, dense 2)")
+    parser.add_argument(
+        "--gpus", type=int, choices=(2, 4, 8), default=2, help="GPUs of the expert- and context-parallel runs"
+    )
     parser.add_argument("--only", nargs="+", help="run only these runs (by name; 'dense 2L cp=2' needs 'dense L')")
     parser.add_argument(
         "--dense-seq",
@@ -792,7 +809,7 @@ def main() -> None:
     if args.worker:
         worker_main(args)
     elif args.write_checkpoints:
-        write_checkpoints(pathlib.Path(args.write_checkpoints), args.smoke, args.only)
+        write_checkpoints(pathlib.Path(args.write_checkpoints), args.smoke, args.only, args.gpus)
     elif args.predict_from:
         predict_main(args)
     elif args.calibrate:
