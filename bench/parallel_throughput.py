@@ -527,8 +527,8 @@ def planner_inputs(run: Run, smoke: bool):
 def ep_fit(ep_run: Run, one_gpu: Run, rates, smoke: bool) -> str:
     """The planner's fitted expert-parallel terms as this run implies them (planner.rates StepFit,
     LinkRates.all_to_all_call_s): the per-call cost from the measured all-to-all time less its
-    bytes, then the per-layer term that makes the predicted ep=2 / 1 GPU step ratio the measured
-    one."""
+    bytes, then the per-layer and per-peer term that makes the predicted ep=N / 1 GPU step ratio
+    the measured one."""
     from primerl_trainer.planner import estimate_step_time
 
     shape, mesh, workload = planner_inputs(ep_run, smoke)
@@ -546,7 +546,10 @@ def ep_fit(ep_run: Run, one_gpu: Run, rates, smoke: bool) -> str:
     )
     target = one_gpu.predicted_step_s * ep_run.step_s / one_gpu.step_s
     layer_forwards = (
-        shape.num_moe_layers * workload.micro_batches_per_rank(mesh) * (2 if workload.activation_checkpointing else 1)
+        shape.num_moe_layers
+        * workload.micro_batches_per_rank(mesh)
+        * (2 if workload.activation_checkpointing else 1)
+        * (mesh.ep - 1)  # the term is per peer rank
     )
     layer_s = (target - estimate_step_time(shape, mesh, workload, with_calls).total) / layer_forwards
     return (

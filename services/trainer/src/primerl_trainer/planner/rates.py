@@ -38,10 +38,11 @@ class LinkRates:
 class StepFit:
     """Terms fitted to measured steps rather than measured per kernel (`source` says which run).
 
-    ep_layer_s: per MoE layer forward under expert parallel, what the dispatch costs beyond its
-    bytes and its calls' fixed cost: the GPU running dry after the host sync on the split
-    sizes while the host launches the layer's remaining work, and the dispatcher's index kernels
-    (sort, scatters, masks) and row kernels where they run below the copy rate.
+    ep_layer_s: per MoE layer forward under expert parallel and per peer rank (ep - 1 of them),
+    what the dispatch costs beyond its bytes and its calls' fixed cost: the GPU running dry after
+    the host sync on the split sizes while the host launches the layer's remaining work, and the
+    dispatcher's index kernels (sort, scatters, masks) and row kernels where they run below the
+    copy rate.
     fsdp_exposed_fraction: the part of the sharded FSDP units' all-gathers and reduce-scatters
     that compute does not hide (the first gather and the last reduction of a pass have nothing to
     overlap with, and NCCL's kernels slow the compute they run beside)."""

@@ -27,8 +27,10 @@ Per micro-batch on one GPU (t = seq_len / cp tokens):
   (`LinkRates.all_to_all_call_s`: per forward 3 calls, the counts, the rows with their routing and
   the partial sums, or 2 on the dense grid with padded copies, whose token counts go host to host
   (not with model.fp8: FP8 experts take no padded copies); 2 per backward);
-  and per forward the rest of the dispatch's cost (`StepFit.ep_layer_s`: host time the GPU waits
-  for, index kernels). The last two are fitted to a measured ep=2 step, not measured per kernel.
+  and per forward and per peer rank the rest of the dispatch's cost (`StepFit.ep_layer_s`: host
+  time the GPU waits for, index kernels; per peer: fitted at ep=2, it took 3x at ep=4 within the
+  runs' spread, bench/results/parallel_throughput-2026-11-30-x4.txt). The last two are fitted to
+  measured steps, not measured per kernel.
 - context parallel: each layer's K/V all-gather forward (and recomputed forward) and the
   reduce-scatter of their gradients backward, on the critical path.
 Then the optimizer: gradient clipping and torch's foreach AdamW, one pass over the local shard per
@@ -270,7 +272,7 @@ def estimate_step_time(shape: ModelShape, mesh: Mesh, workload: Workload, rates:
         ep = shape.num_moe_layers * (
             all_to_alls * _collective_s(send_bytes, mesh.ep, link.all_to_all_gbps)
             + calls * link.all_to_all_call_s
-            + forward_passes * rates.fit.ep_layer_s
+            + forward_passes * (mesh.ep - 1) * rates.fit.ep_layer_s
         )
 
     cp = 0.0
