@@ -59,6 +59,7 @@ import importlib.metadata
 import importlib.util
 import io
 import json
+import math
 import os
 import pathlib
 import re
@@ -527,7 +528,7 @@ def planner_inputs(run: Run, smoke: bool):
 def ep_fit(ep_run: Run, one_gpu: Run, rates, smoke: bool) -> str:
     """The planner's fitted expert-parallel terms as this run implies them (planner.rates StepFit,
     LinkRates.all_to_all_call_s): the per-call cost from the measured all-to-all time less its
-    bytes, then the per-layer and per-peer term that makes the predicted ep=N / 1 GPU step ratio
+    bytes, then the per-layer term (per doubling of the ranks) that makes the predicted ep=N / 1 GPU step ratio
     the measured one."""
     from primerl_trainer.planner import estimate_step_time
 
@@ -549,7 +550,7 @@ def ep_fit(ep_run: Run, one_gpu: Run, rates, smoke: bool) -> str:
         shape.num_moe_layers
         * workload.micro_batches_per_rank(mesh)
         * (2 if workload.activation_checkpointing else 1)
-        * (mesh.ep - 1)  # the term is per peer rank
+        * math.log2(mesh.ep)  # the term is per doubling of the ranks
     )
     layer_s = (target - estimate_step_time(shape, mesh, workload, with_calls).total) / layer_forwards
     return (

@@ -38,8 +38,9 @@ class LinkRates:
 class StepFit:
     """Terms fitted to measured steps rather than measured per kernel (`source` says which run).
 
-    ep_layer_s: per MoE layer forward under expert parallel and per peer rank (ep - 1 of them),
-    what the dispatch costs beyond its bytes and its calls' fixed cost: the GPU running dry after
+    ep_layer_s: per MoE layer forward under expert parallel and per doubling of the ranks
+    (log2(ep) times: the value at ep=2), what the dispatch costs beyond its bytes and its calls'
+    fixed cost: the GPU running dry after
     the host sync on the split sizes while the host launches the layer's remaining work, and the
     dispatcher's index kernels (sort, scatters, masks) and row kernels where they run below the
     copy rate.

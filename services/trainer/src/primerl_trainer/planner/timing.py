@@ -27,10 +27,11 @@ Per micro-batch on one GPU (t = seq_len / cp tokens):
   (`LinkRates.all_to_all_call_s`: per forward 3 calls, the counts, the rows with their routing and
   the partial sums, or 2 on the dense grid with padded copies, whose token counts go host to host
   (not with model.fp8: FP8 experts take no padded copies); 2 per backward);
-  and per forward and per peer rank the rest of the dispatch's cost (`StepFit.ep_layer_s`: host
-  time the GPU waits for, index kernels; per peer: fitted at ep=2, it took 3x at ep=4 within the
-  runs' spread, bench/results/parallel_throughput-2026-11-30-x4.txt). The last two are fitted to
-  measured steps, not measured per kernel.
+  and per forward the rest of the dispatch's cost (`StepFit.ep_layer_s`: host time the GPU waits
+  for, index kernels), once per doubling of the ranks (log2(ep) times: fitted at ep=2, two ep=4
+  runs put it at 3.2x and 1.6x of that, bench/results/parallel_throughput-2026-11-30-x4.txt; the
+  milder reading until 8 GPUs measure more). The last two are fitted to measured steps, not
+  measured per kernel.
 - context parallel: each layer's K/V all-gather forward (and recomputed forward) and the
   reduce-scatter of their gradients backward, on the critical path.
 Then the optimizer: gradient clipping and torch's foreach AdamW, one pass over the local shard per
@@ -41,6 +42,7 @@ blocks' own elementwise work (norms, rope, activations: compiled, and small next
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 
 from primerl_trainer.planner.memory import block_params, param_split
@@ -272,7 +274,7 @@ def estimate_step_time(shape: ModelShape, mesh: Mesh, workload: Workload, rates:
         ep = shape.num_moe_layers * (
             all_to_alls * _collective_s(send_bytes, mesh.ep, link.all_to_all_gbps)
             + calls * link.all_to_all_call_s
-            + forward_passes * (mesh.ep - 1) * rates.fit.ep_layer_s
+            + forward_passes * math.log2(mesh.ep) * rates.fit.ep_layer_s
         )
 
     cp = 0.0
