@@ -8,6 +8,7 @@ import asyncio
 import functools
 import pathlib
 
+import grpc
 import pytest
 
 from primerl.orchestrator.v1 import orchestrator_pb2, orchestrator_pb2_grpc
@@ -181,6 +182,31 @@ async def test_a_missing_run_id_is_a_trainer_error_and_a_run_not_created_yet_is_
         finally:
             await without.close()
             await unknown.close()
+
+
+async def test_a_call_cancelled_by_a_stopping_trainer_is_asked_again_not_a_failed_run():
+    """A trainer going down mid-call can end the call CANCELLED (its stream reset as it stops; CI
+    saw it fail a run's GetBatchSpec on a trainer restart): the feed asks again, as for a trainer
+    away, and goes on with the answer."""
+
+    class Stopping(OneRunTrainer):
+        def __init__(self) -> None:
+            self.calls = 0
+
+        async def GetBatchSpec(self, request, context):
+            self.calls += 1
+            if self.calls == 1:
+                await context.abort(grpc.StatusCode.CANCELLED, "CANCELLED")
+            return await super().GetBatchSpec(request, context)
+
+    trainer = Stopping()
+    async with serve(trainer) as address:
+        feed = TrainerFeed(address)
+        try:
+            assert (await asyncio.wait_for(feed.batch_spec(), 30)).next_step == 1
+        finally:
+            await feed.close()
+    assert trainer.calls == 2
 
 
 async def test_a_feed_whose_adapter_is_not_the_runs_names_the_run():

@@ -30,7 +30,16 @@ __all__ = ["BatchSpec", "StepMismatch", "TrainerError", "TrainerFeed"]
 
 logger = logging.getLogger(__name__)
 
-_RETRIED = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+# Retried: a trainer busy (RESOURCE_EXHAUSTED), away (UNAVAILABLE), slow (DEADLINE_EXCEEDED), or
+# stopping: a trainer restarted (SIGTERM) cancels the calls still open when its grace ends, and
+# the caller sees CANCELLED (its own cancellation raises asyncio.CancelledError instead). A batch
+# pushed again after it got through is told so (STEP_ALREADY_QUEUED / _TRAINED).
+_RETRIED = (
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.CANCELLED,
+)
 _MAX_BACKOFF_S = 5.0
 
 
