@@ -1,5 +1,5 @@
-"""Expert and context parallel on two GPUs against one, side by side with the capacity planner's
-predictions; and (--calibrate) the per-kernel rates the planner uses.
+"""Expert and context parallel on two GPUs (--gpus: 4 or 8) against one, side by side with the
+capacity planner's predictions; and (--calibrate) the per-kernel rates the planner uses.
 
     python3 bench/parallel_throughput.py              # the comparison (~6 min on 2 H100 or, L = 196608, 2 H200)
     python3 bench/parallel_throughput.py --calibrate  # a rates file for this GPU (~1-3 min; parallel_calibrate.py)
@@ -773,7 +773,7 @@ def main() -> None:
     parser.add_argument(
         "--gpus", type=int, choices=(2, 4, 8), default=2, help="GPUs of the expert- and context-parallel runs"
     )
-    parser.add_argument("--only", nargs="+", help="run only these runs (by name; 'dense 2L cp=2' needs 'dense L')")
+    parser.add_argument("--only", nargs="+", help="run only these runs (by name; 'dense NL cp=N' needs 'dense L')")
     parser.add_argument(
         "--dense-seq",
         type=int,

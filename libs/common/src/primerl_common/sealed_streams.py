@@ -217,15 +217,13 @@ class _SessionOpener:
     """What both callers share: asking for sessions, and remembering a service that takes no
     sealed streams (asked again RECHECK_S later: it may restart with a sealed port)."""
 
-    def __init__(self, control: Any, host: str, options: Sequence[tuple[str, Any]]) -> None:
-        # `control` None: calls only (their sessions opened by another opener).
-        self._open = control and control.unary_unary(
+    def __init__(self, control: Any, host: str) -> None:
+        self._open = control.unary_unary(
             OPEN_METHOD,
             request_serializer=sealed_pb2.OpenSealedStreamsRequest.SerializeToString,
             response_deserializer=sealed_pb2.OpenSealedStreamsResponse.FromString,
         )
         self._host = host
-        self._options = list(options)
         self.unavailable: str | None = None  # why the service takes no sealed streams
         self._asked_at = 0.0
 
@@ -248,12 +246,6 @@ class _SessionOpener:
         self.unavailable = None
         return response.port, [StreamKey(s.session_id, s.key, method) for s in response.sessions]
 
-    def _target(self, port: int, index: int) -> tuple[str, list[tuple[str, Any]]]:
-        """Address and options of stream `index`'s channel: a TCP connection of its own. Plaintext
-        on purpose: every frame is sealed with a key handed out over mTLS."""
-        options = [*self._options, ("grpc.use_local_subchannel_pool", 1), ("primerl.sealed_stream", index)]
-        return f"{self._host}:{port}", options
-
 
 class SealedCaller(_SessionOpener):
     """Makes client-streaming calls to one service as sealed streams, from asyncio: sessions
@@ -261,7 +253,7 @@ class SealedCaller(_SessionOpener):
     `host`, one per stream index (a TCP connection each). Where the service serves no sealed
     port, `open` answers None and the caller makes the call over mTLS itself.
 
-    The calls themselves go through gRPC's threaded API (`SealedCallerSync`'s): gRPC copies
+    The calls themselves go through gRPC's threaded API (`_ThreadedCalls`): gRPC copies
     each frame it is given on the thread that writes it, and in grpc.aio that is the event
     loop's, which every stream of a push shares. A 4 MiB frame sealed by a pool thread is
     read there from another core's cache: the loop bounded a push at ~2.6 GiB/s on the
@@ -269,8 +261,8 @@ class SealedCaller(_SessionOpener):
     the copies run side by side; the requests are still read on the event loop."""
 
     def __init__(self, control: grpc.aio.Channel, host: str, *, options: Sequence[tuple[str, Any]] = ()) -> None:
-        super().__init__(control, host, options)
-        self._calls = SealedCallerSync(None, host, options=options)
+        super().__init__(control, host)
+        self._calls = _ThreadedCalls(host, options)
 
     async def open(self, method: str, streams: int, *, timeout_s: float) -> tuple[int, list[StreamKey]] | None:
         """(the sealed port, one key per stream), or None when the service serves no sealed port."""
@@ -385,24 +377,20 @@ def _as_aio_error(exc: grpc.RpcError) -> grpc.aio.AioRpcError:
     )
 
 
-class SealedCallerSync(_SessionOpener):
-    """SealedCaller for gRPC's threaded API (the trainer's publisher): `control` is an mTLS
-    grpc.Channel; `call` answers a future of the call's (opened) answer."""
+class _ThreadedCalls:
+    """Sealed calls through gRPC's threaded API, on plaintext channels to the sealed port of
+    `host`, one per stream index (a TCP connection each)."""
 
-    def __init__(self, control: grpc.Channel | None, host: str, *, options: Sequence[tuple[str, Any]] = ()) -> None:
-        super().__init__(control, host, options)
+    def __init__(self, host: str, options: Sequence[tuple[str, Any]]) -> None:
+        self._host = host
+        self._options = list(options)
         self._channels: dict[tuple[int, int], grpc.Channel] = {}
 
-    def open(self, method: str, streams: int, *, timeout_s: float) -> tuple[int, list[StreamKey]] | None:
-        """As SealedCaller.open."""
-        if self._skip():
-            return None
-        request = sealed_pb2.OpenSealedStreamsRequest(method=method, streams=streams)
-        try:
-            return self._opened(self._open(request, timeout=timeout_s), method)
-        except grpc.RpcError as exc:
-            self._refused(exc)
-            return None
+    def _target(self, port: int, index: int) -> tuple[str, list[tuple[str, Any]]]:
+        """Address and options of stream `index`'s channel: a TCP connection of its own. Plaintext
+        on purpose: every frame is sealed with a key handed out over mTLS."""
+        options = [*self._options, ("grpc.use_local_subchannel_pool", 1), ("primerl.sealed_stream", index)]
+        return f"{self._host}:{port}", options
 
     def call(
         self,
@@ -433,6 +421,26 @@ class SealedCallerSync(_SessionOpener):
         for channel in self._channels.values():
             channel.close()
         self._channels.clear()
+
+
+class SealedCallerSync(_SessionOpener, _ThreadedCalls):
+    """SealedCaller for gRPC's threaded API (the trainer's publisher): `control` is an mTLS
+    grpc.Channel; `call` answers a future of the call's (opened) answer."""
+
+    def __init__(self, control: grpc.Channel, host: str, *, options: Sequence[tuple[str, Any]] = ()) -> None:
+        _SessionOpener.__init__(self, control, host)
+        _ThreadedCalls.__init__(self, host, options)
+
+    def open(self, method: str, streams: int, *, timeout_s: float) -> tuple[int, list[StreamKey]] | None:
+        """As SealedCaller.open."""
+        if self._skip():
+            return None
+        request = sealed_pb2.OpenSealedStreamsRequest(method=method, streams=streams)
+        try:
+            return self._opened(self._open(request, timeout=timeout_s), method)
+        except grpc.RpcError as exc:
+            self._refused(exc)
+            return None
 
 
 class SealedFuture:
