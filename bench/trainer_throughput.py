@@ -11,6 +11,8 @@ Two ways to pick the models:
   --fp8-weight-grad: model.fp8_weight_grad), no
   transformers rows; moe_wide is the MoE at hidden 4096 with
   experts of 1536 (4 layers: ~11B parameters, ~90 GB of bf16 weights, gradients and AdamW moments).
+  On a GPU it then prints each model's FP8 ceiling (bench/fp8_ceiling.py: the bf16 step's time in the
+  products FP8 runs, and the speedup were those twice as fast and quantizing free).
   Last lines: fp8_speedup_dense=<FP8 tokens/s over bf16>, then RESULT fp8_speedup_moe_wide=<x>
   fp8_speedup_moe=<y>, per step of N micro-batches.
 - --family glm4_moe,gpt_oss (or qwen3_5_moe,nemotron_h, the hybrids): a family of FAMILIES
@@ -715,7 +717,15 @@ def main() -> None:
     print()
     names = [case.name for case in cases]
     if args.fp8:
-        result = fp8_speedups(runs, names, args.micro_batches, args.own_loss_paths.split(",")[0])
+        loss_path = args.own_loss_paths.split(",")[0]
+        result = fp8_speedups(runs, names, args.micro_batches, loss_path)
+        if args.device == "cuda":
+            # What FP8 could gain at most on these bf16 steps (fp8_ceiling.py), next to what it did.
+            from fp8_ceiling import report_all
+
+            bf16 = {c.name: find_run(runs, c.name, "custom", loss_path) for c in cases}
+            bf16_steps = {c.name: (c.config, bf16[c.name].step_ms) for c in cases if bf16[c.name]}
+            report_all(bf16_steps, args.micro_batches, cases[0].seq_len)
         print(f"wall: {time.perf_counter() - wall:.0f} s")
         print(f"fp8_speedup_dense={result.get('dense', float('nan')):.3f}")
         print(f"RESULT fp8_speedup_moe_wide={result.get('moe_wide', float('nan')):.3f} "
