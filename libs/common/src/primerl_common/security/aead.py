@@ -1,7 +1,10 @@
 """AES-256-GCM that runs on several cores at once: OpenSSL's libcrypto (the one Python's `ssl`
-module uses) called through ctypes, which lets go of the GIL for each call, so K threads seal or
-open K messages in parallel. (The `cryptography` package holds the GIL: two threads of it run
-slower than one.) Sealed streams (`primerl_common.security.sealed`) put weight pushes on it.
+module uses) called through ctypes, letting go of the GIL for the cipher's pass over the bytes,
+so K threads seal or open K messages in parallel. (The `cryptography` package holds the GIL: two
+threads of it run slower than one.) The short calls around that pass (context, key, nonce,
+associated data, tag) keep the GIL: each release is a hand-over that the event loop of a
+process receiving a push waits on. Sealed streams (`primerl_common.security.sealed`) put weight
+pushes on it.
 
 A sealed message is the ciphertext followed by the 16-byte tag. `open_sealed` raises
 `SealBroken` when the tag does not match the key, nonce, associated data and bytes.
@@ -40,12 +43,14 @@ def _loaded_libcrypto() -> str | None:
 
 
 @functools.cache
-def _libcrypto() -> ctypes.CDLL:
+def _libcrypto(keep_gil: bool = True) -> ctypes.CDLL:
+    """libcrypto's AES-GCM functions: called holding the GIL (`keep_gil`, for the short calls),
+    or letting go of it for the call (for the pass over a message's bytes)."""
     # The libcrypto Python's ssl module uses (loaded with `ssl`), else the system's by name.
     name = _loaded_libcrypto() or ctypes.util.find_library("crypto")
     if name is None:
         raise OSError(f"libcrypto not found (Python's ssl module uses {ssl.OPENSSL_VERSION})")
-    lib = ctypes.CDLL(name)
+    lib = ctypes.PyDLL(name) if keep_gil else ctypes.CDLL(name)
     vp, ip, cp = ctypes.c_void_p, ctypes.c_int, ctypes.c_char_p
     signatures = {
         "EVP_CIPHER_CTX_new": ([], vp),
@@ -95,10 +100,10 @@ def _run(
         if not encrypt:
             ok = ok and lib.EVP_CIPHER_CTX_ctrl(ctx, _CTRL_GCM_SET_TAG, TAG_BYTES, tag_buffer)
         # EVP_CipherUpdate takes an int length: 1 GiB a call keeps it in range.
-        step = 1 << 30
+        step, update = 1 << 30, _libcrypto(keep_gil=False).EVP_CipherUpdate
         for start in range(0, size, step):
             count = min(step, size - start)
-            ok = ok and lib.EVP_CipherUpdate(ctx, target + start, ctypes.byref(length), source + start, count)
+            ok = ok and update(ctx, target + start, ctypes.byref(length), source + start, count)
         if not ok:
             raise RuntimeError("libcrypto refused an AES-256-GCM step")
         final = (ctypes.c_char * 16)()
