@@ -11,6 +11,10 @@ concurrency 1, and the throughput of a weight push stream.
   replicas to another and the caller to a third (2 cores: the replicas and the caller share
   one), the same cores for both modes: unpinned, where the kernel placed each process moved
   the added p50 by up to 0.2 ms from run to run. The added p50 of each slice is printed too.
+  Then one hop alone, for what gRPC's TLS itself costs: the caller calls the mTLS replica
+  process straight, on its mTLS port and on a plaintext port it also serves, the two modes
+  call by call in turn (one process pair for both: neither mode's processes can be in a
+  slower spell than the other's).
 - Push: a sink service process (primerl's GrpcService serving inference.v1 UpdateWeights, which
   drains and drops the chunks) takes UpdateWeights streams of 4 MiB chunks, as the broadcaster
   pushes them, with primerl's channel and server options; GiB/s of each mode in rounds that
@@ -52,6 +56,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from primerl.common.v1 import tensor_pb2
 from primerl.inference.v1 import inference_pb2, inference_pb2_grpc
+from primerl.router.v1 import router_pb2
 from primerl_common import security
 from primerl_common.client import wait_for_serving
 from primerl_common.config import ServiceConfig, TlsConfig, service_settings
@@ -67,7 +72,8 @@ from router_overhead import INFERENCE_SERVICE, ROUTER_GENERATE, InstantReplica, 
 
 HERE = pathlib.Path(__file__).resolve()
 SINK_PUSH = "/bench.Sink/Push"
-UPDATE_WEIGHTS = "/primerl.inference.v1.InferenceService/UpdateWeights"
+UPDATE_WEIGHTS = f"/{INFERENCE_SERVICE}/UpdateWeights"
+REPLICA_GENERATE = f"/{INFERENCE_SERVICE}/Generate"
 PUSH_MODES = ("plaintext", "mtls", "sealed")
 MiB = 1 << 20
 MODES = ("plaintext", "mtls")
@@ -93,7 +99,8 @@ def add_port(server: grpc.aio.Server, port: int, tls: TlsConfig) -> None:
         server.add_insecure_port(address)
 
 
-async def serve_replica(port: int, tls: TlsConfig) -> None:
+async def serve_replica(port: int, tls: TlsConfig, plaintext_port: int | None = None) -> None:
+    """The instant replica on `port` (with `tls`), and on `plaintext_port` in plaintext too."""
     server = grpc.aio.server(options=server_options(64 * MiB))
     replica = InstantReplica("instant-0")
     server.add_registered_method_handlers(
@@ -102,6 +109,8 @@ async def serve_replica(port: int, tls: TlsConfig) -> None:
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     add_port(server, port, tls)
+    if plaintext_port is not None:
+        add_port(server, plaintext_port, TlsConfig(mode="plaintext"))
     await server.start()
     for name in ("", INFERENCE_SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -207,32 +216,69 @@ def router_process(
     return ServiceProcess(pinned(core, [*args, "--server.port", str(port), *tls]), port=port, env=MALLOC_ENV)
 
 
+@contextlib.asynccontextmanager
+async def generate_calls(ports: dict[str, int], certs: pathlib.Path, method: str, holder: str):
+    """Per mode, a function that makes one Generate call (`method`) on that mode's port as
+    `holder` and answers its seconds."""
+    channels = {
+        mode: security.secure_aio_channel(
+            f"127.0.0.1:{port}", options=channel_options(64 * MiB), tls=tls_for(mode, certs, holder)
+        )
+        for mode, port in ports.items()
+    }
+
+    def timed(channel: grpc.aio.Channel):
+        generate = channel.unary_stream(method, _registered_method=True)
+
+        async def call(request: bytes) -> float:
+            began = time.perf_counter()
+            async for _ in generate(request):
+                pass
+            return time.perf_counter() - began
+
+        return call
+
+    try:
+        yield {mode: timed(channel) for mode, channel in channels.items()}
+    finally:
+        for channel in channels.values():
+            await channel.close()
+
+
 async def router_latency(
     ports: dict[str, int], certs: pathlib.Path, args: argparse.Namespace
 ) -> dict[str, list[float]]:
     """Seconds of each sequential Generate call through each mode's router."""
-    channels = {
-        mode: security.secure_aio_channel(
-            f"127.0.0.1:{port}", options=channel_options(64 * MiB), tls=tls_for(mode, certs, "orchestrator")
-        )
-        for mode, port in ports.items()
-    }
-    generate = {
-        mode: channel.unary_stream(ROUTER_GENERATE, _registered_method=True) for mode, channel in channels.items()
-    }
     requests = request_bytes(max_tokens=args.tokens, every_n=args.every_n, prompt_len=args.prompt_len)
     latencies: dict[str, list[float]] = {mode: [] for mode in ports}
-    for slice_index in range(args.slices):
-        for mode in ports:
-            for index in range(args.warmup_calls + args.calls // args.slices):
-                began = time.perf_counter()
-                async for _ in generate[mode](requests[index % len(requests)]):
-                    pass
+    async with generate_calls(ports, certs, ROUTER_GENERATE, "orchestrator") as call:
+        for slice_index in range(args.slices):
+            for mode in ports:
+                for index in range(args.warmup_calls + args.calls // args.slices):
+                    seconds = await call[mode](requests[index % len(requests)])
+                    if index >= args.warmup_calls:
+                        latencies[mode].append(seconds)
+            print(f"  router slice {slice_index + 1}/{args.slices} done", flush=True)
+    return latencies
+
+
+async def hop_latency(ports: dict[str, int], certs: pathlib.Path, args: argparse.Namespace) -> dict[str, list[float]]:
+    """Seconds of each Generate call straight to one replica process (`ports`: its plaintext and
+    its mTLS port), the modes taken call by call in turn: what gRPC's TLS adds to one hop, with
+    no process of either mode in a slower spell than the other's."""
+    routed = request_bytes(max_tokens=args.tokens, every_n=args.every_n, prompt_len=args.prompt_len)
+    requests = [
+        inference_pb2.GenerateRequest(input=router_pb2.GenerateRequest.FromString(r).input).SerializeToString()
+        for r in routed
+    ]
+    latencies: dict[str, list[float]] = {mode: [] for mode in ports}
+    async with generate_calls(ports, certs, REPLICA_GENERATE, "router") as call:
+        for index in range(args.warmup_calls + args.calls):
+            order = list(ports) if index % 2 else list(reversed(ports))
+            for mode in order:
+                seconds = await call[mode](requests[index % len(requests)])
                 if index >= args.warmup_calls:
-                    latencies[mode].append(time.perf_counter() - began)
-        print(f"  router slice {slice_index + 1}/{args.slices} done", flush=True)
-    for channel in channels.values():
-        await channel.close()
+                    latencies[mode].append(seconds)
     return latencies
 
 
@@ -344,13 +390,17 @@ async def bench(args: argparse.Namespace) -> None:
         async with contextlib.AsyncExitStack() as stack:
             routers, sinks, sink_processes = {}, {}, {}
             cores = latency_cores()
+            # The mTLS replica also serves a plaintext port: the one-hop measurement's.
+            hop_ports = {"plaintext": free_port()}
             for mode in MODES:
                 replica_port, router_port, sink_port = free_port(), free_port(), free_port()
                 sealed_port = ["--sealed-port", str(free_port())] if mode == "mtls" else []
                 sink = child("sink", sink_port, mode, certs, "inference-0", *sealed_port)
+                also = ["--plaintext-port", str(hop_ports["plaintext"])] if mode == "mtls" else []
+                hop_ports.setdefault(mode, replica_port)
                 for process, tls in (
                     (
-                        child("replica", replica_port, mode, certs, "inference-0", core=cores["replica"]),
+                        child("replica", replica_port, mode, certs, "inference-0", *also, core=cores["replica"]),
                         tls_for(mode, certs, "router"),
                     ),
                     (
@@ -370,12 +420,21 @@ async def bench(args: argparse.Namespace) -> None:
             everywhere = os.sched_getaffinity(0)
             os.sched_setaffinity(0, {cores["client"]})
             latencies = await router_latency(routers, certs, args) if args.calls else {}
+            hops = await hop_latency(hop_ports, certs, args) if args.calls else {}
             os.sched_setaffinity(0, everywhere)
             print(f"{'mode':>10} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8}")
             for mode, values in latencies.items():
                 print(
                     f"{mode:>10} {percentile_ms(values, 0.5):>8.3f} {percentile_ms(values, 0.9):>8.3f} "
                     f"{percentile_ms(values, 0.99):>8.3f}"
+                )
+            if hops:
+                hop_added = percentile_ms(hops["mtls"], 0.5) - percentile_ms(hops["plaintext"], 0.5)
+                print(
+                    f"one hop, straight to the mTLS replica process on its plaintext and its mTLS port, call by call "
+                    f"in turn ({args.calls} each): p50 {percentile_ms(hops['plaintext'], 0.5):.3f} / "
+                    f"{percentile_ms(hops['mtls'], 0.5):.3f} ms: gRPC's TLS adds {hop_added:.3f} ms a hop "
+                    f"({2 * hop_added:.3f} for the router path's two)"
                 )
             if latencies:
                 per_slice = args.calls // args.slices
@@ -425,6 +484,7 @@ def main() -> None:
     parser.add_argument("--certs", type=pathlib.Path, help=argparse.SUPPRESS)
     parser.add_argument("--holder", help=argparse.SUPPRESS)
     parser.add_argument("--sealed-port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--plaintext-port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--calls", type=int, default=3000, help="measured Generate calls per mode")
     parser.add_argument("--slices", type=int, default=6, help="the calls split in slices that alternate the modes")
     parser.add_argument("--warmup-calls", type=int, default=50, help="unmeasured calls before each slice")
@@ -447,7 +507,7 @@ def main() -> None:
     if args.serve_replica or args.serve_sink:
         tls = tls_for(args.mode, args.certs, args.holder)
         if args.serve_replica:
-            serve = serve_replica(args.serve_replica, tls)
+            serve = serve_replica(args.serve_replica, tls, args.plaintext_port)
         else:
             serve = serve_update_sink(args.serve_sink, tls, args.sealed_port)
         asyncio.run(serve)
