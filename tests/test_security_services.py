@@ -1,178 +1,50 @@
-"""Every service served with mutual TLS in this process, attacked on the loopback network: for
-each RPC that changes state (or hands out data), a peer without a certificate, one with a
-certificate of another CA, one whose certificate names no identity, each valid certificate of a
-role the RPC does not admit, a captured token replayed over another peer's connection and an
-unknown token are each refused with the status that fits, and the service's state is as before.
-Then the caller the RPC is for gets through. The roles expected here are written out per RPC (the
-security contract), not read from the services' tables."""
+"""The weight broadcaster, the router and the kvstore served with mutual TLS in this process,
+attacked on the loopback network (tests/security_attacks.py): for each RPC that changes state (or
+hands out data), a peer without a certificate, one with a certificate of another CA, one whose
+certificate names no identity, each valid certificate of a role the RPC does not admit, a
+captured token replayed over another peer's connection and an unknown token are each refused
+with the status that fits, and the service's state is as before. Then the caller the RPC is for
+gets through. The roles expected here are written out per RPC (the security contract), not read
+from the services' tables; tests/test_security_model_services.py does the same for the trainer,
+the orchestrator and the inference service."""
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import functools
-import importlib.util
 import pathlib
-from collections.abc import AsyncIterator, Awaitable, Callable
 
-import grpc
 import pytest
 import torch
 
-from primerl.common.v1 import generation_pb2, tensor_pb2
-from primerl.inference.v1 import inference_pb2, inference_pb2_grpc
+from primerl.common.v1 import generation_pb2
 from primerl.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
-from primerl.orchestrator.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 from primerl.router.v1 import router_pb2, router_pb2_grpc
-from primerl.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2 as wb_pb2
 from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2_grpc as wb_pb2_grpc
-from primerl_common.client import make_channel
 from primerl_common.config import TlsConfig
-from primerl_common.errors import error_details
 from primerl_common.kvpool.client import KvStoreClient
 from primerl_common.kvpool.keys import BlockKey
 from primerl_common.processes import free_port
 from primerl_common.security import _credentials
-from primerl_common.security.certificates import Holder, make_authority, make_certificate, make_token, tls_of
+from primerl_common.security.certificates import tls_of
 from primerl_common.tensors import iter_tensor_chunks
-from primerl_common.testing import bare_server, eventually, in_process_service
-from primerl_launcher.tiny_model import make_tiny_model, save_tokenizer
-
-REPO = pathlib.Path(__file__).resolve().parents[1]
-# The holder of each role's certificate.
-HOLDERS = {
-    "trainer": "trainer",
-    "orchestrator": "orchestrator",
-    "inference": "inference-0",
-    "router": "router",
-    "weight_broadcaster": "weight_broadcaster",
-    "kvstore": "kvstore",
-    "operator": "operator",
-    "environment": "env-a",
-    "tenant": "tenant-1",
-}
-UNAVAILABLE, UNAUTHENTICATED, DENIED = (
-    grpc.StatusCode.UNAVAILABLE,
-    grpc.StatusCode.UNAUTHENTICATED,
-    grpc.StatusCode.PERMISSION_DENIED,
+from tests.security_attacks import (
+    DENIED,
+    HOLDERS,
+    UNAUTHENTICATED,
+    attack,
+    client_stream,
+    make_certs,
+    served,
+    server_stream,
+    service_tls,
+    unary,
 )
 
 
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
-    directory = tmp_path_factory.mktemp("certs")
-    authority = make_authority(directory)
-    other = make_authority(directory / "other", name="another CA")
-    for role, name in HOLDERS.items():
-        make_certificate(authority, directory, Holder(name, (role,)))
-        make_certificate(other, directory / "other", Holder(name, (role,)))  # an impostor of each
-        make_token(directory, f"stolen-{role}:{role}@{name}")
-    make_certificate(authority, directory, Holder("anonymous", ()))
-    return directory
-
-
-def service_tls(certs: pathlib.Path, role: str) -> TlsConfig:
-    return tls_of(certs, HOLDERS[role], tokens_file=certs / "tokens.toml")
-
-
-@dataclasses.dataclass
-class Target:
-    address: str
-    certs: pathlib.Path
-    channels: dict[str, grpc.aio.Channel] = dataclasses.field(default_factory=dict)
-
-    def channel(self, who: str) -> grpc.aio.Channel:
-        """A channel as `who`: a holder name, "other:<name>" (another CA), or "no certificate"."""
-        if who not in self.channels:
-            if who == "no certificate":
-                ca = (self.certs / "ca.pem").read_bytes()
-                credentials = grpc.ssl_channel_credentials(root_certificates=ca)
-                self.channels[who] = grpc.aio.secure_channel(self.address, credentials)
-            elif who.startswith("other:"):
-                impostor = tls_of(self.certs / "other", who.removeprefix("other:"))
-                self.channels[who] = make_channel(
-                    self.address, tls=impostor.model_copy(update={"ca": self.certs / "ca.pem"}), max_attempts=1
-                )
-            else:
-                self.channels[who] = make_channel(self.address, tls=tls_of(self.certs, who), max_attempts=1)
-        return self.channels[who]
-
-    async def close(self) -> None:
-        for channel in self.channels.values():
-            await channel.close()
-
-
-def token(certs: pathlib.Path, role: str) -> str:
-    return (certs / "tokens" / f"stolen-{role}.token").read_text().strip()
-
-
-Invoke = Callable[[grpc.aio.Channel, list[tuple[str, str]]], Awaitable[object]]
-
-
-async def attack(target: Target, rpc: str, allowed: set[str], invoke: Invoke) -> None:
-    """Every intruder's call of `rpc` (which admits the roles `allowed`) is refused as it should be."""
-    legit = HOLDERS[sorted(allowed)[0]]
-    intruders: list[tuple[str, str, list[tuple[str, str]], grpc.StatusCode]] = [
-        ("no certificate", "no certificate", [], UNAVAILABLE),
-        (f"{legit}'s name from another CA", f"other:{legit}", [], UNAVAILABLE),
-        ("a certificate without identity", "anonymous", [], UNAUTHENTICATED),
-        *[(f"{name} (wrong role)", name, [], DENIED) for role, name in HOLDERS.items() if role not in allowed],
-        *[
-            (
-                f"{role}'s token replayed by {replayer}",
-                replayer,
-                [("authorization", f"Bearer {token(target.certs, role)}")],
-                UNAUTHENTICATED,
-            )
-            for role in allowed
-            for replayer in [HOLDERS["tenant"] if role != "tenant" else HOLDERS["environment"]]
-        ],
-        (f"{legit} with an unknown token", legit, [("authorization", "Bearer forged")], UNAUTHENTICATED),
-    ]
-    for label, who, metadata, expected in intruders:
-        with pytest.raises(grpc.aio.AioRpcError) as refused:
-            await invoke(target.channel(who), metadata)
-        assert refused.value.code() == expected, f"{rpc} by {label}: {refused.value.code()} {refused.value.details()}"
-        if expected == DENIED:
-            details = refused.value.details()
-            assert rpc in details and all(role in details for role in allowed), details
-            assert error_details(refused.value)[0].reason == "MISSING_ROLE"
-
-
-def unary(stub_class, method: str, request) -> Invoke:
-    async def invoke(channel, metadata):
-        return await getattr(stub_class(channel), method)(request, metadata=metadata, timeout=10)
-
-    return invoke
-
-
-def server_stream(stub_class, method: str, request) -> Invoke:
-    async def invoke(channel, metadata):
-        return [item async for item in getattr(stub_class(channel), method)(request, metadata=metadata, timeout=10)]
-
-    return invoke
-
-
-def client_stream(stub_class, method: str, messages: Callable[[], list]) -> Invoke:
-    async def invoke(channel, metadata):
-        async def requests():
-            for message in messages():
-                yield message
-
-        return await getattr(stub_class(channel), method)(requests(), metadata=metadata, timeout=10)
-
-    return invoke
-
-
-@contextlib.asynccontextmanager
-async def served(definition, config, certs: pathlib.Path) -> AsyncIterator[Target]:
-    async with in_process_service(definition, config, client_tls=tls_of(certs, "operator")) as service:
-        target = Target(service.address, certs)
-        try:
-            yield target
-        finally:
-            await target.close()
+    return make_certs(tmp_path_factory.mktemp("certs"))
 
 
 # --- weight broadcaster -------------------------------------------------------------------
@@ -448,297 +320,3 @@ async def attack_bulk_channel(certs: pathlib.Path, bulk_address: str, key: Block
             await asyncio.to_thread(get, tls)
     ((header, data),) = await asyncio.to_thread(get, tls_of(certs, HOLDERS["inference"]))
     assert header.found and bytes(data) == b"\x07" * 64
-
-
-# --- trainer --------------------------------------------------------------------------------
-
-
-async def test_trainer(certs, tmp_path_factory):
-    from primerl_trainer.config import TrainerConfig
-    from primerl_trainer.server import build
-
-    model = make_tiny_model(tmp_path_factory.getbasetemp() / "security-tiny-dense", kind="dense", dtype="float32")
-    config = TrainerConfig(
-        server={"host": "127.0.0.1", "port": 0, "drain_delay_s": 0.0, "grace_s": 5.0},
-        tls=service_tls(certs, "trainer"),
-        model={"path": str(model), "dtype": "float32", "compute_dtype": "float32"},
-        seq_len=64,
-        checkpoint={"dir": str(tmp_path_factory.mktemp("checkpoints")), "save_on_stop": False},
-    )
-    async with served(await build(config), config, certs) as target:
-        orchestrator = trainer_pb2_grpc.TrainerServiceStub(target.channel("orchestrator"))
-        before = await orchestrator.GetBatchSpec(trainer_pb2.GetBatchSpecRequest())
-        batch = [
-            trainer_pb2.PushBatchRequest(begin=trainer_pb2.BatchBegin(step=before.next_step, num_micro_batches=10**9))
-        ]
-        Stub = trainer_pb2_grpc.TrainerServiceStub
-        for rpc, allowed, invoke in [
-            ("PushBatch", {"orchestrator"}, client_stream(Stub, "PushBatch", lambda: batch)),
-            ("SaveCheckpoint", {"operator"}, unary(Stub, "SaveCheckpoint", trainer_pb2.SaveCheckpointRequest())),
-            (
-                "GetBatchSpec",
-                {"orchestrator", "operator"},
-                unary(Stub, "GetBatchSpec", trainer_pb2.GetBatchSpecRequest()),
-            ),
-        ]:
-            await attack(target, f"/primerl.trainer.v1.TrainerService/{rpc}", allowed, invoke)
-        assert await orchestrator.GetBatchSpec(trainer_pb2.GetBatchSpecRequest()) == before
-        status = await trainer_pb2_grpc.TrainerServiceStub(target.channel("tenant-1")).GetStatus(
-            trainer_pb2.GetStatusRequest()
-        )
-        assert status.step == 0
-
-
-# --- orchestrator ---------------------------------------------------------------------------
-
-
-def _stand_ins():
-    path = REPO / "services" / "orchestrator" / "tests" / "stand_ins.py"
-    spec = importlib.util.spec_from_file_location("orchestrator_stand_ins", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-async def test_orchestrator(certs, tmp_path_factory):
-    from primerl_orchestrator.config import OrchestratorConfig
-    from primerl_orchestrator.server import build
-
-    stand_ins = _stand_ins()
-    tokenizer = tmp_path_factory.mktemp("tokenizer")
-    save_tokenizer(tokenizer)
-    async with (
-        bare_server(
-            functools.partial(trainer_pb2_grpc.add_TrainerServiceServicer_to_server, stand_ins.StandInTrainer())
-        ) as trainer_at,
-        bare_server(
-            functools.partial(router_pb2_grpc.add_RouterServiceServicer_to_server, stand_ins.StandInRouter())
-        ) as router_at,
-    ):
-        # Its peers here are plaintext stand-ins: this process has no identity of its own.
-        config = OrchestratorConfig(
-            server={"host": "127.0.0.1", "port": 0},
-            tls=service_tls(certs, "orchestrator"),
-            peers={"router": router_at, "trainer": trainer_at, "poll_interval_s": 0.05},
-            model={"path": tokenizer, "max_model_len": 64},
-            environments=[{"name": "guess", "group_size": 2}],
-            run={"batch_size": 2, "max_steps": 3},
-        )
-        async with served(await build(config), config, certs) as target:
-            stub = orchestrator_pb2_grpc.OrchestratorServiceStub(target.channel("operator"))
-
-            async def status():
-                return await stub.GetRunStatus(orchestrator_pb2.GetRunStatusRequest())
-
-            async def running():
-                # ... and knows the policy version its peers serve (-1 until its first poll of them)
-                now = await status()
-                return now.state == orchestrator_pb2.RUN_STATE_RUNNING and now.policy_version >= 0
-
-            await eventually(running, timeout_s=30, what="the run is running at a known policy version")
-            before = await status()
-            Stub = orchestrator_pb2_grpc.OrchestratorServiceStub
-            start = orchestrator_pb2.StartEpisodeRequest(
-                environment="guess", task=orchestrator_pb2.Task(task_id="evil")
-            )
-            for rpc, allowed, invoke in [
-                ("PauseRun", {"operator"}, unary(Stub, "PauseRun", orchestrator_pb2.PauseRunRequest())),
-                ("ResumeRun", {"operator"}, unary(Stub, "ResumeRun", orchestrator_pb2.ResumeRunRequest())),
-                ("StartEpisode", {"environment"}, unary(Stub, "StartEpisode", start)),
-                (
-                    "NextEpisode",
-                    {"environment"},
-                    unary(Stub, "NextEpisode", orchestrator_pb2.NextEpisodeRequest(environment="guess")),
-                ),
-                (
-                    "Generate",
-                    {"environment"},
-                    unary(Stub, "Generate", orchestrator_pb2.GenerateRequest(episode_id="x")),
-                ),
-                (
-                    "FinishEpisode",
-                    {"environment"},
-                    unary(Stub, "FinishEpisode", orchestrator_pb2.FinishEpisodeRequest(episode_id="x", reward=1.0)),
-                ),
-                (
-                    "ListEnvironments",
-                    {"environment"},
-                    unary(Stub, "ListEnvironments", orchestrator_pb2.ListEnvironmentsRequest()),
-                ),
-            ]:
-                await attack(target, f"/primerl.orchestrator.v1.OrchestratorService/{rpc}", allowed, invoke)
-            assert await status() == before
-            # An environment (its token, over its own connection) plays; the operator pauses.
-            environment = orchestrator_pb2_grpc.OrchestratorServiceStub(target.channel(HOLDERS["environment"]))
-            metadata = [("authorization", f"Bearer {token(certs, 'environment')}")]
-            episodes = await environment.StartEpisode(start, metadata=metadata, timeout=10)
-            assert len(episodes.episodes) == 2
-            await stub.PauseRun(orchestrator_pb2.PauseRunRequest())
-            assert (await status()).state == orchestrator_pb2.RUN_STATE_PAUSED
-
-
-# --- inference ------------------------------------------------------------------------------
-
-
-async def test_inference(certs, tmp_path_factory):
-    from primerl_inference.config import InferenceConfig
-    from primerl_inference.server import build
-
-    model = make_tiny_model(tmp_path_factory.getbasetemp() / "security-tiny-inference", kind="dense", dtype="float32")
-    config = InferenceConfig(
-        server={"host": "127.0.0.1", "port": 0, "sealed_port": 0},
-        tls=service_tls(certs, "inference"),
-        engine={"model": str(model), "enforce_eager": True, "max_model_len": 256, "max_num_seqs": 4},
-    )
-    async with served(await build(config), config, certs) as target:
-        router = inference_pb2_grpc.InferenceServiceStub(target.channel("router"))
-        before = (await router.GetLoad(inference_pb2.GetLoadRequest())).load
-        Stub = inference_pb2_grpc.InferenceServiceStub
-        update = [inference_pb2.UpdateWeightsRequest(begin=inference_pb2.WeightUpdateBegin(policy_version=99))]
-        generate = inference_pb2.GenerateRequest(
-            input=generation_pb2.GenerationInput(
-                prompt_token_ids=[1, 2, 3], sampling=generation_pb2.SamplingParams(max_tokens=2, ignore_eos=True)
-            )
-        )
-        adapter = [inference_pb2.LoadAdapterRequest(spec=inference_pb2.AdapterSpec(name="evil"))]
-        for rpc, allowed, invoke in [
-            ("UpdateWeights", {"weight_broadcaster"}, client_stream(Stub, "UpdateWeights", lambda: update)),
-            ("PauseGeneration", {"operator"}, unary(Stub, "PauseGeneration", inference_pb2.PauseGenerationRequest())),
-            (
-                "ResumeGeneration",
-                {"operator"},
-                unary(Stub, "ResumeGeneration", inference_pb2.ResumeGenerationRequest()),
-            ),
-            (
-                "ResetPrefixCache",
-                {"router", "operator"},
-                unary(Stub, "ResetPrefixCache", inference_pb2.ResetPrefixCacheRequest()),
-            ),
-            ("LoadAdapter", {"weight_broadcaster", "operator"}, client_stream(Stub, "LoadAdapter", lambda: adapter)),
-            (
-                "UnloadAdapter",
-                {"weight_broadcaster", "operator"},
-                unary(Stub, "UnloadAdapter", inference_pb2.UnloadAdapterRequest(name="evil")),
-            ),
-            ("Generate", {"router"}, server_stream(Stub, "Generate", generate)),
-        ]:
-            await attack(target, f"/primerl.inference.v1.InferenceService/{rpc}", allowed, invoke)
-        after = (await router.GetLoad(inference_pb2.GetLoadRequest())).load
-        assert after.policy_version == before.policy_version and not after.paused
-        tokens = [
-            token_id async for reply in router.Generate(generate, timeout=60) for token_id in reply.output.token_ids
-        ]
-        assert len(tokens) == 2
-        await sealed_push_attacked_then_taken(target, model)
-
-
-def model_tensors(model: pathlib.Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    return {name: t for path in sorted(model.glob("*.safetensors")) for name, t in load_file(path).items()}
-
-
-async def sealed_push_attacked_then_taken(target: Target, model: pathlib.Path) -> None:
-    """UpdateWeights as sealed streams on the replica's sealed port: sessions only for the
-    broadcaster's role, a stream under a guessed key refused, then the broadcaster's push of the
-    model's tensors served as the new version."""
-    import os
-
-    from primerl_common.sealed_streams import SealedCaller
-    from primerl_common.security.sealed import StreamKey
-
-    method = "/primerl.inference.v1.InferenceService/UpdateWeights"
-    load = inference_pb2_grpc.InferenceServiceStub(target.channel("router")).GetLoad
-    with pytest.raises(grpc.aio.AioRpcError) as denied:
-        await SealedCaller(target.channel("router"), "127.0.0.1").open(method, 1, timeout_s=10)
-    assert denied.value.code() == DENIED and "weight_broadcaster" in denied.value.details()
-    tensors = model_tensors(model)
-    begin = inference_pb2.WeightUpdateBegin(
-        policy_version=7,
-        format=tensor_pb2.WEIGHT_FORMAT_HF,
-        num_tensors=len(tensors),
-        num_bytes=sum(t.numel() * t.element_size() for t in tensors.values()),
-    )
-    requests = [
-        inference_pb2.UpdateWeightsRequest(begin=begin).SerializeToString(),
-        *(
-            inference_pb2.UpdateWeightsRequest(chunk=chunk).SerializeToString()
-            for chunk in iter_tensor_chunks(tensors.items(), chunk_bytes=1 << 20)
-        ),
-    ]
-    broadcaster = SealedCaller(target.channel("weight_broadcaster"), "127.0.0.1")
-    try:
-        port, (guessed, taken) = await broadcaster.open(method, 2, timeout_s=10)
-        forged = StreamKey(guessed.session_id, os.urandom(32), method)
-        with pytest.raises(grpc.aio.AioRpcError) as refused:
-            await broadcaster.call(port, forged, 0, requests, inference_pb2.UpdateWeightsResponse, timeout_s=60)
-        assert refused.value.code() == UNAUTHENTICATED
-        assert (await load(inference_pb2.GetLoadRequest())).load.policy_version != 7
-        response = await broadcaster.call(port, taken, 1, requests, inference_pb2.UpdateWeightsResponse, timeout_s=120)
-        assert response.policy_version == 7
-        assert (await load(inference_pb2.GetLoadRequest())).load.policy_version == 7
-    finally:
-        await broadcaster.close()
-
-
-# --- deployment -----------------------------------------------------------------------------
-
-
-async def test_the_container_health_probe_speaks_mutual_tls(certs):
-    """deploy/docker/grpc_healthcheck.py (the images' HEALTHCHECK, the Kubernetes probes) with
-    the identity PRIMERL_TLS_* names; without it the mTLS server refuses it."""
-    import asyncio
-    import os
-    import sys
-
-    from primerl_router.config import RouterConfig
-    from primerl_router.server import build
-
-    config = RouterConfig(server={"host": "127.0.0.1", "port": 0}, tls=service_tls(certs, "router"))
-    async with served(await build(config), config, certs) as target:
-        port = target.address.rpartition(":")[2]
-        script = str(REPO / "deploy" / "docker" / "grpc_healthcheck.py")
-        plain_env = {k: v for k, v in os.environ.items() if not k.startswith("PRIMERL_")}
-        tls_env = {
-            **plain_env,
-            "PRIMERL_TLS_MODE": "mtls",
-            "PRIMERL_TLS_CERT": str(certs / "router.pem"),
-            "PRIMERL_TLS_KEY": str(certs / "router-key.pem"),
-            "PRIMERL_TLS_CA": str(certs / "ca.pem"),
-        }
-        results = []
-        for env in (tls_env, plain_env):
-            probe = await asyncio.create_subprocess_exec(
-                sys.executable, script, port, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
-            )
-            out, err = await probe.communicate()
-            results.append((probe.returncode, (out + err).decode()))
-    assert results[0][0] == 0 and "SERVING" in results[0][1], results
-    assert results[1][0] == 1, results
-
-
-@pytest.mark.parametrize("deployment", ["compose", "systemd/etc", "k8s/config", "slurm/config"])
-def test_every_shipped_deployment_requires_mutual_tls(deployment):
-    import tomllib
-
-    configs = sorted((REPO / "deploy" / deployment).glob("*.toml"))
-    # One per service, and more where a deployment shape has its own (compose's router-*.toml).
-    services = ("trainer", "orchestrator", "inference", "router", "weight_broadcaster", "kvstore")
-    assert {name for name in services if any(path.stem.startswith(name) for path in configs)} == set(services)
-    for path in configs:
-        tls = TlsConfig(**tomllib.loads(path.read_text())["tls"])
-        assert tls.mode == "mtls" and None not in (tls.cert, tls.key, tls.ca), path
-
-
-def test_a_local_run_of_primerl_up_says_plaintext_unless_the_launch_file_gives_tls(tmp_path):
-    from primerl_launcher.spec import ServiceSpec
-    from primerl_launcher.wiring import wire
-
-    given = {"mode": "mtls", "cert": "c.pem", "key": "k.pem", "ca": "ca.pem"}
-    services = {
-        "router": ServiceSpec("router", "router", {}, "[router]"),
-        "kvstore": ServiceSpec("kvstore", "kvstore", {"tls": dict(given)}, "[kvstore]"),
-    }
-    wire(services, run_dir=tmp_path, model=None, host="127.0.0.1")
-    assert services["router"].table["tls"] == {"mode": "plaintext"}
-    assert services["kvstore"].table["tls"] == given
