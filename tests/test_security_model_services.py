@@ -29,19 +29,12 @@ from tests.security_attacks import (
     Target,
     attack,
     client_stream,
-    make_certs,
     served,
     server_stream,
     service_tls,
     token,
     unary,
 )
-
-
-@pytest.fixture(scope="module")
-def certs(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
-    return make_certs(tmp_path_factory.mktemp("certs"))
-
 
 # --- trainer --------------------------------------------------------------------------------
 

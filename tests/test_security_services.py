@@ -34,18 +34,11 @@ from tests.security_attacks import (
     UNAUTHENTICATED,
     attack,
     client_stream,
-    make_certs,
     served,
     server_stream,
     service_tls,
     unary,
 )
-
-
-@pytest.fixture(scope="module")
-def certs(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
-    return make_certs(tmp_path_factory.mktemp("certs"))
-
 
 # --- weight broadcaster -------------------------------------------------------------------
 

@@ -1,10 +1,13 @@
 import math
+import re
 
 import pytest
 import torch
 
 from primerl.common.v1 import tensor_pb2
+from primerl_common.errors import InvalidArgument
 from primerl_common.weights.fp8 import BLOCK, dequantize_blockwise
+from primerl_common.weights.fp8_blocks import to_block_pairs
 from primerl_weight_broadcaster.formats import convert
 from primerl_weight_broadcaster.store import WeightStore
 
@@ -308,3 +311,94 @@ async def test_the_publish_s_model_type_decides_the_kernel_layout_and_survives_a
     assert restarted.latest.model_type == "gpt_oss"
     kernel = await restarted.in_format(restarted.latest, KERNEL)
     assert "model.embedding.weight" in kernel.tensors and kernel.model_type == "gpt_oss"
+
+
+# --- block-FP8 publishes (the trainer's publish.fp8_blocks) -------------------------------------
+
+# The projections the trainer publishes in block FP8 (primerl_trainer.export's, written out here).
+PUBLISHED_FP8 = re.compile(r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.weight$")
+
+
+def fp8_published(tensors: dict[str, torch.Tensor], wanted=PUBLISHED_FP8.search) -> dict[str, torch.Tensor]:
+    """`tensors` as a trainer with publish.fp8_blocks publishes them (bf16 first, as it publishes)."""
+    bf16 = {name: t.bfloat16() for name, t in tensors.items()}
+    return dict(to_block_pairs(bf16.items(), lambda name: wanted(name) is not None))
+
+
+def assert_same_bits(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert sorted(got) == sorted(expected)
+    for name, tensor in expected.items():
+        assert got[name].dtype == tensor.dtype and got[name].shape == tensor.shape, name
+        assert torch.equal(got[name].view(torch.uint8), tensor.view(torch.uint8)), name
+
+
+def dequantized_by_hand(published: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each block-FP8 pair of `published` as its bf16 weight (value times its block's scale)."""
+    return {
+        name: dequantize_blockwise(t, published[f"{name}_scale_inv"]).bfloat16()
+        if t.dtype == torch.float8_e4m3fn
+        else t
+        for name, t in published.items()
+        if not name.endswith("_scale_inv")
+    }
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_fp8_blocks_published_by_the_trainer_are_what_the_broadcaster_s_quantizer_makes(moe: bool):
+    """kernel_fp8 from block-FP8 pairs (fused and stacked, quantized nowhere) equals kernel_fp8 of
+    the same bf16 publish quantized by the broadcaster, bit for bit; the pairs carry about half
+    the bytes of those weights."""
+    bf16 = {name: t.bfloat16() for name, t in qwen3(moe=moe).items()}
+    published = fp8_published(bf16)
+    pairs = {name for name, t in published.items() if t.dtype == torch.float8_e4m3fn}
+    assert pairs and all(f"{name}_scale_inv" in published for name in pairs)
+    assert {name for name in bf16 if PUBLISHED_FP8.search(name)} == pairs
+
+    from_blocks = convert(published, FP8)
+    assert_same_bits(from_blocks.tensors, convert(bf16, FP8).tensors)
+    # A fused weight changes when any part, or any part's scales, does.
+    qkv = from_blocks.sources["model.layers.0.self_attn.qkv_proj.weight"]
+    assert "model.layers.0.self_attn.k_proj.weight_scale_inv" in qkv and "model.layers.0.self_attn.k_proj.weight" in qkv
+    sent = sum(t.numel() * t.element_size() for n, t in published.items() if n in pairs or n.endswith("_scale_inv"))
+    assert sent < 0.52 * sum(t.numel() * t.element_size() for n, t in bf16.items() if n in pairs)
+
+
+def test_fp8_blocks_reach_other_formats_dequantized():
+    bf16 = {name: t.bfloat16() for name, t in qwen3(moe=True).items()}
+    published = fp8_published(bf16)
+    dequantized = dequantized_by_hand(published)
+    assert_same_bits(convert(published, HF).tensors, dequantized)
+    assert_same_bits(convert(published, KERNEL).tensors, convert(dequantized, KERNEL).tensors)
+
+
+def test_fp8_blocks_that_do_not_fuse_as_they_are_are_quantized_again_whole():
+    """Only q_proj in block FP8: its qkv_proj mixes parts, so the pair is dequantized and the
+    fused weight quantized whole, as a bf16 publish of those values would be."""
+    bf16 = {name: t.bfloat16() for name, t in qwen3(moe=False).items()}
+    published = fp8_published(bf16, re.compile(r"\.q_proj\.weight$").search)
+    dequantized = dequantized_by_hand(published)
+    assert_same_bits(convert(published, FP8).tensors, convert(dequantized, FP8).tensors)
+
+
+async def test_a_store_of_fp8_block_publishes_tracks_changes_and_converts_even_for_hf():
+    store = WeightStore()
+    first = store.publish(1, fp8_published(qwen3(moe=True)))
+    changed = qwen3(moe=True)
+    changed["model.layers.1.self_attn.o_proj.weight"] = changed["model.layers.1.self_attn.o_proj.weight"] * 2
+    second = store.publish(2, fp8_published(changed))
+    assert sorted(name for name, _ in second.tensors_since(1)) == [
+        "model.layers.1.self_attn.o_proj.weight",
+        "model.layers.1.self_attn.o_proj.weight_scale_inv",
+    ]
+    hf = await store.in_format(second, HF)
+    assert hf is not second and not any(name.endswith("_scale_inv") for name in hf.tensors)
+    assert [name for name, _ in hf.tensors_since(1)] == ["model.layers.1.self_attn.o_proj.weight"]
+    assert first.holds_block_fp8 and second.holds_block_fp8
+
+
+def test_block_fp8_scales_that_do_not_fit_their_weight_are_refused_naming_them():
+    published = fp8_published(qwen3(moe=False))
+    name = "model.layers.0.self_attn.o_proj.weight_scale_inv"
+    published[name] = published[name][:1]
+    with pytest.raises(InvalidArgument, match=name):
+        WeightStore().publish(1, published)

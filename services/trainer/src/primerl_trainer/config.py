@@ -158,6 +158,14 @@ class PublishConfig(Section):
         "too only when it asks (kind full only)",
     )
     chunk_bytes: int = Field(default=4 * 1024 * 1024, gt=0)
+    fp8_blocks: bool = Field(
+        default=False,
+        description="publish the attention and MLP projections (and each expert's) in block FP8, float8_e4m3fn with "
+        "a float32 <name>_scale_inv per 128x128 block, quantized on the trainer's device: for a broadcaster pushing "
+        "kernel_fp8, which then fuses the blocks rather than quantizing (the same bits), and half the bytes of those "
+        "weights on the way; replicas of other formats get them dequantized. Weights not of whole 128x128 blocks "
+        "go as they are. grpc transport and kind full only",
+    )
     streams: int = Field(
         default=DEFAULT_STREAMS,
         ge=1,
@@ -322,6 +330,11 @@ class TrainerConfig(ServiceConfig):
             raise ValueError("export.adapter_dir (a PEFT adapter export) needs lora.enabled")
         if self.publish.transport == "collective" and self.publish.kind != "full":
             raise ValueError("publish.transport 'collective' carries publish.kind 'full' only")
+        if self.publish.fp8_blocks and (self.publish.transport != "grpc" or self.publish.kind != "full"):
+            raise ValueError(
+                "publish.fp8_blocks publishes a full model over publish.transport 'grpc': it needs publish.kind 'full' "
+                f"and transport 'grpc', got kind {self.publish.kind!r} and transport {self.publish.transport!r}"
+            )
         if self.sft.dataset is not None and self.mode != "sft":
             raise ValueError("sft.dataset needs mode 'sft'")
         if self.sft.exit_when_done and self.sft.dataset is None:

@@ -9,6 +9,7 @@ for its two LoRA tensors, which follow it in the state dict.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable, Iterator
 from typing import Literal
 
@@ -17,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from primerl_common.weights.fp8_blocks import to_block_pairs
 from primerl_trainer.lora import is_lora_key, lora_adapter_tensors, merge_lora
 from primerl_trainer.models import HFCausalLM, model_spec_of
 
@@ -30,10 +32,14 @@ __all__ = [
     "hf_converter",
     "meta_state_dict",
     "plan_export",
+    "published_tensors",
 ]
 
 PublishKind = Literal["full", "adapter"]
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
+# publish.fp8_blocks' weights, by their HF names: the projections vLLM's block-FP8 method holds in
+# FP8 (the attention's, the MLP's, the shared and the routed experts'; not the routers').
+_FP8_PUBLISHED = re.compile(r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.weight$")
 
 
 def hf_converter(model: nn.Module) -> Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
@@ -177,9 +183,19 @@ def count_tensors(named_tensors: NamedTensors) -> tuple[int, int]:
     return num_tensors, num_bytes
 
 
+def published_tensors(named_tensors: NamedTensors, *, fp8_blocks: bool) -> NamedTensors:
+    """`named_tensors` (exported_tensors') as a publish sends them: with `fp8_blocks`
+    (publish.fp8_blocks), the projections of whole 128x128 blocks as block-FP8 pairs
+    (primerl_common.weights.fp8_blocks), quantized where they lie."""
+    if not fp8_blocks:
+        return named_tensors
+    return to_block_pairs(named_tensors, lambda name: _FP8_PUBLISHED.search(name) is not None)
+
+
 def plan_export(
-    model: nn.Module, *, kind: PublishKind, dtype: torch.dtype, lora_scale: float | None
+    model: nn.Module, *, kind: PublishKind, dtype: torch.dtype, lora_scale: float | None, fp8_blocks: bool = False
 ) -> tuple[int, int]:
     """(number of tensors, bytes) a publish sends: what PublishBegin announces."""
     source = meta_state_dict(model, kind=kind)
-    return count_tensors(exported_tensors(model, source, kind=kind, dtype=dtype, lora_scale=lora_scale))
+    exported = exported_tensors(model, source, kind=kind, dtype=dtype, lora_scale=lora_scale)
+    return count_tensors(published_tensors(exported, fp8_blocks=fp8_blocks))

@@ -30,7 +30,7 @@ from primerl_common.errors import FailedPrecondition
 from primerl_trainer import metrics as prometheus
 from primerl_trainer.batch import MicroBatch
 from primerl_trainer.commands import Command, CommandKind
-from primerl_trainer.export import exported_tensors, gather_state_dict, meta_state_dict
+from primerl_trainer.export import exported_tensors, gather_state_dict, meta_state_dict, published_tensors
 from primerl_trainer.hf_export import export_dtype, export_hf_model
 from primerl_trainer.models import read_hf_config
 from primerl_trainer.peft_export import check_peft_exportable, export_peft_adapter
@@ -133,7 +133,7 @@ class StepExecutor:
             )
             return {"publish_s": time.perf_counter() - start}
         requests = publish_requests(
-            tensors,
+            published_tensors(tensors, fp8_blocks=runtime.config.publish.fp8_blocks),
             policy_version=self.trainer.step,
             kind=runtime.publish_kind,
             num_tensors=runtime.num_published_tensors,

@@ -132,7 +132,13 @@ def _build(config: TrainerConfig, device: torch.device) -> TrainingRuntime:
             restored_step = checkpointer.load_latest(trainer)
 
     publish_dtype = export_dtype(config.publish.dtype, hf_config)
-    num_tensors, num_bytes = plan_export(model, kind=config.publish.kind, dtype=publish_dtype, lora_scale=lora_scale)
+    num_tensors, num_bytes = plan_export(
+        model,
+        kind=config.publish.kind,
+        dtype=publish_dtype,
+        lora_scale=lora_scale,
+        fp8_blocks=config.publish.fp8_blocks,
+    )
     num_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     logger.info(
         "trainer rank %d/%d ready on %s at step %d",

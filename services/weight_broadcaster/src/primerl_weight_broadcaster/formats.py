@@ -15,6 +15,13 @@ float8_e4m3fn plus a float32 `<name>_scale_inv` per weight, [ceil(out/128), ceil
 (with a leading expert dimension for stacked experts). Fused weights are quantized whole:
 vLLM requires every fused part but the last to be a multiple of 128 rows, so no block
 straddles two parts. Embeddings, norms, routers and lm_head stay as they are.
+
+A publish may hold weights already in block FP8 (primerl_common.weights.fp8_blocks: the trainer's
+`publish.fp8_blocks`): such a weight and its `<name>_scale_inv` are fused and stacked as they
+are for WEIGHT_FORMAT_KERNEL_FP8 (the blocks the quantizer would make of the fused weight: the
+parts are whole blocks), quantized nowhere; a kernel weight vLLM keeps unquantized, or a fusion
+that mixes block-FP8 and other parts, is dequantized (and quantized whole where FP8). For the
+other formats the pairs are dequantized to the publish's dtype.
 """
 
 from __future__ import annotations
@@ -26,7 +33,8 @@ from collections import defaultdict
 import torch
 
 from primerl.common.v1 import tensor_pb2
-from primerl_common.weights.fp8 import quantize_blockwise
+from primerl_common.weights.fp8 import dequantize_blockwise, quantize_blockwise
+from primerl_common.weights.fp8_blocks import SCALE_SUFFIX, block_pairs, dequantized_pairs
 from primerl_weight_broadcaster.kernel_layouts import ExpertStacking, KernelLayout, layout_of
 
 __all__ = ["FORMAT_NAMES", "ConvertedWeights", "convert", "format_name"]
@@ -53,16 +61,64 @@ class ConvertedWeights:
 def convert(tensors: dict[str, torch.Tensor], weight_format: int, model_type: str = "") -> ConvertedWeights:
     """`tensors` (HF names of a `model_type` model; "": Qwen3 or Qwen3-MoE) in
     `weight_format`; ValueError when they do not fit it."""
+    pairs = block_pairs(tensors)
+    if pairs and weight_format == tensor_pb2.WEIGHT_FORMAT_KERNEL_FP8:
+        fused = _kernel_from_pairs(tensors, pairs, _fp8_layout(model_type))
+        if fused is not None:
+            return fused
+    if pairs:  # the other formats, or pairs that do not fuse as they are
+        return _with_scales(
+            _convert(dequantized_pairs(tensors, pairs, _dtype_of(tensors)), weight_format, model_type), pairs
+        )
+    return _convert(tensors, weight_format, model_type)
+
+
+def _convert(tensors: dict[str, torch.Tensor], weight_format: int, model_type: str) -> ConvertedWeights:
     if weight_format == tensor_pb2.WEIGHT_FORMAT_HF:
         return ConvertedWeights(tensors, {name: (name,) for name in tensors})
     if weight_format == tensor_pb2.WEIGHT_FORMAT_KERNEL:
         return _to_kernel(tensors, layout_of(model_type))
     if weight_format == tensor_pb2.WEIGHT_FORMAT_KERNEL_FP8:
-        layout = layout_of(model_type)
-        if layout.fp8_linear is None:
-            raise ValueError(f"no block-FP8 kernel format for model_type {layout.model_type!r}: {layout.no_fp8_reason}")
+        layout = _fp8_layout(model_type)
         return _quantize(_to_kernel(tensors, layout), layout)
     raise ValueError(f"cannot convert to {format_name(weight_format)}")
+
+
+def _fp8_layout(model_type: str) -> KernelLayout:
+    layout = layout_of(model_type)
+    if layout.fp8_linear is None:
+        raise ValueError(f"no block-FP8 kernel format for model_type {layout.model_type!r}: {layout.no_fp8_reason}")
+    return layout
+
+
+def _dtype_of(tensors: dict[str, torch.Tensor]) -> torch.dtype:
+    """The dtype the publish's other weights are in (block-FP8 pairs are dequantized to it)."""
+    found = (t.dtype for t in tensors.values() if t.is_floating_point() and t.element_size() >= 2)
+    return next(found, torch.bfloat16)
+
+
+def _with_scales(converted: ConvertedWeights, pairs: dict[str, str]) -> ConvertedWeights:
+    """`converted` with each block-FP8 weight's scales among the sources of what it went into."""
+    sources = {
+        name: tuple(s for source in names for s in ((source, pairs[source]) if source in pairs else (source,)))
+        for name, names in converted.sources.items()
+    }
+    return ConvertedWeights(converted.tensors, sources)
+
+
+def _kernel_from_pairs(
+    tensors: dict[str, torch.Tensor], pairs: dict[str, str], layout: KernelLayout
+) -> ConvertedWeights | None:
+    """WEIGHT_FORMAT_KERNEL_FP8 of a publish holding block-FP8 `pairs`, their blocks fused and
+    stacked as the weights are; None when a fusion mixes block-FP8 and other parts."""
+    scale_names = set(pairs.values())
+    try:
+        kernel = _to_kernel({n: t for n, t in tensors.items() if n not in scale_names}, layout)
+        # The scales go where their weights go: keyed by the weights' names, converted alike.
+        scales = _to_kernel({name: tensors[scale] for name, scale in pairs.items()}, layout).tensors
+    except (ValueError, RuntimeError):  # a part of a fusion missing from the pairs; float8 cat with bf16
+        return None
+    return _with_scales(_quantize(kernel, layout, scales), pairs)
 
 
 def _to_kernel(tensors: dict[str, torch.Tensor], layout: KernelLayout) -> ConvertedWeights:
@@ -164,19 +220,37 @@ class _Experts:
         return out
 
 
-def _quantize(kernel: ConvertedWeights, layout: KernelLayout) -> ConvertedWeights:
+def _quantize(
+    kernel: ConvertedWeights, layout: KernelLayout, blocks: dict[str, torch.Tensor] | None = None
+) -> ConvertedWeights:
+    """The layout's FP8 weights of `kernel` quantized, but those already in block FP8 (their
+    scales in `blocks`, by kernel name), which are kept; a block-FP8 weight the layout keeps
+    unquantized is dequantized."""
     quantized_names = layout.fp8_pattern()
+    blocks = blocks or {}
+    dtype = _dtype_of(kernel.tensors)
     out: dict[str, torch.Tensor] = {}
     sources: dict[str, tuple[str, ...]] = {}
     for name, tensor in kernel.tensors.items():
         out[name], sources[name] = tensor, kernel.sources[name]
+        if name in blocks:
+            if quantized_names.search(name):
+                out[f"{name}{SCALE_SUFFIX}"], sources[f"{name}{SCALE_SUFFIX}"] = blocks[name], kernel.sources[name]
+            else:
+                out[name] = _per_matrix(dequantize_blockwise, tensor, blocks[name]).to(dtype)
+            continue
         if not quantized_names.search(name):
             continue
-        if tensor.dim() == 2:
-            quantized, scale_inv = quantize_blockwise(tensor)
-        else:  # stacked experts: one 2-D weight per expert
-            pairs = [quantize_blockwise(expert) for expert in tensor]
-            quantized, scale_inv = torch.stack([q for q, _ in pairs]), torch.stack([s for _, s in pairs])
-        out[name] = quantized
-        out[f"{name}_scale_inv"], sources[f"{name}_scale_inv"] = scale_inv, kernel.sources[name]
+        out[name], scale_inv = _per_matrix(quantize_blockwise, tensor)
+        out[f"{name}{SCALE_SUFFIX}"], sources[f"{name}{SCALE_SUFFIX}"] = scale_inv, kernel.sources[name]
     return ConvertedWeights(out, sources)
+
+
+def _per_matrix(function, *tensors: torch.Tensor):
+    """`function` of 2-D tensors, or of each expert's matrix of stacked [E, ...] ones, stacked."""
+    if tensors[0].dim() == 2:
+        return function(*tensors)
+    results = [function(*matrices) for matrices in zip(*tensors, strict=True)]
+    if isinstance(results[0], tuple):
+        return tuple(torch.stack(parts) for parts in zip(*results, strict=True))
+    return torch.stack(results)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import pathlib
 import weakref
@@ -23,6 +24,7 @@ import torch
 from primerl.common.v1 import tensor_pb2
 from primerl_common.errors import FailedPrecondition, InvalidArgument
 from primerl_common.weights.engine_modules import engine_module
+from primerl_common.weights.fp8_blocks import block_pairs
 from primerl_common.weights.manifest import ManifestTensor
 from primerl_weight_broadcaster.formats import convert
 from primerl_weight_broadcaster.spill import SpilledVersion, SpillFolder
@@ -88,6 +90,11 @@ class PublishedVersion:
     # Where the tensors were received in shared memory (shm.py), when they were.
     placement: ShmPlacement | None = None
 
+    @functools.cached_property
+    def holds_block_fp8(self) -> bool:
+        """Whether some weights were published in block FP8 (then even the HF format converts)."""
+        return bool(block_pairs(self.tensors))
+
     def tensors_since(self, base_policy_version: int | None) -> list[tuple[str, torch.Tensor]]:
         """Tensors to send a replica serving `base_policy_version` (None or unknown base: all)."""
         if base_policy_version is None or base_policy_version < self.first_policy_version:
@@ -138,7 +145,11 @@ def _converted(hf: PublishedVersion, weight_format: int) -> PublishedVersion:
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.is_floating_point() and a.element_size() == 1:  # float8: no torch.equal on the CPU; the bits
+        return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    return torch.equal(a, b)
 
 
 class WeightStore:
@@ -160,7 +171,7 @@ class WeightStore:
     async def in_format(self, version: PublishedVersion, weight_format: int) -> PublishedVersion:
         """`version` (HF) in `weight_format`, converted once (off the event loop) however many
         replicas ask; ValueError when the weights do not fit the format."""
-        if weight_format == tensor_pb2.WEIGHT_FORMAT_HF:
+        if weight_format == tensor_pb2.WEIGHT_FORMAT_HF and not version.holds_block_fp8:
             return version
         # Superseded while a push started: not worth caching. (Compared by version: the latest
         # may since be held as views of its spilled files, the same data.)
@@ -207,6 +218,10 @@ class WeightStore:
         `placement` says) make on top of the latest (it compares them: blocking, so run off the
         event loop, one at a time, and `make_latest` it before the next)."""
         self.check_version(policy_version)
+        try:
+            block_pairs(tensors)  # block-FP8 weights come with scales that fit them
+        except ValueError as exc:
+            raise InvalidArgument(str(exc), field="chunk") from None
         previous = self.latest
         if previous is None:
             last_changed = dict.fromkeys(tensors, policy_version)
