@@ -9,7 +9,8 @@ and expert choice with replayed experts, then a third step with router replay. W
 the batches file, the checkpoint of step 2 is then loaded into the model sharded by plain FSDP over
 the same ranks (ep 1), which trains the third step again; with "lora", a LoRA model (experts
 adapted) trains the first batch under the same mesh and is published, merged and as an adapter.
-"dispatch": DispatchOptions fields for every MoE layer's dispatcher.
+"dispatch": DispatchOptions fields for every MoE layer's dispatcher. "fp8": model.fp8's backend
+(with model.fp8_weight_grad "model_dtype") for the blocks' products, the experts' included.
 """
 
 import pathlib
@@ -44,6 +45,7 @@ def build_trainer(
     optimizer_config: OptimizerConfig,
     lora: LoRAConfig | None = None,
     compute_dtype: torch.dtype = torch.float32,
+    fp8_backend: str | None = None,
 ) -> Trainer:
     model = load_tiny_model(model_dir).to(device)
     if lora is not None:
@@ -55,6 +57,8 @@ def build_trainer(
         ep_mesh=dims.mesh("ep") if dims.ep_enabled else None,
         efsdp_mesh=dims.mesh("efsdp"),
         param_dtype=compute_dtype,
+        fp8_backend=fp8_backend,
+        fp8_weight_grad="model_dtype",
     )
     optimizer = build_optimizer(model, optimizer_config)
     scheduler = build_lr_scheduler(optimizer, DP_SCHEDULE)
@@ -71,9 +75,9 @@ def main(model_dir: pathlib.Path, batches_file: pathlib.Path, out_dir: pathlib.P
     optimizer_config = OptimizerConfig(**data["optimizer"])
     # float32 as the one-process reference computes, unless the batches file asks for another.
     compute_dtype = getattr(torch, data.get("compute_dtype", "float32"))
-    trainer = build_trainer(
-        model_dir, device, ParallelDims(world_size=world_size, ep=ep), plain_spec, optimizer_config, None, compute_dtype
-    )
+    dims = ParallelDims(world_size=world_size, ep=ep)
+    fp8 = data.get("fp8")
+    trainer = build_trainer(model_dir, device, dims, plain_spec, optimizer_config, None, compute_dtype, fp8)
     trainer.accumulate_unsharded = data.get("accumulate_unsharded", False)
     for module in trainer.model.modules():
         if isinstance(module, MoE):

@@ -29,6 +29,7 @@ from primerl_trainer.export import exported_tensors, gather_state_dict
 from primerl_trainer.lora import apply_lora
 from primerl_trainer.losses import token_logprobs
 from primerl_trainer.models import model_spec_of
+from primerl_trainer.models.fp8 import convert_to_fp8
 from primerl_trainer.optim import build_lr_scheduler, build_optimizer
 from primerl_trainer.runtime import build_runtime
 from primerl_trainer.train import Trainer
@@ -39,6 +40,7 @@ from .tiny_training import (
     SEQ_LEN,
     load_tiny_model,
     make_samples,
+    micro_batches_from_dicts,
     micro_batches_to_dicts,
     pack,
     pack_into,
@@ -265,6 +267,43 @@ def test_ep2_trains_as_one_process_and_its_checkpoint_resumes_under_fsdp2(
     for key in METRICS:
         wanted = data["reference"]["metrics"][2][key]
         assert result["resumed_metrics"][key] == pytest.approx(wanted, rel=1e-5, abs=1e-5), key
+
+
+def test_ep2_with_model_fp8_trains_as_one_process_in_fp8(
+    moe_dir: pathlib.Path, ep_data: tuple[pathlib.Path, dict], tmp_path: pathlib.Path
+) -> None:
+    """model.fp8 (the emulated backend's numbers, weight gradients in the model's dtype) with the
+    experts split over 2 ranks: the steps, probe logprobs and weights of one process in FP8, which
+    differ from bf16's (the products did run in FP8 on both sides)."""
+    batches, data = ep_data
+    data_file = tmp_path / "batches.pt"
+    torch.save(torch.load(batches) | {"resume": False, "lora": None, "fp8": "emulated"}, data_file)
+    result = _run_workers(moe_dir, data_file, tmp_path, nproc=2, ep=2)
+
+    model = load_tiny_model(moe_dir)
+    conversion = convert_to_fp8(model.layers, backend="emulated", device="cpu", weight_grad="model_dtype")
+    assert conversion.experts and not conversion.unaligned
+    plain_spec, replay_spec = BatchSpec(**data["spec"]), BatchSpec(**data["replay_spec"])
+    steps = [micro_batches_from_dicts(batch) for batch in data["batches"]]
+    optimizer = build_optimizer(model, EP_OPTIMIZER)
+    trainer = Trainer(model, optimizer, build_lr_scheduler(optimizer, DP_SCHEDULE), spec=plain_spec, device=CPU)
+    metrics = [trainer.train_step(batch) for batch in steps[:2]]
+    probe = micro_batches_from_dicts([data["probe"]])[0]
+    logprobs = _logprobs(model, probe)
+    trainer.spec = replay_spec
+    metrics.append(trainer.train_step(steps[2]))
+    for step, (got, wanted) in enumerate(zip(result["metrics"], metrics, strict=True)):
+        for key in METRICS:
+            rel = 1e-4 if key == "grad_norm" else 1e-5
+            assert got[key] == pytest.approx(wanted[key], rel=rel, abs=1e-5), (step, key)
+    torch.testing.assert_close(result["logprobs"], logprobs, rtol=1e-5, atol=1e-5)
+    # An activation a float32 rounding apart (the gradients summed in another order) can fall in
+    # the next e4m3 step: a weight then moves a few 1e-5 apart after Adam's normalized update.
+    for name, weight in parameters(model).items():
+        torch.testing.assert_close(
+            result["weights"][name], weight, rtol=0, atol=5e-5, msg=lambda m, n=name: f"{n}: {m}"
+        )
+    assert result["metrics"][0]["loss"] != pytest.approx(data["reference"]["metrics"][0]["loss"], rel=1e-6)
 
 
 @pytest.mark.slow
