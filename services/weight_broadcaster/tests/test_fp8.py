@@ -65,11 +65,13 @@ def test_scale_shape():
 
 
 @pytest.mark.gpu
-def test_triton_kernel_equals_reference_bit_for_bit():
+def test_triton_kernel_equals_reference_bit_for_bit_and_a_cpu_s():
+    """The GPU's blocks are the CPU's: a trainer quantizing on its GPU (publish.fp8_blocks) sends
+    what the broadcaster would make on its CPU."""
     torch.manual_seed(0)
     for shape in [(4096, 4096), (1000, 3000), (129, 7)]:
         weight = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
         quantized, scale_inv = quantize_blockwise(weight)
-        ref_q, ref_s = quantize_blockwise_reference(weight)
-        assert torch.equal(scale_inv, ref_s)
-        assert torch.equal(quantized.view(torch.uint8), ref_q.view(torch.uint8))
+        for ref_q, ref_s in (quantize_blockwise_reference(weight), quantize_blockwise_reference(weight.cpu())):
+            assert torch.equal(scale_inv.cpu(), ref_s.cpu())
+            assert torch.equal(quantized.view(torch.uint8).cpu(), ref_q.view(torch.uint8).cpu())

@@ -6,7 +6,8 @@
   scales of shape [rows, ceil(cols/128)].
 
 Each scale is its block's amax / 448 (the multiplier that dequantizes, 0 for an all-zero
-block); partial edge blocks count as zero-padded. The weight broadcaster quantizes published
+block; a weight block's computed as amax times the float32 reciprocal of 448 on every device,
+as CUDA computes the division); partial edge blocks count as zero-padded. The weight broadcaster quantizes published
 weights with this module, the trainer the operands of its FP8 matrix products.
 
 Both quantizers run a fused Triton kernel on CUDA tensors (one read of the input, one write
@@ -54,7 +55,9 @@ def quantize_blockwise_reference(weight: torch.Tensor, block: int = BLOCK) -> tu
     padded = torch.zeros(blocks_m * block, blocks_n * block, dtype=torch.float32, device=weight.device)
     padded[:rows, :cols] = weight
     tiles = padded.view(blocks_m, block, blocks_n, block)
-    scale_inv = tiles.abs().amax(dim=(1, 3)) / FP8_MAX
+    # amax times 1/448 in float32: what CUDA computes for amax / 448 (a multiplication by the
+    # divisor's reciprocal) and the Triton kernel matches, so a CPU gives a GPU's bits too.
+    scale_inv = tiles.abs().amax(dim=(1, 3)) * (1.0 / FP8_MAX)
     divisor = torch.where(scale_inv > 0, scale_inv, torch.ones_like(scale_inv))[:, None, :, None]
     quantized = (tiles / divisor).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return quantized.view(blocks_m * block, blocks_n * block)[:rows, :cols].contiguous(), scale_inv
@@ -100,7 +103,7 @@ def _kernel():  # Triton is imported only where a GPU uses it.
             mask = (offs_m[:, None] < rows) & (offs_n[None, :] < cols)
             x = tl.load(x_ptr + offs_m[:, None] * stride_x + offs_n[None, :] * stride_xc, mask=mask, other=0.0)
             amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
-        scale = tl.max(amax) / 448.0
+        scale = tl.max(amax) * (1.0 / 448.0)  # as the reference: the same bits on every device
         divisor = tl.where(scale > 0, scale, 1.0)
         for r in tl.static_range(0, BLOCK, SUB):
             offs_m = pid_m * BLOCK + r + tl.arange(0, SUB)

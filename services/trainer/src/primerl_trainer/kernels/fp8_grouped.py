@@ -310,7 +310,7 @@ class _Kernels:
             w_offs = expert * stride_we + offs_r[:, None].to(tl.int64) * stride_wr + offs_c[None, :] * stride_wc
             x = tl.load(w_ptr + w_offs, mask=mask, other=0.0).to(tl.float32)
             # As primerl_common.weights.fp8 rounds them: bit for bit with its reference.
-            scale = tl.max(tl.max(tl.abs(x), axis=1), axis=0) / 448.0
+            scale = tl.max(tl.max(tl.abs(x), axis=1), axis=0) * (1.0 / 448.0)  # as quantize_blockwise
             divisor = tl.where(scale > 0, scale, 1.0)
             q = tl.clamp(tl.math.div_rn(x, divisor), -448.0, 448.0)
             q_offs = expert * stride_qe + offs_r[:, None].to(tl.int64) * stride_qr + offs_c[None, :] * stride_qc
