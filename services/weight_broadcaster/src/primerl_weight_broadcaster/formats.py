@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 import torch
 
@@ -92,9 +92,14 @@ def _fp8_layout(model_type: str) -> KernelLayout:
 
 
 def _dtype_of(tensors: dict[str, torch.Tensor]) -> torch.dtype:
-    """The dtype the publish's other weights are in (block-FP8 pairs are dequantized to it)."""
-    found = (t.dtype for t in tensors.values() if t.is_floating_point() and t.element_size() >= 2)
-    return next(found, torch.bfloat16)
+    """The dtype most of the publish's other weights are in (block-FP8 pairs are dequantized to
+    it; a few float32 buffers, such as routers' correction biases, do not decide it)."""
+    found = Counter(
+        t.dtype
+        for name, t in tensors.items()
+        if t.is_floating_point() and t.element_size() >= 2 and not name.endswith(SCALE_SUFFIX)
+    )
+    return found.most_common(1)[0][0] if found else torch.bfloat16
 
 
 def _with_scales(converted: ConvertedWeights, pairs: dict[str, str]) -> ConvertedWeights:

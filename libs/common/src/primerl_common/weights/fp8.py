@@ -7,8 +7,9 @@
 
 Each scale is its block's amax / 448 (the multiplier that dequantizes, 0 for an all-zero
 block; a weight block's computed as amax times the float32 reciprocal of 448 on every device,
-as CUDA computes the division); partial edge blocks count as zero-padded. The weight broadcaster quantizes published
-weights with this module, the trainer the operands of its FP8 matrix products.
+as CUDA computes the division); partial edge blocks count as zero-padded. The weight
+broadcaster quantizes published weights with this module, the trainer the operands of its FP8
+matrix products.
 
 Both quantizers run a fused Triton kernel on CUDA tensors (one read of the input, one write
 of the result) and the PyTorch reference elsewhere; the two agree bit for bit.
