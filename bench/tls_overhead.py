@@ -15,8 +15,9 @@ concurrency 1, and the throughput of a weight push stream.
   process straight, on its mTLS port and on a plaintext port it also serves, the two modes
   call by call in turn (one process pair for both: neither mode's processes can be in a
   slower spell than the other's).
-- Push: a sink service process (primerl's GrpcService serving inference.v1 UpdateWeights, which
-  drains and drops the chunks) takes UpdateWeights streams of 4 MiB chunks, as the broadcaster
+- Push: a sink service process (primerl's GrpcService serving inference.v1 UpdateWeights as the
+  inference service registers and reads it: requests serialized, each chunk a view of its bytes,
+  then dropped) takes UpdateWeights streams of 4 MiB chunks, as the broadcaster
   pushes them, with primerl's channel and server options; GiB/s of each mode in rounds that
   alternate. Three modes: plaintext; mtls, the stream over gRPC's TLS; sealed, the mTLS
   deployment's push path (primerl_common.sealed_streams: sessions opened over mTLS, each round,
@@ -66,6 +67,7 @@ from primerl_common.sealed_streams import SealedCaller
 from primerl_common.security.certificates import Holder, make_authority, make_certificate, tls_of
 from primerl_common.server import GrpcService, ServiceDefinition, channel_options, server_options
 from primerl_common.stripes import DEFAULT_STREAMS
+from primerl_inference.update_requests import add_inference_service, parse_update_request
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from router_overhead import INFERENCE_SERVICE, ROUTER_GENERATE, InstantReplica, request_bytes
@@ -141,11 +143,13 @@ class SinkConfig(ServiceConfig):
 
 
 class DrainingReplica(inference_pb2_grpc.InferenceServiceServicer):
-    """Takes UpdateWeights streams and drops their chunks (its other methods: UNIMPLEMENTED)."""
+    """Takes UpdateWeights streams as the inference service does (serialized, each chunk read
+    from its bytes: primerl_inference.update_requests) and drops their chunks (its other
+    methods: UNIMPLEMENTED)."""
 
     async def UpdateWeights(self, request_iterator, context):
-        async for _ in request_iterator:
-            pass
+        async for raw in request_iterator:
+            parse_update_request(raw)
         return inference_pb2.UpdateWeightsResponse()
 
 
@@ -154,7 +158,7 @@ async def serve_update_sink(port: int, tls: TlsConfig, sealed_port: int | None) 
     definition = ServiceDefinition(
         name="sink",
         version="0",
-        servicers=[(inference_pb2_grpc.add_InferenceServiceServicer_to_server, DrainingReplica(), descriptor)],
+        servicers=[(add_inference_service, DrainingReplica(), descriptor)],
         permissions={f"/{descriptor.full_name}/{method.name}": security.ANY for method in descriptor.methods},
         sealed_methods=[UPDATE_WEIGHTS],
     )

@@ -21,7 +21,7 @@ from primerl_common.errors import InvalidArgument, error_details, field_violatio
 from primerl_common.tensors import TensorChunkView
 from primerl_common.weights.manifest import write_weights
 from primerl_common.weights.shared_memory import boot_id, shm_id, write_raw_weights
-from primerl_inference.servicer import parse_update_request
+from primerl_inference.update_requests import parse_update_request
 
 from .serving import (
     TOLERANCE,

@@ -16,18 +16,17 @@ import signal
 import threading
 from typing import TYPE_CHECKING
 
-import grpc
 from grpc_health.v1 import health_pb2
 
-from primerl.inference.v1 import inference_pb2, inference_pb2_grpc
+from primerl.inference.v1 import inference_pb2
 from primerl_common import security
 from primerl_common.server import ServiceDefinition
 from primerl_inference import __version__
 from primerl_inference.config import InferenceConfig
+from primerl_inference.update_requests import add_inference_service
 
 if TYPE_CHECKING:
     from primerl_inference.engine import InferenceEngine
-    from primerl_inference.servicer import InferenceServicer
 
 _SERVICE = inference_pb2.DESCRIPTOR.services_by_name["InferenceService"]
 # Who may call what (primerl_common.security): generation comes through the router, weights
@@ -104,7 +103,7 @@ def service_definition(engine: InferenceEngine, config: InferenceConfig) -> Serv
     )
     engine.on_serving_changed = set_serving
     servicer = InferenceServicer(definition, engine, watch_interval_ms=config.load_report.watch_interval_ms)
-    definition.servicers = [(_add_inference_service, servicer, _SERVICE)]
+    definition.servicers = [(add_inference_service, servicer, _SERVICE)]
     definition.permissions = security.method_roles(_SERVICE, ROLES)
     return definition
 
@@ -117,14 +116,3 @@ def _stop_this_process() -> None:
         logger.warning("nothing in this process handles SIGTERM: not stopping it")
         return
     os.kill(os.getpid(), signal.SIGTERM)
-
-
-def _add_inference_service(servicer: InferenceServicer, server: grpc.aio.Server) -> None:
-    inference_pb2_grpc.add_InferenceServiceServicer_to_server(servicer, server)
-    # UpdateWeights again, with no request deserializer: its requests arrive as bytes, and
-    # weight data is staged from them without protobuf's copies (servicer.parse_update_request).
-    # A later registration of a method replaces the earlier one.
-    handler = grpc.stream_unary_rpc_method_handler(
-        servicer.UpdateWeights, response_serializer=inference_pb2.UpdateWeightsResponse.SerializeToString
-    )
-    server.add_registered_method_handlers(_SERVICE.full_name, {"UpdateWeights": handler})

@@ -10,7 +10,6 @@ from typing import Any
 
 import grpc
 import torch
-from google.protobuf.message import DecodeError
 
 from primerl.common.v1 import generation_pb2, tensor_pb2
 from primerl.inference.v1 import inference_pb2, inference_pb2_grpc
@@ -18,7 +17,7 @@ from primerl_common import security
 from primerl_common.errors import InvalidArgument, draining_on_error
 from primerl_common.observability import policy_version_var
 from primerl_common.server import ServiceDefinition
-from primerl_common.tensors import TensorChunkView, iter_wire_fields, parse_tensor_chunk, tensor_to_proto
+from primerl_common.tensors import TensorChunkView, tensor_to_proto
 from primerl_inference.adapters import AdapterSpec
 from primerl_inference.collective_receiver import collective_update_from_proto
 from primerl_inference.engine import InferenceEngine, PauseMode
@@ -30,6 +29,7 @@ from primerl_inference.generation import (
     StreamPolicy,
 )
 from primerl_inference.load import LoadReport
+from primerl_inference.update_requests import parse_update_request
 from primerl_inference.weights import WeightFormat, WeightUpdate
 
 _FINISH_REASONS = {
@@ -52,8 +52,6 @@ _PAUSE_MODES: dict[int, PauseMode] = {
     inference_pb2.PAUSE_MODE_WAIT: "wait",
     inference_pb2.PAUSE_MODE_ABORT: "abort",
 }
-_CHUNK_FIELD = inference_pb2.UpdateWeightsRequest.DESCRIPTOR.fields_by_name["chunk"].number
-_LENGTH_DELIMITED = 2  # protobuf's wire type of a message or bytes field
 _WEIGHT_FORMATS: dict[int, WeightFormat] = {
     tensor_pb2.WEIGHT_FORMAT_UNSPECIFIED: "unspecified",
     tensor_pb2.WEIGHT_FORMAT_HF: "hf",
@@ -187,19 +185,6 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         self, request: inference_pb2.ListAdaptersRequest, context: grpc.aio.ServicerContext
     ) -> inference_pb2.ListAdaptersResponse:
         return inference_pb2.ListAdaptersResponse(adapters=[adapter_spec_to_proto(s) for s in self._engine.adapters()])
-
-
-def parse_update_request(raw: bytes) -> inference_pb2.UpdateWeightsRequest | TensorChunkView:
-    """A serialized UpdateWeightsRequest: one that holds a chunk alone (all but the first of a
-    stream) as a view of `raw`, its data not copied (protobuf's parse would copy it, and
-    reading the field again); any other as protobuf parses it."""
-    try:
-        fields = list(iter_wire_fields(memoryview(raw)))
-        if len(fields) == 1 and fields[0][:2] == (_CHUNK_FIELD, _LENGTH_DELIMITED):
-            return parse_tensor_chunk(fields[0][2])
-        return inference_pb2.UpdateWeightsRequest.FromString(raw)
-    except (ValueError, DecodeError) as exc:
-        raise InvalidArgument(f"not a serialized UpdateWeightsRequest: {exc}", field="chunk") from None
 
 
 async def _parsed(
