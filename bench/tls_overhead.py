@@ -14,7 +14,8 @@ concurrency 1, and the throughput of a weight push stream.
   Then one hop alone, for what gRPC's TLS itself costs: the caller calls the mTLS replica
   process straight, on its mTLS port and on a plaintext port it also serves, the two modes
   call by call in turn (one process pair for both: neither mode's processes can be in a
-  slower spell than the other's).
+  slower spell than the other's); and the same hop to each mode's own replica process, which
+  tells what two processes differ by besides TLS.
 - Push: a sink service process (primerl's GrpcService serving inference.v1 UpdateWeights as the
   inference service registers and reads it: requests serialized, each chunk a view of its bytes,
   then dropped) takes UpdateWeights streams of 4 MiB chunks, as the broadcaster
@@ -286,6 +287,14 @@ async def hop_latency(ports: dict[str, int], certs: pathlib.Path, args: argparse
     return latencies
 
 
+def print_hop(what: str, latencies: dict[str, list[float]]) -> None:
+    plaintext, mtls = (percentile_ms(latencies[mode], 0.5) for mode in ("plaintext", "mtls"))
+    print(
+        f"{what}, call by call in turn ({len(latencies['mtls'])} each): p50 {plaintext:.3f} / {mtls:.3f} ms: "
+        f"mTLS adds {mtls - plaintext:.3f} ms a hop ({2 * (mtls - plaintext):.3f} for the router path's two)"
+    )
+
+
 def cpu_s(sink: psutil.Process) -> float:
     """CPU seconds so far of this process (the pushing client) and the sink process."""
     own, theirs = os.times(), sink.cpu_times()
@@ -395,13 +404,14 @@ async def bench(args: argparse.Namespace) -> None:
             routers, sinks, sink_processes = {}, {}, {}
             cores = latency_cores()
             # The mTLS replica also serves a plaintext port: the one-hop measurement's.
-            hop_ports = {"plaintext": free_port()}
+            hop_ports, replica_ports = {"plaintext": free_port()}, {}
             for mode in MODES:
                 replica_port, router_port, sink_port = free_port(), free_port(), free_port()
                 sealed_port = ["--sealed-port", str(free_port())] if mode == "mtls" else []
                 sink = child("sink", sink_port, mode, certs, "inference-0", *sealed_port)
                 also = ["--plaintext-port", str(hop_ports["plaintext"])] if mode == "mtls" else []
                 hop_ports.setdefault(mode, replica_port)
+                replica_ports[mode] = replica_port
                 for process, tls in (
                     (
                         child("replica", replica_port, mode, certs, "inference-0", *also, core=cores["replica"]),
@@ -425,6 +435,8 @@ async def bench(args: argparse.Namespace) -> None:
             os.sched_setaffinity(0, {cores["client"]})
             latencies = await router_latency(routers, certs, args) if args.calls else {}
             hops = await hop_latency(hop_ports, certs, args) if args.calls else {}
+            # The same hop, each mode to its own replica process (as the router path's modes are).
+            apart = await hop_latency(replica_ports, certs, args) if args.calls else {}
             os.sched_setaffinity(0, everywhere)
             print(f"{'mode':>10} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8}")
             for mode, values in latencies.items():
@@ -433,13 +445,8 @@ async def bench(args: argparse.Namespace) -> None:
                     f"{percentile_ms(values, 0.99):>8.3f}"
                 )
             if hops:
-                hop_added = percentile_ms(hops["mtls"], 0.5) - percentile_ms(hops["plaintext"], 0.5)
-                print(
-                    f"one hop, straight to the mTLS replica process on its plaintext and its mTLS port, call by call "
-                    f"in turn ({args.calls} each): p50 {percentile_ms(hops['plaintext'], 0.5):.3f} / "
-                    f"{percentile_ms(hops['mtls'], 0.5):.3f} ms: gRPC's TLS adds {hop_added:.3f} ms a hop "
-                    f"({2 * hop_added:.3f} for the router path's two)"
-                )
+                print_hop("one hop, straight to the mTLS replica process on its plaintext and its mTLS port", hops)
+                print_hop("one hop, to each mode's own replica process (two processes' difference too)", apart)
             if latencies:
                 per_slice = args.calls // args.slices
                 added = [
