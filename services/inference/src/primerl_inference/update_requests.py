@@ -5,7 +5,6 @@ Free of vLLM, so that what reads them can be measured and tested without an engi
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterable, Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -33,9 +32,6 @@ def parse_update_request(raw: bytes) -> inference_pb2.UpdateWeightsRequest | Ten
         return inference_pb2.UpdateWeightsRequest.FromString(raw)
     except (ValueError, DecodeError) as exc:
         raise InvalidArgument(f"not a serialized UpdateWeightsRequest: {exc}", field="chunk") from None
-
-
-UpdateWeights = Callable[[AsyncIterable[bytes], grpc.aio.ServicerContext], Awaitable[Any]]
 
 
 def add_inference_service(servicer: Any, server: grpc.aio.Server) -> None:
