@@ -34,16 +34,14 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-import triton.testing
 
 from primerl_common.weights.fp8 import quantize_blockwise, quantize_rows_1x128
 from primerl_trainer.kernels import fp8_linear
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from fp8_kernels import gpu_ms
+
 DATASHEET_FP8_OVER_BF16 = 2.0  # H100/H200: 1979 / 989 dense TFLOP/s
-
-
-def gpu_ms(fn, rep_ms: int = 100) -> float:
-    return triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median")
 
 
 def linear_ms(rows: int, out_f: int, in_f: int, rep_ms: int) -> float:
@@ -156,8 +154,7 @@ def main() -> None:
     parser.add_argument("--micro-batches", type=int, default=4, help="micro-batches of those steps")
     parser.add_argument("--tokens", type=int, default=4096, help="tokens of a micro-batch")
     args = parser.parse_args()
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-    from trainer_throughput import CONFIGS
+    from trainer_throughput import CONFIGS  # only the standalone run needs its (heavy) imports
 
     steps = {}
     for item in args.step_ms.split(","):
