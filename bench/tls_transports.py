@@ -45,7 +45,7 @@ from primerl_common.security.sealed import StreamKey, open_frames, seal_frames
 from primerl_common.server import channel_options, server_options
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from tls_overhead import (
+from tls_push import (
     MODES,
     SINK_PUSH,
     add_port,
